@@ -32,7 +32,10 @@ from .kernels import alloc as k_alloc
 from .kernels import cache as k_cache
 from .kernels import lookup as k_lookup
 from .kernels import release as k_release
-from .kernels.common import EV_COUNT, HEAD, NUM_FREE, REUSE_COUNT, TAIL
+from .kernels import common as _c
+
+HEAD, TAIL, NUM_FREE = _c.HEAD.value, _c.TAIL.value, _c.NUM_FREE.value
+EV_COUNT, REUSE_COUNT = _c.EV_COUNT.value, _c.REUSE_COUNT.value
 from .reference import NULL_BLOCK, as_id_list, as_int
 from .state import PoolState
 
@@ -230,7 +233,7 @@ class BlockPool:
         ids = self._ids_arg(op, ordered_blocks)
         m = ids.numel()
         seg = torch.zeros(m, dtype=torch.int32, device=self.device)
-        self._release(ids, self._i32([m]), seg, self._i32([0, m]), None, OP[op], k_release.MODE_FREE)
+        self._release(ids, self._i32([m]), seg, self._i32([0, m]), None, OP[op], k_release.MODE_FREE.value)
         self._finish()
 
     def _release(self, ids, num_ids, seg, seg_off, cb, op, mode):
@@ -270,7 +273,7 @@ class BlockPool:
         m = ids.numel()
         seg = torch.zeros(m, dtype=torch.int32, device=self.device)
         try:
-            self._release(ids, self._i32([m]), seg, self._i32([0, m]), cb, OP[op], k_release.MODE_UNPIN)
+            self._release(ids, self._i32([m]), seg, self._i32([0, m]), cb, OP[op], k_release.MODE_UNPIN.value)
             self._finish()
         except PoolError:
             del self._callbacks[cb]
@@ -483,7 +486,7 @@ class BlockPool:
             num_ids = torch.full((1,), m, dtype=torch.int32, device=self.device)
         pos = torch.arange(m, dtype=torch.int32, device=self.device)
         seg = (torch.searchsorted(seg_offsets[1:].contiguous(), pos, right=True)).to(torch.int32)
-        self._release(ids, num_ids, seg, seg_offsets, None, OP["free_batched"], k_release.MODE_FREE)
+        self._release(ids, num_ids, seg, seg_offsets, None, OP["free_batched"], k_release.MODE_FREE.value)
 
     def touch_batched(self, ids: torch.Tensor, num_ids: torch.Tensor | None = None) -> None:
         """``touch`` of many blocks (order-free: one launch equals any sequence of touches)."""

@@ -276,7 +276,8 @@ class ReferenceBlockPool:
 
         A block already keyed must cover fewer tokens (promotion; its keys are replaced), else
         HashConflictError. Emits one BlockStored listing the stored hashes. Raises InvalidArgumentError
-        (lengths, sizes), InvalidBlockIdError, HashConflictError, KeyCapacityError.
+        (lengths, sizes, a non-null unmasked block listed twice: vLLM asserts there), InvalidBlockIdError,
+        HashConflictError, KeyCapacityError.
         """
         op = "cache_full_blocks"
         nc = as_int(op, num_cached_blocks, "num_cached_blocks")
@@ -307,6 +308,8 @@ class ReferenceBlockPool:
             b = ids[i]
             if b == NULL_BLOCK or (mask is not None and not mask[i - nc]):
                 continue
+            if b in sim:  # vLLM asserts on a second set_block_hash; we reject the call
+                raise InvalidArgumentError(op, f"block {b} is listed twice", b)
             key, ntok = (hashes[i - max(nc - 1, 0)], g), (i + 1) * bs
             cur_tok, cur_keys = sim.get(b, (self.hash_num_tokens[b], list(self.keys[b])))
             if cur_keys and cur_tok is not None and cur_tok >= ntok:

@@ -5,7 +5,10 @@ Reads the tensors once (one host copy) and reports the first violation as an Inv
 from __future__ import annotations
 
 from .errors import InvariantError
-from .kernels.common import HEAD, NUM_FREE, TAIL
+from .kernels import common as _c
+
+HEAD, TAIL, NUM_FREE = _c.HEAD.value, _c.TAIL.value, _c.NUM_FREE.value
+EV_COUNT, REUSE_COUNT = _c.EV_COUNT.value, _c.REUSE_COUNT.value
 
 _CHUNK = 16
 

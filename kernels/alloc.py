@@ -12,7 +12,7 @@ from .common import (
 from .keytable import drop_keys
 from .queue import ring_scan_pop
 
-RW: tl.constexpr = 3  # reuse log row: (block, watcher id, watch seq)
+RW = tl.constexpr(3)  # reuse log row: (block, watcher id, watch seq)
 
 
 @triton.jit

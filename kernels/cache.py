@@ -18,12 +18,12 @@ from .keytable import K_GROUP, K_HI, K_LO, K_SEQ, K_SLOT, KW, drop_keys, put_key
 from .release import check_ids, count_ids, reset_scratch  # noqa: F401
 
 # p layouts
-CF_NC: tl.constexpr = 0      # num_cached_blocks
-CF_NF: tl.constexpr = 1      # num_full_blocks
-CF_BS: tl.constexpr = 2      # block_size (tokens)
-CF_GROUP: tl.constexpr = 3
-CF_TAG: tl.constexpr = 4     # host op tag carried by the stored events
-CF_NIDS: tl.constexpr = 5    # len(ids), all range-checked
+CF_NC = tl.constexpr(0)  # num_cached_blocks
+CF_NF = tl.constexpr(1)  # num_full_blocks
+CF_BS = tl.constexpr(2)  # block_size (tokens)
+CF_GROUP = tl.constexpr(3)
+CF_TAG = tl.constexpr(4)  # host op tag carried by the stored events
+CF_NIDS = tl.constexpr(5)  # len(ids), all range-checked
 
 
 @triton.jit
@@ -123,13 +123,13 @@ def cache_full_kernel(ctrl, status, num_keys, hash_ntok, keys, table, overflow, 
 
 
 # p layout of cache_partial_kernel
-CP_BLOCK: tl.constexpr = 0
-CP_NTOK: tl.constexpr = 1
-CP_GROUP: tl.constexpr = 2
-CP_TAG: tl.constexpr = 3
-CP_REPLACE: tl.constexpr = 4
-CP_HI: tl.constexpr = 5
-CP_LO: tl.constexpr = 6
+CP_BLOCK = tl.constexpr(0)
+CP_NTOK = tl.constexpr(1)
+CP_GROUP = tl.constexpr(2)
+CP_TAG = tl.constexpr(3)
+CP_REPLACE = tl.constexpr(4)
+CP_HI = tl.constexpr(5)
+CP_LO = tl.constexpr(6)
 
 
 @triton.jit

@@ -8,40 +8,40 @@ import triton
 import triton.language as tl
 
 # ctrl: int64[CTRL_SIZE]
-HEAD: tl.constexpr = 0          # ring position of the queue head (may go below zero)
-TAIL: tl.constexpr = 1          # one past the last ring position in the live window
-NUM_FREE: tl.constexpr = 2      # live (non-tombstone) slots in [HEAD, TAIL)
-KEY_SEQ: tl.constexpr = 3       # next key insertion sequence number (earliest-inserted lookups)
-EV_COUNT: tl.constexpr = 4      # events written since the host last drained
-REUSE_COUNT: tl.constexpr = 5   # reuse-log entries written since the host last drained
-WATCH_SEQ: tl.constexpr = 6     # next watcher registration number
-COMPACTIONS: tl.constexpr = 7   # ring compactions so far (a statistic)
-OP_SEQ: tl.constexpr = 8        # ops that emitted stored-key events (groups them into BlockStored)
+HEAD = tl.constexpr(0)  # ring position of the queue head (may go below zero)
+TAIL = tl.constexpr(1)  # one past the last ring position in the live window
+NUM_FREE = tl.constexpr(2)  # live (non-tombstone) slots in [HEAD, TAIL)
+KEY_SEQ = tl.constexpr(3)  # next key insertion sequence number (earliest-inserted lookups)
+EV_COUNT = tl.constexpr(4)  # events written since the host last drained
+REUSE_COUNT = tl.constexpr(5)  # reuse-log entries written since the host last drained
+WATCH_SEQ = tl.constexpr(6)  # next watcher registration number
+COMPACTIONS = tl.constexpr(7)  # ring compactions so far (a statistic)
+OP_SEQ = tl.constexpr(8)  # ops that emitted stored-key events (groups them into BlockStored)
 CTRL_SIZE = 16
 
 # status: int64[4] = (error code, op code, offending value, 0)
-ST_CODE: tl.constexpr = 0
-ST_OP: tl.constexpr = 1
-ST_VALUE: tl.constexpr = 2
+ST_CODE = tl.constexpr(0)
+ST_OP = tl.constexpr(1)
+ST_VALUE = tl.constexpr(2)
 
 # Error codes (gpupool.errors.*.code).
-E_OUT_OF_BLOCKS: tl.constexpr = 2
-E_INVALID_COUNT: tl.constexpr = 3
-E_INVALID_ID: tl.constexpr = 4
-E_NULL_BLOCK: tl.constexpr = 5
-E_DOUBLE_FREE: tl.constexpr = 6
-E_HASH_CONFLICT: tl.constexpr = 7
-E_KEY_CAPACITY: tl.constexpr = 8
-E_INVALID_ARG: tl.constexpr = 9
-E_INVARIANT: tl.constexpr = 10
-E_BUFFER_FULL: tl.constexpr = 11
+E_OUT_OF_BLOCKS = tl.constexpr(2)
+E_INVALID_COUNT = tl.constexpr(3)
+E_INVALID_ID = tl.constexpr(4)
+E_NULL_BLOCK = tl.constexpr(5)
+E_DOUBLE_FREE = tl.constexpr(6)
+E_HASH_CONFLICT = tl.constexpr(7)
+E_KEY_CAPACITY = tl.constexpr(8)
+E_INVALID_ARG = tl.constexpr(9)
+E_INVARIANT = tl.constexpr(10)
+E_BUFFER_FULL = tl.constexpr(11)
 
 # Event kinds in the device event buffer.
-EV_REMOVED: tl.constexpr = 1
-EV_STORED: tl.constexpr = 2
-EV_CLEARED: tl.constexpr = 3
+EV_REMOVED = tl.constexpr(1)
+EV_STORED = tl.constexpr(2)
+EV_CLEARED = tl.constexpr(3)
 
-BIG: tl.constexpr = 2147483647
+BIG = tl.constexpr(2147483647)
 
 
 @triton.jit

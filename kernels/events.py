@@ -6,7 +6,7 @@ Kernels write events at ``ctrl[EV_COUNT] + (index in op order)``; the host drain
 import triton
 import triton.language as tl
 
-EVW: tl.constexpr = 6
+EVW = tl.constexpr(6)
 
 
 @triton.jit

@@ -17,14 +17,14 @@ import triton.language as tl
 from .common import EV_REMOVED
 from .events import write_event
 
-CHUNK: tl.constexpr = 16
+CHUNK = tl.constexpr(16)
 # columns of the key rows
-KW: tl.constexpr = 5
-K_HI: tl.constexpr = 0
-K_LO: tl.constexpr = 1
-K_GROUP: tl.constexpr = 2
-K_SEQ: tl.constexpr = 3
-K_SLOT: tl.constexpr = 4
+KW = tl.constexpr(5)
+K_HI = tl.constexpr(0)
+K_LO = tl.constexpr(1)
+K_GROUP = tl.constexpr(2)
+K_SEQ = tl.constexpr(3)
+K_SLOT = tl.constexpr(4)
 
 
 @triton.jit

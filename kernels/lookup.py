@@ -8,7 +8,7 @@ import triton.language as tl
 
 from .keytable import table_lookup
 
-BIG_POS: tl.constexpr = 2147483647
+BIG_POS = tl.constexpr(2147483647)
 
 
 @triton.jit

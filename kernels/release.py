@@ -13,8 +13,8 @@ from .common import (
 )
 from .queue import ring_make_room, ring_put, ring_unlink
 
-MODE_FREE: tl.constexpr = 0
-MODE_UNPIN: tl.constexpr = 1
+MODE_FREE = tl.constexpr(0)
+MODE_UNPIN = tl.constexpr(1)
 
 
 @triton.jit
