@@ -182,7 +182,11 @@ def cmd_replay(args) -> int:
     progress = _progress_setting(args.progress, device_on_cpu)
     reports: dict[str, ReplayReport] = {}
     for k in kinds:
-        rep = replay(pools[k], trace, block_size=args.block_size, tpot_ms=args.tpot_ms, progress=progress)
+        if k == "device":
+            from .replay_device import replay_batched as run  # batched steps: one launch per time point
+        else:
+            run = replay
+        rep = run(pools[k], trace, block_size=args.block_size, tpot_ms=args.tpot_ms, progress=progress)
         reports[k] = rep
         print(f"--- {k} pool" + (f" on {device}" if k == "device" else ""))
         print(format_report(rep))

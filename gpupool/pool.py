@@ -28,6 +28,7 @@ from .errors import (
 )
 from .events import AllBlocksCleared, BlockRemoved, BlockStored
 from .keys import device_key
+from .kernels import admit as k_admit
 from .kernels import alloc as k_alloc
 from .kernels import cache as k_cache
 from .kernels import lookup as k_lookup
@@ -40,7 +41,8 @@ from .reference import NULL_BLOCK, as_id_list, as_int
 from .state import PoolState
 
 OPS = ["", "get_new_blocks", "free_blocks", "touch", "unpin_blocks", "cache_full_blocks", "cache_partial_block",
-       "move_block_hashes", "evict_blocks", "reset_prefix_cache", "allocate_batched", "free_batched", "touch_batched"]
+       "move_block_hashes", "evict_blocks", "reset_prefix_cache", "allocate_batched", "free_batched", "touch_batched",
+       "admission_step"]
 OP = {name: i for i, name in enumerate(OPS) if name}
 _EV_REMOVED, _EV_STORED, _EV_CLEARED = 1, 2, 3
 
@@ -533,6 +535,49 @@ class BlockPool:
                                              NCHUNK=s.num_chunks, BLOCK=min(256, max(16, _pow2_at_least(length))),
                                              num_warps=4)
         return hits, blocks, zero_ref
+
+    def admission_step(self, requests: dict, line: torch.Tensor, line_waiting: torch.Tensor, events: torch.Tensor,
+                       free_ids: torch.Tensor, free_offsets: torch.Tensor, out_offsets: torch.Tensor,
+                       out_capacity: int, *, block_size: int, group_id: int = 0) -> dict:
+        """One scheduler step of frees and arrivals with head-of-line admission, as one op (no sync).
+
+        ``requests``: device tensors describing every request once (index r): ``chain_hi, chain_lo:
+        int64[K]`` device keys of all full prompt blocks, ``chain_off: int64[R]`` where request r's
+        chain starts, ``full, hitcap, total: int32[R]`` (full blocks, positions that may hit, blocks
+        needed). ``line: int32[L]`` request indices in line order, the first ``line_waiting[0]`` waiting
+        already; ``events: int32[E]``: ``j >= 0`` frees segment j of ``free_ids`` (bounds in
+        ``free_offsets: int32[S+1]``), -1 reveals the next arrival. ``out_offsets: int64[L]`` where line
+        position k's blocks go in an ``int32[out_capacity]`` output.
+
+        Equals, op for op, the sequence: for each event, its ``free_blocks`` or arrival, then admit
+        the line in order until the first request that does not fit (``touch`` hits,
+        ``get_new_blocks``, ``cache_full_blocks``) (SPEC.md section 5). Returns device tensors
+        ``result`` (int32[L]: 0 waiting, 1 admitted, 2 rejected), ``hits`` (int32[L]), ``free_after``
+        (int64[L], free blocks right after each admission) and ``blocks`` (int32[out_capacity]).
+        Errors (bad ids, a free below zero) go to the status word and change nothing.
+        """
+        s = self.state
+        L = line.numel()
+        result = torch.zeros(L, dtype=torch.int32, device=self.device)
+        hits = torch.zeros(L, dtype=torch.int32, device=self.device)
+        free_after = torch.zeros(L, dtype=torch.int64, device=self.device)
+        blocks = torch.zeros(max(out_capacity, 1), dtype=torch.int32, device=self.device)
+        tag0 = self._next_tag
+        self._next_tag += int(requests["total"].numel())
+        p = torch.tensor([block_size, group_id, tag0, 0], dtype=torch.int64, device=self.device)
+        dev = self.device
+        k_admit.admission_step_kernel[(1,)](
+            s.ctrl, s.status, s.ring, s.qslot, s.ref_cnt, s.num_keys, s.hash_ntok, s.keys, s.table, s.overflow,
+            s.watcher_id, s.watch_seq, s.reuse, s.ev, s.s_cnt, s.s_last, s.s_first,
+            requests["chain_hi"], requests["chain_lo"], requests["chain_off"], requests["full"], requests["hitcap"],
+            requests["total"], line, line_waiting, events,
+            torch.full((1,), events.numel(), dtype=torch.int32, device=dev), free_ids, free_offsets,
+            torch.full((1,), free_ids.numel(), dtype=torch.int32, device=dev),
+            result, hits, out_offsets, blocks, free_after, p,
+            N=self.num_blocks, C=s.ring_capacity, MK=self.max_keys_per_block, NCHUNK=s.num_chunks,
+            CACHING=self.enable_caching, EVENTS=self.enable_kv_cache_events, EV_CAP=s.ev_capacity,
+            BLOCK=self._block, num_warps=self._warps)
+        return {"result": result, "hits": hits, "free_after": free_after, "blocks": blocks}
 
     def _dev_i32(self, op: str, t, what: str) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
