@@ -197,24 +197,31 @@ def admission_step_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
                             zero_ref += tl.sum((run & (tl.load(ref_cnt + blk, mask=run, other=1) == 0)).to(tl.int32),
                                                axis=0)
                             hits += tl.sum(run.to(tl.int32), axis=0)
-                            miss = first_miss < BIG
+                            miss = (first_miss < BIG).to(tl.int32)
                             t += BLOCK
                         new = total - hits
                         if (new + zero_ref).to(tl.int64) > tl.load(ctrl + NUM_FREE):
                             blocked = 1
                         else:
                             tl.debug_barrier()
-                            # touch(hits): a chain's hit blocks are distinct (one key each here).
+                            # touch(hits): per distinct block (a chain may repeat a hash, so a block).
+                            count_ids(out_blocks + ob, hits, s_cnt, s_last, s_first, BLOCK)
+                            tl.debug_barrier()
+                            unlinked = hits * 0
                             t = 0
                             while t < hits:
                                 pos = t + offs
                                 m = pos < hits
                                 blk = tl.load(out_blocks + ob + pos, mask=m, other=0)
-                                ref = tl.load(ref_cnt + blk, mask=m, other=1)
-                                ring_unlink(ring, qslot, blk, m & (ref == 0))
-                                tl.store(ref_cnt + blk, ref + 1, mask=m)
+                                first = m & (tl.load(s_first + blk, mask=m, other=-1) == pos)
+                                ref = tl.load(ref_cnt + blk, mask=first, other=1)
+                                ring_unlink(ring, qslot, blk, first & (ref == 0))
+                                tl.store(ref_cnt + blk, ref + tl.load(s_cnt + blk, mask=first, other=0), mask=first)
+                                unlinked += tl.sum((first & (ref == 0)).to(tl.int32), axis=0)
                                 t += BLOCK
-                            tl.store(ctrl + NUM_FREE, tl.load(ctrl + NUM_FREE) - zero_ref)
+                            tl.store(ctrl + NUM_FREE, tl.load(ctrl + NUM_FREE) - unlinked)
+                            tl.debug_barrier()
+                            reset_scratch(out_blocks + ob, hits, s_cnt, s_last, s_first, N, BLOCK)
                             tl.debug_barrier()
                             nk_ev = (new * 0).to(tl.int64)
                             new_head = ring_scan_pop(ring, ctrl, out_blocks, ob + hits, new, C, BLOCK)

@@ -80,25 +80,28 @@ def alloc_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_ntok, keys, 
     if tl.load(status) == 0:
         offs = tl.arange(0, BLOCK)
         nd = tl.load(num_demands)
-        total = nd * 0
+        free = tl.load(ctrl + NUM_FREE)
+        total = (nd * 0).to(tl.int64)
         err = nd * 0
         err_val = (nd * 0).to(tl.int64)
         tl.store(out_offsets, 0)
         i = 0
         while i < nd:
-            m = (i + offs) < nd
-            d = tl.load(demands + i + offs, mask=m, other=0)
-            anyb, _, v = first_bad(m & (d < 0), i + offs, d)
-            new_err = (err == 0) & anyb
-            err = tl.where(new_err, E_INVALID_COUNT, err)
-            err_val = tl.where(new_err, v, err_val)
-            cum = tl.cumsum(tl.maximum(d, 0), axis=0) + total
-            tl.store(out_offsets + 1 + i + offs, cum, mask=m)
-            total += tl.sum(tl.maximum(d, 0), axis=0)
+            # The batch is the sequence of single calls: its error is that of the first demand that
+            # fails, a negative one (InvalidCount) or the first whose running sum exceeds num_free.
+            idx = i + offs
+            m = idx < nd
+            d = tl.load(demands + idx, mask=m, other=0)
+            cum = tl.cumsum(tl.maximum(d, 0).to(tl.int64), axis=0) + total
+            anyn, ni, nv = first_bad(m & (d < 0), idx, d)
+            anyo, oi, ov = first_bad(m & (cum > free), idx, cum)
+            new_err = (err == 0) & (anyn | anyo)
+            neg_first = ni < oi
+            err = tl.where(new_err, tl.where(neg_first, E_INVALID_COUNT, E_OUT_OF_BLOCKS), err)
+            err_val = tl.where(new_err, tl.where(neg_first, nv, ov), err_val)
+            tl.store(out_offsets + 1 + idx, cum.to(tl.int32), mask=m)
+            total += tl.sum(tl.maximum(d, 0).to(tl.int64), axis=0)
             i += BLOCK
-        oob = (err == 0) & (total.to(tl.int64) > tl.load(ctrl + NUM_FREE))
-        err = tl.where(oob, E_OUT_OF_BLOCKS, err)
-        err_val = tl.where(oob, total.to(tl.int64), err_val)
         if err == 0:
             new_head = ring_scan_pop(ring, ctrl, out_blocks, 0, total, C, BLOCK)
             tl.debug_barrier()

@@ -166,15 +166,19 @@ def cache_partial_kernel(ctrl, status, num_keys, hash_ntok, keys, table, overflo
             if err == 0:
                 ev_pos = tl.load(ctrl + EV_COUNT)
                 bv = tl.zeros([MKP], tl.int32) + b
-                ev_pos += drop_keys(table, overflow, keys, num_keys, hash_ntok, ev, ev_pos, bv, lane0 & drop_all,
+                # Scalars are broadcast to the lane vector explicitly: the interpreter rejects a mask made
+                # of a vector and a scalar bool (ValueError 'mask has unsupported dtype').
+                drop_v = (tl.zeros([MKP], tl.int32) + drop_all.to(tl.int32)) != 0
+                ev_pos += drop_keys(table, overflow, keys, num_keys, hash_ntok, ev, ev_pos, bv, lane0 & drop_v,
                                     MK, NCHUNK, EVENTS, tag)
                 tl.debug_barrier()
                 j = tl.where(drop_all, 0, nk)
+                jv = tl.zeros([MKP], tl.int32) + j
                 hv = tl.zeros([MKP], tl.int64) + hi
                 lv = tl.zeros([MKP], tl.int64) + lo
                 gv = tl.zeros([MKP], tl.int64) + grp
                 seq = tl.load(ctrl + KEY_SEQ)
-                put_key(table, overflow, keys, hash_ntok, bv, j, hv, lv, gv, tl.zeros([MKP], tl.int64) + seq,
+                put_key(table, overflow, keys, hash_ntok, bv, jv, hv, lv, gv, tl.zeros([MKP], tl.int64) + seq,
                         tl.zeros([MKP], tl.int64) + nt, lane0, MK, NCHUNK, MKP)
                 tl.store(num_keys + b, j + 1)
                 if EVENTS:

@@ -57,6 +57,43 @@ def count_ids(ids, n, s_cnt, s_last, s_first, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def first_bad_id_index(ids, n, N: tl.constexpr, BLOCK: tl.constexpr):
+    """Index of the first id of ``ids[:n]`` outside ``0 .. N-1`` (BIG when none)."""
+    offs = tl.arange(0, BLOCK)
+    bad_i = n * 0 + BIG
+    i = 0
+    while i < n:
+        idx = i + offs
+        m = idx < n
+        b = tl.load(ids + idx, mask=m, other=0)
+        anyb, bi, _ = first_bad(m & ((b < 0) | (b >= N)), idx, b)
+        bad_i = tl.minimum(bad_i, tl.where(anyb, bi, BIG))
+        i += BLOCK
+    return bad_i
+
+
+@triton.jit
+def first_over_ref(ids, n, s_cnt, ref_cnt, BLOCK: tl.constexpr):
+    """(any, block) of the first non-null id of ``ids[:n]`` whose count in ``s_cnt`` exceeds its ref count."""
+    offs = tl.arange(0, BLOCK)
+    bad_i = n * 0 + BIG
+    bad_v = (n * 0).to(tl.int64)
+    i = 0
+    while i < n:
+        idx = i + offs
+        m = idx < n
+        b = tl.load(ids + idx, mask=m, other=0)
+        m = m & (b != 0)
+        cnt = tl.load(s_cnt + b, mask=m, other=0)
+        ref = tl.load(ref_cnt + b, mask=m, other=0)
+        anyb, bi, bv = first_bad(m & (cnt > ref), idx, b)
+        bad_v = tl.where(anyb & (bi < bad_i), bv, bad_v)
+        bad_i = tl.where(anyb & (bi < bad_i), bi, bad_i)
+        i += BLOCK
+    return bad_i < BIG, bad_v
+
+
+@triton.jit
 def reset_scratch(ids, n, s_cnt, s_last, s_first, N: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     i = 0
@@ -89,6 +126,17 @@ def release_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, watcher_id, wat
     offs = tl.arange(0, BLOCK)
     if tl.load(status) == 0:
         err, err_val = check_ids(ids, n, N, MODE == MODE_UNPIN, BLOCK)
+        if MODE == MODE_FREE:
+            if err != 0:
+                # The batch fails where the sequence of free_blocks calls would: at the segment of the
+                # first bad id, unless a double free completes in an earlier segment.
+                p_end = tl.load(seg_off + tl.load(seg + first_bad_id_index(ids, n, N, BLOCK)))
+                count_ids(ids, p_end, s_cnt, s_last, s_first, BLOCK)
+                tl.debug_barrier()
+                dfree, dval = first_over_ref(ids, p_end, s_cnt, ref_cnt, BLOCK)
+                err = tl.where(dfree, E_DOUBLE_FREE, err)
+                err_val = tl.where(dfree, dval, err_val)
+                tl.debug_barrier()
         if err == 0:
             count_ids(ids, n, s_cnt, s_last, s_first, BLOCK)
             tl.debug_barrier()

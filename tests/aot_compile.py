@@ -58,6 +58,12 @@ def drive_pool(num_blocks=64, **kw):
     k = device_key(h[0], 0)
     kh = torch.tensor([[[k[0]]]], dtype=torch.int64)
     p.longest_prefix_batched(kh, kh.clone(), torch.tensor([0], dtype=i32), torch.tensor([1], dtype=i32))
+    req = {"chain_hi": torch.zeros(2, dtype=torch.int64), "chain_lo": torch.zeros(2, dtype=torch.int64),
+           "chain_off": torch.zeros(1, dtype=torch.int64), "full": torch.ones(1, dtype=i32),
+           "hitcap": torch.zeros(1, dtype=i32), "total": torch.ones(1, dtype=i32)}
+    p.admission_step(req, torch.zeros(1, dtype=i32), torch.zeros(1, dtype=i32), torch.tensor([-1], dtype=i32),
+                     torch.zeros(0, dtype=i32), torch.zeros(1, dtype=i32), torch.zeros(1, dtype=torch.int64), 1,
+                     block_size=16)
     for hook in EXTRA_DRIVERS:
         hook(p)
 
