@@ -1,0 +1,176 @@
+"""Helpers shared by the pool tests (reference pool now, device pool later).
+
+Everything here drives a pool only through the SPEC.md section 4 conformance surface, plus
+``num_blocks``, ``block_hash_num_tokens(b)`` and ``num_watchers()``, which both pools expose,
+so the same helpers work for :class:`gpupool.ReferenceBlockPool` and the device ``BlockPool``
+(ids may come back as Python ints or integer tensors; they are normalised to ints).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Sequence
+
+import pytest
+
+from gpupool.errors import PoolError
+
+BLOCK_SIZE = 16
+
+
+# ---- keys ------------------------------------------------------------------------------------
+
+def h(i) -> bytes:
+    """The 32-byte block hash of test key ``i``: ``sha256(str(i))`` (the SPEC.md section 5 trace hash)."""
+    return hashlib.sha256(str(i).encode()).digest()
+
+
+def hashes(ids: Iterable) -> list[bytes]:
+    """``[h(i) for i in ids]``."""
+    return [h(i) for i in ids]
+
+
+def request_hashes(prefix_ids: Sequence, num_tokens: int, block_size: int = BLOCK_SIZE) -> list[bytes]:
+    """Hashes of a request's full blocks: one test key per block (``prefix_ids[j]`` names block ``j``'s
+    chained content), truncated to the ``num_tokens // block_size`` full blocks."""
+    full = num_tokens // block_size
+    if len(prefix_ids) < full:
+        raise ValueError(f"{num_tokens} tokens need {full} prefix ids, got {len(prefix_ids)}")
+    return hashes(prefix_ids[:full])
+
+
+# ---- normalisation -----------------------------------------------------------------------------
+
+def ints(x) -> list[int]:
+    """A list / tuple / integer tensor / array of ids as a list of Python ints."""
+    if hasattr(x, "tolist") and not isinstance(x, list):
+        x = x.tolist()
+        if isinstance(x, int):
+            return [x]
+    return [int(v) for v in x]
+
+
+def norm_keys(keys) -> list[tuple[bytes, int]]:
+    return [(bytes(hh), int(g)) for hh, g in keys]
+
+
+def norm_ntok(v):
+    return None if v is None else int(v)
+
+
+# ---- observable state ----------------------------------------------------------------------------
+
+def pool_state(pool) -> dict:
+    """The whole observable state of a pool, through the conformance surface only."""
+    return {
+        "free_queue": ints(pool.free_queue()),
+        "ref_counts": ints(pool.ref_counts()),
+        "blocks": [(norm_keys(pool.block_keys(b)), norm_ntok(pool.block_hash_num_tokens(b)))
+                   for b in range(int(pool.num_blocks))],
+        "num_free": int(pool.get_num_free_blocks()),
+        "num_watchers": int(pool.num_watchers()),
+    }
+
+
+def state_digest(pool) -> str:
+    """sha256 of ``repr(pool_state(pool))``: equal digests mean equal observable states."""
+    return hashlib.sha256(repr(pool_state(pool)).encode()).hexdigest()
+
+
+def lookup(pool, block_hash: bytes, group_ids=(0,)):
+    """``get_cached_block`` with the result normalised to a list of ints (or None)."""
+    out = pool.get_cached_block(block_hash, list(group_ids))
+    return None if out is None else ints(out)
+
+
+def assert_consistent(pool) -> None:
+    """``validate()`` plus the cheap section 1 checks anyone can make from outside."""
+    pool.validate()
+    st = pool_state(pool)
+    q, refs = st["free_queue"], st["ref_counts"]
+    assert st["num_free"] == len(q)
+    assert len(set(q)) == len(q)
+    assert 0 not in q
+    assert all(r >= 0 for r in refs)
+    assert set(q) == {b for b in range(1, len(refs)) if refs[b] == 0}
+    assert st["blocks"][0] == ([], None)
+
+
+# ---- request-level scenarios (SPEC.md section 5 admission) ---------------------------------------
+
+def find_hits(pool, req_hashes: Sequence[bytes], num_tokens: int, block_size: int = BLOCK_SIZE,
+              group: int = 0) -> list[int]:
+    """The longest cached prefix of the first ``min(full, (num_tokens - 1) // block_size)`` hashes."""
+    limit = min(len(req_hashes), num_tokens // block_size, max(num_tokens - 1, 0) // block_size)
+    hits = []
+    for hh in req_hashes[:limit]:
+        got = lookup(pool, hh, [group])
+        if got is None:
+            break
+        hits.append(got[0])
+    return hits
+
+
+def admit(pool, prefix_ids: Sequence, num_tokens: int, block_size: int = BLOCK_SIZE, group: int = 0,
+          total_tokens: int | None = None) -> tuple[list[int], list[int]]:
+    """Admit a request the way SPEC.md section 5 does: look up hits, ``touch`` them, get the rest,
+    cache the full blocks. ``prefix_ids`` names one test key per full block (see :func:`request_hashes`).
+
+    Returns ``(hits, new_blocks)``; the request's block table is ``hits + new_blocks``.
+    """
+    total_tokens = num_tokens if total_tokens is None else total_tokens
+    req_hashes = request_hashes(prefix_ids, num_tokens, block_size)
+    hits = find_hits(pool, req_hashes, num_tokens, block_size, group)
+    total = -(-total_tokens // block_size)
+    pool.touch(hits)
+    new = ints(pool.get_new_blocks(total - len(hits)))
+    pool.cache_full_blocks(hits + new, req_hashes, len(hits), len(req_hashes), block_size, group)
+    return hits, new
+
+
+def free_request(pool, blocks: Sequence[int]) -> None:
+    """Free a request's block table: ``free_blocks(reversed(blocks))`` after dropping leading null blocks."""
+    blocks = list(blocks)
+    while blocks and blocks[0] == 0:
+        blocks.pop(0)
+    pool.free_blocks(list(reversed(blocks)))
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+def expect_error(pool, exc_type: type, op: str, fn: Callable[[], object], *, check_events: bool = True):
+    """Run ``fn``; assert it raises ``exc_type`` (a :class:`PoolError`) naming ``op``, and that the pool's
+    observable state is unchanged. With ``check_events`` the pending events are drained first and the
+    failed op must not have added any. Returns the exception."""
+    assert issubclass(exc_type, PoolError)
+    if check_events:
+        pool.take_events()
+    before = state_digest(pool)
+    with pytest.raises(exc_type) as info:
+        fn()
+    err = info.value
+    assert isinstance(err, PoolError)
+    assert op in str(err), f"{err!s} does not name the op {op!r}"
+    assert getattr(err, "op", op) == op
+    assert state_digest(pool) == before, f"{op} raised {type(err).__name__} but changed the pool"
+    if check_events:
+        assert list(pool.take_events()) == [], f"{op} raised but emitted events"
+    return err
+
+
+class WatcherLog:
+    """Reuse-watcher callbacks that record ``(tag, block, state_digest at call time)``."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.calls: list[tuple[object, int, str]] = []
+
+    def cb(self, tag=None) -> Callable[[int], None]:
+        def on_reuse(block, _tag=tag):
+            self.calls.append((_tag, int(block), state_digest(self.pool)))
+        return on_reuse
+
+    def blocks(self) -> list[int]:
+        return [b for _, b, _ in self.calls]
+
+    def tagged(self) -> list[tuple[object, int]]:
+        return [(t, b) for t, b, _ in self.calls]
