@@ -634,7 +634,7 @@ class BlockPool:
         DESIGN-NOTES.md, key rows against the table); raise InvariantError at the first violation."""
         from .validate import validate_state
         self._finish()
-        validate_state(self.state, self.enable_caching)
+        validate_state(self)
 
 
 _MESSAGES = {

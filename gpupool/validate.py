@@ -1,80 +1,38 @@
-"""Invariant checks of the device pool's state (SPEC.md section 1; DESIGN-NOTES.md sections 1 and 4).
-
-Reads the tensors once (one host copy) and reports the first violation as an InvariantError.
-"""
+"""``BlockPool.validate()``: runs the device check (``kernels/validate.py``) and raises the first
+violation as an InvariantError with a readable message (SPEC.md section 1; DESIGN-NOTES.md 1 and 4)."""
 from __future__ import annotations
 
+import torch
+
 from .errors import InvariantError
-from .kernels import common as _c
+from .kernels import validate as k_validate
 
-HEAD, TAIL, NUM_FREE = _c.HEAD.value, _c.TAIL.value, _c.NUM_FREE.value
-EV_COUNT, REUSE_COUNT = _c.EV_COUNT.value, _c.REUSE_COUNT.value
+CHECKS = {
+    1: "the ring's live window [head, tail) is negative or longer than the ring (R1); length",
+    2: "a ring slot in the live window holds a bad id or one whose qslot points elsewhere (R2); slot",
+    3: "num_free differs from the live ring slots (R4); num_free",
+    4: "the null block is queued or has keys; block 0",
+    5: "a ref count is below zero; block",
+    6: "a block is queued but held, or free but not queued (R3); block",
+    7: "a queued block's qslot is outside the live window or its slot holds another id (R3, R5); block",
+    8: "a block has more keys than max_keys_per_block; block",
+    9: "a block's keys and hash_num_tokens disagree; block",
+    10: "a key row's table slot does not point back to it; block",
+    11: "a block has the same key twice; block",
+    12: "the table holds a different number of entries than the key rows (or its CAS sink was written); entries",
+    13: "a chunk's overflow count differs from the probe paths through it; chunk",
+    14: "a block has keys while caching is disabled; block",
+}
 
-_CHUNK = 16
 
-
-def _fail(msg: str, value=None):
-    raise InvariantError("validate", msg, value)
-
-
-def validate_state(s, enable_caching: bool = True) -> None:
-    n, mk, c, nch = s.num_blocks, s.max_keys_per_block, s.ring_capacity, s.num_chunks
-    ctrl = s.ctrl.tolist()
-    head, tail, num_free = ctrl[HEAD], ctrl[TAIL], ctrl[NUM_FREE]
-    ring, qslot, ref = s.ring.tolist(), s.qslot.tolist(), s.ref_cnt.tolist()
-    if not 0 <= tail - head <= c:
-        _fail(f"ring window [{head}, {tail}) is outside 0..{c} slots (R1)", tail - head)
-    live = 0
-    for p in range(head, tail):
-        v = ring[p & (c - 1)]
-        if v == -1:
-            continue
-        if not 0 < v < n or qslot[v] != (p & (c - 1)):
-            _fail(f"ring slot {p & (c - 1)} holds {v}, whose qslot is {qslot[v] if 0 <= v < n else '?'} (R2)", v)
-        live += 1
-    if live != num_free:
-        _fail(f"num_free {num_free} != live ring slots {live} (R4)", num_free)
-    if qslot[0] != -1:
-        _fail("the null block is in the free queue", 0)
-    for b in range(1, n):
-        if ref[b] < 0:
-            _fail(f"block {b} has ref_cnt {ref[b]} < 0", b)
-        if (qslot[b] != -1) != (ref[b] == 0):
-            _fail(f"block {b}: queued={qslot[b] != -1} but ref_cnt={ref[b]} (R3)", b)
-        if qslot[b] != -1 and not 0 <= ((qslot[b] - head) & (c - 1)) < tail - head:
-            _fail(f"block {b}'s slot {qslot[b]} is outside the live window (R5)", b)
-    # Key rows against the table.
-    nk, ntok = s.num_keys.tolist(), s.hash_ntok.tolist()
-    keys, table, overflow = s.keys.tolist(), s.table.tolist(), s.overflow.tolist()
-    if nk[0] != 0:
-        _fail("the null block has keys", 0)
-    seen_slots = {}
-    expect_overflow = [0] * nch
-    for b in range(n):
-        if not 0 <= nk[b] <= mk:
-            _fail(f"block {b} has {nk[b]} keys (max {mk})", b)
-        if (nk[b] > 0) != (ntok[b] >= 0):
-            _fail(f"block {b}: {nk[b]} keys but hash_num_tokens {ntok[b]}", b)
-        if nk[b] and not enable_caching:
-            _fail(f"block {b} has keys with caching disabled", b)
-        rows = [tuple(keys[b * mk + j]) for j in range(nk[b])]
-        if len({(r[0], r[1], r[2]) for r in rows}) != len(rows):
-            _fail(f"block {b} has a duplicate key", b)
-        for j, (hi, lo, grp, _seq, slot) in enumerate(rows):
-            e = b * mk + j
-            if not 0 <= slot < nch * _CHUNK or table[slot] & 0xFFFFFFFF != e + 1:
-                _fail(f"block {b} key {j}: table slot {slot} does not point back to it", b)
-            if (table[slot] >> 32) != ((hi >> 32) & 0x7FFFFFFF):
-                _fail(f"block {b} key {j}: table tag mismatch", b)
-            seen_slots[slot] = e
-            home = (lo ^ (grp * 0x9E3779B1)) & (nch - 1)
-            for d in range(((slot // _CHUNK) - home) & (nch - 1)):
-                expect_overflow[(home + d) & (nch - 1)] += 1
-    occupied = sum(1 for w in table[: nch * _CHUNK] if w != 0)
-    if occupied != len(seen_slots):
-        _fail(f"the table holds {occupied} entries but the key rows {len(seen_slots)}", occupied)
-    if table[nch * _CHUNK] != 0:
-        _fail("the table's CAS sink word was written", table[nch * _CHUNK])
-    if overflow != expect_overflow:
-        c0 = next(i for i in range(nch) if overflow[i] != expect_overflow[i])
-        _fail(f"chunk {c0}: overflow count {overflow[c0]} != {expect_overflow[c0]} probe paths through it", c0)
+def validate_state(pool) -> None:
+    s = pool.state
+    out = torch.zeros(2, dtype=torch.int64, device=pool.device)
+    s_ovf = torch.zeros(s.num_chunks, dtype=torch.int32, device=pool.device)
+    k_validate.validate_kernel[(1,)](s.ctrl, s.ring, s.qslot, s.ref_cnt, s.num_keys, s.hash_ntok, s.keys, s.table,
+                                     s.overflow, s_ovf, out, N=pool.num_blocks, C=s.ring_capacity,
+                                     MK=pool.max_keys_per_block, NCHUNK=s.num_chunks, CACHING=pool.enable_caching,
+                                     BLOCK=pool._block, num_warps=pool._warps)
+    code, value = out.tolist()
+    if code:
+        raise InvariantError("validate", f"{CHECKS.get(code, f'check {code}')} {value}", value)

@@ -64,6 +64,7 @@ def drive_pool(num_blocks=64, **kw):
     p.admission_step(req, torch.zeros(1, dtype=i32), torch.zeros(1, dtype=i32), torch.tensor([-1], dtype=i32),
                      torch.zeros(0, dtype=i32), torch.zeros(1, dtype=i32), torch.zeros(1, dtype=torch.int64), 1,
                      block_size=16)
+    p.validate()
     for hook in EXTRA_DRIVERS:
         hook(p)
 

@@ -1,0 +1,137 @@
+"""``validate()`` on the device: every invariant of SPEC.md section 1 and of the device layout
+(ring R1-R5 of DESIGN-NOTES.md section 1; key rows, table words and overflow counts of section 4).
+
+Grid (1,). Reads the whole state, writes only ``out: int64[2]`` = (first failed check, offending
+value; 0 = all hold) and the scratch ``s_ovf: int32[NCHUNK]`` (expected overflow counts), which it
+zeroes again. Checks run in a fixed order; the first failing one is reported.
+"""
+import triton
+import triton.language as tl
+
+from .common import BIG, HEAD, NUM_FREE, TAIL
+from .keytable import CHUNK, K_GROUP, K_HI, K_LO, K_SLOT, KW, key_home, key_tag
+
+# Check ids (gpupool.validate.CHECKS has their messages).
+V_WINDOW = tl.constexpr(1)
+V_RING_SLOT = tl.constexpr(2)
+V_NUM_FREE = tl.constexpr(3)
+V_NULL = tl.constexpr(4)
+V_REF_NEG = tl.constexpr(5)
+V_QUEUED_IFF_FREE = tl.constexpr(6)
+V_QSLOT = tl.constexpr(7)
+V_NUM_KEYS = tl.constexpr(8)
+V_NTOK = tl.constexpr(9)
+V_KEY_SLOT = tl.constexpr(10)
+V_DUP_KEY = tl.constexpr(11)
+V_TABLE_COUNT = tl.constexpr(12)
+V_OVERFLOW = tl.constexpr(13)
+V_CACHING_OFF = tl.constexpr(14)
+
+
+@triton.jit
+def _note(code, val, bad, idx, check):
+    """Keep the first failure: ``check`` at the lowest-index bad lane, if none was found before."""
+    i = tl.min(tl.where(bad, idx, BIG), axis=0)
+    v = tl.sum(tl.where(bad & (idx == i), idx, 0).to(tl.int64), axis=0)
+    new = (code == 0) & (i < BIG)
+    return tl.where(new, check, code), tl.where(new, v, val)
+
+
+@triton.jit
+def validate_kernel(ctrl, ring, qslot, ref_cnt, num_keys, hash_ntok, keys, table, overflow, s_ovf, out,
+                    N: tl.constexpr, C: tl.constexpr, MK: tl.constexpr, NCHUNK: tl.constexpr,
+                    CACHING: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    head = tl.load(ctrl + HEAD)
+    tail = tl.load(ctrl + TAIL)
+    code = (head * 0).to(tl.int32)
+    val = head * 0
+    win = tail - head
+    code = tl.where((win < 0) | (win > C), V_WINDOW, code)
+    val = tl.where(code == V_WINDOW, win, val)
+    live = head * 0
+    if code == 0:
+        p = head
+        while p < tail:
+            pos = p + offs
+            inw = pos < tail
+            s = (pos & (C - 1)).to(tl.int32)
+            v = tl.load(ring + s, mask=inw, other=-1)
+            used = inw & (v != -1)
+            okv = (v > 0) & (v < N)
+            q = tl.load(qslot + v, mask=used & okv, other=-1)
+            code, val = _note(code, val, used & (~okv | (q != s)), s, V_RING_SLOT)
+            live += tl.sum(used.to(tl.int64), axis=0)
+            p += BLOCK
+        nf = tl.load(ctrl + NUM_FREE)
+        code = tl.where((code == 0) & (live != nf), V_NUM_FREE, code)
+        val = tl.where(code == V_NUM_FREE, nf, val)
+    null_bad = (tl.load(qslot) != -1) | (tl.load(num_keys) != 0)
+    code = tl.where((code == 0) & null_bad, V_NULL, code)
+    total_keys = head * 0
+    i = 0
+    while i < N:
+        b = i + offs
+        m = (b < N) & (b > 0)
+        ref = tl.load(ref_cnt + b, mask=m, other=0)
+        q = tl.load(qslot + b, mask=m, other=-1)
+        code, val = _note(code, val, m & (ref < 0), b, V_REF_NEG)
+        code, val = _note(code, val, m & ((q != -1) != (ref == 0)), b, V_QUEUED_IFF_FREE)
+        inq = m & (q != -1)
+        back = tl.load(ring + q, mask=inq, other=-1)
+        inwin = ((q.to(tl.int64) - head) & (C - 1)) < win
+        code, val = _note(code, val, inq & ((back != b) | ~inwin | (q < 0) | (q >= C)), b, V_QSLOT)
+        nk = tl.load(num_keys + b, mask=m, other=0)
+        code, val = _note(code, val, m & ((nk < 0) | (nk > MK)), b, V_NUM_KEYS)
+        if not CACHING:
+            code, val = _note(code, val, m & (nk != 0), b, V_CACHING_OFF)
+        ntok = tl.load(hash_ntok + b, mask=m, other=-1)
+        code, val = _note(code, val, m & ((nk > 0) != (ntok >= 0)), b, V_NTOK)
+        total_keys += tl.sum(tl.where(m, nk, 0).to(tl.int64), axis=0)
+        for j in tl.static_range(MK):
+            has = m & (j < nk)
+            e = b.to(tl.int64) * MK + j
+            hi = tl.load(keys + e * KW + K_HI, mask=has, other=0)
+            lo = tl.load(keys + e * KW + K_LO, mask=has, other=0)
+            grp = tl.load(keys + e * KW + K_GROUP, mask=has, other=0)
+            slot = tl.load(keys + e * KW + K_SLOT, mask=has, other=0)
+            slot_ok = (slot >= 0) & (slot < NCHUNK * CHUNK)
+            w = tl.load(table + slot, mask=has & slot_ok, other=0)
+            good = slot_ok & ((w & 0xFFFFFFFF) == e + 1) & ((w >> 32) == key_tag(hi))
+            code, val = _note(code, val, has & ~good, b, V_KEY_SLOT)
+            for j2 in tl.static_range(MK):
+                if j2 < j:
+                    e2 = b.to(tl.int64) * MK + j2
+                    same = (tl.load(keys + e2 * KW + K_HI, mask=has, other=1) == hi) & \
+                        (tl.load(keys + e2 * KW + K_LO, mask=has, other=1) == lo) & \
+                        (tl.load(keys + e2 * KW + K_GROUP, mask=has, other=1) == grp)
+                    code, val = _note(code, val, has & same, b, V_DUP_KEY)
+            # Expected overflow: every chunk from the key's home up to (not incl.) its slot's chunk.
+            home = key_home(lo, grp, NCHUNK)
+            dist = tl.where(has & good, ((slot // CHUNK).to(tl.int32) - home) & (NCHUNK - 1), 0)
+            d = 0
+            while d < tl.max(dist, axis=0):
+                tl.atomic_add(s_ovf + ((home + d) & (NCHUNK - 1)), 1, mask=d < dist)
+                d += 1
+        i += BLOCK
+    tl.debug_barrier()
+    used_words = head * 0
+    i = 0
+    while i < NCHUNK * CHUNK:
+        idx = i + offs
+        used_words += tl.sum((tl.load(table + idx, mask=idx < NCHUNK * CHUNK, other=0) != 0).to(tl.int64), axis=0)
+        i += BLOCK
+    sink = tl.load(table + NCHUNK * CHUNK)
+    bad_count = (used_words != total_keys) | (sink != 0)
+    code = tl.where((code == 0) & bad_count, V_TABLE_COUNT, code)
+    val = tl.where(code == V_TABLE_COUNT, used_words, val)
+    i = 0
+    while i < NCHUNK:
+        c = i + offs
+        m = c < NCHUNK
+        code, val = _note(code, val, m & (tl.load(overflow + c, mask=m, other=0) != tl.load(s_ovf + c, mask=m, other=0)),
+                          c, V_OVERFLOW)
+        tl.store(s_ovf + c, tl.zeros([BLOCK], tl.int32), mask=m)
+        i += BLOCK
+    tl.store(out, code.to(tl.int64))
+    tl.store(out + 1, val)
