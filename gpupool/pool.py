@@ -241,7 +241,7 @@ class BlockPool:
     def _release(self, ids, num_ids, seg, seg_off, cb, op, mode):
         s = self.state
         s_pf = torch.empty(ids.numel() + 1, dtype=torch.int32, device=self.device)
-        cb_t = self._i32([-1 if cb is None else cb])
+        cb_t = torch.full((1,), -1 if cb is None else cb, dtype=torch.int32, device=self.device)  # no H2D sync
         c = self._consts()
         k_release.release_kernel[(1,)](s.ctrl, s.status, s.ring, s.qslot, s.ref_cnt, s.num_keys, s.watcher_id,
                                        s.watch_seq, s.s_cnt, s.s_last, s.s_first, s_pf, ids, num_ids, seg, seg_off,
@@ -564,7 +564,6 @@ class BlockPool:
         blocks = torch.zeros(max(out_capacity, 1), dtype=torch.int32, device=self.device)
         tag0 = self._next_tag
         self._next_tag += int(requests["total"].numel())
-        p = torch.tensor([block_size, group_id, tag0, 0], dtype=torch.int64, device=self.device)
         dev = self.device
         k_admit.admission_step_kernel[(1,)](
             s.ctrl, s.status, s.ring, s.qslot, s.ref_cnt, s.num_keys, s.hash_ntok, s.keys, s.table, s.overflow,
@@ -573,7 +572,7 @@ class BlockPool:
             requests["total"], line, line_waiting, events,
             torch.full((1,), events.numel(), dtype=torch.int32, device=dev), free_ids, free_offsets,
             torch.full((1,), free_ids.numel(), dtype=torch.int32, device=dev),
-            result, hits, out_offsets, blocks, free_after, p,
+            result, hits, out_offsets, blocks, free_after, int(block_size), int(group_id), tag0,
             N=self.num_blocks, C=s.ring_capacity, MK=self.max_keys_per_block, NCHUNK=s.num_chunks,
             CACHING=self.enable_caching, EVENTS=self.enable_kv_cache_events, EV_CAP=s.ev_capacity,
             BLOCK=self._block, num_warps=self._warps)

@@ -108,7 +108,7 @@ def admission_step_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
                           watcher_id, watch_seq, reuse, ev, s_cnt, s_last, s_first,
                           chain_hi, chain_lo, chain_off, req_full, req_hitcap, req_total,
                           line, line_waiting, events, num_events, free_ids, free_off, num_free_ids,
-                          res, res_hits, out_off, out_blocks, res_free, p,
+                          res, res_hits, out_off, out_blocks, res_free, bs, grp, tag0,
                           N: tl.constexpr, C: tl.constexpr, MK: tl.constexpr, NCHUNK: tl.constexpr,
                           CACHING: tl.constexpr, EVENTS: tl.constexpr, EV_CAP: tl.constexpr,
                           BLOCK: tl.constexpr):
@@ -122,13 +122,11 @@ def admission_step_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
     ``-1`` is an arrival. Per line position k, writes ``res`` (0 waiting, 1 admitted, 2 rejected),
     ``res_hits``, ``res_free`` (free blocks right after it) and, when admitted, its blocks (hits then
     new) at ``out_blocks[out_off[k]:]``.
-    ``p: int64[4]`` = (block_size, group, op tag base, unused).
+    Scalars: ``bs`` block size in tokens, ``grp`` the group, ``tag0`` the first op tag (events of
+    request r carry ``tag0 + r``).
     """
     if tl.load(status) == 0:
         offs = tl.arange(0, BLOCK)
-        bs = tl.load(p + 0)
-        grp = tl.load(p + 1).to(tl.int32)
-        tag0 = tl.load(p + 2)
         nfi = tl.load(num_free_ids)
         # Validate all frees up front: admissions in between only add references to other blocks.
         err, err_val = check_ids(free_ids, nfi, N, False, BLOCK)
@@ -188,7 +186,7 @@ def admission_step_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
                             inb = pos < cap
                             hi = tl.load(chain_hi + base + pos, mask=inb, other=0)
                             lo = tl.load(chain_lo + base + pos, mask=inb, other=0)
-                            g = tl.zeros([BLOCK], tl.int32) + grp
+                            g = (tl.zeros([BLOCK], tl.int64) + grp).to(tl.int32)
                             ent, _ = table_lookup(table, overflow, keys, hi, lo, g, inb, NCHUNK, BLOCK)
                             first_miss = tl.min(tl.where(inb & (ent < 0), pos, BIG), axis=0)
                             run = inb & (pos < first_miss)
