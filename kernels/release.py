@@ -200,7 +200,7 @@ def release_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, watcher_id, wat
                         is_f = rel & False
                     is_l = rel & ~is_f
                     li = is_l.to(tl.int64)
-                    ring_put(ring, qslot, head - nf + pf_i, b, is_f, C)
+                    ring_put(ring, qslot, head - pf_e + (pf_i - pf_s), b, is_f, C)
                     ring_put(ring, qslot, lpos + tl.cumsum(li, axis=0) - li, b, is_l, C)
                     lpos += tl.sum(li, axis=0)
                     tl.store(ref_cnt + b, ref - cnt, mask=is_last)
