@@ -42,7 +42,7 @@ from .state import PoolState
 
 OPS = ["", "get_new_blocks", "free_blocks", "touch", "unpin_blocks", "cache_full_blocks", "cache_partial_block",
        "move_block_hashes", "evict_blocks", "reset_prefix_cache", "allocate_batched", "free_batched", "touch_batched",
-       "admission_step"]
+       "admission_step", "allocate_slots", "free_requests"]
 OP = {name: i for i, name in enumerate(OPS) if name}
 _EV_REMOVED, _EV_STORED, _EV_CLEARED = 1, 2, 3
 
@@ -169,6 +169,7 @@ class BlockPool:
         if ctrl[EV_COUNT]:
             self._translate_events(s.ev[: ctrl[EV_COUNT]].tolist())
             s.ctrl[EV_COUNT] = 0
+        self._stored_meta.clear()  # every launched op has finished and its events are drained
         for b, cb in fired:
             cb(b)
         if status[0]:
@@ -179,23 +180,35 @@ class BlockPool:
             raise cls(name, _MESSAGES.get(code, "failed") + f" ({value})", value)
 
     def _translate_events(self, rows) -> None:
+        """Device event rows -> KV events. Consecutive stored items of one op tag form one BlockStored;
+        its parent is in the tag's metadata, or, for ``("chain", hashes, bs, g)`` metadata (the
+        manager's steps), the chain hash before the first stored item's position (``aux``)."""
         pending: list[bytes] = []
         pending_tag = None
+        first_pos = 0
 
         def flush():
             nonlocal pending, pending_tag
             if pending:
-                parent, bs, g = self._stored_meta.pop(pending_tag, (None, 0, 0))
+                meta = self._stored_meta.get(pending_tag, (None, 0, 0))
+                if meta and meta[0] == "chain":
+                    _, chain, bs, g = meta
+                    parent = chain[first_pos - 1] if 0 < first_pos <= len(chain) else None
+                else:
+                    self._stored_meta.pop(pending_tag, None)
+                    parent, bs, g = meta
                 self._events.append(BlockStored(tuple(pending), parent, bs, g))
             pending, pending_tag = [], None
 
-        for kind, _block, hi, lo, _grp, tag in rows:
+        for kind, _block, hi, lo, _grp, tag, aux in rows:
             if kind != _EV_STORED or tag != pending_tag:
                 flush()
             if kind == _EV_REMOVED:
                 h, g = self._keymap[(hi, lo)]
                 self._events.append(BlockRemoved(h, g))
             elif kind == _EV_STORED:
+                if not pending:
+                    first_pos = aux
                 pending.append(self._keymap[(hi, lo)][0])
                 pending_tag = tag
             elif kind == _EV_CLEARED:

@@ -18,7 +18,7 @@ chunks of 16 slots (power of two, >= 2 * N * MK / 16):
 | ``watcher_id`` | int32[N] | reuse watcher (index into the host's callback table) or -1 |
 | ``watch_seq`` | int64[N] | watcher registration order |
 | ``reuse`` | int64[REUSE_CAP, 3] | reuse log (block, watcher, seq), drained by the host |
-| ``ev`` | int64[EV_CAP, 6] | event buffer (kind, block, hi, lo, group, op tag), drained by the host |
+| ``ev`` | int64[EV_CAP, 7] | event buffer (kind, block, hi, lo, group, op tag, aux), drained by the host |
 | ``s_cnt, s_last, s_first`` | int32[N] | kernel scratch, idle at 0 / -1 / 2**31-1 between launches |
 
 Metadata per block (excluding key rows, table and buffers): 4 * 6 + 8 + C / N * 4 <= 52 bytes.
@@ -98,7 +98,7 @@ class PoolState:
             watcher_id=torch.full((n,), -1, dtype=i32, device=device),
             watch_seq=torch.zeros(n, dtype=i64, device=device),
             reuse=torch.zeros((reuse_cap, 3), dtype=i64, device=device),
-            ev=torch.zeros((ev_cap, 6), dtype=i64, device=device),
+            ev=torch.zeros((ev_cap, 7), dtype=i64, device=device),
             s_cnt=torch.zeros(n, dtype=i32, device=device),
             s_last=torch.full((n,), -1, dtype=i32, device=device),
             s_first=torch.full((n,), BIG, dtype=i32, device=device),

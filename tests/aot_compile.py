@@ -37,7 +37,7 @@ def _record(self, grid):
 JITFunction.__getitem__ = _record
 
 
-def drive_pool(num_blocks=64, **kw):
+def drive_pool(num_blocks=64, **kw):  # noqa: C901
     """Call every op of the pool once, so each launch is recorded."""
     p = gpupool.BlockPool(num_blocks, device="cpu", **kw)
     h = [hashlib.sha256(str(i).encode()).digest() for i in range(4)]
@@ -65,11 +65,38 @@ def drive_pool(num_blocks=64, **kw):
                      torch.zeros(0, dtype=i32), torch.zeros(1, dtype=i32), torch.zeros(1, dtype=torch.int64), 1,
                      block_size=16)
     p.validate()
+    drive_manager(**kw)
     for hook in EXTRA_DRIVERS:
         hook(p)
 
 
 EXTRA_DRIVERS = []
+
+
+def drive_manager(**kw):
+    """The manager's batched kernels, with a full and a sliding-window group."""
+    from gpupool.manager import KVCacheManager
+
+    m = KVCacheManager(64, block_size=16, max_num_reqs=4, max_blocks_per_req=8,
+                       groups=("full", ("sliding_window", 32)), device="cpu", **kw)
+    i32 = torch.int32
+    s = torch.tensor([0, 1], dtype=i32)
+    m.allocate_slots(s, torch.tensor([20, 30], dtype=i32), torch.tensor([20, 30], dtype=i32), [1, 0])
+    m.free(s)
+
+
+def drive_copy_blocks(pool):
+    """``copy_blocks`` once per cache dtype (bitwise copy: 64 B blocks in int64 units with a device count,
+    36 B blocks in int32 units, 256 B blocks in int64 units); launches are recorded, not run."""
+    from gpupool.kernels.copy_blocks import copy_blocks
+    i32 = torch.int32
+    src, dst = torch.tensor([0, 1], dtype=i32), torch.tensor([2, 3], dtype=i32)
+    for dtype, shape, count in ((torch.float32, (4, 2, 8), torch.tensor([1], dtype=i32)),
+                                (torch.float16, (4, 3, 6), None), (torch.bfloat16, (4, 16, 8), None)):
+        copy_blocks([torch.zeros(shape, dtype=dtype) for _ in range(2)], src, dst, count, check=False)
+
+
+EXTRA_DRIVERS.append(drive_copy_blocks)
 
 
 def signature_of(fn, args, kwargs):
