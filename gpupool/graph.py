@@ -1,0 +1,105 @@
+"""A decode step of the KV cache manager as one fixed-shape sequence of launches, captured once in a
+CUDA graph and replayed every step with new device inputs.
+
+Per step, in order (vLLM's scheduler order: finished requests leave before the next allocation):
+
+1. ``free`` the finished requests (``finished[:num_finished]``);
+2. ``allocate_slots`` for the running requests (``slots[:num_reqs]``, ``target = num_tokens``, no
+   lookup, ``stop_on_failure=False``): a request crossing a block boundary gets a block per group,
+   blocks that became full are cached; ``admitted`` says which fitted (the others are the
+   scheduler's to preempt);
+3. ``slot_mapping`` of each request's new token (position ``num_tokens - 1``) into ``slot_mapping``;
+4. the pending copy-on-write copies of all layers (``kv_caches``), then the release of the
+   references they held.
+
+Everything reads counts from device tensors and makes no host synchronisation, so the same code
+runs eagerly (:meth:`DecodeStep.run`, also on CPU) and as a graph (:meth:`capture`, CUDA only). An
+error (a bad slot, say) makes the step's ops do nothing and sits in the pool's status word; the host
+raises it at ``manager.pool.check()``; the graph keeps working once the inputs are fixed.
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import InvalidArgumentError
+from .manager import KVCacheManager
+
+
+class DecodeStep:
+    """Fixed-capacity inputs and outputs of one decode step (capacity ``max_batch`` requests).
+
+    Inputs (fill in place before :meth:`run` / :meth:`replay`): ``slots, num_tokens: int32[B]``,
+    ``num_reqs: int32[1]``, ``finished: int32[B]``, ``num_finished: int32[1]``.
+    Outputs: ``admitted: int32[B]``, ``slot_mapping: int64[B]`` (KV slot of each request's newest
+    token in group 0), and the manager's ``block_table``.
+    """
+
+    def __init__(self, manager: KVCacheManager, max_batch: int, kv_caches: list[torch.Tensor] | None = None):
+        if max_batch < 1:
+            raise InvalidArgumentError("DecodeStep", f"max_batch must be >= 1, got {max_batch}", max_batch)
+        self.m = manager
+        self.kv_caches = list(kv_caches or [])
+        dev = manager.device
+        i32 = torch.int32
+        self.slots = torch.zeros(max_batch, dtype=i32, device=dev)
+        self.num_tokens = torch.zeros(max_batch, dtype=i32, device=dev)
+        self.num_reqs = torch.zeros(1, dtype=i32, device=dev)
+        self.finished = torch.zeros(max_batch, dtype=i32, device=dev)
+        self.num_finished = torch.zeros(1, dtype=i32, device=dev)
+        self.admitted = torch.zeros(max_batch, dtype=i32, device=dev)
+        self.slot_mapping = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self._no_lookup = torch.zeros(max_batch, dtype=torch.int8, device=dev)
+        self._release_seg = torch.zeros(2, dtype=i32, device=dev)
+        self.graph = None
+
+    def _body(self) -> None:
+        m = self.m
+        m.free(self.finished, num_reqs=self.num_finished)
+        adm = m.allocate_slots(self.slots, self.num_tokens, self.num_tokens, self._no_lookup, num_reqs=self.num_reqs,
+                               stop_on_failure=False)
+        self.admitted.copy_(adm)
+        pos = torch.clamp(self.num_tokens - 1, min=0)
+        self.slot_mapping.copy_(m.slot_mapping(self.slots, pos))
+        if self.kv_caches:
+            from .kernels.copy_blocks import copy_blocks
+
+            copy_blocks(self.kv_caches, m.copy_src, m.copy_dst, num_copies=m.num_copies, check=False)
+        self._release_seg[1:2].copy_(m.num_copies)
+        m.pool.free_batched(m.copy_release, self._release_seg, num_ids=m.num_copies)
+        m.num_copies.zero_()
+
+    def _after(self) -> None:
+        self.m._pending_host = 0  # the step drained the copy queue
+
+    def run(self) -> None:
+        """One step, eagerly (any device)."""
+        self._body()
+        self._after()
+
+    def capture(self) -> None:
+        """Record the step in a CUDA graph (after one eager warm-up run with empty inputs, which
+        compiles the kernels). Raises InvalidArgumentError off CUDA."""
+        if self.m.device.type != "cuda":
+            raise InvalidArgumentError("DecodeStep.capture", "CUDA graphs need a CUDA device")
+        saved = (self.num_reqs.clone(), self.num_finished.clone(), self.m.num_copies.clone())
+        self.num_reqs.zero_()
+        self.num_finished.zero_()
+        self.m.num_copies.zero_()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            self._body()
+        torch.cuda.current_stream().wait_stream(s)
+        self.num_reqs.copy_(saved[0])
+        self.num_finished.copy_(saved[1])
+        self.m.num_copies.copy_(saved[2])
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._body()
+
+    def replay(self) -> None:
+        """One step through the captured graph."""
+        if self.graph is None:
+            raise InvalidArgumentError("DecodeStep.replay", "capture() first")
+        self.graph.replay()
+        self._after()

@@ -1,0 +1,140 @@
+"""The decode step (gpupool/graph.py): eagerly on any device it equals the reference manager's
+sequence of ops; on CUDA, a captured graph replayed 1,000 times with changing inputs equals the
+eager path, makes no host synchronisation, and an error inside a replay changes nothing."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gpupool.errors import InvalidArgumentError
+from gpupool.graph import DecodeStep
+from gpupool.manager import KVCacheManager
+from gpupool.reference import ReferenceKVCacheManager
+from pool_helpers import h, pool_state
+
+BS = 4
+
+
+def make(cls, groups=("full",), n=48, **kw):
+    return cls(n, block_size=BS, max_num_reqs=6, max_blocks_per_req=16, groups=groups, **kw)
+
+
+def drive(step_fn, ref, dev, steps, seed, dev_manager):
+    """Random decode traffic: requests join (prefill through allocate_slots), decode one token per
+    step through the DecodeStep, and finish; after each step the two managers must agree."""
+    rng = random.Random(seed)
+    tokens: dict[int, int] = {}
+    for step in range(steps):
+        # joins (host ops + a prefill allocation on both, outside the decode step)
+        free_slots = [r for r in range(6) if r not in tokens]
+        if free_slots and rng.random() < 0.5:
+            r = rng.choice(free_slots)
+            n_tok = rng.randint(1, 20)
+            hashes = [h(rng.randint(0, 3) * 10 + i) for i in range(n_tok // BS)]
+            for m in (ref, dev_manager):
+                m.add_request(r, hashes)
+            a = ref.allocate_slots([r], [n_tok], [n_tok], [1])
+            d = dev_manager.allocate_slots([r], [n_tok], [n_tok], [1]).tolist()
+            assert [int(x) for x in a] == d
+            if a[0]:
+                tokens[r] = n_tok
+            else:
+                ref.free([r])
+                dev_manager.free([r])
+        running = sorted(tokens)
+        finished = [r for r in running if rng.random() < 0.15]
+        decoding = [r for r in running if r not in finished]
+        for r in decoding:
+            tokens[r] += 1
+            if tokens[r] % BS == 0:  # a block filled: its hash is known now
+                for m in (ref, dev_manager):
+                    m.append_block_hashes(r, [h(1000 + step * 10 + r)])
+        # reference: free finished, then allocate the decode batch
+        ref.free(finished)
+        ref_adm = ref.allocate_slots(decoding, [tokens[r] for r in decoding], [tokens[r] for r in decoding],
+                                     stop_on_failure=False)
+        step_fn(decoding, [tokens[r] for r in decoding], finished)
+        dev_adm = dev.admitted[: len(decoding)].tolist()
+        assert [int(x) for x in ref_adm] == dev_adm, step
+        dev_manager.finish(finished)
+        for r in finished:
+            del tokens[r]
+        for r, ok in zip(decoding, ref_adm):
+            if not ok:  # preempted: the scheduler frees it
+                ref.free([r])
+                dev_manager.free([r])
+                del tokens[r]
+        for g in range(len(ref.groups)):
+            assert dev_manager.rows(g) == ref.block_table(g), step
+        expect = [ref.slot_mapping([r], [tokens_r - 1])[0] for r, tokens_r, ok in
+                  zip(decoding, [tokens.get(r, 1) for r in decoding], ref_adm) if ok]
+        got = [s for s, ok in zip(dev.slot_mapping[: len(decoding)].tolist(), ref_adm) if ok]
+        assert got == expect, step
+        assert pool_state(dev_manager.pool) == pool_state(ref.pool), step
+    dev_manager.pool.validate()
+
+
+def fill(step: DecodeStep, decoding, ntok, finished):
+    k = len(decoding)
+    step.slots[:k] = torch.tensor(decoding, dtype=torch.int32)
+    step.num_tokens[:k] = torch.tensor(ntok, dtype=torch.int32)
+    step.num_reqs.fill_(k)
+    step.finished[: len(finished)] = torch.tensor(finished, dtype=torch.int32)
+    step.num_finished.fill_(len(finished))
+
+
+@pytest.mark.parametrize("groups", [("full",), ("full", ("sliding_window", 8))])
+def test_eager_decode_step_equals_reference(groups):
+    ref, dev_m = make(ReferenceKVCacheManager, groups), make(KVCacheManager, groups)
+    step = DecodeStep(dev_m, max_batch=6)
+
+    def run(decoding, ntok, finished):
+        fill(step, decoding, ntok, finished)
+        step.run()
+
+    drive(run, ref, step, steps=40, seed=5, dev_manager=dev_m)
+
+
+def test_decode_step_error_changes_nothing_and_is_raised_at_check():
+    dev_m = make(KVCacheManager)
+    dev_m.add_request(0, [h(1)])
+    dev_m.allocate_slots([0], [5], [5], [1])
+    step = DecodeStep(dev_m, max_batch=2)
+    before = pool_state(dev_m.pool)
+    fill(step, [0, 0], [6, 6], [])  # a slot listed twice
+    step.run()
+    with pytest.raises(InvalidArgumentError):
+        dev_m.pool.check()
+    assert pool_state(dev_m.pool) == before
+    fill(step, [0], [6], [])
+    step.run()
+    dev_m.pool.check()
+    assert step.admitted[0].item() == 1
+
+
+def test_capture_needs_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the graph tests below run instead")
+    step = DecodeStep(make(KVCacheManager), max_batch=2)
+    with pytest.raises(InvalidArgumentError):
+        step.capture()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_decode_step_replays_like_the_reference_for_1000_steps():
+    ref, dev_m = make(ReferenceKVCacheManager, n=256), make(KVCacheManager, n=256, device="cuda")
+    step = DecodeStep(dev_m, max_batch=6)
+    step.capture()
+
+    def run(decoding, ntok, finished):
+        fill(step, decoding, ntok, finished)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    drive(run, ref, step, steps=1000, seed=9, dev_manager=dev_m)
