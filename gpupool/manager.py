@@ -4,7 +4,8 @@ admission and frees, prefix hits, KV-cache groups, copy-on-write queue).
 State (device tensors, allocated at construction): ``block_table: int32[G, R, M]`` (group, request
 slot, block index; 0 is the null block), ``num_blocks: int32[R]`` (row length, equal across groups),
 ``num_computed: int32[R]`` (tokens with slots), ``num_cached: int32[G, R]`` (blocks already keyed),
-``req_hi, req_lo: int64[R, G, M]`` (device keys of each known full block's hash, per group),
+``req_hi, req_lo: int64[R, G, M * K]`` (device keys of each known hash block's hash, per group; K =
+block_size / hash_block_size),
 ``num_hashes: int32[R]``, the pending-copy queue ``copy_src, copy_dst, copy_release: int32[Q]`` with
 ``num_copies: int32[1]``.
 
@@ -54,9 +55,15 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, *, block_size: int, max_num_reqs: int, max_blocks_per_req: int,
-                 groups=("full",), max_pending_copies: int = 1024, **pool_kw):
+                 groups=("full",), hash_block_size: int | None = None, max_pending_copies: int = 1024, **pool_kw):
         op = "KVCacheManager"
         self.block_size = as_int(op, block_size, "block_size")
+        self.hash_block_size = as_int(op, hash_block_size if hash_block_size is not None else block_size,
+                                      "hash_block_size")
+        if self.hash_block_size < 1 or self.block_size % self.hash_block_size:
+            raise InvalidArgumentError(op, f"block_size {self.block_size} must be a multiple of hash_block_size "
+                                           f"{self.hash_block_size}", self.hash_block_size)
+        self.hashes_per_block = self.block_size // self.hash_block_size
         self.max_num_reqs = as_int(op, max_num_reqs, "max_num_reqs")
         self.max_blocks_per_req = as_int(op, max_blocks_per_req, "max_blocks_per_req")
         if self.block_size < 1 or self.max_num_reqs < 1 or self.max_blocks_per_req < 1:
@@ -72,8 +79,9 @@ class KVCacheManager:
         self.num_blocks = torch.zeros(R, dtype=i32, device=dev)
         self.num_computed = torch.zeros(R, dtype=i32, device=dev)
         self.num_cached = torch.zeros((G, R), dtype=i32, device=dev)
-        self.req_hi = torch.zeros((R, G, M), dtype=i64, device=dev)
-        self.req_lo = torch.zeros((R, G, M), dtype=i64, device=dev)
+        K = self.hashes_per_block
+        self.req_hi = torch.zeros((R, G, M * K), dtype=i64, device=dev)
+        self.req_lo = torch.zeros((R, G, M * K), dtype=i64, device=dev)
         self.num_hashes = torch.zeros(R, dtype=i32, device=dev)
         self.windows = torch.tensor([w for _, w in self.groups], dtype=i32, device=dev)
         self.copy_src = torch.zeros(max_pending_copies, dtype=i32, device=dev)
@@ -113,7 +121,7 @@ class KVCacheManager:
         hs = [bytes(x) if isinstance(x, (bytes, bytearray)) else None for x in block_hashes]
         if None in hs:
             raise InvalidArgumentError(op, "block hashes must be bytes")
-        if len(hs) > self.max_blocks_per_req:
+        if len(hs) > self.max_blocks_per_req * self.hashes_per_block:
             raise InvalidArgumentError(op, f"{len(hs)} block hashes exceed max_blocks_per_req", len(hs))
         self.pool.check()
         if int(self.num_blocks[r]) != 0:
@@ -133,7 +141,7 @@ class KVCacheManager:
         if None in hs:
             raise InvalidArgumentError(op, "block hashes must be bytes")
         start = len(self._hashes[r])
-        if start + len(hs) > self.max_blocks_per_req:
+        if start + len(hs) > self.max_blocks_per_req * self.hashes_per_block:
             raise InvalidArgumentError(op, "block hashes exceed max_blocks_per_req", start + len(hs))
         self._hashes[r].extend(hs)
         self._write_hashes(r, start, hs)
@@ -155,12 +163,14 @@ class KVCacheManager:
         nt = self._i32(op, num_tokens, "num_tokens")
         if s.numel() != nt.numel():
             raise InvalidArgumentError(op, "slots and num_tokens differ in length")
-        cap = torch.minimum(torch.clamp(nt - 1, min=0) // self.block_size, self.num_hashes[s])
+        K = self.hashes_per_block
+        cap = torch.minimum(torch.clamp(nt - 1, min=0) // self.block_size, self.num_hashes[s] // K)
         if not self.pool.enable_caching:
             cap = torch.zeros_like(cap)
         groups = torch.arange(len(self.groups), dtype=torch.int32, device=self.device)
-        hits, blocks, _ = self.pool.longest_prefix_batched(self.req_hi[s], self.req_lo[s], groups,
-                                                           cap.to(torch.int32).contiguous())
+        full_hi = self.req_hi[s][:, :, K - 1::K].contiguous()
+        full_lo = self.req_lo[s][:, :, K - 1::K].contiguous()
+        hits, blocks, _ = self.pool.longest_prefix_batched(full_hi, full_lo, groups, cap.to(torch.int32).contiguous())
         return hits, blocks
 
     def allocate_slots(self, slots, num_tokens, target_tokens, lookup=None, num_reqs=None,
@@ -188,18 +198,21 @@ class KVCacheManager:
         p, st = self.pool, self.pool.state
         G = len(self.groups)
         tag0 = p._next_tag
-        p._next_tag += b * G
+        p._next_tag += 2 * b * G
         if p.enable_kv_cache_events and not isinstance(slots, torch.Tensor):
+            K = self.hashes_per_block
             for k, r in enumerate(as_id_list(op, slots)):
                 if 0 <= r < self.max_num_reqs:
                     for g in range(G):
-                        p._stored_meta[tag0 + k * G + g] = ("chain", self._hashes[r], self.block_size, g)
+                        p._stored_meta[tag0 + k * G + g] = ("chain", self._hashes[r], self.block_size, g, K)
+                        p._stored_meta[tag0 + (b + k) * G + g] = ("chain", self._hashes[r], self.block_size, g, 1)
         k_manager.allocate_slots_kernel[(1,)](
             st.ctrl, st.status, st.ring, st.qslot, st.ref_cnt, st.num_keys, st.hash_ntok, st.keys, st.table,
             st.overflow, st.watcher_id, st.watch_seq, st.reuse, st.ev, st.s_cnt, st.s_last, st.s_first,
             self.block_table, self.num_blocks, self.num_computed, self.num_cached, self.req_hi, self.req_lo,
             self.num_hashes, self.windows, self._s_req, self._scratch, s, nt, tg, lk, num_reqs, admitted,
-            self.block_size, tag0, G=G, R=self.max_num_reqs, M=self.max_blocks_per_req, N=p.num_blocks,
+            self.block_size, tag0, G=G, R=self.max_num_reqs, M=self.max_blocks_per_req, K=self.hashes_per_block,
+            N=p.num_blocks,
             C=st.ring_capacity, MK=p.max_keys_per_block, NCHUNK=st.num_chunks, CACHING=p.enable_caching,
             EVENTS=p.enable_kv_cache_events, EV_CAP=st.ev_capacity, STOP_ON_FAILURE=bool(stop_on_failure),
             BLOCK=p._block, num_warps=p._warps)

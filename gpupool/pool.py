@@ -181,8 +181,8 @@ class BlockPool:
 
     def _translate_events(self, rows) -> None:
         """Device event rows -> KV events. Consecutive stored items of one op tag form one BlockStored;
-        its parent is in the tag's metadata, or, for ``("chain", hashes, bs, g)`` metadata (the
-        manager's steps), the chain hash before the first stored item's position (``aux``)."""
+        its parent is in the tag's metadata, or, for ``("chain", hashes, bs, g, step)`` metadata (the
+        manager's steps), ``hashes[aux - step]`` for the first stored item's chain position ``aux``."""
         pending: list[bytes] = []
         pending_tag = None
         first_pos = 0
@@ -192,8 +192,8 @@ class BlockPool:
             if pending:
                 meta = self._stored_meta.get(pending_tag, (None, 0, 0))
                 if meta and meta[0] == "chain":
-                    _, chain, bs, g = meta
-                    parent = chain[first_pos - 1] if 0 < first_pos <= len(chain) else None
+                    _, chain, bs, g, step = meta
+                    parent = chain[first_pos - step] if step <= first_pos <= len(chain) else None
                 else:
                     self._stored_meta.pop(pending_tag, None)
                     parent, bs, g = meta

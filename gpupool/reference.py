@@ -524,14 +524,23 @@ class ReferenceKVCacheManager:
 
     Requests live in slots ``0 .. max_num_reqs-1``; every KV-cache group (``groups``: "full" or
     ("sliding_window", tokens)) has a block table row per slot, all of one ``block_size``, sharing one
-    pool; group g's keys use group id g.
+    pool; group g's keys use group id g. Request hashes are per ``hash_block_size`` tokens (a divisor
+    of ``block_size``, k = block_size / hash_block_size of them per block): full block i is keyed by
+    hash ``(i + 1) * k - 1``; with k > 1 a partly written block is also keyed at its last complete
+    hash-block boundary (``cache_partial_block``).
     """
 
     def __init__(self, num_blocks: int, *, block_size: int, max_num_reqs: int, max_blocks_per_req: int,
-                 groups=("full",), enable_caching: bool = True, enable_kv_cache_events: bool = False,
-                 max_keys_per_block: int = 4):
+                 groups=("full",), hash_block_size: int | None = None, enable_caching: bool = True,
+                 enable_kv_cache_events: bool = False, max_keys_per_block: int = 4):
         op = "KVCacheManager"
         self.block_size = as_int(op, block_size, "block_size")
+        self.hash_block_size = as_int(op, hash_block_size if hash_block_size is not None else block_size,
+                                      "hash_block_size")
+        if self.hash_block_size < 1 or self.block_size % self.hash_block_size:
+            raise InvalidArgumentError(op, f"block_size {self.block_size} must be a multiple of hash_block_size "
+                                           f"{self.hash_block_size}", self.hash_block_size)
+        self.hashes_per_block = self.block_size // self.hash_block_size
         self.max_num_reqs = as_int(op, max_num_reqs, "max_num_reqs")
         self.max_blocks_per_req = as_int(op, max_blocks_per_req, "max_blocks_per_req")
         if self.block_size < 1 or self.max_num_reqs < 1 or self.max_blocks_per_req < 1:
@@ -567,12 +576,16 @@ class ReferenceKVCacheManager:
         return out
 
     # ---- requests ----------------------------------------------------------------------------
+    def _full_hashes(self, r: int) -> list[bytes]:
+        k = self.hashes_per_block
+        return self.hashes[r][k - 1::k]
+
     def add_request(self, slot: int, block_hashes: Sequence[bytes] = ()) -> None:
-        """Start a request in a free slot with the hashes of its known full blocks (prompt)."""
+        """Start a request in a free slot with the hashes of its known hash blocks (prompt)."""
         op = "add_request"
         r = self._slot(op, slot, active=False)
         hs = [ReferenceBlockPool._check_hash(op, x) for x in block_hashes]
-        if len(hs) > self.max_blocks_per_req:
+        if len(hs) > self.max_blocks_per_req * self.hashes_per_block:
             raise InvalidArgumentError(op, f"{len(hs)} block hashes exceed max_blocks_per_req", len(hs))
         self.active[r] = True
         self.hashes[r] = hs
@@ -586,7 +599,7 @@ class ReferenceKVCacheManager:
         op = "append_block_hashes"
         r = self._slot(op, slot)
         hs = [ReferenceBlockPool._check_hash(op, x) for x in block_hashes]
-        if len(self.hashes[r]) + len(hs) > self.max_blocks_per_req:
+        if len(self.hashes[r]) + len(hs) > self.max_blocks_per_req * self.hashes_per_block:
             raise InvalidArgumentError(op, "block hashes exceed max_blocks_per_req", len(self.hashes[r]) + len(hs))
         self.hashes[r].extend(hs)
 
@@ -596,9 +609,10 @@ class ReferenceKVCacheManager:
         out: list[list[int]] = [[] for _ in range(G)]
         if not self.enable_caching:
             return out
-        cap = min(max(num_tokens - 1, 0) // self.block_size, len(self.hashes[r]))
+        full = self._full_hashes(r)
+        cap = min(max(num_tokens - 1, 0) // self.block_size, len(full))
         for i in range(cap):
-            got = self.pool.get_cached_block(self.hashes[r][i], list(range(G)))
+            got = self.pool.get_cached_block(full[i], list(range(G)))
             if got is None:
                 break
             for g in range(G):
@@ -645,8 +659,11 @@ class ReferenceKVCacheManager:
         group. If ``need * groups + (hit blocks with ref_cnt 0) > free`` the request gets nothing (and
         with ``stop_on_failure`` neither do the ones after it). Else every group's hits are touched,
         then each group in order gets ``get_new_blocks(need)``, and blocks that became full are
-        cached: ``cache_full_blocks(row, hashes, num_cached, min(min(eff, num_tokens) // bs,
-        len(hashes)), bs, g)``. Returns one admitted flag per request.
+        cached: ``cache_full_blocks(row, full_hashes, num_cached, nf, bs, g)`` with ``nf =
+        min(min(eff, num_tokens) // bs, len(full_hashes))``; with hash_block_size < block_size the
+        block after them, if written up to a hash-block boundary ``nh * hbs > nf * bs`` (``nh =
+        min(min(eff, num_tokens) // hbs, len(hashes))``), is then ``cache_partial_block(row[nf],
+        hashes, nh * hbs, g, bs, hbs)`` (null blocks skipped). Returns one admitted flag per request.
         """
         op = "allocate_slots"
         rs = self._slots(op, slots)
@@ -679,11 +696,18 @@ class ReferenceKVCacheManager:
             for g in range(G):
                 self.tables[g][r].extend(self.pool.get_new_blocks(need))
             if self.enable_caching:
-                nf = min(min(eff, nts[k]) // bs, len(self.hashes[r]))
+                full = self._full_hashes(r)
+                known = min(eff, nts[k])
+                nf = min(known // bs, len(full))
+                nh = min(known // self.hash_block_size, len(self.hashes[r]))
                 for g in range(G):
                     if nf > self.num_cached[g][r]:
-                        self.pool.cache_full_blocks(self.tables[g][r], self.hashes[r], self.num_cached[g][r], nf, bs, g)
+                        self.pool.cache_full_blocks(self.tables[g][r], full, self.num_cached[g][r], nf, bs, g)
                         self.num_cached[g][r] = nf
+                    row = self.tables[g][r]
+                    if nh * self.hash_block_size > nf * bs and nf < len(row) and row[nf] != NULL_BLOCK:
+                        self.pool.cache_partial_block(row[nf], self.hashes[r], nh * self.hash_block_size, g, bs,
+                                                      self.hash_block_size)
             self.num_computed[r] = eff
             admitted[k] = True
         return admitted

@@ -4,7 +4,8 @@ Grid (1,): one program walks the requests in order, so a batch equals the sequen
 calls of ``ReferenceKVCacheManager`` by construction. Manager state (``gpupool/manager.py``):
 ``block_table: int32[G, R, M]``, ``num_blocks: int32[R]`` (row length, equal for all groups),
 ``num_computed: int32[R]``, ``num_cached: int32[G, R]``, request keys ``req_hi, req_lo:
-int64[R, G, M]`` (device keys of each full block's hash in group g), ``num_hashes: int32[R]``,
+int64[R, G, M * K]`` (device keys of each hash block's hash in group g; K hash blocks per block, full
+block i keyed by hash ``(i + 1) * K - 1``), ``num_hashes: int32[R]`` (hash blocks known),
 ``windows: int32[G]`` (sliding window in tokens, 0 for full attention).
 """
 import triton
@@ -13,11 +14,11 @@ import triton.language as tl
 from .admit import free_segment
 from .alloc import claim_blocks
 from .common import (
-    BIG, E_BUFFER_FULL, E_INVALID_ARG, E_INVALID_COUNT, EV_COUNT, EV_STORED, HEAD, KEY_SEQ, NUM_FREE, first_bad,
-    set_status,
+    BIG, E_BUFFER_FULL, E_INVALID_ARG, E_INVALID_COUNT, E_KEY_CAPACITY, EV_COUNT, EV_STORED, HEAD, KEY_SEQ,
+    NUM_FREE, first_bad, set_status,
 )
 from .events import write_event
-from .keytable import drop_keys, put_key, table_lookup
+from .keytable import K_GROUP, K_HI, K_LO, KW, drop_keys, put_key, table_lookup
 from .queue import ring_scan_pop, ring_unlink
 from .release import count_ids, reset_scratch
 
@@ -79,18 +80,66 @@ def free_row_range(ctrl, ring, qslot, ref_cnt, num_keys, s_cnt, s_last, row, lo,
 
 
 @triton.jit
+def partial_key(ctrl, num_keys, hash_ntok, keys, table, overflow, ev, b, hi, lo, grp, ntok, tag, aux,
+                MK: tl.constexpr, NCHUNK: tl.constexpr, EVENTS: tl.constexpr, EV_CAP: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """``cache_partial_block`` of block ``b`` (non-null) under ``(hi, lo, grp)`` covering ``ntok``
+    tokens, without replace_existing_hashes: nothing if the block already answers to the key; its keys
+    are replaced if its primary covers fewer tokens; else a secondary key. Returns an error code
+    (E_KEY_CAPACITY, E_BUFFER_FULL) instead of changing anything, or 0."""
+    offs = tl.arange(0, BLOCK)
+    lane0 = offs == 0
+    nk = tl.load(num_keys + b)
+    answers = nk * 0
+    for j in tl.static_range(MK):
+        e = b.to(tl.int64) * MK + j
+        same = (j < nk) & (tl.load(keys + e * KW + K_HI) == hi) & (tl.load(keys + e * KW + K_LO) == lo) & \
+            (tl.load(keys + e * KW + K_GROUP) == grp)
+        answers = answers | same.to(tl.int32)
+    err = nk * 0
+    if answers == 0:
+        drop_all = (nk > 0) & (tl.load(hash_ntok + b).to(tl.int64) < ntok)
+        err = tl.where((drop_all == 0) & (nk >= MK), E_KEY_CAPACITY, err)
+        if EVENTS:
+            err = tl.where((err == 0) & (tl.load(ctrl + EV_COUNT) + nk + 1 > EV_CAP), E_BUFFER_FULL, err)
+        if err == 0:
+            ev_pos = tl.load(ctrl + EV_COUNT)
+            bv = tl.zeros([BLOCK], tl.int32) + b
+            drop_lanes = lane0 & ((tl.zeros([BLOCK], tl.int32) + drop_all.to(tl.int32)) != 0)
+            ev_pos += drop_keys(table, overflow, keys, num_keys, hash_ntok, ev, ev_pos, bv, drop_lanes,
+                                MK, NCHUNK, EVENTS, tag)
+            tl.debug_barrier()
+            j = tl.zeros([BLOCK], tl.int32) + nk * (1 - drop_all.to(tl.int32))
+            hv = tl.zeros([BLOCK], tl.int64) + hi
+            lv = tl.zeros([BLOCK], tl.int64) + lo
+            gv = tl.zeros([BLOCK], tl.int64) + grp
+            seq = tl.load(ctrl + KEY_SEQ)
+            put_key(table, overflow, keys, hash_ntok, bv, j, hv, lv, gv, tl.zeros([BLOCK], tl.int64) + seq,
+                    tl.zeros([BLOCK], tl.int64) + ntok, lane0, MK, NCHUNK, BLOCK)
+            tl.store(num_keys + bv, j + 1, mask=lane0)
+            if EVENTS:
+                write_event(ev, tl.zeros([BLOCK], tl.int64) + ev_pos, EV_STORED, bv, hv, lv, gv, tag, lane0, aux)
+                tl.store(ctrl + EV_COUNT, ev_pos + 1)
+            tl.store(ctrl + KEY_SEQ, seq + 1)
+            tl.debug_barrier()
+    return err
+
+
+@triton.jit
 def allocate_slots_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_ntok, keys, table, overflow,
                           watcher_id, watch_seq, reuse, ev, s_cnt, s_last, s_first,
                           block_table, num_blocks, num_computed, num_cached, req_hi, req_lo, num_hashes, windows,
                           s_req, scratch, slots, num_tokens, target, lookup, num_reqs, admitted, bs, tag0,
-                          G: tl.constexpr, R: tl.constexpr, M: tl.constexpr, N: tl.constexpr, C: tl.constexpr,
+                          G: tl.constexpr, R: tl.constexpr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+                          C: tl.constexpr,
                           MK: tl.constexpr, NCHUNK: tl.constexpr, CACHING: tl.constexpr, EVENTS: tl.constexpr,
                           EV_CAP: tl.constexpr, STOP_ON_FAILURE: tl.constexpr, BLOCK: tl.constexpr):
     """``allocate_slots`` of ``num_reqs[0]`` requests in order (``ReferenceKVCacheManager.allocate_slots``).
 
     Inputs per request k: ``slots, num_tokens, target: int32``, ``lookup: int8``; output
     ``admitted: int32`` (1 admitted). Errors (a slot out of range or repeated, a token count outside
-    ``0 .. M * bs``) set the status word before anything changes.
+    ``0 .. M * bs``) set the status word before anything changes. Op tags for events: request k's
+    full blocks of group g carry ``tag0 + k * G + g``, its partial key ``tag0 + (B + k) * G + g``.
     """
     offs = tl.arange(0, BLOCK)
     nb = tl.load(num_reqs)
@@ -151,7 +200,7 @@ def allocate_slots_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
                 zero_ref = nt * 0
                 if CACHING:
                     if (tl.load(lookup + k) != 0) & (nblk == 0):
-                        cap = tl.minimum(tl.maximum(nt - 1, 0) // bs, tl.load(num_hashes + r))
+                        cap = tl.minimum(tl.maximum(nt - 1, 0) // bs, tl.load(num_hashes + r) // K)
                         miss = cap * 0
                         t = 0
                         while (t < cap) & (miss == 0):
@@ -160,9 +209,9 @@ def allocate_slots_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
                             ok = inb
                             g = 0
                             while g < G:
-                                kb = (r * G + g).to(tl.int64) * M
-                                hi = tl.load(req_hi + kb + pos, mask=inb, other=0)
-                                lo = tl.load(req_lo + kb + pos, mask=inb, other=0)
+                                kb = (r * G + g).to(tl.int64) * (M * K) + K - 1
+                                hi = tl.load(req_hi + kb + pos * K, mask=inb, other=0)
+                                lo = tl.load(req_lo + kb + pos * K, mask=inb, other=0)
                                 gv = tl.zeros([BLOCK], tl.int32) + g
                                 ent, _ = table_lookup(table, overflow, keys, hi, lo, gv, inb, NCHUNK, BLOCK)
                                 tl.store(block_table + (g * R + r).to(tl.int64) * M + pos, (ent // MK).to(tl.int32),
@@ -230,13 +279,15 @@ def allocate_slots_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
                         g += 1
                     # Cache the blocks that became full: cache_full_blocks(row, hashes, num_cached, nf).
                     if CACHING:
-                        nf = tl.minimum(tl.minimum(eff, nt) // bs, tl.load(num_hashes + r))
+                        known = tl.minimum(eff, nt)
+                        nhash = tl.load(num_hashes + r)
+                        nf = tl.minimum(known // bs, nhash // K)
                         g = 0
                         while g < G:
                             row = block_table + (g * R + r).to(tl.int64) * M
                             nc_ptr = num_cached + g * R + r
                             start = tl.maximum(tl.load(nc_ptr), hits)
-                            kb = (r * G + g).to(tl.int64) * M
+                            kb = (r * G + g).to(tl.int64) * (M * K)
                             t = start
                             while t < nf:
                                 pos = t + offs
@@ -247,8 +298,8 @@ def allocate_slots_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
                                 n_rm = drop_keys(table, overflow, keys, num_keys, hash_ntok, ev, ev_pos, blk, act,
                                                  MK, NCHUNK, EVENTS, tag0 + k * G + g)
                                 tl.debug_barrier()
-                                hi = tl.load(req_hi + kb + pos, mask=act, other=0)
-                                lo = tl.load(req_lo + kb + pos, mask=act, other=0)
+                                hi = tl.load(req_hi + kb + (pos + 1) * K - 1, mask=act, other=0)
+                                lo = tl.load(req_lo + kb + (pos + 1) * K - 1, mask=act, other=0)
                                 a64 = act.to(tl.int64)
                                 rank = tl.cumsum(a64, axis=0) - a64
                                 seq = tl.load(ctrl + KEY_SEQ)
@@ -259,12 +310,23 @@ def allocate_slots_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
                                 n_st = tl.sum(a64, axis=0)
                                 if EVENTS:
                                     write_event(ev, ev_pos + n_rm + rank, EV_STORED, blk, hi, lo, gv, tag0 + k * G + g, act,
-                                                pos.to(tl.int64))
+                                                ((pos + 1) * K - 1).to(tl.int64))
                                     tl.store(ctrl + EV_COUNT, ev_pos + n_rm + n_st)
                                 tl.store(ctrl + KEY_SEQ, seq + n_st)
                                 tl.debug_barrier()
                                 t += BLOCK
                             tl.store(nc_ptr, tl.maximum(start, nf))
+                            if K > 1:  # the block after them, written up to a hash-block boundary
+                                nh = tl.minimum(known // (bs // K), nhash)
+                                if (nh * (bs // K) > nf * bs) & (nf < nblk + hits + need):
+                                    blk = tl.load(row + nf)
+                                    if blk != 0:
+                                        perr = partial_key(ctrl, num_keys, hash_ntok, keys, table, overflow, ev, blk,
+                                                           tl.load(req_hi + kb + nh - 1), tl.load(req_lo + kb + nh - 1),
+                                                           g, (nh * (bs // K)).to(tl.int64), tag0 + (nb + k) * G + g,
+                                                           (nh - 1).to(tl.int64), MK, NCHUNK, EVENTS, EV_CAP, BLOCK)
+                                        if perr != 0:
+                                            set_status(status, perr, OP_ALLOCATE_SLOTS, blk)
                             g += 1
                     else:
                         g = 0
