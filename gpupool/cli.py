@@ -5,6 +5,7 @@ Examples::
     gpupool replay                                  # bundled trace, device pool
     gpupool replay --pool reference                 # CPU reference pool, whole trace
     gpupool replay --pool both --json out.json      # both pools; exit 1 unless they agree
+    gpupool bench --quick                           # benchmarks (bench/), JSON + PNG under bench/out/
 
 The model is SPEC.md section 5 (see :mod:`gpupool.replay`). With ``--pool both`` the two reports
 must agree on every count and on the free-queue digest; the speed ratio is printed.
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from .replay import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS, DEFAULT_TPOT_MS, ReplayReport, load_trace, replay
 
@@ -118,7 +120,89 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tqdm progress bar on stderr (default: when stderr is a terminal, "
                         "or every 10 s for the device pool on the CPU interpreter)")
     r.set_defaults(func=cmd_replay)
+    _add_bench_parser(sub)
     return p
+
+
+def _add_bench_parser(sub) -> None:
+    b = sub.add_parser("bench", help="run the benchmark suite (bench/) and plot it",
+                       description="Run the pytest-benchmark suite in the repository's bench/ folder (the "
+                                   "device pool against the reference pool and, when installed, vLLM's "
+                                   "BlockPool), then write PREFIX.json (pytest-benchmark's JSON) and "
+                                   "PREFIX.png (latency against batch size per op, replay throughput).")
+    b.add_argument("--out", metavar="PREFIX", default=None,
+                   help="output prefix (default: bench/out/bench in the repository)")
+    b.add_argument("--quick", action="store_true",
+                   help="the CPU-sized grid (device pool: batch 1 and 64, pool 4096; the default without CUDA)")
+    b.add_argument("-k", metavar="EXPR", dest="k", default=None, help="only the benchmarks matching EXPR (pytest -k)")
+    b.set_defaults(func=cmd_bench)
+
+
+def bench_dir() -> Path:
+    """The benchmark suite: ``bench/`` next to the package in a source checkout."""
+    return Path(__file__).resolve().parents[1] / "bench"
+
+
+def cmd_bench(args) -> int:
+    import subprocess
+
+    suite = bench_dir()
+    if not (suite / "test_bench_pool.py").is_file() or not (suite / "plot.py").is_file():
+        raise CLIError(f"the benchmark suite is not at {suite}: `gpupool bench` runs the bench/ folder of a "
+                       f"source checkout (install it with `pip install -e .` from the repository)")
+    prefix = Path(args.out) if args.out else suite / "out" / "bench"
+    json_path = prefix.with_name(prefix.name + ".json")
+    png_path = prefix.with_name(prefix.name + ".png")
+    try:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CLIError(f"cannot create {json_path.parent}: {e}") from None
+    if json_path.exists():
+        json_path.unlink()
+    env = dict(os.environ)
+    if args.quick:
+        env["GPUPOOL_BENCH_GRID"] = "quick"
+    cmd = [sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider",
+           f"--benchmark-json={json_path}", "--benchmark-columns=min,median,max,rounds"]
+    if args.k:
+        cmd += ["-k", args.k]
+    print("running: " + " ".join(cmd), flush=True)
+    interrupted = False
+    proc = subprocess.Popen(cmd, cwd=str(suite.parent), env=env)
+    try:
+        rc = proc.wait()
+    except KeyboardInterrupt:
+        # pytest (same process group) got the interrupt too: it stops and still writes the JSON
+        # of the benchmarks that finished, which is plotted below.
+        interrupted = True
+        try:
+            rc = proc.wait(timeout=60)
+        except (KeyboardInterrupt, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+            raise
+    if rc == 5:
+        raise CLIError("no benchmark was selected" + (f" by -k {args.k!r}" if args.k else ""))
+    if not json_path.is_file():
+        raise CLIError(f"the benchmark run wrote no results (pytest exit status {rc})", code=1)
+    plot = _load_bench_plot(suite)
+    plot.plot(json_path, png_path)
+    print(plot.table(json_path))
+    print(f"wrote {json_path}\nwrote {png_path}")
+    if interrupted:
+        raise CLIError("interrupted: the results above are partial", code=130)
+    if rc != 0:
+        raise CLIError(f"some benchmarks failed (pytest exit status {rc}); see the output above", code=1)
+    return 0
+
+
+def _load_bench_plot(suite: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpupool_bench_plot", suite / "plot.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _fmt_int(x: int) -> str:
@@ -182,7 +266,7 @@ def cmd_replay(args) -> int:
     progress = _progress_setting(args.progress, device_on_cpu)
     reports: dict[str, ReplayReport] = {}
     for k in kinds:
-        if k == "device":
+        if hasattr(pools[k], "admission_step"):
             from .replay_device import replay_batched as run  # batched steps: one launch per time point
         else:
             run = replay

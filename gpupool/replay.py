@@ -271,7 +271,7 @@ class _Replayer:
             rep.waited += 1
         rep.prompt_blocks += r.full
         rep.hit_blocks += len(hits)
-        rep.peak_blocks_in_use = max(rep.peak_blocks_in_use, self.n - 1 - (free - new - hit_free))
+        rep.peak_blocks_in_use = max(rep.peak_blocks_in_use, self.n - 1 - int(pool.get_num_free_blocks()))
         heapq.heappush(self.running, (now + r.t.output_length * self.tpot, self.admit_seq, blocks))
         self.admit_seq += 1
         return True

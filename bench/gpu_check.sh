@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Device checks for a lent CUDA machine, in one go (under 8 minutes):
+#   1. the CUDA-only tests (python -m pytest -q tests -m cuda),
+#   2. `gpupool replay --pool both` on the whole bundled trace (device and reference must agree),
+#   3. the benchmarks (`gpupool bench`: pytest-benchmark JSON + PNG),
+#   4. a short table (op, pool, N, batch, median us, GPU us), printed last.
+# Run from anywhere: bash bench/gpu_check.sh (GPU_CHECK_ALLOW_CPU=1: a dry run without CUDA).
+# Output goes to $OUT if set, else bench/out.
+# Each stage has a timeout taken from one overall deadline; a failed stage is reported and the
+# next one still runs. Exit status: 0 when every stage passed, else 1.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUTDIR="${OUT:-bench/out}"
+mkdir -p "$OUTDIR"
+START=$(date +%s)
+DEADLINE=$((START + ${GPU_CHECK_BUDGET_S:-465}))
+FAILED=()
+PY=python3
+
+log() { echo "== [$(( $(date +%s) - START ))s] $*"; }
+
+# stage NAME MAX_SECONDS RESERVE_SECONDS CMD...: run CMD with a timeout of min(MAX, time left - RESERVE),
+# its full output in $OUTDIR/NAME.log, the last 12 lines on the console.
+stage() {
+  local name=$1 max=$2 reserve=$3
+  shift 3
+  local left=$(( DEADLINE - $(date +%s) - reserve ))
+  local limit=$(( max < left ? max : left ))
+  if (( limit < 10 )); then
+    log "$name: SKIPPED (no time left)"; FAILED+=("$name(skipped)"); return 0
+  fi
+  log "$name: $* (timeout ${limit}s)"
+  # SIGINT first: pytest stops and still writes its benchmark JSON; KILL 20 s later.
+  timeout -s INT -k 20 "$limit" "$@" > "$OUTDIR/$name.log" 2>&1
+  local rc=$?
+  tail -n 12 "$OUTDIR/$name.log"
+  if (( rc == 0 )); then log "$name: ok"; else log "$name: FAILED (exit $rc; 124 = timed out)"; FAILED+=("$name"); fi
+}
+
+log "environment"
+if ! $PY -c 'import torch, triton' 2>/dev/null; then
+  log "torch/triton missing: pip install -e .[test]"
+  timeout 240 $PY -m pip install -q -e '.[test]' 2>&1 | tail -n 5
+fi
+if ! $PY -c 'import gpupool.kernels' 2>/dev/null; then  # the package itself (kernels/ maps to gpupool.kernels)
+  timeout 120 $PY -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -n 5 \
+    || timeout 120 $PY -m pip install -q -e . 2>&1 | tail -n 5
+fi
+if ! $PY -c 'import pytest, pytest_benchmark, hypothesis, matplotlib' 2>/dev/null; then
+  timeout 120 $PY -m pip install -q pytest pytest-benchmark hypothesis matplotlib 2>&1 | tail -n 5
+fi
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || true
+  $PY -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")' 2>&1
+  nproc; date -u +%Y-%m-%dT%H:%M:%SZ
+} | tee "$OUTDIR/env.txt"
+if ! $PY -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  if [[ "${GPU_CHECK_ALLOW_CPU:-0}" != 1 ]]; then
+    log "torch sees no CUDA device: the checks below would only repeat the CPU runs"; exit 1
+  fi
+  log "no CUDA device; GPU_CHECK_ALLOW_CPU=1: dry run on the CPU (Triton interpreter, quick grid)"
+fi
+
+stage cuda_tests 120 330 $PY -m pytest -q -p no:cacheprovider tests -m cuda
+stage replay 120 250 $PY -m gpupool replay --pool both --json "$OUTDIR/replay.json"
+export GPUPOOL_BENCH_MAX_TIME=${GPUPOOL_BENCH_MAX_TIME:-0.05}
+stage bench 330 5 $PY -m gpupool bench --out "$OUTDIR/bench"
+
+echo
+log "stages failed: ${FAILED[*]:-none}"
+if [[ -f "$OUTDIR/replay.json" ]]; then
+  $PY - "$OUTDIR/replay.json" <<'PYEOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+if "device" in r:
+    print(f"replay: match={r['match']} device {r['device']['requests_per_s']:,.0f} req/s, "
+          f"reference {r['reference']['requests_per_s']:,.0f} req/s, hit blocks {r['device']['hit_blocks']} "
+          f"vs {r['reference']['hit_blocks']}")
+PYEOF
+fi
+if [[ -f "$OUTDIR/bench.json" ]]; then
+  $PY bench/plot.py "$OUTDIR/bench.json" --table
+else
+  echo "no benchmark results ($OUTDIR/bench.json missing)"
+fi
+(( ${#FAILED[@]} == 0 ))
