@@ -94,7 +94,7 @@ class BlockPool:
         self.enable_kv_cache_events = bool(enable_kv_cache_events)
         self.max_keys_per_block = max_keys_per_block
         self.state = PoolState.allocate(num_blocks, max_keys_per_block, self.device, ring_capacity=ring_capacity,
-                                        num_chunks=num_chunks)
+                                        num_chunks=num_chunks, events=bool(enable_kv_cache_events))
         self._block = min(1024, max(16, _pow2_at_least(num_blocks)))
         self._warps = 8 if self._block >= 512 else 4
         self._mkp = _pow2_at_least(max_keys_per_block)

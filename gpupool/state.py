@@ -21,7 +21,8 @@ chunks of 16 slots (power of two, >= 2 * N * MK / 16):
 | ``ev`` | int64[EV_CAP, 7] | event buffer (kind, block, hi, lo, group, op tag, aux), drained by the host |
 | ``s_cnt, s_last, s_first`` | int32[N] | kernel scratch, idle at 0 / -1 / 2**31-1 between launches |
 
-Metadata per block (excluding key rows, table and buffers): 4 * 6 + 8 + C / N * 4 <= 52 bytes.
+Bytes per block: metadata 40 (six int32 fields, watch_seq) + ring 8 (C = 2N) = 48; key rows 40 * MK;
+table 8 * 2 * MK (+ overflow); reuse log 24; event buffer 112 * (MK + 1) only with KV events on.
 """
 from __future__ import annotations
 
@@ -66,17 +67,20 @@ class PoolState:
 
     @classmethod
     def allocate(cls, num_blocks: int, max_keys_per_block: int, device, *, ring_capacity: int | None = None,
-                 num_chunks: int | None = None) -> "PoolState":
+                 num_chunks: int | None = None, events: bool = False) -> "PoolState":
         """Tensors for ``num_blocks`` blocks, initial queue ``[1, ..., N-1]`` (block 0 is the null block).
 
         ``ring_capacity`` (power of two >= 2N) and ``num_chunks`` (power of two) may be set smaller for
-        tests of compaction and of a nearly full table.
+        tests of compaction and of a nearly full table. ``events``: size the event buffer for KV events.
         """
         n, mk = num_blocks, max_keys_per_block
         c = ring_capacity or _pow2_at_least(max(2 * n, 2))
         nch = num_chunks or _pow2_at_least(max(2 * n * mk // 16, 1))
-        ev_cap = 2 * n * (mk + 1) + 16
-        reuse_cap = 2 * n + 16
+        # One batched op pops at most 2N blocks (N free plus N freed inside it) and stores a key for
+        # at most as many: 2N(MK + 1) events. Without events the buffer is a stub.
+        ev_cap = 2 * n * (mk + 1) + 16 if events else 16
+        # Watchers are registered only by unpin (a single op, which drains), one per block: < N entries.
+        reuse_cap = n + 16
         i32, i64 = torch.int32, torch.int64
         ctrl = torch.zeros(CTRL_SIZE, dtype=i64, device=device)
         ctrl[1] = n - 1  # tail

@@ -10,7 +10,8 @@ their keys), and keys for the newly full blocks.
 
 Grid (1,): a single program walks events, requests and tiles in order, so the result is the
 sequence of single ops by construction. Inputs are validated as a whole first (ids, and that the
-frees never drive a ref count below zero), so an error changes nothing.
+frees never drive a ref count below zero, and room for the step's worst-case events), so an error
+changes nothing.
 """
 import triton
 import triton.language as tl
@@ -148,6 +149,10 @@ def admission_step_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
             err = tl.where(bad_i < BIG, E_DOUBLE_FREE, 0)
             tl.debug_barrier()
         reset_scratch(free_ids, nfi, s_cnt, s_last, s_first, N, BLOCK)
+        if EVENTS:  # a step pops (and keys) at most 2N blocks: 2N(MK + 1) events (gpupool/state.py)
+            ev_full = (err == 0) & (tl.load(ctrl + EV_COUNT) + 2 * N * (MK + 1) > EV_CAP)
+            err = tl.where(ev_full, E_BUFFER_FULL, err)
+            err_val = tl.where(ev_full, tl.load(ctrl + EV_COUNT), err_val)
         tl.debug_barrier()
         if err == 0:
             ne = tl.load(num_events)
@@ -221,18 +226,8 @@ def admission_step_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
                             tl.debug_barrier()
                             reset_scratch(out_blocks + ob, hits, s_cnt, s_last, s_first, N, BLOCK)
                             tl.debug_barrier()
-                            nk_ev = (new * 0).to(tl.int64)
                             new_head = ring_scan_pop(ring, ctrl, out_blocks, ob + hits, new, C, BLOCK)
                             tl.debug_barrier()
-                            if EVENTS:
-                                t = 0
-                                while t < new:
-                                    m = (t + offs) < new
-                                    blk = tl.load(out_blocks + ob + hits + t + offs, mask=m, other=0)
-                                    nk_ev += tl.sum(tl.load(num_keys + blk, mask=m, other=0).to(tl.int64), axis=0)
-                                    t += BLOCK
-                                if tl.load(ctrl + EV_COUNT) + nk_ev + (full - hits) > EV_CAP:
-                                    set_status(status, E_BUFFER_FULL, 13, nk_ev)
                             if tl.load(status) == 0:
                                 claim_blocks(ref_cnt, qslot, num_keys, hash_ntok, keys, table, overflow, watcher_id,
                                              watch_seq, reuse, ev, ctrl, out_blocks, ob + hits, new, tag0 + r,

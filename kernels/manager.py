@@ -157,8 +157,8 @@ def allocate_slots_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
             err_val = tl.where(new, v, err_val)
             tl.store(admitted + i + offs, tl.zeros([BLOCK], tl.int32), mask=m)
             i += BLOCK
-        if EVENTS:  # a batch pops and stores at most N blocks: N * (MK + 1) events
-            full = (err == 0) & (tl.load(ctrl + EV_COUNT) + N * (MK + 1) > EV_CAP)
+        if EVENTS:  # a batch pops (and keys) at most 2N blocks: 2N(MK + 1) events (gpupool/state.py)
+            full = (err == 0) & (tl.load(ctrl + EV_COUNT) + 2 * N * (MK + 1) > EV_CAP)
             err = tl.where(full, E_BUFFER_FULL, err)
             err_val = tl.where(full, tl.load(ctrl + EV_COUNT), err_val)
         tl.debug_barrier()
