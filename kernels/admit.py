@@ -26,6 +26,7 @@ from .keytable import put_key, table_lookup
 from .queue import ring_make_room, ring_put, ring_scan_pop, ring_unlink
 from .release import check_ids, count_ids, reset_scratch
 
+OP_ADMISSION_STEP = tl.constexpr(13)  # gpupool.pool.OPS
 RES_WAITING = tl.constexpr(0)
 RES_ADMITTED = tl.constexpr(1)
 RES_REJECTED = tl.constexpr(2)
@@ -266,4 +267,4 @@ def admission_step_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
                                 blocked = 1
                 e += 1
         if err != 0:
-            set_status(status, err, 13, err_val)
+            set_status(status, err, OP_ADMISSION_STEP, err_val)
