@@ -37,7 +37,7 @@ from .kernels import common as _c
 
 HEAD, TAIL, NUM_FREE = _c.HEAD.value, _c.TAIL.value, _c.NUM_FREE.value
 EV_COUNT, REUSE_COUNT = _c.EV_COUNT.value, _c.REUSE_COUNT.value
-from .reference import NULL_BLOCK, as_id_list, as_int
+from .reference import NULL_BLOCK, as_group, as_id_list, as_int, check_tokens
 from .state import PoolState
 
 OPS = ["", "get_new_blocks", "free_blocks", "touch", "unpin_blocks", "cache_full_blocks", "cache_partial_block",
@@ -60,7 +60,9 @@ class BlockPool:
         device: where the state lives; default ``"cuda"`` when available, else ``"cpu"`` (kernels then
             run in Triton's interpreter, which the package turns on by itself).
         ring_capacity, num_chunks: override the free-queue ring size (power of two >= N) and the key
-            table's chunk count (power of two); for tests of compaction and a nearly full table.
+            table's chunk count (power of two, 16 slots each, room for every key: 16 * num_chunks >=
+            (N - 1) * max_keys_per_block, so the table never fills); for tests of compaction and of
+            a table at its load limit.
 
     Ids are accepted as lists of ints or int32 tensors on the pool's device; block lists come back
     as int32 tensors on the device. Raises :class:`InvalidArgumentError` for bad sizes.
@@ -79,8 +81,10 @@ class BlockPool:
         if ring_capacity is not None and (ring_capacity < max(num_blocks, 2) or ring_capacity & (ring_capacity - 1)):
             raise InvalidArgumentError("BlockPool", f"ring_capacity must be a power of two >= {num_blocks}",
                                        ring_capacity)
-        if num_chunks is not None and (num_chunks < 1 or num_chunks & (num_chunks - 1)):
-            raise InvalidArgumentError("BlockPool", "num_chunks must be a power of two", num_chunks)
+        if num_chunks is not None and (num_chunks < 1 or num_chunks & (num_chunks - 1)
+                                       or num_chunks * 16 < (num_blocks - 1) * max_keys_per_block):
+            raise InvalidArgumentError("BlockPool", "num_chunks must be a power of two with room for every key "
+                                       f"(16 * num_chunks >= (num_blocks - 1) * max_keys_per_block)", num_chunks)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -127,7 +131,9 @@ class BlockPool:
                 raise InvalidArgumentError(op, f"block id tensors must be int32, got {ids.dtype}")
             if ids.device != self.device:
                 raise InvalidArgumentError(op, f"block id tensor is on {ids.device}, the pool on {self.device}")
-            return ids.reshape(-1).contiguous()
+            if ids.dim() != 1:
+                raise InvalidArgumentError(op, f"block id tensors must be 1-D, got shape {tuple(ids.shape)}")
+            return ids.contiguous()
         out = as_id_list(op, ids)
         for b in out:
             if not 0 <= b < self.num_blocks:
@@ -309,7 +315,7 @@ class BlockPool:
         nc = as_int(op, num_cached_blocks, "num_cached_blocks")
         nf = as_int(op, num_full_blocks, "num_full_blocks")
         bs = as_int(op, block_size, "block_size")
-        g = as_int(op, group_id, "group_id")
+        g = as_group(op, group_id)
         ids = self._ids_arg(op, blocks)
         if nc < 0:
             raise InvalidCountError(op, f"num_cached_blocks must be >= 0, got {nc}", nc)
@@ -319,6 +325,7 @@ class BlockPool:
             if isinstance(blocks, torch.Tensor):
                 self._check_ids_now(op, ids)
             return
+        check_tokens(op, nf * bs, "num_full_blocks * block_size")
         if nf > ids.numel():
             raise InvalidArgumentError(op, f"num_full_blocks {nf} exceeds the {ids.numel()} blocks given", nf)
         if nf > len(block_hashes):
@@ -370,11 +377,12 @@ class BlockPool:
         if not 0 <= b < self.num_blocks:
             raise InvalidBlockIdError(op, f"block id {b} out of range 0..{self.num_blocks - 1}", b)
         nt = as_int(op, num_tokens, "num_tokens")
-        g = as_int(op, group_id, "group_id")
+        g = as_group(op, group_id)
         bs = as_int(op, block_size, "block_size")
         hbs = as_int(op, hash_block_size, "hash_block_size")
         if bs <= 0 or hbs <= 0 or bs % hbs != 0:
             raise InvalidArgumentError(op, f"block_size {bs} must be a positive multiple of hash_block_size {hbs}", bs)
+        check_tokens(op, nt, "num_tokens")
         if nt % hbs != 0:
             raise InvalidArgumentError(op, f"num_tokens {nt} is not a multiple of hash_block_size {hbs}", nt)
         k = nt // hbs
@@ -419,7 +427,7 @@ class BlockPool:
         op = "get_cached_block"
         if not isinstance(block_hash, (bytes, bytearray)):
             raise InvalidArgumentError(op, f"block hashes must be bytes, got {type(block_hash).__name__}")
-        groups = [as_int(op, g, "group_id") for g in kv_cache_group_ids]
+        groups = [as_group(op, g) for g in kv_cache_group_ids]
         if not groups:
             return []
         keys = [device_key(bytes(block_hash), g) for g in groups]
@@ -513,7 +521,15 @@ class BlockPool:
     def lookup_batched(self, key_hi: torch.Tensor, key_lo: torch.Tensor, key_group: torch.Tensor,
                        num_keys: torch.Tensor | None = None) -> torch.Tensor:
         """Earliest-inserted block per device key (``gpupool.keys.device_key``), -1 on a miss.
-        ``key_hi, key_lo: int64[K]``, ``key_group: int32[K]``; returns ``int32[K]``. Read-only."""
+        ``key_hi, key_lo: int64[K]``, ``key_group: int32[K]``; returns ``int32[K]``. Read-only. Raises
+        InvalidArgumentError for other dtypes, devices, shapes or lengths."""
+        op = "lookup_batched"
+        for t, dt, what in ((key_hi, torch.int64, "key_hi"), (key_lo, torch.int64, "key_lo"),
+                            (key_group, torch.int32, "key_group")):
+            if not isinstance(t, torch.Tensor) or t.dtype != dt or t.device != self.device or t.dim() != 1:
+                raise InvalidArgumentError(op, f"{what} must be a 1-D {dt} tensor on {self.device}")
+        if not key_hi.numel() == key_lo.numel() == key_group.numel():
+            raise InvalidArgumentError(op, "key_hi, key_lo and key_group differ in length")
         s = self.state
         k = key_hi.numel()
         out = torch.empty(k, dtype=torch.int32, device=self.device)

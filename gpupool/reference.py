@@ -20,6 +20,9 @@ from .events import AllBlocksCleared, BlockRemoved, BlockStored
 Key = tuple[bytes, int]  # (block_hash, group_id), SPEC.md section 1
 NULL_BLOCK = 0
 _NIL = -1
+# Limits both pools enforce (the device stores group ids and token counts as int32).
+MAX_GROUP_ID = 2**31 - 1
+MAX_TOKENS = 2**31 - 1
 
 
 def as_int(op: str, x, what: str = "value") -> int:
@@ -30,6 +33,20 @@ def as_int(op: str, x, what: str = "value") -> int:
         return operator.index(x)
     except TypeError:
         raise InvalidArgumentError(op, f"{what} must be an integer, got {type(x).__name__} {x!r}") from None
+
+
+def as_group(op: str, g) -> int:
+    """A KV-cache group id: an int in ``0 .. MAX_GROUP_ID``, else InvalidArgumentError."""
+    g = as_int(op, g, "group_id")
+    if not 0 <= g <= MAX_GROUP_ID:
+        raise InvalidArgumentError(op, f"group_id {g} outside 0..{MAX_GROUP_ID}", g)
+    return g
+
+
+def check_tokens(op: str, n: int, what: str) -> None:
+    """Token counts the pools store must fit ``MAX_TOKENS`` (int32 on the device)."""
+    if n > MAX_TOKENS:
+        raise InvalidArgumentError(op, f"{what} {n} exceeds {MAX_TOKENS} tokens", n)
 
 
 def as_id_list(op: str, ids) -> list[int]:
@@ -283,7 +300,7 @@ class ReferenceBlockPool:
         nc = as_int(op, num_cached_blocks, "num_cached_blocks")
         nf = as_int(op, num_full_blocks, "num_full_blocks")
         bs = as_int(op, block_size, "block_size")
-        g = as_int(op, group_id, "group_id")
+        g = as_group(op, group_id)
         ids = self._ids(op, blocks)
         if nc < 0:
             raise InvalidCountError(op, f"num_cached_blocks must be >= 0, got {nc}", nc)
@@ -291,6 +308,7 @@ class ReferenceBlockPool:
             raise InvalidArgumentError(op, f"block_size must be > 0, got {bs}", bs)
         if nc >= nf or not self.enable_caching:
             return
+        check_tokens(op, nf * bs, "num_full_blocks * block_size")
         if nf > len(ids):
             raise InvalidArgumentError(op, f"num_full_blocks {nf} exceeds the {len(ids)} blocks given", nf)
         if nf > len(block_hashes):
@@ -336,11 +354,12 @@ class ReferenceBlockPool:
         b = as_int(op, block, "block id")
         self._check_id(op, b)
         nt = as_int(op, num_tokens, "num_tokens")
-        g = as_int(op, group_id, "group_id")
+        g = as_group(op, group_id)
         bs = as_int(op, block_size, "block_size")
         hbs = as_int(op, hash_block_size, "hash_block_size")
         if bs <= 0 or hbs <= 0 or bs % hbs != 0:
             raise InvalidArgumentError(op, f"block_size {bs} must be a positive multiple of hash_block_size {hbs}", bs)
+        check_tokens(op, nt, "num_tokens")
         if nt % hbs != 0:
             raise InvalidArgumentError(op, f"num_tokens {nt} is not a multiple of hash_block_size {hbs}", nt)
         k = nt // hbs
@@ -388,9 +407,10 @@ class ReferenceBlockPool:
         """The earliest-inserted block under ``(block_hash, g)`` for every group, or None if any misses."""
         op = "get_cached_block"
         h = self._check_hash(op, block_hash)
+        groups = [as_group(op, g) for g in kv_cache_group_ids]
         out = []
-        for g in kv_cache_group_ids:
-            entries = self.cached_block_hash_to_block.get((h, as_int(op, g, "group_id")))
+        for g in groups:
+            entries = self.cached_block_hash_to_block.get((h, g))
             if not entries:
                 return None
             out.append(next(iter(entries)))

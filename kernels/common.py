@@ -60,6 +60,14 @@ def set_status(status, code, op, value):
 
 
 @triton.jit
+def checked_count(count_ptr, cap):
+    """A count read from the device, checked against its array's capacity: (count or 0, ok)."""
+    n = tl.load(count_ptr)
+    ok = (n >= 0) & (n <= cap)
+    return tl.where(ok, n, 0), ok
+
+
+@triton.jit
 def first_bad(bad, idx, val):
     """(any, index, value) of the lowest-index lane where ``bad`` holds; index BIG when none."""
     i = tl.min(tl.where(bad, idx, BIG), axis=0)
