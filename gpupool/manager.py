@@ -210,7 +210,7 @@ class KVCacheManager:
             st.ctrl, st.status, st.ring, st.qslot, st.ref_cnt, st.num_keys, st.hash_ntok, st.keys, st.table,
             st.overflow, st.watcher_id, st.watch_seq, st.reuse, st.ev, st.s_cnt, st.s_last, st.s_first,
             self.block_table, self.num_blocks, self.num_computed, self.num_cached, self.req_hi, self.req_lo,
-            self.num_hashes, self.windows, self._s_req, self._scratch, s, nt, tg, lk, num_reqs, admitted,
+            self.num_hashes, self.windows, self._s_req, self._scratch, s, nt, tg, lk, num_reqs, b, admitted,
             self.block_size, tag0, G=G, R=self.max_num_reqs, M=self.max_blocks_per_req, K=self.hashes_per_block,
             N=p.num_blocks,
             C=st.ring_capacity, MK=p.max_keys_per_block, NCHUNK=st.num_chunks, CACHING=p.enable_caching,
@@ -235,7 +235,7 @@ class KVCacheManager:
         k_manager.free_requests_kernel[(1,)](
             st.ctrl, st.status, st.ring, st.qslot, st.ref_cnt, st.num_keys, st.s_cnt, st.s_last,
             self.block_table, self.num_blocks, self.num_computed, self.num_cached, self.num_hashes, self._s_req,
-            self._scratch, s, num_reqs, G=len(self.groups), R=self.max_num_reqs, M=self.max_blocks_per_req,
+            self._scratch, s, num_reqs, s.numel(), G=len(self.groups), R=self.max_num_reqs, M=self.max_blocks_per_req,
             C=st.ring_capacity, CACHING=p.enable_caching, BLOCK=p._block, num_warps=p._warps)
         if not isinstance(slots, torch.Tensor):
             for r in rs:

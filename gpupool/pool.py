@@ -42,7 +42,7 @@ from .state import PoolState
 
 OPS = ["", "get_new_blocks", "free_blocks", "touch", "unpin_blocks", "cache_full_blocks", "cache_partial_block",
        "move_block_hashes", "evict_blocks", "reset_prefix_cache", "allocate_batched", "free_batched", "touch_batched",
-       "admission_step", "allocate_slots", "free_requests"]
+       "admission_step", "allocate_slots", "free_requests", "lookup_batched"]
 OP = {name: i for i, name in enumerate(OPS) if name}
 _EV_REMOVED, _EV_STORED, _EV_CLEARED = 1, 2, 3
 
@@ -537,7 +537,7 @@ class BlockPool:
             num_keys = torch.full((1,), k, dtype=torch.int32, device=self.device)
         blk = 256
         k_lookup.lookup_kernel[(max(1, -(-k // blk)),)](s.table, s.overflow, s.keys, key_hi, key_lo, key_group,
-                                                        num_keys, out, MK=self.max_keys_per_block,
+                                                        num_keys, k, out, s.status, MK=self.max_keys_per_block,
                                                         NCHUNK=s.num_chunks, BLOCK=blk, num_warps=4)
         return out
 
@@ -673,7 +673,7 @@ _MESSAGES = {
     6: "ref count would go below zero (double free)",
     7: "block already cached at >= this many tokens, or destination already keyed",
     8: "a block would exceed max_keys_per_block keys",
-    9: "invalid argument (a block listed twice)",
+    9: "invalid argument: a block or slot listed twice, or a count or offsets that do not fit their arrays",
     10: "invariant violated",
     11: "device event buffer or reuse log full; drain them (take_events / check) between batched ops",
 }

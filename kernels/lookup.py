@@ -6,17 +6,25 @@ number of programs run without races.
 import triton
 import triton.language as tl
 
+from .common import E_INVALID_ARG, ST_OP, ST_VALUE, checked_count
 from .keytable import table_lookup
 
 BIG_POS = tl.constexpr(2147483647)
 
 
 @triton.jit
-def lookup_kernel(table, overflow, keys, key_hi, key_lo, key_group, num_keys_in, out_block,
+def lookup_kernel(table, overflow, keys, key_hi, key_lo, key_group, num_keys_in, cap, out_block, status,
                   MK: tl.constexpr, NCHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """``out_block[i]`` = earliest-inserted block under key i, or -1. Grid: cdiv(capacity, BLOCK);
-    ``key_hi, key_lo: int64``, ``key_group: int32``, count ``num_keys_in: int32[1]``."""
-    n = tl.load(num_keys_in)
+    """``out_block[i]`` = earliest-inserted block under key i, or -1, for ``i < num_keys_in[0]``.
+    Grid: cdiv(cap, BLOCK); ``key_hi, key_lo: int64[cap]``, ``key_group: int32[cap]``. A count outside
+    ``0..cap`` looks nothing up; program 0 records it in the status word with one compare-and-swap
+    (so an earlier error stays first; no other program writes there)."""
+    n, n_ok = checked_count(num_keys_in, cap)
+    if (tl.program_id(0) == 0) & (n_ok == 0):
+        zero = tl.load(num_keys_in).to(tl.int64) * 0
+        if tl.atomic_cas(status, zero, zero + E_INVALID_ARG) == 0:
+            tl.store(status + ST_OP, 16)
+            tl.store(status + ST_VALUE, tl.load(num_keys_in).to(tl.int64))
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = idx < n
     hi = tl.load(key_hi + idx, mask=m, other=0)

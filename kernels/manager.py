@@ -15,7 +15,7 @@ from .admit import free_segment
 from .alloc import claim_blocks
 from .common import (
     BIG, E_BUFFER_FULL, E_INVALID_ARG, E_INVALID_COUNT, E_KEY_CAPACITY, EV_COUNT, EV_STORED, HEAD, KEY_SEQ,
-    NUM_FREE, first_bad, set_status,
+    NUM_FREE, checked_count, first_bad, set_status,
 )
 from .events import write_event
 from .keytable import K_GROUP, K_HI, K_LO, KW, drop_keys, put_key, table_lookup
@@ -129,22 +129,25 @@ def partial_key(ctrl, num_keys, hash_ntok, keys, table, overflow, ev, b, hi, lo,
 def allocate_slots_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_ntok, keys, table, overflow,
                           watcher_id, watch_seq, reuse, ev, s_cnt, s_last, s_first,
                           block_table, num_blocks, num_computed, num_cached, req_hi, req_lo, num_hashes, windows,
-                          s_req, scratch, slots, num_tokens, target, lookup, num_reqs, admitted, bs, tag0,
+                          s_req, scratch, slots, num_tokens, target, lookup, num_reqs, cap, admitted, bs, tag0,
                           G: tl.constexpr, R: tl.constexpr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
                           C: tl.constexpr,
                           MK: tl.constexpr, NCHUNK: tl.constexpr, CACHING: tl.constexpr, EVENTS: tl.constexpr,
                           EV_CAP: tl.constexpr, STOP_ON_FAILURE: tl.constexpr, BLOCK: tl.constexpr):
     """``allocate_slots`` of ``num_reqs[0]`` requests in order (``ReferenceKVCacheManager.allocate_slots``).
 
-    Inputs per request k: ``slots, num_tokens, target: int32``, ``lookup: int8``; output
+    Inputs per request k < ``num_reqs[0]`` (at most ``cap``, the arrays' length): ``slots,
+    num_tokens, target: int32``, ``lookup: int8``; output
     ``admitted: int32`` (1 admitted). Errors (a slot out of range or repeated, a token count outside
     ``0 .. M * bs``) set the status word before anything changes. Op tags for events: request k's
     full blocks of group g carry ``tag0 + k * G + g``, its partial key ``tag0 + (B + k) * G + g``.
     """
     offs = tl.arange(0, BLOCK)
-    nb = tl.load(num_reqs)
+    nb, nb_ok = checked_count(num_reqs, cap)
     if tl.load(status) == 0:
         err, err_val = check_slots(slots, nb, s_req, R, BLOCK)
+        err_val = tl.where(nb_ok, err_val, tl.load(num_reqs).to(tl.int64))
+        err = tl.where(nb_ok, err, E_INVALID_ARG)
         i = 0
         while i < nb:
             m = (i + offs) < nb
@@ -344,14 +347,16 @@ def allocate_slots_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
 @triton.jit
 def free_requests_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, s_cnt, s_last,
                          block_table, num_blocks, num_computed, num_cached, num_hashes, s_req, scratch,
-                         slots, num_reqs, G: tl.constexpr, R: tl.constexpr, M: tl.constexpr, C: tl.constexpr,
+                         slots, num_reqs, cap, G: tl.constexpr, R: tl.constexpr, M: tl.constexpr, C: tl.constexpr,
                          CACHING: tl.constexpr, BLOCK: tl.constexpr):
     """``free`` of ``num_reqs[0]`` requests in order: for each, every group's row freed tail first (one
     ``free_blocks`` per group), then the request's counts reset. A slot out of range or listed twice
     sets the status word before anything changes."""
-    nb = tl.load(num_reqs)
+    nb, nb_ok = checked_count(num_reqs, cap)
     if tl.load(status) == 0:
         err, err_val = check_slots(slots, nb, s_req, R, BLOCK)
+        err_val = tl.where(nb_ok, err_val, tl.load(num_reqs).to(tl.int64))
+        err = tl.where(nb_ok, err, E_INVALID_ARG)
         if err == 0:
             k = 0
             while k < nb:
