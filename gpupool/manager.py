@@ -34,10 +34,9 @@ from collections.abc import Sequence
 import torch
 
 from .errors import InvalidArgumentError, OutOfBlocksError
-from .keys import device_key
 from .kernels import manager as k_manager
 from .pool import BlockPool
-from .reference import NULL_BLOCK, _group_spec, as_id_list, as_int
+from .reference import NULL_BLOCK, as_id_list, as_int, set_manager_shape
 
 
 class KVCacheManager:
@@ -56,21 +55,7 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, *, block_size: int, max_num_reqs: int, max_blocks_per_req: int,
                  groups=("full",), hash_block_size: int | None = None, max_pending_copies: int = 1024, **pool_kw):
-        op = "KVCacheManager"
-        self.block_size = as_int(op, block_size, "block_size")
-        self.hash_block_size = as_int(op, hash_block_size if hash_block_size is not None else block_size,
-                                      "hash_block_size")
-        if self.hash_block_size < 1 or self.block_size % self.hash_block_size:
-            raise InvalidArgumentError(op, f"block_size {self.block_size} must be a multiple of hash_block_size "
-                                           f"{self.hash_block_size}", self.hash_block_size)
-        self.hashes_per_block = self.block_size // self.hash_block_size
-        self.max_num_reqs = as_int(op, max_num_reqs, "max_num_reqs")
-        self.max_blocks_per_req = as_int(op, max_blocks_per_req, "max_blocks_per_req")
-        if self.block_size < 1 or self.max_num_reqs < 1 or self.max_blocks_per_req < 1:
-            raise InvalidArgumentError(op, "block_size, max_num_reqs and max_blocks_per_req must be >= 1")
-        self.groups = [_group_spec(op, g) for g in groups]
-        if not self.groups:
-            raise InvalidArgumentError(op, "at least one KV-cache group is needed")
+        set_manager_shape(self, block_size, hash_block_size, max_num_reqs, max_blocks_per_req, groups)
         self.pool = BlockPool(num_blocks, **pool_kw)
         dev = self.device = self.pool.device
         G, R, M = len(self.groups), self.max_num_reqs, self.max_blocks_per_req

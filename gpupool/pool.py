@@ -23,7 +23,7 @@ import torch
 from . import _backend
 
 from .errors import (
-    ERRORS_BY_CODE, InvalidArgumentError, InvalidBlockIdError, InvalidCountError, InvariantError, NullBlockError,
+    ERRORS_BY_CODE, InvalidArgumentError, InvalidBlockIdError, InvalidCountError, NullBlockError,
     OutOfBlocksError, PoolError,
 )
 from .events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -37,7 +37,7 @@ from .kernels import common as _c
 
 HEAD, TAIL, NUM_FREE = _c.HEAD.value, _c.TAIL.value, _c.NUM_FREE.value
 EV_COUNT, REUSE_COUNT = _c.EV_COUNT.value, _c.REUSE_COUNT.value
-from .reference import NULL_BLOCK, as_group, as_id_list, as_int, check_tokens
+from .reference import NULL_BLOCK, as_group, as_id_list, as_int, check_tokens, partial_block_args
 from .state import PoolState
 
 OPS = ["", "get_new_blocks", "free_blocks", "touch", "unpin_blocks", "cache_full_blocks", "cache_partial_block",
@@ -84,7 +84,7 @@ class BlockPool:
         if num_chunks is not None and (num_chunks < 1 or num_chunks & (num_chunks - 1)
                                        or num_chunks * 16 < (num_blocks - 1) * max_keys_per_block):
             raise InvalidArgumentError("BlockPool", "num_chunks must be a power of two with room for every key "
-                                       f"(16 * num_chunks >= (num_blocks - 1) * max_keys_per_block)", num_chunks)
+                                       "(16 * num_chunks >= (num_blocks - 1) * max_keys_per_block)", num_chunks)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -373,26 +373,8 @@ class BlockPool:
         Raises InvalidArgumentError (sizes, too few hashes), InvalidBlockIdError, KeyCapacityError.
         """
         op = "cache_partial_block"
-        b = as_int(op, block, "block id")
-        if not 0 <= b < self.num_blocks:
-            raise InvalidBlockIdError(op, f"block id {b} out of range 0..{self.num_blocks - 1}", b)
-        nt = as_int(op, num_tokens, "num_tokens")
-        g = as_group(op, group_id)
-        bs = as_int(op, block_size, "block_size")
-        hbs = as_int(op, hash_block_size, "hash_block_size")
-        if bs <= 0 or hbs <= 0 or bs % hbs != 0:
-            raise InvalidArgumentError(op, f"block_size {bs} must be a positive multiple of hash_block_size {hbs}", bs)
-        check_tokens(op, nt, "num_tokens")
-        if nt % hbs != 0:
-            raise InvalidArgumentError(op, f"num_tokens {nt} is not a multiple of hash_block_size {hbs}", nt)
-        k = nt // hbs
-        if not 0 < k <= len(block_hashes):
-            raise InvalidArgumentError(op, f"num_tokens {nt} needs hash {k} of {len(block_hashes)}", nt)
-        for x in block_hashes[max(k - 2, 0):k]:
-            if not isinstance(x, (bytes, bytearray)):
-                raise InvalidArgumentError(op, f"block hashes must be bytes, got {type(x).__name__}")
-        h = bytes(block_hashes[k - 1])
-        parent = bytes(block_hashes[k - 2]) if k >= 2 else None
+        b, nt, g, bs, h, parent = partial_block_args(op, self.num_blocks, block, block_hashes, num_tokens, group_id,
+                                                     block_size, hash_block_size)
         if b == NULL_BLOCK or not self.enable_caching:
             return None
         hi, lo = self._key(h, g)

@@ -49,6 +49,36 @@ def check_tokens(op: str, n: int, what: str) -> None:
         raise InvalidArgumentError(op, f"{what} {n} exceeds {MAX_TOKENS} tokens", n)
 
 
+def check_hash(op: str, h) -> bytes:
+    if not isinstance(h, (bytes, bytearray)):
+        raise InvalidArgumentError(op, f"block hashes must be bytes, got {type(h).__name__}")
+    return bytes(h)
+
+
+def partial_block_args(op: str, num_blocks: int, block, block_hashes, num_tokens, group_id, block_size,
+                       hash_block_size):
+    """``cache_partial_block``'s argument checks, shared by both pools (SPEC.md section 2):
+    returns ``(block, num_tokens, group, block_size, hash, parent hash or None)``."""
+    b = as_int(op, block, "block id")
+    if not 0 <= b < num_blocks:
+        raise InvalidBlockIdError(op, f"block id {b} out of range 0..{num_blocks - 1}", b)
+    nt = as_int(op, num_tokens, "num_tokens")
+    g = as_group(op, group_id)
+    bs = as_int(op, block_size, "block_size")
+    hbs = as_int(op, hash_block_size, "hash_block_size")
+    if bs <= 0 or hbs <= 0 or bs % hbs != 0:
+        raise InvalidArgumentError(op, f"block_size {bs} must be a positive multiple of hash_block_size {hbs}", bs)
+    check_tokens(op, nt, "num_tokens")
+    if nt % hbs != 0:
+        raise InvalidArgumentError(op, f"num_tokens {nt} is not a multiple of hash_block_size {hbs}", nt)
+    k = nt // hbs
+    if not 0 < k <= len(block_hashes):
+        raise InvalidArgumentError(op, f"num_tokens {nt} needs hash {k} of {len(block_hashes)}", nt)
+    h = check_hash(op, block_hashes[k - 1])
+    parent = check_hash(op, block_hashes[k - 2]) if k >= 2 else None
+    return b, nt, g, bs, h, parent
+
+
 def as_id_list(op: str, ids) -> list[int]:
     """Block ids (a sequence of ints, or an integer tensor / array) as a list of Python ints."""
     if hasattr(ids, "tolist") and not isinstance(ids, list):
@@ -198,11 +228,7 @@ class ReferenceBlockPool:
         self.hash_num_tokens[b] = None
         return removed
 
-    @staticmethod
-    def _check_hash(op: str, h) -> bytes:
-        if not isinstance(h, (bytes, bytearray)):
-            raise InvalidArgumentError(op, f"block hashes must be bytes, got {type(h).__name__}")
-        return bytes(h)
+    _check_hash = staticmethod(check_hash)
 
     # ---- SPEC.md section 2 ---------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[int]:
@@ -351,22 +377,8 @@ class ReferenceBlockPool:
         InvalidArgumentError (sizes not multiples, too few hashes), InvalidBlockIdError, KeyCapacityError.
         """
         op = "cache_partial_block"
-        b = as_int(op, block, "block id")
-        self._check_id(op, b)
-        nt = as_int(op, num_tokens, "num_tokens")
-        g = as_group(op, group_id)
-        bs = as_int(op, block_size, "block_size")
-        hbs = as_int(op, hash_block_size, "hash_block_size")
-        if bs <= 0 or hbs <= 0 or bs % hbs != 0:
-            raise InvalidArgumentError(op, f"block_size {bs} must be a positive multiple of hash_block_size {hbs}", bs)
-        check_tokens(op, nt, "num_tokens")
-        if nt % hbs != 0:
-            raise InvalidArgumentError(op, f"num_tokens {nt} is not a multiple of hash_block_size {hbs}", nt)
-        k = nt // hbs
-        if not 0 < k <= len(block_hashes):
-            raise InvalidArgumentError(op, f"num_tokens {nt} needs hash {k} of {len(block_hashes)}", nt)
-        h = self._check_hash(op, block_hashes[k - 1])
-        parent = self._check_hash(op, block_hashes[k - 2]) if k >= 2 else None
+        b, nt, g, bs, h, parent = partial_block_args(op, self.num_blocks, block, block_hashes, num_tokens, group_id,
+                                                     block_size, hash_block_size)
         if b == NULL_BLOCK or not self.enable_caching:
             return None
         key = (h, g)
@@ -538,6 +550,25 @@ def _group_spec(op: str, spec) -> tuple[str, int]:
     raise InvalidArgumentError(op, f"unknown KV-cache group spec {spec!r} (\"full\" or (\"sliding_window\", tokens))")
 
 
+def set_manager_shape(m, block_size, hash_block_size, max_num_reqs, max_blocks_per_req, groups) -> None:
+    """Checked shape of a KV cache manager (both managers): block and hash-block sizes, table shape,
+    groups. Raises InvalidArgumentError."""
+    op = "KVCacheManager"
+    m.block_size = as_int(op, block_size, "block_size")
+    m.hash_block_size = as_int(op, hash_block_size if hash_block_size is not None else block_size, "hash_block_size")
+    m.max_num_reqs = as_int(op, max_num_reqs, "max_num_reqs")
+    m.max_blocks_per_req = as_int(op, max_blocks_per_req, "max_blocks_per_req")
+    if m.block_size < 1 or m.max_num_reqs < 1 or m.max_blocks_per_req < 1:
+        raise InvalidArgumentError(op, "block_size, max_num_reqs and max_blocks_per_req must be >= 1")
+    if m.hash_block_size < 1 or m.block_size % m.hash_block_size:
+        raise InvalidArgumentError(op, f"block_size {m.block_size} must be a multiple of hash_block_size "
+                                       f"{m.hash_block_size}", m.hash_block_size)
+    m.hashes_per_block = m.block_size // m.hash_block_size
+    m.groups = [_group_spec(op, g) for g in groups]
+    if not m.groups:
+        raise InvalidArgumentError(op, "at least one KV-cache group is needed")
+
+
 class ReferenceKVCacheManager:
     """The request layer (vLLM's KVCacheManager and its coordinator) over ``ReferenceBlockPool``: the
     oracle of ``gpupool.manager.KVCacheManager``. Semantics are documented there, op by op.
@@ -553,21 +584,7 @@ class ReferenceKVCacheManager:
     def __init__(self, num_blocks: int, *, block_size: int, max_num_reqs: int, max_blocks_per_req: int,
                  groups=("full",), hash_block_size: int | None = None, enable_caching: bool = True,
                  enable_kv_cache_events: bool = False, max_keys_per_block: int = 4):
-        op = "KVCacheManager"
-        self.block_size = as_int(op, block_size, "block_size")
-        self.hash_block_size = as_int(op, hash_block_size if hash_block_size is not None else block_size,
-                                      "hash_block_size")
-        if self.hash_block_size < 1 or self.block_size % self.hash_block_size:
-            raise InvalidArgumentError(op, f"block_size {self.block_size} must be a multiple of hash_block_size "
-                                           f"{self.hash_block_size}", self.hash_block_size)
-        self.hashes_per_block = self.block_size // self.hash_block_size
-        self.max_num_reqs = as_int(op, max_num_reqs, "max_num_reqs")
-        self.max_blocks_per_req = as_int(op, max_blocks_per_req, "max_blocks_per_req")
-        if self.block_size < 1 or self.max_num_reqs < 1 or self.max_blocks_per_req < 1:
-            raise InvalidArgumentError(op, "block_size, max_num_reqs and max_blocks_per_req must be >= 1")
-        self.groups = [_group_spec(op, g) for g in groups]
-        if not self.groups:
-            raise InvalidArgumentError(op, "at least one KV-cache group is needed")
+        set_manager_shape(self, block_size, hash_block_size, max_num_reqs, max_blocks_per_req, groups)
         self.pool = ReferenceBlockPool(num_blocks, enable_caching=enable_caching,
                                        enable_kv_cache_events=enable_kv_cache_events,
                                        max_keys_per_block=max_keys_per_block)
