@@ -106,6 +106,32 @@ def free_segment(ctrl, ring, qslot, ref_cnt, num_keys, s_cnt, s_last, ids, n,
 
 
 @triton.jit
+def touch_counted(ctrl, ring, qslot, ref_cnt, s_cnt, s_last, s_first, ids, n, N: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """An already-validated ``touch(ids[:n])`` of non-null blocks: each distinct block unlinked from
+    the ring if its ref count was 0, then raised by its occurrence count. Leaves the scratch idle."""
+    offs = tl.arange(0, BLOCK)
+    count_ids(ids, n, s_cnt, s_last, s_first, BLOCK)
+    tl.debug_barrier()
+    unlinked = n * 0
+    t = 0
+    while t < n:
+        pos = t + offs
+        m = pos < n
+        blk = tl.load(ids + pos, mask=m, other=0)
+        first = m & (tl.load(s_first + blk, mask=m, other=-1) == pos)
+        ref = tl.load(ref_cnt + blk, mask=first, other=1)
+        ring_unlink(ring, qslot, blk, first & (ref == 0))
+        tl.store(ref_cnt + blk, ref + tl.load(s_cnt + blk, mask=first, other=0), mask=first)
+        unlinked += tl.sum((first & (ref == 0)).to(tl.int32), axis=0)
+        t += BLOCK
+    tl.store(ctrl + NUM_FREE, tl.load(ctrl + NUM_FREE) - unlinked)
+    tl.debug_barrier()
+    reset_scratch(ids, n, s_cnt, s_last, s_first, N, BLOCK)
+    tl.debug_barrier()
+
+
+@triton.jit
 def admission_step_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_ntok, keys, table, overflow,
                           watcher_id, watch_seq, reuse, ev, s_cnt, s_last, s_first,
                           chain_hi, chain_lo, chain_off, req_full, req_hitcap, req_total,
@@ -209,24 +235,8 @@ def admission_step_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
                         else:
                             tl.debug_barrier()
                             # touch(hits): per distinct block (a chain may repeat a hash, so a block).
-                            count_ids(out_blocks + ob, hits, s_cnt, s_last, s_first, BLOCK)
-                            tl.debug_barrier()
-                            unlinked = hits * 0
-                            t = 0
-                            while t < hits:
-                                pos = t + offs
-                                m = pos < hits
-                                blk = tl.load(out_blocks + ob + pos, mask=m, other=0)
-                                first = m & (tl.load(s_first + blk, mask=m, other=-1) == pos)
-                                ref = tl.load(ref_cnt + blk, mask=first, other=1)
-                                ring_unlink(ring, qslot, blk, first & (ref == 0))
-                                tl.store(ref_cnt + blk, ref + tl.load(s_cnt + blk, mask=first, other=0), mask=first)
-                                unlinked += tl.sum((first & (ref == 0)).to(tl.int32), axis=0)
-                                t += BLOCK
-                            tl.store(ctrl + NUM_FREE, tl.load(ctrl + NUM_FREE) - unlinked)
-                            tl.debug_barrier()
-                            reset_scratch(out_blocks + ob, hits, s_cnt, s_last, s_first, N, BLOCK)
-                            tl.debug_barrier()
+                            touch_counted(ctrl, ring, qslot, ref_cnt, s_cnt, s_last, s_first, out_blocks + ob, hits,
+                                          N, BLOCK)
                             new_head = ring_scan_pop(ring, ctrl, out_blocks, ob + hits, new, C, BLOCK)
                             tl.debug_barrier()
                             if tl.load(status) == 0:

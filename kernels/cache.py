@@ -14,7 +14,7 @@ from .common import (
     EV_COUNT, EV_STORED, KEY_SEQ, REUSE_COUNT, first_bad, set_status,
 )
 from .events import write_event
-from .keytable import K_GROUP, K_HI, K_LO, K_SEQ, K_SLOT, KW, drop_keys, put_key, table_delete
+from .keytable import K_GROUP, K_HI, K_LO, K_SLOT, KW, drop_keys, put_key, table_delete
 from .release import check_ids, count_ids, reset_scratch  # noqa: F401
 
 # p layouts

@@ -11,7 +11,7 @@ block i keyed by hash ``(i + 1) * K - 1``), ``num_hashes: int32[R]`` (hash block
 import triton
 import triton.language as tl
 
-from .admit import free_segment
+from .admit import free_segment, touch_counted
 from .alloc import claim_blocks
 from .common import (
     BIG, E_BUFFER_FULL, E_INVALID_ARG, E_INVALID_COUNT, E_KEY_CAPACITY, EV_COUNT, EV_STORED, HEAD, KEY_SEQ,
@@ -19,8 +19,7 @@ from .common import (
 )
 from .events import write_event
 from .keytable import K_GROUP, K_HI, K_LO, KW, drop_keys, put_key, table_lookup
-from .queue import ring_scan_pop, ring_unlink
-from .release import count_ids, reset_scratch
+from .queue import ring_scan_pop
 
 OP_ALLOCATE_SLOTS = tl.constexpr(14)
 OP_FREE_REQUESTS = tl.constexpr(15)
@@ -247,25 +246,8 @@ def allocate_slots_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
                     # Touch every group's hits before any group allocates.
                     g = 0
                     while g < G:
-                        row = block_table + (g * R + r).to(tl.int64) * M
-                        count_ids(row, hits, s_cnt, s_last, s_first, BLOCK)
-                        tl.debug_barrier()
-                        unlinked = hits * 0
-                        t = 0
-                        while t < hits:
-                            pos = t + offs
-                            mm = pos < hits
-                            blk = tl.load(row + pos, mask=mm, other=0)
-                            first = mm & (tl.load(s_first + blk, mask=mm, other=-1) == pos)
-                            ref = tl.load(ref_cnt + blk, mask=first, other=1)
-                            ring_unlink(ring, qslot, blk, first & (ref == 0))
-                            tl.store(ref_cnt + blk, ref + tl.load(s_cnt + blk, mask=first, other=0), mask=first)
-                            unlinked += tl.sum((first & (ref == 0)).to(tl.int32), axis=0)
-                            t += BLOCK
-                        tl.store(ctrl + NUM_FREE, tl.load(ctrl + NUM_FREE) - unlinked)
-                        tl.debug_barrier()
-                        reset_scratch(row, hits, s_cnt, s_last, s_first, N, BLOCK)
-                        tl.debug_barrier()
+                        touch_counted(ctrl, ring, qslot, ref_cnt, s_cnt, s_last, s_first,
+                                      block_table + (g * R + r).to(tl.int64) * M, hits, N, BLOCK)
                         g += 1
                     # Then each group in order gets its new blocks (evicting their keys).
                     g = 0
