@@ -68,6 +68,7 @@ class KVCacheManager:
         self.req_hi = torch.zeros((R, G, M * K), dtype=i64, device=dev)
         self.req_lo = torch.zeros((R, G, M * K), dtype=i64, device=dev)
         self.num_hashes = torch.zeros(R, dtype=i32, device=dev)
+        self.active = torch.zeros(R, dtype=torch.int8, device=dev)  # slot in use (add_request .. free)
         self.windows = torch.tensor([w for _, w in self.groups], dtype=i32, device=dev)
         self.copy_src = torch.zeros(max_pending_copies, dtype=i32, device=dev)
         self.copy_dst = torch.zeros(max_pending_copies, dtype=i32, device=dev)
@@ -113,6 +114,7 @@ class KVCacheManager:
             raise InvalidArgumentError(op, f"slot {r} still holds blocks", r)
         self._active[r] = True
         self._hashes[r] = hs
+        self.active[r] = 1
         self.num_computed[r] = 0
         self.num_cached[:, r] = 0
         self.num_hashes[r] = 0
@@ -142,8 +144,14 @@ class KVCacheManager:
     def get_computed_blocks(self, slots, num_tokens):
         """Longest cached prefix of each request's hashes, all groups hitting, capped at
         ``(num_tokens - 1) // block_size`` blocks. ``slots, num_tokens: int32[B]``. Returns
-        ``(hits: int32[B], blocks: int32[B, G, M])`` on the device (first ``hits[b]`` valid). Read-only."""
+        ``(hits: int32[B], blocks: int32[B, G, M])`` on the device (first ``hits[b]`` valid). Read-only;
+        the slots are checked on the host (a tensor of slots is read back: this op waits)."""
         op = "get_computed_blocks"
+        rs = slots.tolist() if isinstance(slots, torch.Tensor) else as_id_list(op, slots)  # a host check
+        for r in rs:
+            self._slot(op, r)
+        if len(set(rs)) != len(rs):
+            raise InvalidArgumentError(op, "a slot is listed twice")
         s = self._i32(op, slots, "slots").long()
         nt = self._i32(op, num_tokens, "num_tokens")
         if s.numel() != nt.numel():
@@ -182,20 +190,26 @@ class KVCacheManager:
         admitted = torch.zeros(max(b, 1), dtype=torch.int32, device=self.device)
         p, st = self.pool, self.pool.state
         G = len(self.groups)
+        R, K = self.max_num_reqs, self.hashes_per_block
         tag0 = p._next_tag
-        p._next_tag += 2 * b * G
-        if p.enable_kv_cache_events and not isinstance(slots, torch.Tensor):
-            K = self.hashes_per_block
-            for k, r in enumerate(as_id_list(op, slots)):
-                if 0 <= r < self.max_num_reqs:
-                    for g in range(G):
-                        p._stored_meta[tag0 + k * G + g] = ("chain", self._hashes[r], self.block_size, g, K)
-                        p._stored_meta[tag0 + (b + k) * G + g] = ("chain", self._hashes[r], self.block_size, g, 1)
+        p._next_tag += 2 * R * G
+        if p.enable_kv_cache_events:
+            chains, bs = list(self._hashes), self.block_size  # the hash lists as of this call
+
+            def resolve(tag, aux):  # full blocks of slot r from block aux on; or slot r's partial key aux
+                i = tag - tag0
+                partial, (r, g) = i >= R * G, divmod(i % (R * G), G)
+                chain = chains[r]
+                j = aux - 1 if partial else aux * K - 1
+                return (chain[j] if 0 <= j < len(chain) and aux > 0 else None), bs, g
+
+            p._tag_resolvers.append((tag0, tag0 + 2 * R * G, resolve))
         k_manager.allocate_slots_kernel[(1,)](
             st.ctrl, st.status, st.ring, st.qslot, st.ref_cnt, st.num_keys, st.hash_ntok, st.keys, st.table,
             st.overflow, st.watcher_id, st.watch_seq, st.reuse, st.ev, st.s_cnt, st.s_last, st.s_first,
             self.block_table, self.num_blocks, self.num_computed, self.num_cached, self.req_hi, self.req_lo,
-            self.num_hashes, self.windows, self._s_req, self._scratch, s, nt, tg, lk, num_reqs, b, admitted,
+            self.num_hashes, self.windows, self.active, self._s_req, self._scratch, s, nt, tg, lk, num_reqs, b,
+            admitted,
             self.block_size, tag0, G=G, R=self.max_num_reqs, M=self.max_blocks_per_req, K=self.hashes_per_block,
             N=p.num_blocks,
             C=st.ring_capacity, MK=p.max_keys_per_block, NCHUNK=st.num_chunks, CACHING=p.enable_caching,
@@ -219,8 +233,8 @@ class KVCacheManager:
         p, st = self.pool, self.pool.state
         k_manager.free_requests_kernel[(1,)](
             st.ctrl, st.status, st.ring, st.qslot, st.ref_cnt, st.num_keys, st.s_cnt, st.s_last,
-            self.block_table, self.num_blocks, self.num_computed, self.num_cached, self.num_hashes, self._s_req,
-            self._scratch, s, num_reqs, s.numel(), G=len(self.groups), R=self.max_num_reqs, M=self.max_blocks_per_req,
+            self.block_table, self.num_blocks, self.num_computed, self.num_cached, self.num_hashes, self.active,
+            self._s_req, self._scratch, s, num_reqs, s.numel(), G=len(self.groups), R=self.max_num_reqs, M=self.max_blocks_per_req,
             C=st.ring_capacity, CACHING=p.enable_caching, BLOCK=p._block, num_warps=p._warps)
         if not isinstance(slots, torch.Tensor):
             for r in rs:
@@ -270,6 +284,7 @@ class KVCacheManager:
         need = len(real) + len({x for x, c in zip(real, refs) if c == 0})
         if need > self.pool.get_num_free_blocks():
             raise OutOfBlocksError(op, f"copy-on-write needs {need} free blocks", need)
+        self._check_not_pending_dst(op, real)
         if self._pending_host + len(real) > self.copy_src.numel():
             raise InvalidArgumentError(op, "the pending-copy queue is full; run_pending_copies first")
         if real:
@@ -298,6 +313,7 @@ class KVCacheManager:
         real = [x for x in srcs if x != NULL_BLOCK]
         if len(real) > self.pool.get_num_free_blocks():
             raise OutOfBlocksError(op, f"copy-on-write needs {len(real)} free blocks", len(real))
+        self._check_not_pending_dst(op, real)
         if self._pending_host + len(real) > self.copy_src.numel():
             raise InvalidArgumentError(op, "the pending-copy queue is full; run_pending_copies first")
         dsts, triples = [], []
@@ -311,6 +327,13 @@ class KVCacheManager:
             dsts.append(dst)
         self._queue_copies(triples)
         return dsts
+
+    def _check_not_pending_dst(self, op: str, srcs: list[int]) -> None:
+        """A block still waiting to receive a copy cannot be copied from in the same batch."""
+        pending = set(self.copy_dst[: self._pending_host].tolist())
+        for x in srcs:
+            if x in pending:
+                raise InvalidArgumentError(op, f"block {x} still waits for a pending copy; run_pending_copies first", x)
 
     def take_pending_copies(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Drain the queue: ``(src, dst, release)`` int32 tensors, in queue order. After the copies
@@ -331,11 +354,13 @@ class KVCacheManager:
         copies' references. ``kv_caches``: per layer ``[num_blocks, ...]``. Returns the copies run."""
         from .kernels.copy_blocks import copy_blocks
 
+        n = self._pending_host
+        if n:
+            copy_blocks(kv_caches, self.copy_src[:n], self.copy_dst[:n])  # raises before the queue is drained
         src, dst, release = self.take_pending_copies()
-        if src.numel():
-            copy_blocks(kv_caches, src, dst)
+        if n:
             self.release_copied(release)
-        return int(src.numel())
+        return n
 
     # ---- inspection -------------------------------------------------------------------------
     def rows(self, group: int = 0) -> list[list[int]]:

@@ -104,6 +104,8 @@ class BlockPool:
         self._mkp = _pow2_at_least(max_keys_per_block)
         self._keymap: dict[tuple[int, int], tuple[bytes, int]] = {}  # device key -> (hash, group)
         self._stored_meta: dict[int, tuple[bytes | None, int, int]] = {}  # op tag -> BlockStored fields
+        # (first tag, end tag, resolver(tag, aux) -> BlockStored fields) of batched ops that tag by slot
+        self._tag_resolvers: list[tuple[int, int, Callable]] = []
         self._next_tag = 1
         self._callbacks: dict[int, Callable[[int], None]] = {}
         self._next_cb = 0
@@ -176,6 +178,7 @@ class BlockPool:
             self._translate_events(s.ev[: ctrl[EV_COUNT]].tolist())
             s.ctrl[EV_COUNT] = 0
         self._stored_meta.clear()  # every launched op has finished and its events are drained
+        self._tag_resolvers.clear()
         for b, cb in fired:
             cb(b)
         if status[0]:
@@ -187,8 +190,8 @@ class BlockPool:
 
     def _translate_events(self, rows) -> None:
         """Device event rows -> KV events. Consecutive stored items of one op tag form one BlockStored;
-        its parent is in the tag's metadata, or, for ``("chain", hashes, bs, g, step)`` metadata (the
-        manager's steps), ``hashes[aux - step]`` for the first stored item's chain position ``aux``."""
+        its (parent, block size, group) come from the tag's metadata, or from the resolver of the
+        batched op that owns the tag range, given the first item's ``aux``."""
         pending: list[bytes] = []
         pending_tag = None
         first_pos = 0
@@ -196,13 +199,11 @@ class BlockPool:
         def flush():
             nonlocal pending, pending_tag
             if pending:
-                meta = self._stored_meta.get(pending_tag, (None, 0, 0))
-                if meta and meta[0] == "chain":
-                    _, chain, bs, g, step = meta
-                    parent = chain[first_pos - step] if step <= first_pos <= len(chain) else None
+                if pending_tag in self._stored_meta:
+                    parent, bs, g = self._stored_meta.pop(pending_tag)
                 else:
-                    self._stored_meta.pop(pending_tag, None)
-                    parent, bs, g = meta
+                    parent, bs, g = next((res(pending_tag, first_pos) for lo, hi, res in self._tag_resolvers
+                                          if lo <= pending_tag < hi), (None, 0, 0))
                 self._events.append(BlockStored(tuple(pending), parent, bs, g))
             pending, pending_tag = [], None
 

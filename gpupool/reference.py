@@ -742,12 +742,19 @@ class ReferenceKVCacheManager:
                         self.pool.cache_full_blocks(self.tables[g][r], full, self.num_cached[g][r], nf, bs, g)
                         self.num_cached[g][r] = nf
                     row = self.tables[g][r]
-                    if nh * self.hash_block_size > nf * bs and nf < len(row) and row[nf] != NULL_BLOCK:
+                    if nh * self.hash_block_size > nf * bs and nf < len(row) and row[nf] != NULL_BLOCK \
+                            and self._partial_key_fits(row[nf], nh * self.hash_block_size):
                         self.pool.cache_partial_block(row[nf], self.hashes[r], nh * self.hash_block_size, g, bs,
                                                       self.hash_block_size)
             self.num_computed[r] = eff
             admitted[k] = True
         return admitted
+
+    def _partial_key_fits(self, b: int, num_tokens: int) -> bool:
+        """A partial key replaces the block's keys if its primary covers fewer tokens, else it is a
+        secondary key: the manager skips one that would exceed max_keys_per_block."""
+        p = self.pool
+        return not p.keys[b] or p.hash_num_tokens[b] < num_tokens or len(p.keys[b]) < p.max_keys_per_block
 
     def free(self, slots) -> None:
         """Finish requests, in order: each group's blocks freed tail first (one free_blocks per group)."""
@@ -793,6 +800,7 @@ class ReferenceKVCacheManager:
         if len(self.tables[0][r]) >= self.max_blocks_per_req:
             raise InvalidArgumentError(op, f"slot {r}'s row is full", r)
         real = [s for s in ss if s != NULL_BLOCK]
+        self._check_not_pending_dst(op, real)
         need = len(real) + sum(1 for s in set(real) if self.pool.ref_cnt[s] == 0)
         if need > self.pool.get_num_free_blocks():
             raise OutOfBlocksError(op, f"copy-on-write needs {need} free blocks", need)
@@ -817,6 +825,7 @@ class ReferenceKVCacheManager:
         if not 0 <= i < len(self.tables[0][r]):
             raise InvalidArgumentError(op, f"slot {r} has no block at index {i}", i)
         srcs = [self.tables[g][r][i] for g in range(len(self.groups))]
+        self._check_not_pending_dst(op, [s for s in srcs if s != NULL_BLOCK])
         need = sum(1 for s in srcs if s != NULL_BLOCK)
         if need > self.pool.get_num_free_blocks():
             raise OutOfBlocksError(op, f"copy-on-write needs {need} free blocks", need)
@@ -830,6 +839,13 @@ class ReferenceKVCacheManager:
             self.pending_copies.append((s, dst, dst))
             dsts.append(dst)
         return dsts
+
+    def _check_not_pending_dst(self, op: str, srcs: list[int]) -> None:
+        """A block still waiting to receive a copy cannot be copied from (one copy launch runs them all)."""
+        pending = {c[1] for c in self.pending_copies}
+        for s in srcs:
+            if s in pending:
+                raise InvalidArgumentError(op, f"block {s} still waits for a pending copy; run the copies first", s)
 
     def take_pending_copies(self) -> list[tuple[int, int, int]]:
         """Drain the queue: ``(src, dst, release)`` per copy, in order. After the copies have run, pass

@@ -14,7 +14,7 @@ import triton.language as tl
 from .admit import free_segment, touch_counted
 from .alloc import claim_blocks
 from .common import (
-    BIG, E_BUFFER_FULL, E_INVALID_ARG, E_INVALID_COUNT, E_KEY_CAPACITY, EV_COUNT, EV_STORED, HEAD, KEY_SEQ,
+    BIG, E_BUFFER_FULL, E_INVALID_ARG, E_INVALID_COUNT, EV_COUNT, EV_STORED, HEAD, KEY_SEQ,
     NUM_FREE, checked_count, first_bad, set_status,
 )
 from .events import write_event
@@ -26,8 +26,9 @@ OP_FREE_REQUESTS = tl.constexpr(15)
 
 
 @triton.jit
-def check_slots(slots, nb, s_req, R: tl.constexpr, BLOCK: tl.constexpr):
-    """(error, value): a slot out of range or listed twice; ``s_req: int32[R]`` scratch left zeroed."""
+def check_slots(slots, nb, s_req, active, R: tl.constexpr, BLOCK: tl.constexpr):
+    """(error, value): a slot out of range, listed twice or not in use (``active: int8[R]``);
+    ``s_req: int32[R]`` scratch left zeroed."""
     offs = tl.arange(0, BLOCK)
     err = nb * 0
     val = (nb * 0).to(tl.int64)
@@ -48,7 +49,8 @@ def check_slots(slots, nb, s_req, R: tl.constexpr, BLOCK: tl.constexpr):
         m = (i + offs) < nb
         r = tl.load(slots + i + offs, mask=m, other=0)
         ok = m & (r >= 0) & (r < R)
-        anyb, _, v = first_bad(ok & (tl.load(s_req + r, mask=ok, other=0) > 1), i + offs, r)
+        anyb, _, v = first_bad(ok & ((tl.load(s_req + r, mask=ok, other=0) > 1) |
+                                     (tl.load(active + r, mask=ok, other=1) == 0)), i + offs, r)
         new = (err == 0) & anyb
         err = tl.where(new, E_INVALID_ARG, err)
         val = tl.where(new, v, val)
@@ -84,8 +86,9 @@ def partial_key(ctrl, num_keys, hash_ntok, keys, table, overflow, ev, b, hi, lo,
                 BLOCK: tl.constexpr):
     """``cache_partial_block`` of block ``b`` (non-null) under ``(hi, lo, grp)`` covering ``ntok``
     tokens, without replace_existing_hashes: nothing if the block already answers to the key; its keys
-    are replaced if its primary covers fewer tokens; else a secondary key. Returns an error code
-    (E_KEY_CAPACITY, E_BUFFER_FULL) instead of changing anything, or 0."""
+    are replaced if its primary covers fewer tokens; else a secondary key, only if the block has room
+    (the manager skips a partial key that would not fit; the pool op would raise KeyCapacityError).
+    Returns E_BUFFER_FULL instead of changing anything, or 0."""
     offs = tl.arange(0, BLOCK)
     lane0 = offs == 0
     nk = tl.load(num_keys + b)
@@ -98,10 +101,10 @@ def partial_key(ctrl, num_keys, hash_ntok, keys, table, overflow, ev, b, hi, lo,
     err = nk * 0
     if answers == 0:
         drop_all = (nk > 0) & (tl.load(hash_ntok + b).to(tl.int64) < ntok)
-        err = tl.where((drop_all == 0) & (nk >= MK), E_KEY_CAPACITY, err)
+        fits = drop_all | (nk < MK)
         if EVENTS:
-            err = tl.where((err == 0) & (tl.load(ctrl + EV_COUNT) + nk + 1 > EV_CAP), E_BUFFER_FULL, err)
-        if err == 0:
+            err = tl.where(fits & (tl.load(ctrl + EV_COUNT) + nk + 1 > EV_CAP), E_BUFFER_FULL, err)
+        if fits & (err == 0):
             ev_pos = tl.load(ctrl + EV_COUNT)
             bv = tl.zeros([BLOCK], tl.int32) + b
             drop_lanes = lane0 & ((tl.zeros([BLOCK], tl.int32) + drop_all.to(tl.int32)) != 0)
@@ -128,7 +131,7 @@ def partial_key(ctrl, num_keys, hash_ntok, keys, table, overflow, ev, b, hi, lo,
 def allocate_slots_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_ntok, keys, table, overflow,
                           watcher_id, watch_seq, reuse, ev, s_cnt, s_last, s_first,
                           block_table, num_blocks, num_computed, num_cached, req_hi, req_lo, num_hashes, windows,
-                          s_req, scratch, slots, num_tokens, target, lookup, num_reqs, cap, admitted, bs, tag0,
+                          active, s_req, scratch, slots, num_tokens, target, lookup, num_reqs, cap, admitted, bs, tag0,
                           G: tl.constexpr, R: tl.constexpr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
                           C: tl.constexpr,
                           MK: tl.constexpr, NCHUNK: tl.constexpr, CACHING: tl.constexpr, EVENTS: tl.constexpr,
@@ -138,13 +141,15 @@ def allocate_slots_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
     Inputs per request k < ``num_reqs[0]`` (at most ``cap``, the arrays' length): ``slots,
     num_tokens, target: int32``, ``lookup: int8``; output
     ``admitted: int32`` (1 admitted). Errors (a slot out of range or repeated, a token count outside
-    ``0 .. M * bs``) set the status word before anything changes. Op tags for events: request k's
-    full blocks of group g carry ``tag0 + k * G + g``, its partial key ``tag0 + (B + k) * G + g``.
+    ``0 .. M * bs``) set the status word before anything changes. Event tags: slot r's full blocks of
+    group g carry ``tag0 + r * G + g`` with aux = the first block index of the caching range (the
+    parent is the full hash before it), its partial key ``tag0 + (R + r) * G + g`` with aux = the
+    hash-block index of the key.
     """
     offs = tl.arange(0, BLOCK)
     nb, nb_ok = checked_count(num_reqs, cap)
     if tl.load(status) == 0:
-        err, err_val = check_slots(slots, nb, s_req, R, BLOCK)
+        err, err_val = check_slots(slots, nb, s_req, active, R, BLOCK)
         err_val = tl.where(nb_ok, err_val, tl.load(num_reqs).to(tl.int64))
         err = tl.where(nb_ok, err, E_INVALID_ARG)
         i = 0
@@ -256,7 +261,7 @@ def allocate_slots_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
                         new_head = ring_scan_pop(ring, ctrl, row, nblk + hits, need, C, BLOCK)
                         tl.debug_barrier()
                         claim_blocks(ref_cnt, qslot, num_keys, hash_ntok, keys, table, overflow, watcher_id,
-                                     watch_seq, reuse, ev, ctrl, row, nblk + hits, need, tag0 + k * G + g,
+                                     watch_seq, reuse, ev, ctrl, row, nblk + hits, need, tag0 + r * G + g,
                                      MK, NCHUNK, CACHING, EVENTS, BLOCK)
                         tl.store(ctrl + HEAD, new_head)
                         tl.store(ctrl + NUM_FREE, tl.load(ctrl + NUM_FREE) - need)
@@ -281,7 +286,7 @@ def allocate_slots_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
                                 act = mm & (blk != 0)
                                 ev_pos = tl.load(ctrl + EV_COUNT)
                                 n_rm = drop_keys(table, overflow, keys, num_keys, hash_ntok, ev, ev_pos, blk, act,
-                                                 MK, NCHUNK, EVENTS, tag0 + k * G + g)
+                                                 MK, NCHUNK, EVENTS, tag0 + r * G + g)
                                 tl.debug_barrier()
                                 hi = tl.load(req_hi + kb + (pos + 1) * K - 1, mask=act, other=0)
                                 lo = tl.load(req_lo + kb + (pos + 1) * K - 1, mask=act, other=0)
@@ -294,8 +299,8 @@ def allocate_slots_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
                                 tl.store(num_keys + blk, tl.full([BLOCK], 1, tl.int32), mask=act)
                                 n_st = tl.sum(a64, axis=0)
                                 if EVENTS:
-                                    write_event(ev, ev_pos + n_rm + rank, EV_STORED, blk, hi, lo, gv, tag0 + k * G + g, act,
-                                                ((pos + 1) * K - 1).to(tl.int64))
+                                    write_event(ev, ev_pos + n_rm + rank, EV_STORED, blk, hi, lo, gv, tag0 + r * G + g, act,
+                                                start.to(tl.int64))
                                     tl.store(ctrl + EV_COUNT, ev_pos + n_rm + n_st)
                                 tl.store(ctrl + KEY_SEQ, seq + n_st)
                                 tl.debug_barrier()
@@ -308,7 +313,7 @@ def allocate_slots_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
                                     if blk != 0:
                                         perr = partial_key(ctrl, num_keys, hash_ntok, keys, table, overflow, ev, blk,
                                                            tl.load(req_hi + kb + nh - 1), tl.load(req_lo + kb + nh - 1),
-                                                           g, (nh * (bs // K)).to(tl.int64), tag0 + (nb + k) * G + g,
+                                                           g, (nh * (bs // K)).to(tl.int64), tag0 + (R + r) * G + g,
                                                            (nh - 1).to(tl.int64), MK, NCHUNK, EVENTS, EV_CAP, BLOCK)
                                         if perr != 0:
                                             set_status(status, perr, OP_ALLOCATE_SLOTS, blk)
@@ -328,7 +333,7 @@ def allocate_slots_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_nto
 
 @triton.jit
 def free_requests_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, s_cnt, s_last,
-                         block_table, num_blocks, num_computed, num_cached, num_hashes, s_req, scratch,
+                         block_table, num_blocks, num_computed, num_cached, num_hashes, active, s_req, scratch,
                          slots, num_reqs, cap, G: tl.constexpr, R: tl.constexpr, M: tl.constexpr, C: tl.constexpr,
                          CACHING: tl.constexpr, BLOCK: tl.constexpr):
     """``free`` of ``num_reqs[0]`` requests in order: for each, every group's row freed tail first (one
@@ -336,7 +341,7 @@ def free_requests_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, s_cnt, s_
     sets the status word before anything changes."""
     nb, nb_ok = checked_count(num_reqs, cap)
     if tl.load(status) == 0:
-        err, err_val = check_slots(slots, nb, s_req, R, BLOCK)
+        err, err_val = check_slots(slots, nb, s_req, active, R, BLOCK)
         err_val = tl.where(nb_ok, err_val, tl.load(num_reqs).to(tl.int64))
         err = tl.where(nb_ok, err, E_INVALID_ARG)
         if err == 0:
@@ -354,6 +359,7 @@ def free_requests_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, s_cnt, s_
                 tl.store(num_blocks + r, 0)
                 tl.store(num_computed + r, 0)
                 tl.store(num_hashes + r, 0)
+                tl.store(active + r, 0)
                 k += 1
         else:
             set_status(status, err, OP_FREE_REQUESTS, err_val)
