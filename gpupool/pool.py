@@ -245,7 +245,7 @@ class BlockPool:
         out = torch.empty(self.num_blocks + 1, dtype=torch.int32, device=self.device)
         k_alloc.alloc_kernel[(1,)](s.ctrl, s.status, s.ring, s.qslot, s.ref_cnt, s.num_keys, s.hash_ntok, s.keys,
                                    s.table, s.overflow, s.watcher_id, s.watch_seq, s.reuse, s.ev,
-                                   demands, num_demands, out, offsets, 0, OP=op, **self._consts())
+                                   demands, num_demands, demands.numel(), out, offsets, 0, OP=op, **self._consts())
         return out, offsets
 
     def free_blocks(self, ordered_blocks) -> None:
@@ -264,8 +264,8 @@ class BlockPool:
         cb_t = torch.full((1,), -1 if cb is None else cb, dtype=torch.int32, device=self.device)  # no H2D sync
         c = self._consts()
         k_release.release_kernel[(1,)](s.ctrl, s.status, s.ring, s.qslot, s.ref_cnt, s.num_keys, s.watcher_id,
-                                       s.watch_seq, s.s_cnt, s.s_last, s.s_first, s_pf, ids, num_ids, seg, seg_off,
-                                       cb_t, OP=op, MODE=mode, N=self.num_blocks, C=c["C"],
+                                       s.watch_seq, s.s_cnt, s.s_last, s.s_first, s_pf, ids, num_ids, ids.numel(), seg,
+                                       seg_off, seg_off.numel() - 1, cb_t, OP=op, MODE=mode, N=self.num_blocks, C=c["C"],
                                        CACHING=self.enable_caching, BLOCK=self._block, num_warps=self._warps)
 
     def touch(self, blocks) -> None:
@@ -278,7 +278,7 @@ class BlockPool:
     def _touch(self, ids, num_ids, op):
         s = self.state
         k_release.touch_kernel[(1,)](s.ctrl, s.status, s.ring, s.qslot, s.ref_cnt, s.s_cnt, s.s_last, s.s_first,
-                                     ids, num_ids, OP=op, N=self.num_blocks, BLOCK=self._block,
+                                     ids, num_ids, ids.numel(), OP=op, N=self.num_blocks, BLOCK=self._block,
                                      num_warps=self._warps)
 
     def unpin_blocks(self, blocks, on_reuse: Callable[[int], None]) -> None:
@@ -487,6 +487,8 @@ class BlockPool:
         ``seg_offsets: int32[S + 1]`` with ``seg_offsets[-1] == M``. Errors go to the status word."""
         ids = self._dev_i32("free_batched", ids, "ids")
         seg_offsets = self._dev_i32("free_batched", seg_offsets, "seg_offsets")
+        if seg_offsets.numel() < 1:
+            raise InvalidArgumentError("free_batched", "seg_offsets needs at least one entry (0)")
         m = ids.numel()
         if num_ids is None:
             num_ids = torch.full((1,), m, dtype=torch.int32, device=self.device)

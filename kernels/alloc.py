@@ -7,7 +7,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    E_BUFFER_FULL, E_INVALID_COUNT, E_OUT_OF_BLOCKS, EV_COUNT, HEAD, NUM_FREE, REUSE_COUNT, first_bad, set_status,
+    E_BUFFER_FULL, E_INVALID_ARG, E_INVALID_COUNT, E_OUT_OF_BLOCKS, EV_COUNT, HEAD, NUM_FREE, REUSE_COUNT,
+    checked_count, first_bad, set_status,
 )
 from .keytable import drop_keys
 from .queue import ring_scan_pop
@@ -65,13 +66,14 @@ def claim_needs(num_keys, watcher_id, out, base, total, BLOCK: tl.constexpr):
 @triton.jit
 def alloc_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_ntok, keys, table, overflow,
                  watcher_id, watch_seq, reuse, ev,
-                 demands, num_demands, out_blocks, out_offsets, op_tag,
+                 demands, num_demands, cap, out_blocks, out_offsets, op_tag,
                  OP: tl.constexpr, C: tl.constexpr, MK: tl.constexpr, NCHUNK: tl.constexpr,
                  CACHING: tl.constexpr, EVENTS: tl.constexpr, EV_CAP: tl.constexpr, REUSE_CAP: tl.constexpr,
                  BLOCK: tl.constexpr):
     """Batched ``get_new_blocks``.
 
-    Reads ``demands: int32[>= num_demands[0]]`` (blocks per demand, in batch order). Writes
+    Reads the first ``num_demands[0]`` (at most ``cap``) of ``demands: int32[cap]`` (blocks per demand,
+    in batch order; a count outside ``0..cap`` is E_INVALID_ARG). Writes
     ``out_offsets: int32[num_demands + 1]`` (demand k's blocks are ``out_blocks[off[k]:off[k+1]]``)
     and ``out_blocks: int32[N]``; on success also ring head, ``num_free``, ref counts, key rows and
     table (eviction of the taken blocks' keys), events and the reuse log. All or nothing: a negative
@@ -79,11 +81,11 @@ def alloc_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_ntok, keys, 
     """
     if tl.load(status) == 0:
         offs = tl.arange(0, BLOCK)
-        nd = tl.load(num_demands)
+        nd, nd_ok = checked_count(num_demands, cap)
         free = tl.load(ctrl + NUM_FREE)
         total = (nd * 0).to(tl.int64)
-        err = nd * 0
-        err_val = (nd * 0).to(tl.int64)
+        err = tl.where(nd_ok, 0, E_INVALID_ARG)
+        err_val = tl.where(nd_ok, 0, tl.load(num_demands)).to(tl.int64)
         tl.store(out_offsets, 0)
         i = 0
         while i < nd:

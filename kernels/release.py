@@ -9,7 +9,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    BIG, E_DOUBLE_FREE, E_INVALID_ID, E_NULL_BLOCK, HEAD, NUM_FREE, TAIL, WATCH_SEQ, first_bad, set_status,
+    BIG, E_DOUBLE_FREE, E_INVALID_ARG, E_INVALID_ID, E_NULL_BLOCK, HEAD, NUM_FREE, TAIL, WATCH_SEQ, checked_count,
+    first_bad, set_status,
 )
 from .queue import ring_make_room, ring_put, ring_unlink
 
@@ -110,27 +111,40 @@ def reset_scratch(ids, n, s_cnt, s_last, s_first, N: tl.constexpr, BLOCK: tl.con
 @triton.jit
 def release_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, watcher_id, watch_seq,
                    s_cnt, s_last, s_first, s_pf,
-                   ids, num_ids, seg, seg_off, cb_id,
+                   ids, num_ids, cap, seg, seg_off, nseg, cb_id,
                    OP: tl.constexpr, MODE: tl.constexpr, N: tl.constexpr, C: tl.constexpr,
                    CACHING: tl.constexpr, BLOCK: tl.constexpr):
     """Batched ``free_blocks`` (MODE_FREE) or one ``unpin_blocks`` (MODE_UNPIN).
 
-    Reads ``ids: int32[>= num_ids[0]]`` in op order, ``seg: int32`` (each id's segment, i.e. which
-    ``free_blocks`` call it belongs to) and ``seg_off: int32[S+1]`` (segment j is ``[off[j], off[j+1])``),
+    Reads the first ``num_ids[0]`` (at most ``cap``) of ``ids: int32[cap]`` in op order, ``seg: int32``
+    (each id's segment, i.e. which ``free_blocks`` call it belongs to) and ``seg_off: int32[nseg+1]``
+    (segment j is ``[off[j], off[j+1])``; it must start at 0, never decrease and end at num_ids[0],
+    else E_INVALID_ARG),
     and for unpin ``cb_id: int32[1]`` (the watcher to register). Writes on success: ref counts, ring
     and qslot (un-hashed blocks that reach 0 are prepended, later segments ahead of earlier ones;
     hashed ones, and every unpinned one, appended), head / tail / num_free, watchers. Errors (a bad
     id, the null block in unpin, a decrement below 0) set the status word and change nothing.
     """
-    n = tl.load(num_ids)
+    n, n_ok = checked_count(num_ids, cap)
     offs = tl.arange(0, BLOCK)
     if tl.load(status) == 0:
+        seg_ok = n_ok & (tl.load(seg_off) == 0) & (tl.load(seg_off + nseg) == n)
+        i = 0
+        while i < nseg:
+            j = i + offs
+            m = j < nseg
+            down = m & (tl.load(seg_off + j + 1, mask=m, other=0) < tl.load(seg_off + j, mask=m, other=0))
+            seg_ok = seg_ok & (tl.sum(down.to(tl.int32), axis=0) == 0)
+            i += BLOCK
+        n = tl.where(seg_ok, n, 0)
         err, err_val = check_ids(ids, n, N, MODE == MODE_UNPIN, BLOCK)
+        err_val = tl.where(seg_ok, err_val, tl.load(num_ids).to(tl.int64))
+        err = tl.where(seg_ok, err, E_INVALID_ARG)
         if MODE == MODE_FREE:
-            if err != 0:
+            if (err != 0) & seg_ok:
                 # The batch fails where the sequence of free_blocks calls would: at the segment of the
                 # first bad id, unless a double free completes in an earlier segment.
-                p_end = tl.load(seg_off + tl.load(seg + first_bad_id_index(ids, n, N, BLOCK)))
+                p_end = tl.minimum(tl.load(seg_off + tl.load(seg + first_bad_id_index(ids, n, N, BLOCK))), n)
                 count_ids(ids, p_end, s_cnt, s_last, s_first, BLOCK)
                 tl.debug_barrier()
                 dfree, dval = first_over_ref(ids, p_end, s_cnt, ref_cnt, BLOCK)
@@ -191,8 +205,11 @@ def release_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, watcher_id, wat
                     pf_i = tl.load(s_pf + idx, mask=m, other=0)
                     if MODE == MODE_FREE:
                         sg = tl.load(seg + idx, mask=m, other=0)
-                        pf_s = tl.load(s_pf + tl.load(seg_off + sg, mask=m, other=0), mask=m, other=0)
-                        pf_e = tl.load(s_pf + tl.load(seg_off + sg + 1, mask=m, other=0), mask=m, other=0)
+                        # Segments are cut at num_ids (s_pf is written only up to n).
+                        s_lo = tl.minimum(tl.load(seg_off + sg, mask=m, other=0), n)
+                        s_hi = tl.minimum(tl.load(seg_off + sg + 1, mask=m, other=0), n)
+                        pf_s = tl.load(s_pf + s_lo, mask=m, other=0)
+                        pf_e = tl.load(s_pf + s_hi, mask=m, other=0)
                         is_f = rel & (tl.load(s_pf + idx + 1, mask=m, other=0) > pf_i)
                     else:
                         pf_s = pf_i
@@ -223,15 +240,18 @@ def release_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, watcher_id, wat
 
 
 @triton.jit
-def touch_kernel(ctrl, status, ring, qslot, ref_cnt, s_cnt, s_last, s_first, ids, num_ids,
+def touch_kernel(ctrl, status, ring, qslot, ref_cnt, s_cnt, s_last, s_first, ids, num_ids, cap,
                  OP: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr):
     """``touch``: for each distinct non-null block, unlink it from the ring if its ref_cnt is 0, then
-    add its occurrence count. Reads ``ids: int32[>= num_ids[0]]``; an out-of-range id sets the status
-    word and changes nothing. Unlinking leaves tombstones, so the other blocks keep their order."""
-    n = tl.load(num_ids)
+    add its occurrence count. Reads the first ``num_ids[0]`` of ``ids: int32[cap]``; an out-of-range id
+    or count sets the status word and changes nothing. Unlinking leaves tombstones, so the other
+    blocks keep their order."""
+    n, n_ok = checked_count(num_ids, cap)
     offs = tl.arange(0, BLOCK)
     if tl.load(status) == 0:
         err, err_val = check_ids(ids, n, N, False, BLOCK)
+        err_val = tl.where(n_ok, err_val, tl.load(num_ids).to(tl.int64))
+        err = tl.where(n_ok, err, E_INVALID_ARG)
         if err == 0:
             count_ids(ids, n, s_cnt, s_last, s_first, BLOCK)
             tl.debug_barrier()

@@ -29,7 +29,7 @@ firings, lookups of every hash used) and ``validate()`` passes on both.
 The harness (:class:`Pair`, the op generators) is shared with ``tests/test_soak.py``: generators
 draw through a small chooser, backed by hypothesis here and by a seeded ``random.Random`` there.
 
-Defects found while writing this file are pinned by ``xfail(strict=True)`` tests at the end.
+Regression tests for the defects found while writing this file are at the end.
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py). The default hypothesis
 profile keeps this file near a minute on two cores; ``GPUPOOL_HYPOTHESIS_PROFILE=deep`` runs more.
 """
@@ -1140,7 +1140,7 @@ def test_sticky_status_word_blocks_later_batched_ops_until_check():
 
 
 # =================================================================================================
-# Defects found by this file (xfail strict: each flips to a failure once fixed, so the marker goes)
+# Regression tests for the defects this file found (all fixed)
 # =================================================================================================
 
 def test_a_key_table_that_could_fill_is_refused():
@@ -1215,11 +1215,6 @@ _SEG_OFFSETS_REPRO = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="BUG: free_batched does not check seg_offsets against ids "
-                   "(seg_offsets[-1] != len(ids), too short, not monotonic): the kernel indexes "
-                   "seg_offsets out of bounds; in the interpreter the process dies with SIGSEGV "
-                   "(run in a subprocess here); expected InvalidArgumentError")
 def test_free_batched_rejects_mismatched_seg_offsets():
     env = dict(os.environ)
     env.setdefault("TRITON_INTERPRET", "1" if DEVICE == "cpu" else "0")
