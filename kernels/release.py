@@ -118,8 +118,8 @@ def release_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, watcher_id, wat
 
     Reads the first ``num_ids[0]`` (at most ``cap``) of ``ids: int32[cap]`` in op order, ``seg: int32``
     (each id's segment, i.e. which ``free_blocks`` call it belongs to) and ``seg_off: int32[nseg+1]``
-    (segment j is ``[off[j], off[j+1])``; it must start at 0, never decrease and end at num_ids[0],
-    else E_INVALID_ARG),
+    (segment j is ``[off[j], off[j+1])``, cut at num_ids[0]; the offsets must start at 0, never
+    decrease and reach num_ids[0], else E_INVALID_ARG: fixed-capacity inputs may pad past the count),
     and for unpin ``cb_id: int32[1]`` (the watcher to register). Writes on success: ref counts, ring
     and qslot (un-hashed blocks that reach 0 are prepended, later segments ahead of earlier ones;
     hashed ones, and every unpinned one, appended), head / tail / num_free, watchers. Errors (a bad
@@ -128,7 +128,7 @@ def release_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, watcher_id, wat
     n, n_ok = checked_count(num_ids, cap)
     offs = tl.arange(0, BLOCK)
     if tl.load(status) == 0:
-        seg_ok = n_ok & (tl.load(seg_off) == 0) & (tl.load(seg_off + nseg) == n)
+        seg_ok = n_ok & (tl.load(seg_off) == 0) & (tl.load(seg_off + nseg) >= n)
         i = 0
         while i < nseg:
             j = i + offs
