@@ -318,13 +318,13 @@ class BlockPool:
         bs = as_int(op, block_size, "block_size")
         g = as_group(op, group_id)
         ids = self._ids_arg(op, blocks)
+        if isinstance(blocks, torch.Tensor):  # ids first, as the reference (a single op may wait)
+            self._check_ids_now(op, ids)
         if nc < 0:
             raise InvalidCountError(op, f"num_cached_blocks must be >= 0, got {nc}", nc)
         if bs <= 0:
             raise InvalidArgumentError(op, f"block_size must be > 0, got {bs}", bs)
         if nc >= nf or not self.enable_caching:
-            if isinstance(blocks, torch.Tensor):
-                self._check_ids_now(op, ids)
             return
         check_tokens(op, nf * bs, "num_full_blocks * block_size")
         if nf > ids.numel():
