@@ -422,13 +422,6 @@ def op_cache_full(data, pair):
             ml = max(ml - 1, 0)
         mask = data.draw(st.lists(st.booleans(), min_size=ml, max_size=ml), label="mask")
     a, b = ids_arg(data, ids)
-    if isinstance(b, torch.Tensor) and any(not 0 <= x < pair.n for x in ids):
-        # Known issue (reported): with a tensor of ids the device checks block_size, the lengths and
-        # the mask before the ids, the reference the ids first. Keep the other arguments valid here;
-        # test_cache_full_blocks_error_precedence_with_tensor_ids pins the difference.
-        bs, mask, nf = BS, None, min(nf, length)
-        hidx = [(hidx[0] if hidx else 0) + i for i in range(length)]
-        hs = [HASHES[i % NUM_HASHES] for i in hidx]
     if nc < nf and pair.ref.enable_caching:
         pair.used.update(hs[nc:nf])
     pair.do(f"cache_full_blocks({ids}, hashes={hidx}, nc={nc}, nf={nf}, bs={bs}, g={g}, mask={mask})",
