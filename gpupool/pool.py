@@ -110,7 +110,6 @@ class BlockPool:
         self._callbacks: dict[int, Callable[[int], None]] = {}
         self._next_cb = 0
         self._events: list = []
-        self._out = torch.zeros(num_blocks + 1, dtype=torch.int32, device=self.device)
         self._one = torch.ones(1, dtype=torch.int32, device=self.device)
 
     # ---- launch plumbing -------------------------------------------------------------------

@@ -16,7 +16,6 @@ EV_COUNT = tl.constexpr(4)  # events written since the host last drained
 REUSE_COUNT = tl.constexpr(5)  # reuse-log entries written since the host last drained
 WATCH_SEQ = tl.constexpr(6)  # next watcher registration number
 COMPACTIONS = tl.constexpr(7)  # ring compactions so far (a statistic)
-OP_SEQ = tl.constexpr(8)  # ops that emitted stored-key events (groups them into BlockStored)
 CTRL_SIZE = 16
 
 # status: int64[4] = (error code, op code, offending value, 0)
@@ -42,11 +41,6 @@ EV_STORED = tl.constexpr(2)
 EV_CLEARED = tl.constexpr(3)
 
 BIG = tl.constexpr(2147483647)
-
-
-@triton.jit
-def status_is_clear(status):
-    return tl.load(status + ST_CODE) == 0
 
 
 @triton.jit
