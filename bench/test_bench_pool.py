@@ -150,15 +150,16 @@ def _i32(values, dev) -> torch.Tensor:
 def _device_cache_batched(pool, ids, key_hi, key_lo, mask, p) -> None:
     """Key ``ids[i]`` as device key ``(key_hi[i], key_lo[i])`` in group 0, one launch, no wait.
 
-    The device pool has no public batched ``cache_full_blocks`` yet (the request manager will own
-    captured steps), so this drives the kernel launch behind ``BlockPool.cache_full_blocks``.
-    ``p = [num_cached=0, num_full=k, block_size, group, op tag, k]`` (int64, on the device)."""
+    The device pool's public request-level path is the manager (``KVCacheManager``); this drives the
+    launcher behind ``BlockPool.cache_full_blocks`` directly. ``p``: ``cache_full_kernel``'s
+    parameters ``[num_cached=0, num_full=k, block_size, group, k ids, no parent, 0, 0]`` (int64)."""
     from gpupool.kernels import cache as k_cache
-    from gpupool.pool import OP
+    from gpupool.kernels.layout import Op
 
-    layout = (k_cache.CF_NC, k_cache.CF_NF, k_cache.CF_BS, k_cache.CF_GROUP, k_cache.CF_TAG, k_cache.CF_NIDS)
+    layout = (k_cache.CF_NC, k_cache.CF_NF, k_cache.CF_BS, k_cache.CF_GROUP, k_cache.CF_NIDS, k_cache.CF_HAS_PARENT)
     assert [getattr(c, "value", c) for c in layout] == list(range(6)), "cache_full_kernel's p layout changed"
-    pool._cache_full(ids, key_hi, key_lo, mask, p, OP["cache_full_blocks"])
+    h = pool.handle()
+    k_cache.launch_cache_full(h.state, h.config, ids, key_hi, key_lo, mask, p, op=Op.CACHE_FULL_BLOCKS)
 
 
 # ---- alloc_free ------------------------------------------------------------------------------
@@ -293,7 +294,7 @@ def case_decode_step(kind: str, pool, batch: int) -> Case:
     demands[::DECODE_CROSS_EVERY] = 1
     seg = torch.arange(k + 1, dtype=torch.int32, device=dev)
     mask = torch.ones(k, dtype=torch.int8, device=dev)
-    p = torch.tensor([0, k, BLOCK_SIZE, 0, 0, k], dtype=torch.int64, device=dev)
+    p = torch.tensor([0, k, BLOCK_SIZE, 0, k, 0, 0, 0], dtype=torch.int64, device=dev)
     gen = torch.Generator().manual_seed(batch)
     key_hi = torch.randint(-2**62, 2**62, (k,), generator=gen, dtype=torch.int64).to(dev)
     key_lo = (torch.randint(-2**62, 2**62, (1,), generator=gen, dtype=torch.int64)
@@ -424,7 +425,7 @@ def test_replay(benchmark, kind):
     trace = load_trace(None, limit)
     benchmark.group = "replay"
     if kind == "device":
-        from gpupool.replay_device import replay_batched as run
+        from gpupool.replay.device import replay_batched as run
         if CUDA:  # compile the step kernel outside the timing
             run(make_pool("device", DEFAULT_NUM_BLOCKS), trace[:20])
     else:

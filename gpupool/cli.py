@@ -7,7 +7,7 @@ Examples::
     gpupool replay --pool both --json out.json      # both pools; exit 1 unless they agree
     gpupool bench --quick                           # benchmarks (bench/), JSON + PNG under bench/out/
 
-The model is SPEC.md section 5 (see :mod:`gpupool.replay`). With ``--pool both`` the two reports
+The model is docs/semantics.md section 5 (see :mod:`gpupool.replay`). With ``--pool both`` the two reports
 must agree on every count and on the free-queue digest; the speed ratio is printed.
 """
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _tpot(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpupool", description="A KV-cache block pool whose bookkeeping lives on the GPU.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    r = sub.add_parser("replay", help="replay a Mooncake-format trace on a block pool (SPEC.md section 5)",
+    r = sub.add_parser("replay", help="replay a Mooncake-format trace on a block pool (docs/semantics.md section 5)",
                        description="Replay a Mooncake-format JSON-lines trace on a block pool and report "
                                    "prefix-cache hits, the final free-queue digest and the speed.")
     r.add_argument("trace", nargs="?", metavar="TRACE",
@@ -266,8 +266,10 @@ def cmd_replay(args) -> int:
     progress = _progress_setting(args.progress, device_on_cpu)
     reports: dict[str, ReplayReport] = {}
     for k in kinds:
-        if hasattr(pools[k], "admission_step"):
-            from .replay_device import replay_batched as run  # batched steps: one launch per time point
+        from .pool import BlockPool
+
+        if isinstance(pools[k], BlockPool):
+            from .replay.device import replay_batched as run  # the device loop
         else:
             run = replay
         rep = run(pools[k], trace, block_size=args.block_size, tpot_ms=args.tpot_ms, progress=progress)

@@ -1,81 +1,130 @@
-"""Typed errors of both pools (SPEC.md section 3).
+"""Typed errors of both pools and managers (docs/errors.md; docs/semantics.md section 3).
 
-Every error derives from :class:`PoolError`, names the op and the offending block id or count,
-and is raised only when the pool is exactly as it was before the op (all or nothing).
+Every error derives from :class:`PoolError`, names the op and the offending block id or count, and is
+raised only when the pool is exactly as it was before the op (all or nothing). Where Python's own
+convention has a base class for the situation, the error derives from it too (``OutOfBlocksError``
+is a ``ValueError``, ``ArgumentTypeError`` a ``TypeError``, ``InvalidBlockIdError`` an ``IndexError``).
+
+The device records an error as (code, op, value) in its status word; :data:`ErrorCode` numbers the
+classes (``kernels/layout.py`` mirrors them for the kernels) and :meth:`PoolError.from_status`
+turns a record into an exception with the message below.
 """
 from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ErrorCode(IntEnum):
+    """Error codes in the device status word (mirrored as ``tl.constexpr`` in ``kernels/layout.py``)."""
+
+    NONE = 0
+    UNKNOWN = 1
+    OUT_OF_BLOCKS = 2
+    INVALID_COUNT = 3
+    INVALID_ID = 4
+    NULL_BLOCK = 5
+    DOUBLE_FREE = 6
+    HASH_CONFLICT = 7
+    KEY_CAPACITY = 8
+    INVALID_ARG = 9
+    INVARIANT = 10
+    BUFFER_FULL = 11
 
 
 class PoolError(Exception):
     """Base of every gpupool error. ``op`` is the operation's name; ``value`` the offending id or count."""
 
-    code = 1
+    code = ErrorCode.UNKNOWN
+    #: What a device-recorded error of this class says (followed by the offending value).
+    device_message = "failed"
 
     def __init__(self, op: str, message: str, value: int | None = None):
         self.op = op
         self.value = value
         super().__init__(f"{op}: {message}")
 
+    @staticmethod
+    def from_status(code: int, op: str, value: int) -> "PoolError":
+        """The exception for a device status record ``(code, op name, value)``."""
+        cls = ERRORS_BY_CODE.get(code, PoolError)
+        return cls(op, f"{cls.device_message} ({value})", value)
+
 
 class OutOfBlocksError(PoolError, ValueError):
     """More blocks asked for than are free (``get_new_blocks``)."""
 
-    code = 2
+    code = ErrorCode.OUT_OF_BLOCKS
+    device_message = "not enough free blocks for the requested total"
 
 
 class InvalidCountError(PoolError, ValueError):
     """A negative or otherwise impossible count (``get_new_blocks(-1)``, bad token counts)."""
 
-    code = 3
+    code = ErrorCode.INVALID_COUNT
+    device_message = "a negative block count or a token count outside the table"
 
 
 class InvalidBlockIdError(PoolError, IndexError):
     """A block id outside ``0 .. num_blocks-1``."""
 
-    code = 4
+    code = ErrorCode.INVALID_ID
+    device_message = "block id out of range"
 
 
 class NullBlockError(PoolError, ValueError):
     """The null block (id 0) where it is not allowed (``unpin_blocks``, ``move_block_hashes`` target)."""
 
-    code = 5
+    code = ErrorCode.NULL_BLOCK
+    device_message = "the null block is not allowed here"
 
 
 class DoubleFreeError(PoolError, ValueError):
     """A ref-count decrement below zero (``free_blocks``, ``unpin_blocks`` of a free block)."""
 
-    code = 6
+    code = ErrorCode.DOUBLE_FREE
+    device_message = "ref count would go below zero (double free)"
 
 
 class HashConflictError(PoolError, ValueError):
     """Re-caching a block at the same or a longer token count, or moving keys onto a hashed block."""
 
-    code = 7
+    code = ErrorCode.HASH_CONFLICT
+    device_message = "block already cached at >= this many tokens, or destination already keyed"
 
 
 class KeyCapacityError(PoolError, RuntimeError):
-    """A block would exceed ``max_keys_per_block`` keys, or the device key table is full."""
+    """A block would exceed ``max_keys_per_block`` keys."""
 
-    code = 8
+    code = ErrorCode.KEY_CAPACITY
+    device_message = "a block would exceed max_keys_per_block keys"
 
 
 class InvalidArgumentError(PoolError, ValueError):
-    """Mismatched lengths, bad block sizes, wrong dtype or device of a tensor argument."""
+    """Mismatched lengths, bad sizes, a slot or block listed twice, a count, offset, slot or position
+    read from a device input that does not fit its array, wrong dtype or device of a tensor."""
 
-    code = 9
+    code = ErrorCode.INVALID_ARG
+    device_message = ("invalid argument: a block or slot listed twice or not in use, or a count, offset, slot "
+                      "or position that does not fit its array")
+
+
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument of the wrong Python type (``None`` for a hash list, a float for an id, ...)."""
 
 
 class InvariantError(PoolError, AssertionError):
-    """``validate()`` found a broken invariant of SPEC.md section 1."""
+    """``validate()`` found a broken invariant (docs/semantics.md section 1, docs/design.md)."""
 
-    code = 10
+    code = ErrorCode.INVARIANT
+    device_message = "invariant violated"
 
 
 class BufferFullError(PoolError, RuntimeError):
-    """The device event buffer or reuse log would overflow: drain them (``take_events()`` / ``check()``)
-    more often between batched ops."""
+    """The device event buffer or a device queue would overflow: drain it (``take_events()`` /
+    ``check()``) more often, or construct the pool with a larger ``event_capacity``."""
 
-    code = 11
+    code = ErrorCode.BUFFER_FULL
+    device_message = "device event buffer full; drain it (take_events / check) between batched ops"
 
 
 ERRORS_BY_CODE = {
@@ -85,3 +134,9 @@ ERRORS_BY_CODE = {
         DoubleFreeError, HashConflictError, KeyCapacityError, InvalidArgumentError, InvariantError, BufferFullError,
     )
 }
+
+__all__ = [
+    "ErrorCode", "PoolError", "OutOfBlocksError", "InvalidCountError", "InvalidBlockIdError", "NullBlockError",
+    "DoubleFreeError", "HashConflictError", "KeyCapacityError", "InvalidArgumentError", "ArgumentTypeError",
+    "InvariantError", "BufferFullError", "ERRORS_BY_CODE",
+]

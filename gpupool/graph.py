@@ -49,32 +49,20 @@ class DecodeStep:
         self.admitted = torch.zeros(max_batch, dtype=i32, device=dev)
         self.slot_mapping = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self._no_lookup = torch.zeros(max_batch, dtype=torch.int8, device=dev)
-        self._release_seg = torch.zeros(2, dtype=i32, device=dev)
         self.graph = None
 
     def _body(self) -> None:
         m = self.m
         m.free(self.finished, num_reqs=self.num_finished)
-        adm = m.allocate_slots(self.slots, self.num_tokens, self.num_tokens, self._no_lookup, num_reqs=self.num_reqs,
-                               stop_on_failure=False)
-        self.admitted.copy_(adm)
-        pos = torch.clamp(self.num_tokens - 1, min=0)
-        self.slot_mapping.copy_(m.slot_mapping(self.slots, pos))
-        if self.kv_caches:
-            from .kernels.copy_blocks import copy_blocks
-
-            copy_blocks(self.kv_caches, m.copy_src, m.copy_dst, num_copies=m.num_copies, check=False)
-        self._release_seg[1:2].copy_(m.num_copies)
-        m.pool.free_batched(m.copy_release, self._release_seg, num_ids=m.num_copies)
-        m.num_copies.zero_()
-
-    def _after(self) -> None:
-        self.m._pending_host = 0  # the step drained the copy queue
+        m.allocate_slots(self.slots, self.num_tokens, self.num_tokens, self._no_lookup, num_reqs=self.num_reqs,
+                         stop_on_failure=False, admitted=self.admitted)
+        m.slot_mapping(self.slots, self.num_tokens, 0, self.num_reqs, out=self.slot_mapping, position_offset=-1,
+                       admitted=self.admitted)
+        m.copy_and_release(self.kv_caches)
 
     def run(self) -> None:
         """One step, eagerly (any device)."""
         self._body()
-        self._after()
 
     def capture(self) -> None:
         """Record the step in a CUDA graph (after one eager warm-up run with empty inputs, which
@@ -102,4 +90,3 @@ class DecodeStep:
         if self.graph is None:
             raise InvalidArgumentError("DecodeStep.replay", "capture() first")
         self.graph.replay()
-        self._after()

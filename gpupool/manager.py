@@ -1,13 +1,14 @@
 """The request layer on the device: vLLM's KVCacheManager over ``BlockPool`` (block tables, batched
-admission and frees, prefix hits, KV-cache groups, copy-on-write queue).
+admission and frees, prefix hits, KV-cache groups, copy-on-write queue; docs/semantics.md section 6).
 
-State (device tensors, allocated at construction): ``block_table: int32[G, R, M]`` (group, request
-slot, block index; 0 is the null block), ``num_blocks: int32[R]`` (row length, equal across groups),
-``num_computed: int32[R]`` (tokens with slots), ``num_cached: int32[G, R]`` (blocks already keyed),
-``req_hi, req_lo: int64[R, G, M * K]`` (device keys of each known hash block's hash, per group; K =
-block_size / hash_block_size),
-``num_hashes: int32[R]``, the pending-copy queue ``copy_src, copy_dst, copy_release: int32[Q]`` with
-``num_copies: int32[1]``.
+State (device tensors, allocated at construction, one ``ManagerState``): ``block_table: int32[G, R, M]``
+(group, request slot, block index; 0 is the null block), ``num_blocks: int32[R]`` (row length, equal
+across groups), ``num_computed: int32[R]`` (tokens with slots), ``num_cached: int32[G, R]`` (blocks
+already keyed), ``req_hi, req_lo: int64[R, G, M * K]`` (device keys of each known hash block's hash,
+per group; K = block_size / hash_block_size), ``num_hashes: int32[R]``, ``active: int8[R]`` (slot in
+use), the pending-copy queue ``copy_src, copy_dst, copy_release: int32[Q]`` with ``num_copies:
+int32[1]``, and kernel scratch. The host keeps no request state of its own: whatever it needs (slots
+in use, pending copies) it reads from the device, so it never disagrees with a device op that failed.
 
 Semantics, op by op, are those of ``gpupool.reference.ReferenceKVCacheManager`` (the oracle):
 
@@ -17,7 +18,8 @@ Semantics, op by op, are those of ``gpupool.reference.ReferenceKVCacheManager`` 
   prefix (``lookup``; all groups hitting; capped at ``num_tokens - 1`` tokens), and if
   ``new blocks x groups + zero-ref hits <= free``: touch every group's hits, then allocate each
   group's new blocks, then key the blocks that became full. All or nothing per request.
-* ``free(slots)``: each request's rows freed tail first, group by group, requests in order.
+* ``free(slots)``: each request's rows freed tail first, group by group, requests in order, as one
+  batched free.
 * ``slot_mapping``: ``block_table[g, slot, pos // bs] * bs + pos % bs``.
 * Copy-on-write: ``cow_append`` (a partial hit: a private copy of a cached block, the source held
   until the copy ran) and ``cow_move`` (a running request keeps writing a cached block: its keys move
@@ -25,18 +27,96 @@ Semantics, op by op, are those of ``gpupool.reference.ReferenceKVCacheManager`` 
   blocks of all layers in one launch and then drops the references the copies held.
 
 The batched calls take device tensors (counts too) and never wait for the device; errors go to the
-pool's status word (``check()``). The host ops (add_request, cow_*) may wait.
+pool's status word (``check()``). The host ops (add_request, cow_*, a free of a Python list) may wait.
+Every public op holds the pool's lock.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
-from .errors import InvalidArgumentError, OutOfBlocksError
+from .args import NULL_BLOCK, ManagerShape, as_hash_bytes_list, as_id_list, as_int
+from .errors import InvalidArgumentError, InvariantError, OutOfBlocksError
 from .kernels import manager as k_manager
+from .kernels.copy_blocks import copy_blocks
+from .locking import locked
 from .pool import BlockPool
-from .reference import NULL_BLOCK, as_id_list, as_int, set_manager_shape
+from .state import pow2_at_least
+
+
+class ManagerState(NamedTuple):
+    """The manager's device tensors (module docstring); ``s_*`` are kernel scratch."""
+
+    block_table: torch.Tensor
+    num_blocks: torch.Tensor
+    num_computed: torch.Tensor
+    num_cached: torch.Tensor
+    req_hi: torch.Tensor
+    req_lo: torch.Tensor
+    num_hashes: torch.Tensor
+    windows: torch.Tensor
+    group_ids: torch.Tensor
+    active: torch.Tensor
+    copy_src: torch.Tensor
+    copy_dst: torch.Tensor
+    copy_release: torch.Tensor
+    num_copies: torch.Tensor
+    s_req: torch.Tensor
+    s_ids: torch.Tensor
+    s_pf: torch.Tensor
+    s_seg: torch.Tensor
+
+
+class ManagerConfig(NamedTuple):
+    """The manager's sizes, a ``tl.constexpr`` argument: G groups, R request slots, M blocks per row,
+    K hash blocks per block, BS tokens per block, Q pending-copy capacity, BLOCK lanes per request tile."""
+
+    G: int
+    R: int
+    M: int
+    K: int
+    BS: int
+    Q: int
+    BLOCK: int
+
+
+class AllocateBatch(NamedTuple):
+    """One ``allocate_slots`` batch: ``slots, num_tokens, target: int32[B]``, ``lookup: int8[B]``,
+    ``num_reqs: int32[1]`` (the first ``num_reqs[0]`` count) and the output ``admitted: int32[B]``."""
+
+    slots: torch.Tensor
+    num_tokens: torch.Tensor
+    target: torch.Tensor
+    lookup: torch.Tensor
+    num_reqs: torch.Tensor
+    admitted: torch.Tensor
+
+
+def allocate_manager_state(shape: ManagerShape, q: int, device) -> ManagerState:
+    G, R, M, K = len(shape.groups), shape.max_num_reqs, shape.max_blocks_per_req, shape.hashes_per_block
+    i32, i64 = torch.int32, torch.int64
+    return ManagerState(
+        block_table=torch.zeros((G, R, M), dtype=i32, device=device),
+        num_blocks=torch.zeros(R, dtype=i32, device=device),
+        num_computed=torch.zeros(R, dtype=i32, device=device),
+        num_cached=torch.zeros((G, R), dtype=i32, device=device),
+        req_hi=torch.zeros((R, G, M * K), dtype=i64, device=device),
+        req_lo=torch.zeros((R, G, M * K), dtype=i64, device=device),
+        num_hashes=torch.zeros(R, dtype=i32, device=device),
+        windows=torch.tensor([w for _, w in shape.groups], dtype=i32, device=device),
+        group_ids=torch.arange(G, dtype=i32, device=device),
+        active=torch.zeros(R, dtype=torch.int8, device=device),
+        copy_src=torch.zeros(q, dtype=i32, device=device),
+        copy_dst=torch.zeros(q, dtype=i32, device=device),
+        copy_release=torch.zeros(q, dtype=i32, device=device),
+        num_copies=torch.zeros(1, dtype=i32, device=device),
+        s_req=torch.zeros(R, dtype=i32, device=device),
+        s_ids=torch.zeros(max(G * R * M, q), dtype=i32, device=device),
+        s_pf=torch.zeros(max(G * R * M, q) + 1, dtype=i32, device=device),
+        s_seg=torch.zeros(G * R + 1, dtype=i32, device=device),
+    )
 
 
 class KVCacheManager:
@@ -48,89 +128,97 @@ class KVCacheManager:
         block_size: tokens per block, all groups.
         max_num_reqs, max_blocks_per_req: block table shape (R, M).
         groups: per KV-cache group "full" or ("sliding_window", tokens); group g keys with group id g.
+        hash_block_size: tokens per request hash (a divisor of block_size; default block_size).
         max_pending_copies: capacity of the copy-on-write queue.
         Other keywords go to :class:`BlockPool` (``enable_caching``, ``enable_kv_cache_events``,
-        ``max_keys_per_block``, ``device``).
+        ``max_keys_per_block``, ``device``, ``event_capacity``).
+
+    Raises InvalidArgumentError for a bad shape.
     """
 
     def __init__(self, num_blocks: int, *, block_size: int, max_num_reqs: int, max_blocks_per_req: int,
                  groups=("full",), hash_block_size: int | None = None, max_pending_copies: int = 1024, **pool_kw):
-        set_manager_shape(self, block_size, hash_block_size, max_num_reqs, max_blocks_per_req, groups)
+        self.shape = sh = ManagerShape.make(block_size, hash_block_size, max_num_reqs, max_blocks_per_req, groups)
+        self.block_size, self.hash_block_size, self.hashes_per_block = sh.block_size, sh.hash_block_size, \
+            sh.hashes_per_block
+        self.max_num_reqs, self.max_blocks_per_req, self.groups = sh.max_num_reqs, sh.max_blocks_per_req, sh.groups
+        q = as_int("KVCacheManager", max_pending_copies, "max_pending_copies")
+        if q < 1:
+            raise InvalidArgumentError("KVCacheManager", f"max_pending_copies must be >= 1, got {q}", q)
         self.pool = BlockPool(num_blocks, **pool_kw)
-        dev = self.device = self.pool.device
-        G, R, M = len(self.groups), self.max_num_reqs, self.max_blocks_per_req
-        i32, i64 = torch.int32, torch.int64
-        self.block_table = torch.zeros((G, R, M), dtype=i32, device=dev)
-        self.num_blocks = torch.zeros(R, dtype=i32, device=dev)
-        self.num_computed = torch.zeros(R, dtype=i32, device=dev)
-        self.num_cached = torch.zeros((G, R), dtype=i32, device=dev)
-        K = self.hashes_per_block
-        self.req_hi = torch.zeros((R, G, M * K), dtype=i64, device=dev)
-        self.req_lo = torch.zeros((R, G, M * K), dtype=i64, device=dev)
-        self.num_hashes = torch.zeros(R, dtype=i32, device=dev)
-        self.active = torch.zeros(R, dtype=torch.int8, device=dev)  # slot in use (add_request .. free)
-        self.windows = torch.tensor([w for _, w in self.groups], dtype=i32, device=dev)
-        self.copy_src = torch.zeros(max_pending_copies, dtype=i32, device=dev)
-        self.copy_dst = torch.zeros(max_pending_copies, dtype=i32, device=dev)
-        self.copy_release = torch.zeros(max_pending_copies, dtype=i32, device=dev)
-        self.num_copies = torch.zeros(1, dtype=i32, device=dev)
-        self._s_req = torch.zeros(R, dtype=i32, device=dev)
-        self._scratch = torch.zeros(M, dtype=i32, device=dev)
-        self._hashes: list[list[bytes]] = [[] for _ in range(R)]  # host copy, for KV event parents
-        self._active = [False] * R
-        self._pending_host = 0
+        self._pool = self.pool.handle()
+        self._lock = self._pool.lock
+        self.device = self._pool.device
+        self.state = allocate_manager_state(sh, q, self.device)
+        self.config = ManagerConfig(G=len(sh.groups), R=sh.max_num_reqs, M=sh.max_blocks_per_req,
+                                    K=sh.hashes_per_block, BS=sh.block_size, Q=q,
+                                    BLOCK=min(1024, max(16, pow2_at_least(sh.max_num_reqs))))
+        self._pool.registry.add_pin_source(self._active_keys)
+
+    # the device tensors by name, for readers and tests
+    block_table = property(lambda self: self.state.block_table)
+    num_blocks = property(lambda self: self.state.num_blocks)
+    num_computed = property(lambda self: self.state.num_computed)
+    num_cached = property(lambda self: self.state.num_cached)
+    num_copies = property(lambda self: self.state.num_copies)
+    copy_src = property(lambda self: self.state.copy_src)
+    copy_dst = property(lambda self: self.state.copy_dst)
+    copy_release = property(lambda self: self.state.copy_release)
 
     # ---- host ops ----------------------------------------------------------------------------
     def _slot(self, op: str, slot, active: bool | None = True) -> int:
+        """A slot number, range-checked; ``active``: whether it must be in use (read on the device)."""
         r = as_int(op, slot, "slot")
         if not 0 <= r < self.max_num_reqs:
             raise InvalidArgumentError(op, f"slot {r} out of range 0..{self.max_num_reqs - 1}", r)
-        if active is not None and self._active[r] != active:
+        if active is not None and bool(self.state.active[r].item()) != active:
             raise InvalidArgumentError(op, f"slot {r} is {'not ' if active else ''}in use", r)
         return r
 
     def _write_hashes(self, r: int, start: int, hashes: list[bytes]) -> None:
-        if not hashes:
-            return
-        keys = [[self.pool._key(h, g) for h in hashes] for g in range(len(self.groups))]
-        hi = torch.tensor([[k[0] for k in row] for row in keys], dtype=torch.int64, device=self.device)
-        lo = torch.tensor([[k[1] for k in row] for row in keys], dtype=torch.int64, device=self.device)
-        self.req_hi[r, :, start:start + len(hashes)] = hi
-        self.req_lo[r, :, start:start + len(hashes)] = lo
-        self.num_hashes[r] = start + len(hashes)
+        if hashes:
+            keys = [self._pool.registry.register_many(hashes, g) for g in range(len(self.groups))]
+            t = torch.tensor(keys, dtype=torch.int64, device=self.device)  # [G, n, 2]
+            self.state.req_hi[r, :, start:start + len(hashes)] = t[:, :, 0]
+            self.state.req_lo[r, :, start:start + len(hashes)] = t[:, :, 1]
+        self.state.num_hashes[r] = start + len(hashes)
 
+    def _active_keys(self):
+        """Device keys of every active request's hashes: the registry keeps them (a sweep's pin source)."""
+        s = self.state
+        n = torch.where(s.active != 0, s.num_hashes, 0)
+        used = torch.arange(s.req_hi.shape[2], device=self.device)[None, None, :] < n[:, None, None]
+        return list(zip(s.req_hi[used].tolist(), s.req_lo[used].tolist()))
+
+    @locked
     def add_request(self, slot: int, block_hashes: Sequence[bytes] = ()) -> None:
-        """Start a request in a free slot with the hashes of its known full blocks.
-        Raises InvalidArgumentError (slot in use or out of range, too many hashes, non-bytes)."""
+        """Start a request in a free slot with the hashes of its known hash blocks (its prompt).
+        Raises InvalidArgumentError (slot in use or out of range, too many hashes), ArgumentTypeError
+        (hashes that are not bytes)."""
         op = "add_request"
+        hs = as_hash_bytes_list(op, block_hashes)
+        self._pool.finish()
         r = self._slot(op, slot, active=False)
-        hs = [bytes(x) if isinstance(x, (bytes, bytearray)) else None for x in block_hashes]
-        if None in hs:
-            raise InvalidArgumentError(op, "block hashes must be bytes")
         if len(hs) > self.max_blocks_per_req * self.hashes_per_block:
             raise InvalidArgumentError(op, f"{len(hs)} block hashes exceed max_blocks_per_req", len(hs))
-        self.pool.check()
-        if int(self.num_blocks[r]) != 0:
+        if int(self.state.num_blocks[r]) != 0:
             raise InvalidArgumentError(op, f"slot {r} still holds blocks", r)
-        self._active[r] = True
-        self._hashes[r] = hs
-        self.active[r] = 1
-        self.num_computed[r] = 0
-        self.num_cached[:, r] = 0
-        self.num_hashes[r] = 0
+        s = self.state
+        s.num_computed[r] = 0
+        s.num_cached[:, r] = 0
         self._write_hashes(r, 0, hs)
+        s.active[r] = 1
 
+    @locked
     def append_block_hashes(self, slot: int, block_hashes: Sequence[bytes]) -> None:
-        """Hashes of further full blocks of a running request (tokens it has generated)."""
+        """Hashes of further hash blocks of a running request (tokens it has generated)."""
         op = "append_block_hashes"
+        hs = as_hash_bytes_list(op, block_hashes)
+        self._pool.finish()
         r = self._slot(op, slot)
-        hs = [bytes(x) if isinstance(x, (bytes, bytearray)) else None for x in block_hashes]
-        if None in hs:
-            raise InvalidArgumentError(op, "block hashes must be bytes")
-        start = len(self._hashes[r])
+        start = int(self.state.num_hashes[r])
         if start + len(hs) > self.max_blocks_per_req * self.hashes_per_block:
             raise InvalidArgumentError(op, "block hashes exceed max_blocks_per_req", start + len(hs))
-        self._hashes[r].extend(hs)
         self._write_hashes(r, start, hs)
 
     # ---- batched ops (device tensors, no host sync) -------------------------------------------
@@ -141,37 +229,47 @@ class KVCacheManager:
             return x.reshape(-1).contiguous()
         return torch.tensor(as_id_list(op, x), dtype=torch.int32, device=self.device)
 
+    def _index_tensor(self, op: str, x, what: str) -> torch.Tensor:
+        """An int32 or int64 tensor on the device (read as is by the kernel: no narrowing), or a list."""
+        if isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.device == self.device:
+            return x.reshape(-1).contiguous()
+        return self._i32(op, x, what)
+
+    def _count(self, op: str, count, n: int) -> torch.Tensor:
+        if count is None:
+            return torch.full((1,), n, dtype=torch.int32, device=self.device)
+        return self._i32(op, count, "the count")[:1]
+
+    @locked
     def get_computed_blocks(self, slots, num_tokens):
         """Longest cached prefix of each request's hashes, all groups hitting, capped at
         ``(num_tokens - 1) // block_size`` blocks. ``slots, num_tokens: int32[B]``. Returns
         ``(hits: int32[B], blocks: int32[B, G, M])`` on the device (first ``hits[b]`` valid). Read-only;
         the slots are checked on the host (a tensor of slots is read back: this op waits)."""
         op = "get_computed_blocks"
-        rs = slots.tolist() if isinstance(slots, torch.Tensor) else as_id_list(op, slots)  # a host check
+        rs = as_id_list(op, slots)
+        self._pool.finish()
         for r in rs:
             self._slot(op, r)
         if len(set(rs)) != len(rs):
             raise InvalidArgumentError(op, "a slot is listed twice")
-        s = self._i32(op, slots, "slots").long()
+        s = torch.tensor(rs, dtype=torch.long, device=self.device)
         nt = self._i32(op, num_tokens, "num_tokens")
         if s.numel() != nt.numel():
             raise InvalidArgumentError(op, "slots and num_tokens differ in length")
         K = self.hashes_per_block
-        cap = torch.minimum(torch.clamp(nt - 1, min=0) // self.block_size, self.num_hashes[s] // K)
+        cap = torch.minimum(torch.clamp(nt - 1, min=0) // self.block_size, self.state.num_hashes[s] // K)
         if not self.pool.enable_caching:
             cap = torch.zeros_like(cap)
-        groups = torch.arange(len(self.groups), dtype=torch.int32, device=self.device)
-        full_hi = self.req_hi[s][:, :, K - 1::K].contiguous()
-        full_lo = self.req_lo[s][:, :, K - 1::K].contiguous()
-        hits, blocks, _ = self.pool.longest_prefix_batched(full_hi, full_lo, groups, cap.to(torch.int32).contiguous())
+        full_hi = self.state.req_hi[s][:, :, K - 1::K].contiguous()
+        full_lo = self.state.req_lo[s][:, :, K - 1::K].contiguous()
+        hits, blocks, _ = self.pool.longest_prefix_batched(full_hi, full_lo, self.state.group_ids,
+                                                           cap.to(torch.int32).contiguous())
         return hits, blocks
 
-    def allocate_slots(self, slots, num_tokens, target_tokens, lookup=None, num_reqs=None,
-                       stop_on_failure: bool = True) -> torch.Tensor:
-        """Blocks for ``target_tokens`` tokens for each request, in order, all or nothing per request
-        (see ``ReferenceKVCacheManager.allocate_slots``). ``slots, num_tokens, target_tokens:
-        int32[B]``, ``lookup: int8/bool[B]`` (take prefix hits: new requests), ``num_reqs: int32[1]``
-        (only the first k count). Returns ``admitted: int32[B]``. No host sync."""
+    def batch(self, slots, num_tokens, target_tokens, lookup=None, num_reqs=None,
+              admitted: torch.Tensor | None = None) -> AllocateBatch:
+        """An ``AllocateBatch`` from tensors or sequences (checked for dtype, device and lengths)."""
         op = "allocate_slots"
         s = self._i32(op, slots, "slots")
         nt = self._i32(op, num_tokens, "num_tokens")
@@ -180,103 +278,103 @@ class KVCacheManager:
         if lookup is None:
             lk = torch.zeros(b, dtype=torch.int8, device=self.device)
         elif isinstance(lookup, torch.Tensor):
-            lk = lookup.to(torch.int8)
+            if lookup.device != self.device:
+                raise InvalidArgumentError(op, f"lookup must be on {self.device}")
+            lk = lookup.reshape(-1).to(torch.int8)
         else:
             lk = torch.tensor([bool(x) for x in lookup], dtype=torch.int8, device=self.device)
         if not nt.numel() == tg.numel() == lk.numel() == b:
             raise InvalidArgumentError(op, "slots, num_tokens, target_tokens and lookup differ in length")
-        if num_reqs is None:
-            num_reqs = torch.full((1,), b, dtype=torch.int32, device=self.device)
-        admitted = torch.zeros(max(b, 1), dtype=torch.int32, device=self.device)
-        p, st = self.pool, self.pool.state
-        G = len(self.groups)
-        R, K = self.max_num_reqs, self.hashes_per_block
-        tag0 = p._next_tag
-        p._next_tag += 2 * R * G
-        if p.enable_kv_cache_events:
-            chains, bs = list(self._hashes), self.block_size  # the hash lists as of this call
+        if admitted is None:
+            admitted = torch.zeros(max(b, 1), dtype=torch.int32, device=self.device)
+        return AllocateBatch(s, nt, tg, lk, self._count(op, num_reqs, b), admitted)
 
-            def resolve(tag, aux):  # full blocks of slot r from block aux on; or slot r's partial key aux
-                i = tag - tag0
-                partial, (r, g) = i >= R * G, divmod(i % (R * G), G)
-                chain = chains[r]
-                j = aux - 1 if partial else aux * K - 1
-                return (chain[j] if 0 <= j < len(chain) and aux > 0 else None), bs, g
+    @locked
+    def allocate_slots(self, slots, num_tokens, target_tokens, lookup=None, num_reqs=None,
+                       stop_on_failure: bool = True, admitted: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocks for ``target_tokens`` tokens for each request, in order, all or nothing per request
+        (see ``ReferenceKVCacheManager.allocate_slots``). ``slots, num_tokens, target_tokens:
+        int32[B]``, ``lookup: int8/bool[B]`` (take prefix hits: new requests), ``num_reqs: int32[1]``
+        (only the first k count). Returns ``admitted: int32[B]``. No host sync; errors (a slot out of
+        range, repeated or not in use, a token count outside ``0 .. max_blocks_per_req * block_size``, a
+        count past the arrays) go to the status word and change nothing. ``admitted``: an output
+        buffer to fill (a captured step's)."""
+        batch = self.batch(slots, num_tokens, target_tokens, lookup, num_reqs, admitted)
+        k_manager.launch_allocate_slots(self._pool.state, self._pool.config, self.state, self.config, batch,
+                                        stop_on_failure=stop_on_failure)
+        return batch.admitted[: batch.slots.numel()]
 
-            p._tag_resolvers.append((tag0, tag0 + 2 * R * G, resolve))
-        k_manager.allocate_slots_kernel[(1,)](
-            st.ctrl, st.status, st.ring, st.qslot, st.ref_cnt, st.num_keys, st.hash_ntok, st.keys, st.table,
-            st.overflow, st.watcher_id, st.watch_seq, st.reuse, st.ev, st.s_cnt, st.s_last, st.s_first,
-            self.block_table, self.num_blocks, self.num_computed, self.num_cached, self.req_hi, self.req_lo,
-            self.num_hashes, self.windows, self.active, self._s_req, self._scratch, s, nt, tg, lk, num_reqs, b,
-            admitted,
-            self.block_size, tag0, G=G, R=self.max_num_reqs, M=self.max_blocks_per_req, K=self.hashes_per_block,
-            N=p.num_blocks,
-            C=st.ring_capacity, MK=p.max_keys_per_block, NCHUNK=st.num_chunks, CACHING=p.enable_caching,
-            EVENTS=p.enable_kv_cache_events, EV_CAP=st.ev_capacity, STOP_ON_FAILURE=bool(stop_on_failure),
-            BLOCK=p._block, num_warps=p._warps)
-        return admitted[:b]
-
+    @locked
     def free(self, slots, num_reqs=None) -> None:
-        """Finish requests in order: every group's row freed tail first, counts reset. No host sync
-        for tensor input; a list of slots is also checked (in use) on the host."""
+        """Finish requests in order: every group's row freed tail first, as one batched free; the
+        slots become free. No host sync for tensor input; a list of slots is checked on the host first
+        (and the call waits for the device, so its errors are raised at once)."""
         op = "free"
-        if not isinstance(slots, torch.Tensor):
+        host_list = not isinstance(slots, torch.Tensor)
+        if host_list:
             rs = as_id_list(op, slots)
+            self._pool.finish()
             for r in rs:
                 self._slot(op, r)
             if len(set(rs)) != len(rs):
                 raise InvalidArgumentError(op, "a slot is listed twice")
         s = self._i32(op, slots, "slots")
-        if num_reqs is None:
-            num_reqs = torch.full((1,), s.numel(), dtype=torch.int32, device=self.device)
-        p, st = self.pool, self.pool.state
-        k_manager.free_requests_kernel[(1,)](
-            st.ctrl, st.status, st.ring, st.qslot, st.ref_cnt, st.num_keys, st.s_cnt, st.s_last,
-            self.block_table, self.num_blocks, self.num_computed, self.num_cached, self.num_hashes, self.active,
-            self._s_req, self._scratch, s, num_reqs, s.numel(), G=len(self.groups), R=self.max_num_reqs, M=self.max_blocks_per_req,
-            C=st.ring_capacity, CACHING=p.enable_caching, BLOCK=p._block, num_warps=p._warps)
-        if not isinstance(slots, torch.Tensor):
-            for r in rs:
-                self._active[r] = False
-                self._hashes[r] = []
+        k_manager.launch_free_requests(self._pool.state, self._pool.config, self.state, self.config, s,
+                                       self._count(op, num_reqs, s.numel()))
+        if host_list:
+            self._pool.finish()
 
-    def finish(self, slots) -> None:
-        """Mark slots freed by a tensor-driven :meth:`free` (e.g. in a captured step) as free on the host."""
-        for r in as_id_list("finish", slots):
-            self._active[self._slot("finish", r, active=None)] = False
-            self._hashes[r] = []
-
-    def slot_mapping(self, slots: torch.Tensor, positions: torch.Tensor, group: int = 0) -> torch.Tensor:
-        """``int64[T]`` KV slot of each token: ``block_table[group, slots[t], positions[t] // bs] * bs +
-        positions[t] % bs`` (``slots, positions``: integer tensors on the device). No host sync; a
-        position past the request's blocks reads the null block or a stale entry (caller's contract)."""
-        bs = self.block_size
-        blk = self.block_table[group, slots.long(), positions.long() // bs].long()
-        return blk * bs + positions.long() % bs
+    @locked
+    def slot_mapping(self, slots: torch.Tensor, positions: torch.Tensor, group: int = 0,
+                     num: torch.Tensor | None = None, *, out: torch.Tensor | None = None, position_offset: int = 0,
+                     admitted: torch.Tensor | None = None) -> torch.Tensor:
+        """``int64[T]`` KV slot of each token: ``block_table[group, slots[t], p // bs] * bs + p % bs`` with
+        ``p = positions[t] + position_offset`` (``slots, positions: int32[T]`` on the device, the first
+        ``num[0]`` counted). A slot not in use or a position outside its row gives -1 and
+        InvalidArgumentError at the next ``check()``; with ``admitted: int32[T]``, entries whose flag is 0
+        give -1 and no error (requests a step did not admit). No host sync."""
+        op = "slot_mapping"
+        g = as_int(op, group, "group")
+        if not 0 <= g < len(self.groups):
+            raise InvalidArgumentError(op, f"group {g} out of range 0..{len(self.groups) - 1}", g)
+        s = self._index_tensor(op, slots, "slots")
+        p = self._index_tensor(op, positions, "positions")
+        if s.numel() != p.numel():
+            raise InvalidArgumentError(op, "slots and positions differ in length")
+        if out is None:
+            out = torch.empty(s.numel(), dtype=torch.int64, device=self.device)
+        adm = None if admitted is None else self._i32(op, admitted, "admitted")
+        k_manager.launch_slot_mapping(self._pool.state, self.state, self.config, s, p,
+                                      self._count(op, num, s.numel()), out, g, as_int(op, position_offset), adm)
+        return out
 
     # ---- copy-on-write (host ops) --------------------------------------------------------------
-    def _queue_copies(self, triples: list[tuple[int, int, int]]) -> None:
-        n = self._pending_host
-        if n + len(triples) > self.copy_src.numel():
-            raise InvalidArgumentError("copy_on_write", "the pending-copy queue is full; run_pending_copies first",
-                                       n + len(triples))
-        for i, (a, b, c) in enumerate(triples):
-            self.copy_src[n + i], self.copy_dst[n + i], self.copy_release[n + i] = a, b, c
-        self._pending_host = n + len(triples)
-        self.num_copies.fill_(self._pending_host)
+    def _pending(self) -> int:
+        return int(self.state.num_copies.item())
 
+    def _queue_copies(self, op: str, triples: list[tuple[int, int, int]]) -> None:
+        n = self._pending()
+        if n + len(triples) > self.config.Q:
+            raise InvalidArgumentError(op, "the pending-copy queue is full; run_pending_copies first", n + len(triples))
+        if triples:
+            t = torch.tensor(triples, dtype=torch.int32, device=self.device)
+            self.state.copy_src[n:n + len(triples)] = t[:, 0]
+            self.state.copy_dst[n:n + len(triples)] = t[:, 1]
+            self.state.copy_release[n:n + len(triples)] = t[:, 2]
+        self.state.num_copies.fill_(n + len(triples))
+
+    @locked
     def cow_append(self, slot: int, srcs: Sequence[int]) -> list[int]:
         """Partial prefix hit (see ``ReferenceKVCacheManager.cow_append``): one private copy per group,
         appended to the request's rows; each src is touched and held until the copy ran."""
         op = "cow_append"
+        ss = as_id_list(op, srcs)
+        self._pool.finish()
         r = self._slot(op, slot)
         G = len(self.groups)
-        ss = as_id_list(op, srcs)
         if len(ss) != G:
             raise InvalidArgumentError(op, f"need one src per group ({G}), got {len(ss)}", len(ss))
-        self.pool.check()
-        n = int(self.num_blocks[r])
+        n = int(self.state.num_blocks[r])
         if n >= self.max_blocks_per_req:
             raise InvalidArgumentError(op, f"slot {r}'s row is full", r)
         real = [x for x in ss if x != NULL_BLOCK]
@@ -285,36 +383,37 @@ class KVCacheManager:
         if need > self.pool.get_num_free_blocks():
             raise OutOfBlocksError(op, f"copy-on-write needs {need} free blocks", need)
         self._check_not_pending_dst(op, real)
-        if self._pending_host + len(real) > self.copy_src.numel():
+        if self._pending() + len(real) > self.config.Q:
             raise InvalidArgumentError(op, "the pending-copy queue is full; run_pending_copies first")
         if real:
             self.pool.touch(real)
         dsts, triples = [], []
         for g, x in enumerate(ss):
             dst = int(self.pool.get_new_blocks(1)[0]) if x != NULL_BLOCK else NULL_BLOCK
-            self.block_table[g, r, n] = dst
+            self.state.block_table[g, r, n] = dst
             if x != NULL_BLOCK:
                 triples.append((x, dst, x))
             dsts.append(dst)
-        self.num_blocks[r] = n + 1
-        self._queue_copies(triples)
+        self.state.num_blocks[r] = n + 1
+        self._queue_copies(op, triples)
         return dsts
 
+    @locked
     def cow_move(self, slot: int, index: int) -> list[int]:
         """A running request keeps writing its cached blocks at ``index`` (see
         ``ReferenceKVCacheManager.cow_move``): keys move to fresh blocks that receive the copies."""
         op = "cow_move"
-        r = self._slot(op, slot)
         i = as_int(op, index, "index")
-        self.pool.check()
-        if not 0 <= i < int(self.num_blocks[r]):
+        self._pool.finish()
+        r = self._slot(op, slot)
+        if not 0 <= i < int(self.state.num_blocks[r]):
             raise InvalidArgumentError(op, f"slot {r} has no block at index {i}", i)
-        srcs = self.block_table[:, r, i].tolist()
+        srcs = self.state.block_table[:, r, i].tolist()
         real = [x for x in srcs if x != NULL_BLOCK]
         if len(real) > self.pool.get_num_free_blocks():
             raise OutOfBlocksError(op, f"copy-on-write needs {len(real)} free blocks", len(real))
         self._check_not_pending_dst(op, real)
-        if self._pending_host + len(real) > self.copy_src.numel():
+        if self._pending() + len(real) > self.config.Q:
             raise InvalidArgumentError(op, "the pending-copy queue is full; run_pending_copies first")
         dsts, triples = [], []
         for x in srcs:
@@ -325,47 +424,85 @@ class KVCacheManager:
             self.pool.move_block_hashes(x, dst)
             triples.append((x, dst, dst))
             dsts.append(dst)
-        self._queue_copies(triples)
+        self._queue_copies(op, triples)
         return dsts
 
     def _check_not_pending_dst(self, op: str, srcs: list[int]) -> None:
         """A block still waiting to receive a copy cannot be copied from in the same batch."""
-        pending = set(self.copy_dst[: self._pending_host].tolist())
+        pending = set(self.state.copy_dst[: self._pending()].tolist())
         for x in srcs:
             if x in pending:
                 raise InvalidArgumentError(op, f"block {x} still waits for a pending copy; run_pending_copies first", x)
 
+    @locked
     def take_pending_copies(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Drain the queue: ``(src, dst, release)`` int32 tensors, in queue order. After the copies
         have run, pass ``release`` to :meth:`release_copied`."""
-        n = self._pending_host
-        out = (self.copy_src[:n].clone(), self.copy_dst[:n].clone(), self.copy_release[:n].clone())
-        self._pending_host = 0
-        self.num_copies.zero_()
+        n = self._pending()
+        s = self.state
+        out = (s.copy_src[:n].clone(), s.copy_dst[:n].clone(), s.copy_release[:n].clone())
+        s.num_copies.zero_()
         return out
 
+    @locked
     def release_copied(self, release: torch.Tensor) -> None:
         """Drop the references the copies held (one ``free_blocks`` of ``release``, in order)."""
-        r = release.to(torch.int32).contiguous()
+        r = release.to(device=self.device, dtype=torch.int32).reshape(-1).contiguous()
         self.pool.free_batched(r, torch.tensor([0, r.numel()], dtype=torch.int32, device=self.device))
 
+    def copy_and_release(self, kv_caches: list[torch.Tensor]) -> None:
+        """The pending copies of every layer in one launch, then the release of the references they
+        held and an empty queue, both only if the status word is clear (else the copies stay pending,
+        so no block is lost to an earlier error). No host sync: a captured step's tail."""
+        s = self.state
+        if kv_caches:
+            copy_blocks(kv_caches, s.copy_src, s.copy_dst, num_copies=s.num_copies, check=False)
+        k_manager.launch_release_copies(self._pool.state, self._pool.config, s, self.config)
+
+    @locked
     def run_pending_copies(self, kv_caches: list[torch.Tensor]) -> int:
         """Copy every pending block for every layer (one launch per dtype group), then release the
-        copies' references. ``kv_caches``: per layer ``[num_blocks, ...]``. Returns the copies run."""
-        from .kernels.copy_blocks import copy_blocks
-
-        n = self._pending_host
+        copies' references. ``kv_caches``: per layer ``[num_blocks, ...]``. Returns the copies run.
+        Raises the pool's recorded error (the copies then stay pending)."""
+        self._pool.finish()
+        n = self._pending()
         if n:
-            copy_blocks(kv_caches, self.copy_src[:n], self.copy_dst[:n])  # raises before the queue is drained
-        src, dst, release = self.take_pending_copies()
-        if n:
-            self.release_copied(release)
+            copy_blocks(kv_caches, self.state.copy_src[:n], self.state.copy_dst[:n])  # checks, may raise
+        k_manager.launch_release_copies(self._pool.state, self._pool.config, self.state, self.config)
+        self._pool.finish()
         return n
 
     # ---- inspection -------------------------------------------------------------------------
+    @locked
     def rows(self, group: int = 0) -> list[list[int]]:
         """Each slot's block table row (its first ``num_blocks`` entries), as Python lists."""
-        self.pool.check()
-        n = self.num_blocks.tolist()
-        t = self.block_table[group].tolist()
+        self._pool.finish()
+        n = self.state.num_blocks.tolist()
+        t = self.state.block_table[group].tolist()
         return [t[r][: n[r]] for r in range(self.max_num_reqs)]
+
+    @locked
+    def validate(self) -> None:
+        """The pool's invariants, then the manager's: every block's ref count equals its references
+        from the active requests' block tables plus the pending copies' held blocks (so a leaked
+        reference shows), when only the manager takes references. Raises InvariantError."""
+        self.pool.validate()
+        s = self.state
+        n = torch.where(s.active != 0, s.num_blocks, 0)
+        in_row = torch.arange(self.max_blocks_per_req, device=self.device)[None, None, :] < n[None, :, None]
+        held = s.block_table[in_row].long()
+        held = torch.cat([held, s.copy_release[: self._pending()].long()])
+        expect = torch.bincount(held, minlength=self.pool.num_blocks)
+        expect[NULL_BLOCK] = 0
+        got = torch.tensor(self.pool.ref_counts(), device=self.device)
+        got[NULL_BLOCK] = 0
+        bad = (expect != got).nonzero().flatten().tolist()
+        if bad:
+            b = bad[0]
+            raise InvariantError("validate", f"block {b} has ref_cnt {int(got[b])} but {int(expect[b])} "
+                                             "references from block tables and pending copies", b)
+        if (torch.where(s.active == 0, s.num_blocks, 0) != 0).any():
+            raise InvariantError("validate", "a free slot still holds blocks")
+
+
+__all__ = ["KVCacheManager", "ManagerState", "ManagerConfig", "AllocateBatch"]

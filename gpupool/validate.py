@@ -1,5 +1,6 @@
 """``BlockPool.validate()``: runs the device check (``kernels/validate.py``) and raises the first
-violation as an InvariantError with a readable message (SPEC.md section 1; DESIGN-NOTES.md 1 and 4)."""
+violation as an InvariantError with a readable message (docs/semantics.md section 1; docs/algorithms.md
+sections 1 and 4)."""
 from __future__ import annotations
 
 import torch
@@ -19,20 +20,17 @@ CHECKS = {
     9: "a block's keys and hash_num_tokens disagree; block",
     10: "a key row's table slot does not point back to it; block",
     11: "a block has the same key twice; block",
-    12: "the table holds a different number of entries than the key rows (or its CAS sink was written); entries",
+    12: "the table holds a different number of entries than the key rows; entries",
     13: "a chunk's overflow count differs from the probe paths through it; chunk",
     14: "a block has keys while caching is disabled; block",
 }
 
 
-def validate_state(pool) -> None:
-    s = pool.state
+def validate_pool(pool) -> None:
+    """Raise InvariantError naming the first failed check of ``pool``'s device state."""
     out = torch.zeros(2, dtype=torch.int64, device=pool.device)
-    s_ovf = torch.zeros(s.num_chunks, dtype=torch.int32, device=pool.device)
-    k_validate.validate_kernel[(1,)](s.ctrl, s.ring, s.qslot, s.ref_cnt, s.num_keys, s.hash_ntok, s.keys, s.table,
-                                     s.overflow, s_ovf, out, N=pool.num_blocks, C=s.ring_capacity,
-                                     MK=pool.max_keys_per_block, NCHUNK=s.num_chunks, CACHING=pool.enable_caching,
-                                     BLOCK=pool._block, num_warps=pool._warps)
+    s_ovf = torch.zeros(pool.config.NCHUNK, dtype=torch.int32, device=pool.device)
+    k_validate.launch_validate(pool.state, pool.config, s_ovf, out)
     code, value = out.tolist()
     if code:
         raise InvariantError("validate", f"{CHECKS.get(code, f'check {code}')} {value}", value)

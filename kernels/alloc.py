@@ -1,96 +1,96 @@
-"""Allocation: ``get_new_blocks`` for many demands in one launch (SPEC.md section 2, batched forms).
+"""Allocation: handing out blocks from the free queue's head (``get_new_blocks``), alone or for many
+demands in one launch (docs/semantics.md section 2, batched forms).
 
-Grid (1,): one program walks the demands, then the ring, in tiles. Demands in batch order are one
-popleft of their sum, so the batch equals the sequence of single calls.
+Demands in batch order are one popleft of their sum, so the batch equals the sequence of single
+calls. ``claim_blocks`` is the one place that hands a popped block out: its keys are evicted
+(BlockRemoved rows), its ref count becomes 1, and a watched block goes to the reuse log.
 """
 import triton
 import triton.language as tl
 
-from .common import (
-    E_BUFFER_FULL, E_INVALID_ARG, E_INVALID_COUNT, E_OUT_OF_BLOCKS, EV_COUNT, HEAD, NUM_FREE, REUSE_COUNT,
-    checked_count, first_bad, set_status,
-)
+from .common import checked_count, first_bad, set_status, status_clear, warps_for
 from .keytable import drop_keys
+from .layout import (
+    E_BUFFER_FULL, E_INVALID_ARG, E_INVALID_COUNT, E_OUT_OF_BLOCKS, EV_COUNT, HEAD, NO_SLOT, NUM_FREE, REUSE_COUNT,
+    TAIL,
+)
 from .queue import ring_scan_pop
 
-RW = tl.constexpr(3)  # reuse log row: (block, watcher id, watch seq)
-
 
 @triton.jit
-def claim_blocks(ref_cnt, qslot, num_keys, hash_ntok, keys, table, overflow, watcher_id, watch_seq, reuse, ev,
-                 ctrl, out, base, total, op_tag,
-                 MK: tl.constexpr, NCHUNK: tl.constexpr, CACHING: tl.constexpr, EVENTS: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """Hand out ``out[base:base+total]`` (already popped): evict their keys, ref_cnt = 1, log watchers."""
-    offs = tl.arange(0, BLOCK)
-    ev_pos = tl.load(ctrl + EV_COUNT)
-    ru_pos = tl.load(ctrl + REUSE_COUNT)
+def claim_needs(ps, pc: tl.constexpr, out, base, total):
+    """Keys that handing out ``out[base:base+total]`` evicts: the event rows it writes."""
+    offs = tl.arange(0, pc.BLOCK)
+    nk_sum = tl.zeros([], tl.int64)
     i = 0
     while i < total:
         m = (i + offs) < total
         b = tl.load(out + base + i + offs, mask=m, other=0)
-        if CACHING:
-            ev_pos += drop_keys(table, overflow, keys, num_keys, hash_ntok, ev, ev_pos, b, m,
-                                MK, NCHUNK, EVENTS, op_tag)
-        tl.store(ref_cnt + b, tl.full([BLOCK], 1, tl.int32), mask=m)
-        tl.store(qslot + b, tl.full([BLOCK], -1, tl.int32), mask=m)
-        w = tl.load(watcher_id + b, mask=m, other=-1)
-        hw = m & (w >= 0)
-        r = ru_pos + tl.cumsum(hw.to(tl.int64), axis=0) - hw.to(tl.int64)
-        tl.store(reuse + r * RW + 0, b.to(tl.int64), mask=hw)
-        tl.store(reuse + r * RW + 1, w.to(tl.int64), mask=hw)
-        tl.store(reuse + r * RW + 2, tl.load(watch_seq + b, mask=hw, other=0), mask=hw)
-        tl.store(watcher_id + b, tl.full([BLOCK], -1, tl.int32), mask=hw)
-        ru_pos += tl.sum(hw.to(tl.int64), axis=0)
-        i += BLOCK
-    tl.store(ctrl + EV_COUNT, ev_pos)
-    tl.store(ctrl + REUSE_COUNT, ru_pos)
+        nk_sum += tl.sum(tl.load(ps.num_keys + b, mask=m, other=0).to(tl.int64), axis=0)
+        i += pc.BLOCK
+    return nk_sum
 
 
 @triton.jit
-def claim_needs(num_keys, watcher_id, out, base, total, BLOCK: tl.constexpr):
-    """(keys to evict, watchers to fire) of ``out[base:base+total]``: sizes the event and reuse writes."""
-    offs = tl.arange(0, BLOCK)
-    nk_sum = total.to(tl.int64) * 0
-    nw_sum = total.to(tl.int64) * 0
+def claim_blocks(ps, pc: tl.constexpr, out, base, total, ev_pos, reuse_pos):
+    """Hand out ``out[base:base+total]`` (already popped): evict their keys (rows from ``ev_pos``),
+    ref_cnt = 1, not queued, watched blocks logged from ``reuse_pos``. Returns the new (ev_pos,
+    reuse_pos); the caller stores them."""
+    offs = tl.arange(0, pc.BLOCK)
     i = 0
     while i < total:
         m = (i + offs) < total
         b = tl.load(out + base + i + offs, mask=m, other=0)
-        nk_sum += tl.sum(tl.load(num_keys + b, mask=m, other=0).to(tl.int64), axis=0)
-        nw_sum += tl.sum((m & (tl.load(watcher_id + b, mask=m, other=-1) >= 0)).to(tl.int64), axis=0)
-        i += BLOCK
-    return nk_sum, nw_sum
+        if pc.CACHING:
+            ev_pos += drop_keys(ps, pc, b, m, ev_pos)
+        tl.store(ps.ref_cnt + b, tl.full([pc.BLOCK], 1, tl.int32), mask=m)
+        tl.store(ps.qslot + b, tl.full([pc.BLOCK], NO_SLOT, tl.int32), mask=m)
+        w = m & (tl.load(ps.watched + b, mask=m, other=0) != 0)
+        wi = w.to(tl.int64)
+        tl.store(ps.reuse + reuse_pos + tl.cumsum(wi, axis=0) - wi, b, mask=w)
+        tl.store(ps.watched + b, tl.zeros([pc.BLOCK], tl.int8), mask=w)
+        reuse_pos += tl.sum(wi, axis=0)
+        i += pc.BLOCK
+    return ev_pos, reuse_pos
 
 
 @triton.jit
-def alloc_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_ntok, keys, table, overflow,
-                 watcher_id, watch_seq, reuse, ev,
-                 demands, num_demands, cap, out_blocks, out_offsets, op_tag,
-                 OP: tl.constexpr, C: tl.constexpr, MK: tl.constexpr, NCHUNK: tl.constexpr,
-                 CACHING: tl.constexpr, EVENTS: tl.constexpr, EV_CAP: tl.constexpr, REUSE_CAP: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def pop_and_claim(ps, pc: tl.constexpr, head, tail, out, base, total):
+    """Pop ``total`` blocks from ``head`` into ``out[base:]`` and hand them out, event and reuse
+    positions read from and written back to ``ctrl``. The caller has checked ``total <= num_free``
+    and the event room; it stores the returned head and lowers num_free."""
+    new_head = ring_scan_pop(ps, pc, head, tail, out, base, total)
+    tl.debug_barrier()
+    ev_pos, reuse_pos = claim_blocks(ps, pc, out, base, total, tl.load(ps.ctrl + EV_COUNT),
+                                     tl.load(ps.ctrl + REUSE_COUNT))
+    tl.store(ps.ctrl + EV_COUNT, ev_pos)
+    tl.store(ps.ctrl + REUSE_COUNT, reuse_pos)
+    tl.debug_barrier()
+    return new_head
+
+
+@triton.jit
+def alloc_kernel(ps, pc: tl.constexpr, demands, num_demands, cap, out_blocks, out_offsets, OP: tl.constexpr):
     """Batched ``get_new_blocks``.
 
-    Reads the first ``num_demands[0]`` (at most ``cap``) of ``demands: int32[cap]`` (blocks per demand,
-    in batch order; a count outside ``0..cap`` is E_INVALID_ARG). Writes
-    ``out_offsets: int32[num_demands + 1]`` (demand k's blocks are ``out_blocks[off[k]:off[k+1]]``)
-    and ``out_blocks: int32[N]``; on success also ring head, ``num_free``, ref counts, key rows and
-    table (eviction of the taken blocks' keys), events and the reuse log. All or nothing: a negative
-    demand, a sum above ``num_free`` or a full event / reuse buffer sets the status word instead.
+    Reads the first ``num_demands[0]`` (at most ``cap``; else E_INVALID_ARG) of ``demands: int32[cap]``
+    (blocks per demand, in batch order). Writes ``out_offsets: int32[num_demands + 1]`` (demand k's
+    blocks are ``out_blocks[off[k]:off[k+1]]``) and ``out_blocks: int32[N + 1]`` (entries past the last
+    offset are unspecified); on success also the ring head, num_free, ref counts, evicted keys, events
+    and the reuse log. All or nothing: a negative demand (E_INVALID_COUNT), a running sum above
+    num_free (E_OUT_OF_BLOCKS, the first demand that fails, as the sequence of calls) or events that
+    would not fit (E_BUFFER_FULL) set the status word instead.
     """
-    if tl.load(status) == 0:
-        offs = tl.arange(0, BLOCK)
+    if status_clear(ps.status):
+        offs = tl.arange(0, pc.BLOCK)
         nd, nd_ok = checked_count(num_demands, cap)
-        free = tl.load(ctrl + NUM_FREE)
-        total = (nd * 0).to(tl.int64)
+        free = tl.load(ps.ctrl + NUM_FREE)
+        total = tl.zeros([], tl.int64)
         err = tl.where(nd_ok, 0, E_INVALID_ARG)
         err_val = tl.where(nd_ok, 0, tl.load(num_demands)).to(tl.int64)
         tl.store(out_offsets, 0)
         i = 0
         while i < nd:
-            # The batch is the sequence of single calls: its error is that of the first demand that
-            # fails, a negative one (InvalidCount) or the first whose running sum exceeds num_free.
             idx = i + offs
             m = idx < nd
             d = tl.load(demands + idx, mask=m, other=0)
@@ -103,20 +103,34 @@ def alloc_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_ntok, keys, 
             err_val = tl.where(new_err, tl.where(neg_first, nv, ov), err_val)
             tl.store(out_offsets + 1 + idx, cum.to(tl.int32), mask=m)
             total += tl.sum(tl.maximum(d, 0).to(tl.int64), axis=0)
-            i += BLOCK
+            i += pc.BLOCK
         if err == 0:
-            new_head = ring_scan_pop(ring, ctrl, out_blocks, 0, total, C, BLOCK)
+            head = tl.load(ps.ctrl + HEAD)
+            new_head = ring_scan_pop(ps, pc, head, tl.load(ps.ctrl + TAIL), out_blocks, 0, total)
             tl.debug_barrier()
-            nk, nw = claim_needs(num_keys, watcher_id, out_blocks, 0, total, BLOCK)
-            full = (tl.load(ctrl + REUSE_COUNT) + nw > REUSE_CAP)
-            if EVENTS and CACHING:
-                full = full | (tl.load(ctrl + EV_COUNT) + nk > EV_CAP)
-            err = tl.where(full, E_BUFFER_FULL, err)
-            err_val = tl.where(full, nk + nw, err_val)
+            if pc.EVENTS and pc.CACHING:
+                nk = claim_needs(ps, pc, out_blocks, 0, total)
+                full = tl.load(ps.ctrl + EV_COUNT) + nk > pc.EV_CAP
+                err = tl.where(full, E_BUFFER_FULL, err)
+                err_val = tl.where(full, nk, err_val)
             if err == 0:
-                claim_blocks(ref_cnt, qslot, num_keys, hash_ntok, keys, table, overflow, watcher_id, watch_seq,
-                             reuse, ev, ctrl, out_blocks, 0, total, op_tag, MK, NCHUNK, CACHING, EVENTS, BLOCK)
-                tl.store(ctrl + HEAD, new_head)
-                tl.store(ctrl + NUM_FREE, tl.load(ctrl + NUM_FREE) - total)
+                ev_pos, reuse_pos = claim_blocks(ps, pc, out_blocks, 0, total, tl.load(ps.ctrl + EV_COUNT),
+                                                 tl.load(ps.ctrl + REUSE_COUNT))
+                tl.store(ps.ctrl + EV_COUNT, ev_pos)
+                tl.store(ps.ctrl + REUSE_COUNT, reuse_pos)
+                tl.store(ps.ctrl + HEAD, new_head)
+                tl.store(ps.ctrl + NUM_FREE, free - total)
         if err != 0:
-            set_status(status, err, OP, err_val)
+            set_status(ps.status, err, OP, err_val)
+
+
+def launch_alloc(ps, pc, demands, num_demands, *, op: int):
+    """Launch ``alloc_kernel`` (one program). ``demands: int32[B]``, ``num_demands: int32[1]``.
+    Returns ``(blocks: int32[N + 1], offsets: int32[B + 1])``."""
+    import torch
+
+    offsets = torch.empty(demands.numel() + 1, dtype=torch.int32, device=demands.device)
+    out = torch.empty(pc.N + 1, dtype=torch.int32, device=demands.device)
+    alloc_kernel[(1,)](ps, pc, demands, num_demands, demands.numel(), out, offsets, OP=op,
+                       num_warps=warps_for(pc.BLOCK))
+    return out, offsets

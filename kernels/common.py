@@ -1,61 +1,34 @@
-"""Layout constants and small ``@triton.jit`` helpers shared by every kernel.
+"""Small ``@triton.jit`` helpers every kernel uses: the sticky status word, checked device counts,
+first-offending-lane reductions.
 
-The control words (``ctrl: int64[CTRL_SIZE]``) and the status word (``status: int64[4]``) are
-described in ``gpupool/state.py``. Every kernel reads ``status[0]`` first and does nothing once it
-is set (sticky errors, SPEC.md section 3).
+Every state-changing kernel reads ``status[CODE]`` first and does nothing once it is set (sticky
+errors, docs/semantics.md section 3); it validates its whole input, then commits.
 """
+import contextlib
+
 import triton
 import triton.language as tl
 
-# ctrl: int64[CTRL_SIZE]
-HEAD = tl.constexpr(0)  # ring position of the queue head (may go below zero)
-TAIL = tl.constexpr(1)  # one past the last ring position in the live window
-NUM_FREE = tl.constexpr(2)  # live (non-tombstone) slots in [HEAD, TAIL)
-KEY_SEQ = tl.constexpr(3)  # next key insertion sequence number (earliest-inserted lookups)
-EV_COUNT = tl.constexpr(4)  # events written since the host last drained
-REUSE_COUNT = tl.constexpr(5)  # reuse-log entries written since the host last drained
-WATCH_SEQ = tl.constexpr(6)  # next watcher registration number
-COMPACTIONS = tl.constexpr(7)  # ring compactions so far (a statistic)
-CTRL_SIZE = 16
-
-# status: int64[4] = (error code, op code, offending value, 0)
-ST_CODE = tl.constexpr(0)
-ST_OP = tl.constexpr(1)
-ST_VALUE = tl.constexpr(2)
-
-# Error codes (gpupool.errors.*.code).
-E_OUT_OF_BLOCKS = tl.constexpr(2)
-E_INVALID_COUNT = tl.constexpr(3)
-E_INVALID_ID = tl.constexpr(4)
-E_NULL_BLOCK = tl.constexpr(5)
-E_DOUBLE_FREE = tl.constexpr(6)
-E_HASH_CONFLICT = tl.constexpr(7)
-E_KEY_CAPACITY = tl.constexpr(8)
-E_INVALID_ARG = tl.constexpr(9)
-E_INVARIANT = tl.constexpr(10)
-E_BUFFER_FULL = tl.constexpr(11)
-
-# Event kinds in the device event buffer.
-EV_REMOVED = tl.constexpr(1)
-EV_STORED = tl.constexpr(2)
-EV_CLEARED = tl.constexpr(3)
-
-BIG = tl.constexpr(2147483647)
+from .layout import BIG, ST_CODE, ST_OP, ST_VALUE
 
 
 @triton.jit
 def set_status(status, code, op, value):
     """Record the first error (single-program kernels only: no other program races on it)."""
-    v = value.to(tl.int64)
     if tl.load(status + ST_CODE) == 0:
-        tl.store(status + ST_CODE, v * 0 + code)
-        tl.store(status + ST_OP, v * 0 + op)
-        tl.store(status + ST_VALUE, v)
+        tl.store(status + ST_CODE, tl.cast(code, tl.int64))
+        tl.store(status + ST_OP, tl.cast(op, tl.int64))
+        tl.store(status + ST_VALUE, tl.cast(value, tl.int64))
+
+
+@triton.jit
+def status_clear(status):
+    return tl.load(status + ST_CODE) == 0
 
 
 @triton.jit
 def checked_count(count_ptr, cap):
-    """A count read from the device, checked against its array's capacity: (count or 0, ok)."""
+    """A count read from the device, checked against its array's capacity ``cap``: (count or 0, ok)."""
     n = tl.load(count_ptr)
     ok = (n >= 0) & (n <= cap)
     return tl.where(ok, n, 0), ok
@@ -67,3 +40,34 @@ def first_bad(bad, idx, val):
     i = tl.min(tl.where(bad, idx, BIG), axis=0)
     v = tl.sum(tl.where(bad & (idx == i), val.to(tl.int64), 0), axis=0)
     return i < BIG, i, v
+
+
+@triton.jit
+def keep_first(err, err_val, err_i, new_err, bad, idx, val):
+    """Fold the lowest bad lane of this tile into a running (code, value, index): the earlier index
+    wins, so a batch reports the error its sequence of single ops would hit first."""
+    anyb, i, v = first_bad(bad, idx, val)
+    take = anyb & (i < err_i)
+    return tl.where(take, new_err, err), tl.where(take, v, err_val), tl.where(take, i, err_i)
+
+
+_forced_warps: int | None = None
+
+
+def warps_for(block: int) -> int:
+    """Warps of a one-program kernel with ``block`` lanes (host side): 2 to 4 lanes per thread, unless
+    a test forces a count (:func:`forced_warps`)."""
+    if _forced_warps is not None:
+        return _forced_warps
+    return 16 if block >= 1024 else 8 if block >= 512 else 4
+
+
+@contextlib.contextmanager
+def forced_warps(num_warps: int):
+    """Launch every one-program kernel with ``num_warps`` warps inside (tests of warp-count independence)."""
+    global _forced_warps
+    old, _forced_warps = _forced_warps, num_warps
+    try:
+        yield
+    finally:
+        _forced_warps = old

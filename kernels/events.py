@@ -1,24 +1,39 @@
-"""The device event buffer ``ev: int64[EV_CAP, 7]``: (kind, block, key hi, key lo, group, op tag, aux).
+"""The device event buffer ``ev: int64[EV_CAP, EVW]`` (row layouts: ``kernels/layout.py`` Event).
 
-``aux`` is the stored key's position in its request's hash chain where the host needs it to name
-the parent hash (the manager's steps), else 0.
-
-Kernels write events at ``ctrl[EV_COUNT] + (index in op order)``; the host drains them in
-``take_events()`` and turns removals and stored items into vLLM's KV events.
+Kernels write rows at ``ctrl[EV_COUNT] + (index in op order)`` and store the new count once; the host
+drains them (``BlockPool.take_events``) into vLLM's KV events. A batched op checks that its rows fit
+before it commits anything (BufferFullError otherwise).
 """
 import triton
 import triton.language as tl
 
-EVW = tl.constexpr(7)
+from .layout import EV_REMOVED, EV_STORED, EV_STORED_ITEM, EVW
 
 
 @triton.jit
-def write_event(ev, idx, kind, block, hi, lo, grp, op_tag, active, aux=0):
+def write_row(ev, idx, kind, a, hi, lo, grp, b, active):
+    """Row ``idx`` of each active lane: ``(kind, a, hi, lo, grp, b)``."""
     row = ev + idx.to(tl.int64) * EVW
-    tl.store(row + 0, tl.zeros_like(hi) + kind, mask=active)
-    tl.store(row + 1, block.to(tl.int64), mask=active)
+    zero = tl.zeros_like(hi)
+    tl.store(row + 0, zero + kind, mask=active)
+    tl.store(row + 1, zero + a, mask=active)
     tl.store(row + 2, hi, mask=active)
     tl.store(row + 3, lo, mask=active)
-    tl.store(row + 4, grp.to(tl.int64), mask=active)
-    tl.store(row + 5, tl.zeros_like(hi) + op_tag, mask=active)
-    tl.store(row + 6, tl.zeros_like(hi) + aux, mask=active)
+    tl.store(row + 4, zero + grp, mask=active)
+    tl.store(row + 5, zero + b, mask=active)
+
+
+@triton.jit
+def write_removed(ev, idx, block, hi, lo, grp, active):
+    write_row(ev, idx, EV_REMOVED, block, hi, lo, grp, 0, active)
+
+
+@triton.jit
+def write_stored_item(ev, idx, block, hi, lo, grp, active):
+    write_row(ev, idx, EV_STORED_ITEM, block, hi, lo, grp, 0, active)
+
+
+@triton.jit
+def write_stored_header(ev, idx, has_parent, parent_hi, parent_lo, grp, block_size, active):
+    """The header of one BlockStored; its items are the STORED_ITEM rows right after it."""
+    write_row(ev, idx, EV_STORED, has_parent, parent_hi, parent_lo, grp, block_size, active)

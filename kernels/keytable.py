@@ -1,21 +1,21 @@
 """The prefix-key map: a chunked hash table without tombstones over per-block key rows.
 
-Device helpers (``@triton.jit``, called from op kernels) on a tile of lanes, one key per lane.
-Layout (DESIGN.md, DESIGN-NOTES.md section 4): ``table: int64[NCHUNK * 16 + 1]`` slot words
-``(31-bit tag << 32) | (entry + 1)`` (0 = EMPTY; the extra last word is a sink for masked-off
-compare-and-swaps, which take no mask), ``overflow: int32[NCHUNK]`` (entries that probed past the
-chunk). ``entry = block * MK + j`` indexes the key rows ``keys: int64[N*MK, 5]`` with columns
-(hi, lo, group, seq, table slot). A lookup returns the live entry with the smallest ``seq``.
+Device helpers on a tile of lanes, one key per lane (docs/design.md; docs/algorithms.md section 4).
+``table: int64[NCHUNK * 16]`` slot words ``(31-bit tag << 32) | (entry + 1)`` (0 = EMPTY),
+``overflow: int32[NCHUNK]`` (entries that probed past the chunk). ``entry = block * MK + j`` indexes
+the key rows ``keys: int64[N*MK, 5]`` with columns (hi, lo, group, seq, table slot). A lookup returns
+the live entry with the smallest ``seq``.
 
 Races: lanes claim slots with one 64-bit ``atomic_cas`` each (the loser retries the same chunk) and
 bump overflow counts with ``atomic_add``, so lanes and programs never overwrite each other; table
-words are read ``volatile`` so a retry sees the winner's word.
+words are read ``volatile`` so a retry sees the winner's word. ``atomic_cas`` takes no mask: an
+inactive lane compares its own word (lane index) against -1, which no slot word equals, so it never
+writes and inactive lanes do not queue on one address.
 """
 import triton
 import triton.language as tl
 
-from .common import EV_REMOVED
-from .events import write_event
+from .events import write_removed
 
 CHUNK = tl.constexpr(16)
 # columns of the key rows
@@ -25,6 +25,7 @@ K_LO = tl.constexpr(1)
 K_GROUP = tl.constexpr(2)
 K_SEQ = tl.constexpr(3)
 K_SLOT = tl.constexpr(4)
+SEQ_NONE = tl.constexpr(9223372036854775807)
 
 
 @triton.jit
@@ -39,25 +40,25 @@ def key_tag(hi):
 
 
 @triton.jit
-def table_insert(table, overflow, hi, lo, grp, entry, active, NCHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def table_insert(table, overflow, hi, lo, grp, entry, active, NCHUNK: tl.constexpr):
     """Claim one slot per active lane for ``entry``; returns the slot index (-1 where not placed)."""
     cols = tl.arange(0, CHUNK)
-    sink = NCHUNK * CHUNK
     home = key_home(lo, grp, NCHUNK)
+    lane_word = (tl.cumsum(tl.full(home.shape, 1, tl.int32), axis=0) - 1) & (NCHUNK * CHUNK - 1)
     word = (key_tag(hi) << 32) | (entry.to(tl.int64) + 1)
-    step = tl.zeros([BLOCK], dtype=tl.int32)
-    slot = tl.full([BLOCK], -1, dtype=tl.int32)
+    step = tl.zeros_like(home)
+    slot = tl.full(home.shape, -1, tl.int32)
     pending = active
     it = 0
     # Bounded: each lane either wins, passes a full chunk, or loses a race to another lane.
-    while (tl.sum(pending.to(tl.int32), axis=0) > 0) & (it < NCHUNK * (CHUNK + 1) + BLOCK):
+    while (tl.sum(pending.to(tl.int32), axis=0) > 0) & (it < NCHUNK * (CHUNK + 1) + home.shape[0]):
         c = (home + step) & (NCHUNK - 1)
         w = tl.load(table + c[:, None].to(tl.int64) * CHUNK + cols[None, :], mask=pending[:, None], other=1,
                     volatile=True)
         first_empty = tl.min(tl.where(w == 0, cols[None, :], CHUNK), axis=1)
         has = pending & (first_empty < CHUNK)
         full = pending & (first_empty == CHUNK)
-        target = tl.where(has, c * CHUNK + first_empty, sink)
+        target = tl.where(has, c * CHUNK + first_empty, lane_word)
         old = tl.atomic_cas(table + target, tl.where(has, 0, -1).to(tl.int64), tl.where(has, word, -1))
         won = has & (old == 0)
         slot = tl.where(won, target, slot)
@@ -82,14 +83,13 @@ def table_delete(table, overflow, lo, grp, slot, active, NCHUNK: tl.constexpr):
 
 
 @triton.jit
-def table_lookup(table, overflow, keys, hi, lo, grp, active,
-                 NCHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def table_lookup(table, overflow, keys, hi, lo, grp, active, NCHUNK: tl.constexpr):
     """Earliest-inserted live entry per active lane: (entry, seq); entry -1 on a miss."""
     cols = tl.arange(0, CHUNK)
     home = key_home(lo, grp, NCHUNK)
     tag = key_tag(hi)
-    best = tl.full([BLOCK], -1, dtype=tl.int64)
-    best_seq = tl.full([BLOCK], 9223372036854775807, dtype=tl.int64)
+    best = tl.full(hi.shape, -1, tl.int64)
+    best_seq = tl.full(hi.shape, SEQ_NONE, tl.int64)
     live = active
     step = 0
     while (tl.sum(live.to(tl.int32), axis=0) > 0) & (step < NCHUNK):
@@ -103,7 +103,7 @@ def table_lookup(table, overflow, keys, hi, lo, grp, active,
         kg = tl.load(keys + e * KW + K_GROUP, mask=m, other=-1)
         ks = tl.load(keys + e * KW + K_SEQ, mask=m, other=0)
         match = m & (khi == hi[:, None]) & (klo == lo[:, None]) & (kg == grp.to(tl.int64)[:, None])
-        s = tl.where(match, ks, 9223372036854775807)
+        s = tl.where(match, ks, SEQ_NONE)
         row_min = tl.min(s, axis=1)
         row_e = tl.max(tl.where(match & (s == row_min[:, None]), e, -1), axis=1)
         better = live & (row_e >= 0) & (row_min < best_seq)
@@ -116,46 +116,50 @@ def table_lookup(table, overflow, keys, hi, lo, grp, active,
 
 
 @triton.jit
-def drop_keys(table, overflow, keys, num_keys, hash_ntok, ev, ev_pos, b, active,
-              MK: tl.constexpr, NCHUNK: tl.constexpr, EVENTS: tl.constexpr, op_tag):
-    """Remove every key of each active lane's block (primary first), recording one removal event per
-    key at ``ev_pos + (keys of earlier lanes) + j`` when EVENTS. Returns how many keys were removed.
-
-    A block appears in at most one active lane (callers deduplicate), so lanes write disjoint rows.
-    """
-    nk = tl.load(num_keys + b, mask=active, other=0)
-    nk = tl.where(active, nk, 0)
-    before = tl.cumsum(nk, axis=0) - nk
-    for j in tl.static_range(MK):
-        has = active & (j < nk)
-        e = b.to(tl.int64) * MK + j
-        hi = tl.load(keys + e * KW + K_HI, mask=has, other=0)
-        lo = tl.load(keys + e * KW + K_LO, mask=has, other=0)
-        grp = tl.load(keys + e * KW + K_GROUP, mask=has, other=0)
-        slot = tl.load(keys + e * KW + K_SLOT, mask=has, other=0)
-        table_delete(table, overflow, lo, grp, slot, has, NCHUNK)
-        if EVENTS:
-            write_event(ev, ev_pos + before + j, EV_REMOVED, b, hi, lo, grp, op_tag, has)
-    tl.store(num_keys + b, tl.zeros_like(nk), mask=active & (nk > 0))
-    tl.store(hash_ntok + b, tl.full(nk.shape, -1, tl.int32), mask=active & (nk > 0))
-    return tl.sum(nk, axis=0)
+def lookup_blocks(ps, pc: tl.constexpr, hi, lo, grp, active):
+    """The earliest-inserted block under each active lane's key (``get_cached_block``), -1 on a miss."""
+    e, _ = table_lookup(ps.table, ps.overflow, ps.keys, hi, lo, grp, active, pc.NCHUNK)
+    return tl.where(e >= 0, e // pc.MK, -1).to(tl.int32)
 
 
 @triton.jit
-def put_key(table, overflow, keys, hash_ntok, b, j, hi, lo, grp, seq, ntok, active,
-            MK: tl.constexpr, NCHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def drop_keys(ps, pc: tl.constexpr, b, active, ev_pos):
+    """Remove every key of each active lane's block (primary first), writing one BlockRemoved row per
+    key at ``ev_pos + (keys of earlier lanes) + j`` when events are on. Returns the keys removed.
+
+    A block appears in at most one active lane (callers deduplicate), so lanes write disjoint rows.
+    """
+    nk = tl.where(active, tl.load(ps.num_keys + b, mask=active, other=0), 0)
+    before = tl.cumsum(nk, axis=0) - nk
+    for j in tl.static_range(pc.MK):
+        has = active & (j < nk)
+        e = b.to(tl.int64) * pc.MK + j
+        hi = tl.load(ps.keys + e * KW + K_HI, mask=has, other=0)
+        lo = tl.load(ps.keys + e * KW + K_LO, mask=has, other=0)
+        grp = tl.load(ps.keys + e * KW + K_GROUP, mask=has, other=0)
+        slot = tl.load(ps.keys + e * KW + K_SLOT, mask=has, other=0)
+        table_delete(ps.table, ps.overflow, lo, grp, slot, has, pc.NCHUNK)
+        if pc.EVENTS:
+            write_removed(ps.ev, ev_pos + before + j, b, hi, lo, grp, has)
+    tl.store(ps.num_keys + b, tl.zeros_like(nk), mask=active & (nk > 0))
+    tl.store(ps.hash_ntok + b, tl.full(nk.shape, -1, tl.int32), mask=active & (nk > 0))
+    return tl.sum(nk, axis=0).to(tl.int64)
+
+
+@triton.jit
+def put_key(ps, pc: tl.constexpr, b, j, hi, lo, grp, seq, ntok, active):
     """Write key row ``(b, j)`` and claim its table slot; row j == 0 also sets the covered tokens.
     The caller sets ``num_keys`` (lanes may share a block).
 
     Rows are written before the slot is claimed, so a concurrent reader never sees a word whose row
     is stale.
     """
-    e = b.to(tl.int64) * MK + j
-    tl.store(keys + e * KW + K_HI, hi, mask=active)
-    tl.store(keys + e * KW + K_LO, lo, mask=active)
-    tl.store(keys + e * KW + K_GROUP, grp.to(tl.int64), mask=active)
-    tl.store(keys + e * KW + K_SEQ, seq, mask=active)
+    e = b.to(tl.int64) * pc.MK + j
+    tl.store(ps.keys + e * KW + K_HI, hi, mask=active)
+    tl.store(ps.keys + e * KW + K_LO, lo, mask=active)
+    tl.store(ps.keys + e * KW + K_GROUP, grp.to(tl.int64), mask=active)
+    tl.store(ps.keys + e * KW + K_SEQ, seq, mask=active)
     tl.debug_barrier()
-    slot = table_insert(table, overflow, hi, lo, grp, e, active, NCHUNK, BLOCK)
-    tl.store(keys + e * KW + K_SLOT, slot.to(tl.int64), mask=active)
-    tl.store(hash_ntok + b, ntok.to(tl.int32), mask=active & (j == 0))
+    slot = table_insert(ps.table, ps.overflow, hi, lo, grp, e, active, pc.NCHUNK)
+    tl.store(ps.keys + e * KW + K_SLOT, slot.to(tl.int64), mask=active)
+    tl.store(ps.hash_ntok + b, ntok.to(tl.int32), mask=active & (j == 0))

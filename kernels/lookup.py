@@ -1,93 +1,121 @@
-"""Read-only prefix lookups: many keys at once, and the longest cached prefix of many hash chains.
+"""Read-only prefix lookups: many keys at once (``lookup_batched``), and the longest cached prefix of
+many hash chains (``longest_prefix_batched``).
 
 These only read pool state and write their own outputs, one disjoint range per program, so any
-number of programs run without races.
+number of programs run without races. A bad count or length read from a device input looks nothing
+up for that program and records E_INVALID_ARG with one compare-and-swap on the status code, so an
+earlier error stays first.
 """
 import triton
 import triton.language as tl
 
-from .common import E_INVALID_ARG, ST_OP, ST_VALUE, checked_count
-from .keytable import table_lookup
-
-BIG_POS = tl.constexpr(2147483647)
+from .common import checked_count
+from .keytable import lookup_blocks
+from .layout import BIG, E_INVALID_ARG, ST_CODE, ST_OP, ST_VALUE
 
 
 @triton.jit
-def lookup_kernel(table, overflow, keys, key_hi, key_lo, key_group, num_keys_in, cap, out_block, status,
-                  MK: tl.constexpr, NCHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def record_error(status, op: tl.constexpr, value):
+    """Record E_INVALID_ARG from one of many programs: only the first writer's record stays."""
+    v = tl.cast(value, tl.int64)
+    if tl.atomic_cas(status + ST_CODE, tl.zeros([], tl.int64), tl.full([], E_INVALID_ARG, tl.int64)) == 0:
+        tl.store(status + ST_OP, tl.full([], op, tl.int64))
+        tl.store(status + ST_VALUE, v)
+
+
+@triton.jit
+def lookup_kernel(ps, pc: tl.constexpr, key_hi, key_lo, key_group, num_keys_in, cap, out_block,
+                  OP: tl.constexpr, BLOCK: tl.constexpr):
     """``out_block[i]`` = earliest-inserted block under key i, or -1, for ``i < num_keys_in[0]``.
     Grid: cdiv(cap, BLOCK); ``key_hi, key_lo: int64[cap]``, ``key_group: int32[cap]``. A count outside
-    ``0..cap`` looks nothing up; program 0 records it in the status word with one compare-and-swap
-    (so an earlier error stays first; no other program writes there)."""
+    ``0..cap`` looks nothing up (program 0 records it)."""
     n, n_ok = checked_count(num_keys_in, cap)
     if (tl.program_id(0) == 0) & (n_ok == 0):
-        zero = tl.load(num_keys_in).to(tl.int64) * 0
-        if tl.atomic_cas(status, zero, zero + E_INVALID_ARG) == 0:
-            tl.store(status + ST_OP, 16)
-            tl.store(status + ST_VALUE, tl.load(num_keys_in).to(tl.int64))
+        record_error(ps.status, OP, tl.load(num_keys_in))
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = idx < n
     hi = tl.load(key_hi + idx, mask=m, other=0)
     lo = tl.load(key_lo + idx, mask=m, other=0)
     g = tl.load(key_group + idx, mask=m, other=0)
-    e, _ = table_lookup(table, overflow, keys, hi, lo, g, m, NCHUNK, BLOCK)
-    tl.store(out_block + idx, tl.where(e >= 0, e // MK, -1).to(tl.int32), mask=m)
+    tl.store(out_block + idx, lookup_blocks(ps, pc, hi, lo, g, m), mask=m)
+
+
+def launch_lookup(ps, pc, key_hi, key_lo, key_group, num_keys, out, *, op: int):
+    """Launch ``lookup_kernel`` over ``cdiv(K, 256)`` programs of 256 keys."""
+    k = key_hi.numel()
+    block = 256
+    lookup_kernel[(max(1, -(-k // block)),)](ps, pc, key_hi, key_lo, key_group, num_keys, k, out, OP=op, BLOCK=block,
+                                             num_warps=4)
 
 
 @triton.jit
-def longest_prefix_kernel(table, overflow, keys, ref_cnt, key_hi, key_lo, groups, num_groups, lengths,
-                          num_reqs, max_len, out_hits, out_blocks, out_zero_ref,
-                          MK: tl.constexpr, NCHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Longest cached prefix of request r's chain, all groups hitting at each position.
-
-    ``key_hi, key_lo: int64[R, G, max_len]`` (request r, group g, position t), ``groups: int32[G]``,
-    ``lengths: int32[R]`` (positions to consider), counts in ``num_groups, num_reqs: int32[1]``.
-    Writes ``out_hits: int32[R]``, ``out_blocks: int32[R, G, max_len]`` (the first out_hits[r]
-    positions valid) and ``out_zero_ref: int32[R]``, the hit blocks with ref_cnt 0 (what admitting
-    the hit takes from the free count). Grid: (R capacity,), program r handles request r.
-    """
-    r = tl.program_id(0)
-    if r < tl.load(num_reqs):
-        G = tl.load(num_groups)
-        L = tl.load(lengths + r)
-        offs = tl.arange(0, BLOCK)
-        hits = L * 0
-        zero_ref = L * 0
-        t = 0
-        done = L <= 0
-        while (t < L) & (done == 0):
-            pos = t + offs
-            inb = pos < L
-            ok = inb
-            g = 0
-            while g < G:
-                base = (r.to(tl.int64) * G + g) * max_len
-                hi = tl.load(key_hi + base + pos, mask=inb, other=0)
-                lo = tl.load(key_lo + base + pos, mask=inb, other=0)
-                grp = tl.zeros([BLOCK], tl.int32) + tl.load(groups + g)
-                e, _ = table_lookup(table, overflow, keys, hi, lo, grp, inb, NCHUNK, BLOCK)
-                blk = tl.where(e >= 0, e // MK, -1).to(tl.int32)
-                tl.store(out_blocks + base + pos, blk, mask=inb)
-                ok = ok & (e >= 0)
-                g += 1
-            # Positions before the first miss of this tile extend the prefix.
-            miss = tl.min(tl.where(inb & (ok == 0), pos, BIG_POS), axis=0)
-            run = inb & (pos < miss)
-            hits += tl.sum(run.to(tl.int32), axis=0)
-            done = miss < BIG_POS
-            t += BLOCK
-        tl.store(out_hits + r, hits)
-        # Zero-ref hit blocks (each group's chain holds its own blocks).
+def find_longest_cache_hit(ps, pc: tl.constexpr, key_hi, key_lo, gstride, pstride, groups, G, length, out_blocks,
+                           out_stride, BLOCK: tl.constexpr):
+    """vLLM's ``find_longest_cache_hit``: the longest prefix of ``length`` chain positions on which
+    every one of the ``G`` groups hits. Group g's key at position t is ``key_hi/lo[g * gstride + t *
+    pstride]`` (its group id ``groups[g]``); its hit block goes to ``out_blocks[g * out_stride + t]``
+    (positions past the prefix may be written too). Returns (hits, hit blocks with ref_cnt 0, counted
+    per position and group, as the admission check counts them)."""
+    offs = tl.arange(0, BLOCK)
+    hits = tl.zeros([], tl.int32)
+    t = 0
+    done = length <= 0
+    while (t < length) & (done == 0):
+        pos = t + offs
+        inb = pos < length
+        ok = inb
         g = 0
         while g < G:
-            base = (r.to(tl.int64) * G + g) * max_len
-            t = 0
-            while t < hits:
-                pos = t + offs
-                m = pos < hits
-                blk = tl.load(out_blocks + base + pos, mask=m, other=0)
-                zero_ref += tl.sum((m & (tl.load(ref_cnt + blk, mask=m, other=1) == 0)).to(tl.int32), axis=0)
-                t += BLOCK
+            ka = g.to(tl.int64) * gstride + pos.to(tl.int64) * pstride
+            hi = tl.load(key_hi + ka, mask=inb, other=0)
+            lo = tl.load(key_lo + ka, mask=inb, other=0)
+            grp = tl.zeros([BLOCK], tl.int32) + tl.load(groups + g)
+            blk = lookup_blocks(ps, pc, hi, lo, grp, inb)
+            tl.store(out_blocks + g * out_stride + pos, blk, mask=inb)
+            ok = ok & (blk >= 0)
             g += 1
-        tl.store(out_zero_ref + r, zero_ref)
+        # Positions before the first miss of this tile extend the prefix.
+        miss = tl.min(tl.where(inb & (ok == 0), pos, BIG), axis=0)
+        hits += tl.sum((inb & (pos < miss)).to(tl.int32), axis=0)
+        done = miss < BIG
+        t += BLOCK
+    tl.debug_barrier()
+    zero_ref = tl.zeros([], tl.int32)
+    g = 0
+    while g < G:
+        t = 0
+        while t < hits:
+            pos = t + offs
+            m = pos < hits
+            blk = tl.load(out_blocks + g * out_stride + pos, mask=m, other=0)
+            zero_ref += tl.sum((m & (tl.load(ps.ref_cnt + blk, mask=m, other=1) == 0)).to(tl.int32), axis=0)
+            t += BLOCK
+        g += 1
+    return hits, zero_ref
 
+
+@triton.jit
+def longest_prefix_kernel(ps, pc: tl.constexpr, key_hi, key_lo, groups, G, lengths, max_len, out_hits, out_blocks,
+                          out_zero_ref, OP: tl.constexpr, BLOCK: tl.constexpr):
+    """``find_longest_cache_hit`` of request r's chain (program r): ``key_hi, key_lo: int64[R, G,
+    max_len]``, ``groups: int32[G]``, ``lengths: int32[R]`` (positions to consider, each in
+    ``0..max_len``; another length looks nothing up, gives 0 hits and records E_INVALID_ARG). Writes
+    ``out_hits, out_zero_ref: int32[R]`` and ``out_blocks: int32[R, G, max_len]``."""
+    r = tl.program_id(0)
+    length = tl.load(lengths + r)
+    ok = (length >= 0) & (length <= max_len)
+    if ok == 0:
+        record_error(ps.status, OP, length)
+    base = r.to(tl.int64) * G * max_len
+    hits, zero_ref = find_longest_cache_hit(ps, pc, key_hi + base, key_lo + base, max_len, 1, groups, G,
+                                            tl.where(ok, length, 0), out_blocks + base, max_len, BLOCK)
+    tl.store(out_hits + r, hits)
+    tl.store(out_zero_ref + r, zero_ref)
+
+
+def launch_longest_prefix(ps, pc, key_hi, key_lo, groups, lengths, hits, blocks, zero_ref, *, op: int):
+    """Launch ``longest_prefix_kernel``: one program per request."""
+    r, g, length = key_hi.shape
+    block = min(256, max(16, 1 << max(0, (length - 1).bit_length())))
+    longest_prefix_kernel[(r,)](ps, pc, key_hi, key_lo, groups, g, lengths, length, hits, blocks, zero_ref, OP=op,
+                                BLOCK=block, num_warps=4)

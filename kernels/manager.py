@@ -1,365 +1,446 @@
-"""Request-level kernels of the KV cache manager: ``allocate_slots`` and ``free`` of many requests.
+"""Request-level kernels of the KV cache manager: ``allocate_slots`` (the exact sequential path),
+``free`` of many requests, ``slot_mapping``, and the steps they are built from, named after vLLM's
+(``remove_skipped_blocks``, ``find_longest_cache_hit``, ``get_num_blocks_to_allocate``,
+``allocate_new_blocks``, ``cache_blocks``).
 
-Grid (1,): one program walks the requests in order, so a batch equals the sequence of per-request
-calls of ``ReferenceKVCacheManager`` by construction. Manager state (``gpupool/manager.py``):
-``block_table: int32[G, R, M]``, ``num_blocks: int32[R]`` (row length, equal for all groups),
-``num_computed: int32[R]``, ``num_cached: int32[G, R]``, request keys ``req_hi, req_lo:
-int64[R, G, M * K]`` (device keys of each hash block's hash in group g; K hash blocks per block, full
-block i keyed by hash ``(i + 1) * K - 1``), ``num_hashes: int32[R]`` (hash blocks known),
-``windows: int32[G]`` (sliding window in tokens, 0 for full attention).
+Manager state ``ms`` (``gpupool/manager.py`` ManagerState) and sizes ``mc`` (ManagerConfig: G groups,
+R request slots, M blocks per row, K hash blocks per block, BS block size, BLOCK lanes): block table
+``int32[G, R, M]``, per slot ``num_blocks`` (row length, equal across groups), ``num_computed``,
+``num_cached: int32[G, R]``, request keys ``req_hi, req_lo: int64[R, G, M * K]`` (device keys of each
+hash block's hash in group g; full block i is keyed by hash ``(i + 1) * K - 1``), ``num_hashes``,
+``windows: int32[G]`` (sliding window in tokens, 0 for full attention), ``active: int8[R]``.
+The semantics are ``ReferenceKVCacheManager``'s, op for op (docs/semantics.md section 6).
 """
 import triton
 import triton.language as tl
 
-from .admit import free_segment, touch_counted
-from .alloc import claim_blocks
-from .common import (
-    BIG, E_BUFFER_FULL, E_INVALID_ARG, E_INVALID_COUNT, EV_COUNT, EV_STORED, HEAD, KEY_SEQ,
-    NUM_FREE, checked_count, first_bad, set_status,
+from .alloc import pop_and_claim
+from .cache import add_key, cache_range
+from .common import checked_count, keep_first, set_status, status_clear, warps_for
+from .layout import (
+    BIG, E_BUFFER_FULL, E_DOUBLE_FREE, E_INVALID_ARG, E_INVALID_COUNT, EV_COUNT, HEAD, KEY_SEQ, NUM_FREE, OP_ALLOCATE_SLOTS, OP_FREE,
+    OP_RELEASE_COPIES, OP_SLOT_MAPPING, TAIL,
 )
-from .events import write_event
-from .keytable import K_GROUP, K_HI, K_LO, KW, drop_keys, put_key, table_lookup
-from .queue import ring_scan_pop
-
-OP_ALLOCATE_SLOTS = tl.constexpr(14)
-OP_FREE_REQUESTS = tl.constexpr(15)
+from .lookup import find_longest_cache_hit
+from .release import (
+    check_ids, count_ids, first_double_free, free_checked, release_place, release_scan, reset_ids, segment_of, touch_checked,
+)
+from .queue import ring_make_room
 
 
 @triton.jit
-def check_slots(slots, nb, s_req, active, R: tl.constexpr, BLOCK: tl.constexpr):
-    """(error, value): a slot out of range, listed twice or not in use (``active: int8[R]``);
-    ``s_req: int32[R]`` scratch left zeroed."""
-    offs = tl.arange(0, BLOCK)
-    err = nb * 0
-    val = (nb * 0).to(tl.int64)
+def row_of(ms, mc: tl.constexpr, g, r):
+    """Block table row of group g, slot r."""
+    return ms.block_table + (g * mc.R + r).to(tl.int64) * mc.M
+
+
+@triton.jit
+def keys_of(mc: tl.constexpr, g, r):
+    """Offset of slot r's keys of group g in ``req_hi / req_lo``."""
+    return (r * mc.G + g).to(tl.int64) * (mc.M * mc.K)
+
+
+@triton.jit
+def check_slots(ms, mc: tl.constexpr, slots, nb):
+    """(error, value): a slot out of range, listed twice or not in use; ``s_req`` scratch left zeroed."""
+    offs = tl.arange(0, mc.BLOCK)
+    err = tl.zeros([], tl.int32)
+    val = tl.zeros([], tl.int64)
+    err_i = tl.full([], BIG, tl.int32)
     i = 0
     while i < nb:
         m = (i + offs) < nb
         r = tl.load(slots + i + offs, mask=m, other=0)
-        bad = m & ((r < 0) | (r >= R))
-        anyb, _, v = first_bad(bad, i + offs, r)
-        new = (err == 0) & anyb
-        err = tl.where(new, E_INVALID_ARG, err)
-        val = tl.where(new, v, val)
-        tl.atomic_add(s_req + r, 1, mask=m & ~bad)
-        i += BLOCK
+        bad = m & ((r < 0) | (r >= mc.R))
+        err, val, err_i = keep_first(err, val, err_i, E_INVALID_ARG, bad, i + offs, r)
+        tl.atomic_add(ms.s_req + r, 1, mask=m & ~bad)
+        i += mc.BLOCK
     tl.debug_barrier()
     i = 0
     while i < nb:
         m = (i + offs) < nb
         r = tl.load(slots + i + offs, mask=m, other=0)
-        ok = m & (r >= 0) & (r < R)
-        anyb, _, v = first_bad(ok & ((tl.load(s_req + r, mask=ok, other=0) > 1) |
-                                     (tl.load(active + r, mask=ok, other=1) == 0)), i + offs, r)
-        new = (err == 0) & anyb
-        err = tl.where(new, E_INVALID_ARG, err)
-        val = tl.where(new, v, val)
-        i += BLOCK
+        ok = m & (r >= 0) & (r < mc.R)
+        bad = ok & ((tl.load(ms.s_req + r, mask=ok, other=0) > 1) | (tl.load(ms.active + r, mask=ok, other=1) == 0))
+        err, val, err_i = keep_first(err, val, err_i, E_INVALID_ARG, bad, i + offs, r)
+        i += mc.BLOCK
     tl.debug_barrier()
     i = 0
     while i < nb:
         m = (i + offs) < nb
         r = tl.load(slots + i + offs, mask=m, other=0)
-        tl.store(s_req + r, tl.zeros([BLOCK], tl.int32), mask=m & (r >= 0) & (r < R))
-        i += BLOCK
+        tl.store(ms.s_req + r, tl.zeros([mc.BLOCK], tl.int32), mask=m & (r >= 0) & (r < mc.R))
+        i += mc.BLOCK
     return err, val
 
 
 @triton.jit
-def free_row_range(ctrl, ring, qslot, ref_cnt, num_keys, s_cnt, s_last, row, lo, hi, scratch,
-                   C: tl.constexpr, CACHING: tl.constexpr, BLOCK: tl.constexpr):
-    """``free_blocks(reversed(row[lo:hi]))`` (the tail first), through ``scratch: int32[M]``."""
-    offs = tl.arange(0, BLOCK)
-    n = hi - lo
+def remove_skipped_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, head, tail):
+    """vLLM's ``remove_skipped_blocks`` for slot r: in every sliding-window group, the blocks that left
+    the window (by ``num_computed`` before the step) are freed tail first, down to the first null
+    block, and replaced by the null block. Returns (head, tail, blocks released)."""
+    offs = tl.arange(0, pc.BLOCK)
+    released = tl.zeros([], tl.int32)
+    ncomp = tl.load(ms.num_computed + r)
+    nblk = tl.load(ms.num_blocks + r)
+    g = 0
+    while g < mc.G:
+        w = tl.load(ms.windows + g)
+        if w > 0:
+            row = row_of(ms, mc, g, r)
+            nskip = tl.minimum(tl.maximum(ncomp - w + 1, 0) // mc.BS, nblk)
+            last_null = tl.full([], -1, tl.int32)
+            t = 0
+            while t < nskip:
+                pos = t + offs
+                v = tl.load(row + pos, mask=pos < nskip, other=1)
+                last_null = tl.maximum(last_null, tl.max(tl.where((pos < nskip) & (v == 0), pos, -1), axis=0))
+                t += pc.BLOCK
+            n = nskip - last_null - 1
+            t = 0
+            while t < n:  # reversed into the scratch list: the tail is freed first
+                pos = t + offs
+                tl.store(ms.s_ids + pos, tl.load(row + nskip - 1 - pos, mask=pos < n, other=0), mask=pos < n)
+                t += pc.BLOCK
+            tl.debug_barrier()
+            head, tail, rel = free_checked(ps, pc, ms.s_ids, n, ms.s_pf, head, tail)
+            released += rel
+            t = last_null + 1
+            while t < nskip:
+                pos = t + offs
+                tl.store(row + pos, tl.zeros([pc.BLOCK], tl.int32), mask=pos < nskip)
+                t += pc.BLOCK
+            tl.debug_barrier()
+        g += 1
+    return head, tail, released
+
+
+@triton.jit
+def get_num_blocks_to_allocate(target, hits, nblk, BS: tl.constexpr):
+    """(tokens with slots after the step, new blocks per group): ``eff = max(target, hits * BS)``,
+    ``need = ceil(eff / BS) - table length - hits``, at least 0."""
+    eff = tl.maximum(target, hits * BS)
+    return eff, tl.maximum((eff + BS - 1) // BS - nblk - hits, 0)
+
+
+@triton.jit
+def allocate_new_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, base, need, head, tail):
+    """vLLM's ``allocate_new_blocks``: each group in order gets ``need`` blocks from the queue's head at
+    ``row[base:]`` (evicting their keys). Returns the new head."""
+    g = 0
+    while g < mc.G:
+        head = pop_and_claim(ps, pc, head, tail, row_of(ms, mc, g, r), base, need)
+        g += 1
+    return head
+
+
+@triton.jit
+def cache_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, known, hits, nrow):
+    """vLLM's ``cache_blocks`` after an admission of slot r with ``known`` tokens written: per group,
+    ``cache_full_blocks(row, full hashes, num_cached, nf)`` when ``nf > num_cached`` (one BlockStored,
+    possibly empty), then with K > 1 the block after them keyed up to its last complete hash block
+    (``cache_partial_block``, skipped when the key would not fit). ``nrow``: the row's length now."""
+    nhash = tl.load(ms.num_hashes + r)
+    nf = tl.minimum(known // mc.BS, nhash // mc.K)
+    g = 0
+    while g < mc.G:
+        row = row_of(ms, mc, g, r)
+        kb = keys_of(mc, g, r)
+        start = tl.maximum(tl.load(ms.num_cached + g * mc.R + r), hits)
+        if nf > start:
+            pk = kb + start.to(tl.int64) * mc.K - 1
+            ev_pos, seq = cache_range(ps, pc, row, row, start, nf, ms.req_hi, ms.req_lo, kb + mc.K - 1, mc.K, g,
+                                      mc.BS, (start > 0).to(tl.int64),
+                                      tl.load(ms.req_hi + pk, mask=start > 0, other=0),
+                                      tl.load(ms.req_lo + pk, mask=start > 0, other=0),
+                                      tl.load(ps.ctrl + EV_COUNT), tl.load(ps.ctrl + KEY_SEQ), False)
+            tl.store(ps.ctrl + KEY_SEQ, seq)
+            tl.store(ps.ctrl + EV_COUNT, ev_pos)
+        tl.store(ms.num_cached + g * mc.R + r, tl.maximum(start, nf))
+        if mc.K > 1:
+            hbs = mc.BS // mc.K
+            nh = tl.minimum(known // hbs, nhash)
+            if (nh * hbs > nf * mc.BS) & (nf < nrow):
+                b = tl.load(row + nf)
+                nk = tl.load(ps.num_keys + b)
+                fits = (nk == 0) | (tl.load(ps.hash_ntok + b) < nh * hbs) | (nk < pc.MK)
+                if (b != 0) & fits:
+                    ka = kb + nh - 1
+                    ev_pos = tl.load(ps.ctrl + EV_COUNT)
+                    _, rows = add_key(ps, pc, b, tl.load(ms.req_hi + ka), tl.load(ms.req_lo + ka), g,
+                                      (nh * hbs).to(tl.int64), (nh > 1).to(tl.int64),
+                                      tl.load(ms.req_hi + ka - 1, mask=nh > 1, other=0),
+                                      tl.load(ms.req_lo + ka - 1, mask=nh > 1, other=0), hbs, ev_pos, False)
+                    tl.store(ps.ctrl + EV_COUNT, ev_pos + rows)
+        g += 1
+
+
+@triton.jit
+def check_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb):
+    """(error, value, event rows the batch may write) of an ``allocate_slots`` batch: slots (range,
+    repeats, in use), token counts in ``0 .. M * BS``; the rows bound each request's evictions, keys
+    and headers. Also zeroes ``admitted``."""
+    offs = tl.arange(0, mc.BLOCK)
+    err, err_val = check_slots(ms, mc, batch.slots, nb)
+    err_i = tl.full([], BIG, tl.int32)
+    rows = tl.zeros([], tl.int64)
     i = 0
-    while i < n:
-        m = (i + offs) < n
-        tl.store(scratch + i + offs, tl.load(row + hi - 1 - i - offs, mask=m, other=0), mask=m)
-        i += BLOCK
-    tl.debug_barrier()
-    free_segment(ctrl, ring, qslot, ref_cnt, num_keys, s_cnt, s_last, scratch, n, C, CACHING, BLOCK)
+    while i < nb:
+        idx = i + offs
+        m = idx < nb
+        nt = tl.load(batch.num_tokens + idx, mask=m, other=0)
+        tg = tl.load(batch.target + idx, mask=m, other=0)
+        bad_nt = (nt < 0) | (nt > mc.M * mc.BS)
+        bad = m & (bad_nt | (tg < 0) | (tg > mc.M * mc.BS))
+        if err == 0:
+            err, err_val, err_i = keep_first(err, err_val, err_i, E_INVALID_COUNT, bad, idx, tl.where(bad_nt, nt, tg))
+        r = tl.load(batch.slots + idx, mask=m, other=0)
+        ok = m & ~bad & (r >= 0) & (r < mc.R)
+        nblk = tl.load(ms.num_blocks + r, mask=ok, other=0)
+        need = tl.maximum((tg + mc.BS - 1) // mc.BS - nblk, 0)
+        per = need.to(tl.int64) * pc.MK + (nt // mc.BS).to(tl.int64) * (pc.MK + 1) + pc.MK + 3
+        rows += tl.sum(tl.where(ok, per * mc.G, 0), axis=0)
+        tl.store(batch.admitted + idx, tl.zeros([mc.BLOCK], tl.int32), mask=m)
+        i += mc.BLOCK
+    return err, err_val, rows
 
 
 @triton.jit
-def partial_key(ctrl, num_keys, hash_ntok, keys, table, overflow, ev, b, hi, lo, grp, ntok, tag, aux,
-                MK: tl.constexpr, NCHUNK: tl.constexpr, EVENTS: tl.constexpr, EV_CAP: tl.constexpr,
-                BLOCK: tl.constexpr):
-    """``cache_partial_block`` of block ``b`` (non-null) under ``(hi, lo, grp)`` covering ``ntok``
-    tokens, without replace_existing_hashes: nothing if the block already answers to the key; its keys
-    are replaced if its primary covers fewer tokens; else a secondary key, only if the block has room
-    (the manager skips a partial key that would not fit; the pool op would raise KeyCapacityError).
-    Returns E_BUFFER_FULL instead of changing anything, or 0."""
-    offs = tl.arange(0, BLOCK)
-    lane0 = offs == 0
-    nk = tl.load(num_keys + b)
-    answers = nk * 0
-    for j in tl.static_range(MK):
-        e = b.to(tl.int64) * MK + j
-        same = (j < nk) & (tl.load(keys + e * KW + K_HI) == hi) & (tl.load(keys + e * KW + K_LO) == lo) & \
-            (tl.load(keys + e * KW + K_GROUP) == grp)
-        answers = answers | same.to(tl.int32)
-    err = nk * 0
-    if answers == 0:
-        drop_all = (nk > 0) & (tl.load(hash_ntok + b).to(tl.int64) < ntok)
-        fits = drop_all | (nk < MK)
-        if EVENTS:
-            err = tl.where(fits & (tl.load(ctrl + EV_COUNT) + nk + 1 > EV_CAP), E_BUFFER_FULL, err)
-        if fits & (err == 0):
-            ev_pos = tl.load(ctrl + EV_COUNT)
-            bv = tl.zeros([BLOCK], tl.int32) + b
-            drop_lanes = lane0 & ((tl.zeros([BLOCK], tl.int32) + drop_all.to(tl.int32)) != 0)
-            ev_pos += drop_keys(table, overflow, keys, num_keys, hash_ntok, ev, ev_pos, bv, drop_lanes,
-                                MK, NCHUNK, EVENTS, tag)
-            tl.debug_barrier()
-            j = tl.zeros([BLOCK], tl.int32) + nk * (1 - drop_all.to(tl.int32))
-            hv = tl.zeros([BLOCK], tl.int64) + hi
-            lv = tl.zeros([BLOCK], tl.int64) + lo
-            gv = tl.zeros([BLOCK], tl.int64) + grp
-            seq = tl.load(ctrl + KEY_SEQ)
-            put_key(table, overflow, keys, hash_ntok, bv, j, hv, lv, gv, tl.zeros([BLOCK], tl.int64) + seq,
-                    tl.zeros([BLOCK], tl.int64) + ntok, lane0, MK, NCHUNK, BLOCK)
-            tl.store(num_keys + bv, j + 1, mask=lane0)
-            if EVENTS:
-                write_event(ev, tl.zeros([BLOCK], tl.int64) + ev_pos, EV_STORED, bv, hv, lv, gv, tag, lane0, aux)
-                tl.store(ctrl + EV_COUNT, ev_pos + 1)
-            tl.store(ctrl + KEY_SEQ, seq + 1)
-            tl.debug_barrier()
-    return err
+def allocate_slots_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, STOP_ON_FAILURE: tl.constexpr):
+    """``allocate_slots`` of ``batch.num_reqs[0]`` requests in order, the exact sequential path
+    (``ReferenceKVCacheManager.allocate_slots``): per request, remove the skipped sliding-window
+    blocks, take the longest cache hit (``lookup`` and an empty row), and if ``need * G + zero-ref
+    hits <= num_free`` touch the hits, allocate the new blocks and cache the full ones; else skip it
+    (or stop, ``STOP_ON_FAILURE``).
 
-
-@triton.jit
-def allocate_slots_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, hash_ntok, keys, table, overflow,
-                          watcher_id, watch_seq, reuse, ev, s_cnt, s_last, s_first,
-                          block_table, num_blocks, num_computed, num_cached, req_hi, req_lo, num_hashes, windows,
-                          active, s_req, scratch, slots, num_tokens, target, lookup, num_reqs, cap, admitted, bs, tag0,
-                          G: tl.constexpr, R: tl.constexpr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
-                          C: tl.constexpr,
-                          MK: tl.constexpr, NCHUNK: tl.constexpr, CACHING: tl.constexpr, EVENTS: tl.constexpr,
-                          EV_CAP: tl.constexpr, STOP_ON_FAILURE: tl.constexpr, BLOCK: tl.constexpr):
-    """``allocate_slots`` of ``num_reqs[0]`` requests in order (``ReferenceKVCacheManager.allocate_slots``).
-
-    Inputs per request k < ``num_reqs[0]`` (at most ``cap``, the arrays' length): ``slots,
-    num_tokens, target: int32``, ``lookup: int8``; output
-    ``admitted: int32`` (1 admitted). Errors (a slot out of range or repeated, a token count outside
-    ``0 .. M * bs``) set the status word before anything changes. Event tags: slot r's full blocks of
-    group g carry ``tag0 + r * G + g`` with aux = the first block index of the caching range (the
-    parent is the full hash before it), its partial key ``tag0 + (R + r) * G + g`` with aux = the
-    hash-block index of the key.
+    ``batch`` (AllocateBatch): ``slots, num_tokens, target: int32[cap]``, ``lookup: int8[cap]``,
+    ``num_reqs: int32[1]`` (at most ``cap``), output ``admitted: int32[cap]``. Errors (a count outside
+    ``0..cap``, a slot out of range, repeated or not in use, a token count outside ``0 .. M * BS``, events
+    that might not fit) set the status word before anything changes.
     """
-    offs = tl.arange(0, BLOCK)
-    nb, nb_ok = checked_count(num_reqs, cap)
-    if tl.load(status) == 0:
-        err, err_val = check_slots(slots, nb, s_req, active, R, BLOCK)
-        err_val = tl.where(nb_ok, err_val, tl.load(num_reqs).to(tl.int64))
+    nb, nb_ok = checked_count(batch.num_reqs, cap)
+    if status_clear(ps.status):
+        err, err_val, rows = check_batch(ps, pc, ms, mc, batch, nb)
         err = tl.where(nb_ok, err, E_INVALID_ARG)
-        i = 0
-        while i < nb:
-            m = (i + offs) < nb
-            nt = tl.load(num_tokens + i + offs, mask=m, other=0)
-            tg = tl.load(target + i + offs, mask=m, other=0)
-            bad = m & ((nt < 0) | (nt > M * bs) | (tg < 0) | (tg > M * bs))
-            anyb, _, v = first_bad(bad, i + offs, tl.where((nt < 0) | (nt > M * bs), nt, tg))
-            new = (err == 0) & anyb
-            err = tl.where(new, E_INVALID_COUNT, err)
-            err_val = tl.where(new, v, err_val)
-            tl.store(admitted + i + offs, tl.zeros([BLOCK], tl.int32), mask=m)
-            i += BLOCK
-        if EVENTS:  # a batch pops (and keys) at most 2N blocks: 2N(MK + 1) events (gpupool/state.py)
-            full = (err == 0) & (tl.load(ctrl + EV_COUNT) + 2 * N * (MK + 1) > EV_CAP)
+        err_val = tl.where(nb_ok, err_val, tl.load(batch.num_reqs).to(tl.int64))
+        if pc.EVENTS:
+            full = (err == 0) & (tl.load(ps.ctrl + EV_COUNT) + rows > pc.EV_CAP)
             err = tl.where(full, E_BUFFER_FULL, err)
-            err_val = tl.where(full, tl.load(ctrl + EV_COUNT), err_val)
+            err_val = tl.where(full, rows, err_val)
         tl.debug_barrier()
         if err == 0:
+            head = tl.load(ps.ctrl + HEAD)
+            tail = tl.load(ps.ctrl + TAIL)
+            num_free = tl.load(ps.ctrl + NUM_FREE)
             k = 0
-            stop = 0
-            while (k < nb) & (stop == 0) & (tl.load(status) == 0):
-                r = tl.load(slots + k)
-                nt = tl.load(num_tokens + k)
-                tg = tl.load(target + k)
-                ncomp = tl.load(num_computed + r)
-                nblk = tl.load(num_blocks + r)
-                # Sliding-window blocks that left the window: freed tail first, replaced by the null block.
-                g = 0
-                while g < G:
-                    w = tl.load(windows + g)
-                    row = block_table + (g * R + r).to(tl.int64) * M
-                    if w > 0:
-                        nskip = tl.minimum(tl.maximum(ncomp - w + 1, 0) // bs, nblk)
-                        last_null = nskip * 0 - 1
-                        t = 0
-                        while t < nskip:
-                            pos = t + offs
-                            mm = pos < nskip
-                            v = tl.load(row + pos, mask=mm, other=1)
-                            last_null = tl.maximum(last_null, tl.max(tl.where(mm & (v == 0), pos, -1), axis=0))
-                            t += BLOCK
-                        free_row_range(ctrl, ring, qslot, ref_cnt, num_keys, s_cnt, s_last, row, last_null + 1,
-                                       nskip, scratch, C, CACHING, BLOCK)
-                        t = last_null + 1
-                        while t < nskip:
-                            pos = t + offs
-                            tl.store(row + pos, tl.zeros([BLOCK], tl.int32), mask=pos < nskip)
-                            t += BLOCK
-                        tl.debug_barrier()
-                    g += 1
-                # Hits (new requests only): the longest prefix on which every group hits.
-                hits = nt * 0
-                zero_ref = nt * 0
-                if CACHING:
-                    if (tl.load(lookup + k) != 0) & (nblk == 0):
-                        cap = tl.minimum(tl.maximum(nt - 1, 0) // bs, tl.load(num_hashes + r) // K)
-                        miss = cap * 0
-                        t = 0
-                        while (t < cap) & (miss == 0):
-                            pos = t + offs
-                            inb = pos < cap
-                            ok = inb
-                            g = 0
-                            while g < G:
-                                kb = (r * G + g).to(tl.int64) * (M * K) + K - 1
-                                hi = tl.load(req_hi + kb + pos * K, mask=inb, other=0)
-                                lo = tl.load(req_lo + kb + pos * K, mask=inb, other=0)
-                                gv = tl.zeros([BLOCK], tl.int32) + g
-                                ent, _ = table_lookup(table, overflow, keys, hi, lo, gv, inb, NCHUNK, BLOCK)
-                                tl.store(block_table + (g * R + r).to(tl.int64) * M + pos, (ent // MK).to(tl.int32),
-                                         mask=inb & (ent >= 0))
-                                ok = ok & (ent >= 0)
-                                g += 1
-                            first_miss = tl.min(tl.where(inb & ~ok, pos, BIG), axis=0)
-                            hits += tl.sum((inb & (pos < first_miss)).to(tl.int32), axis=0)
-                            miss = (first_miss < BIG).to(tl.int32)
-                            t += BLOCK
-                        tl.debug_barrier()
-                        g = 0
-                        while g < G:
-                            row = block_table + (g * R + r).to(tl.int64) * M
-                            t = 0
-                            while t < hits:
-                                pos = t + offs
-                                mm = pos < hits
-                                blk = tl.load(row + pos, mask=mm, other=0)
-                                zero_ref += tl.sum((mm & (tl.load(ref_cnt + blk, mask=mm, other=1) == 0)).to(tl.int32),
-                                                   axis=0)
-                                t += BLOCK
-                            g += 1
-                eff = tl.maximum(tg, hits * bs)
-                need = tl.maximum((eff + bs - 1) // bs - nblk - hits, 0)
-                if (need * G + zero_ref).to(tl.int64) > tl.load(ctrl + NUM_FREE):
+            stop = tl.zeros([], tl.int32)
+            while (k < nb) & (stop == 0):
+                r = tl.load(batch.slots + k)
+                nt = tl.load(batch.num_tokens + k)
+                head, tail, released = remove_skipped_blocks(ps, pc, ms, mc, r, head, tail)
+                num_free += released
+                nblk = tl.load(ms.num_blocks + r)
+                hits = tl.zeros([], tl.int32)
+                zero_ref = tl.zeros([], tl.int32)
+                if pc.CACHING:
+                    if (tl.load(batch.lookup + k) != 0) & (nblk == 0):
+                        cap_hits = tl.minimum(tl.maximum(nt - 1, 0) // mc.BS, tl.load(ms.num_hashes + r) // mc.K)
+                        hits, zero_ref = find_longest_cache_hit(ps, pc, ms.req_hi + keys_of(mc, 0, r) + mc.K - 1,
+                                                                ms.req_lo + keys_of(mc, 0, r) + mc.K - 1, mc.M * mc.K,
+                                                                mc.K, ms.group_ids, mc.G, cap_hits,
+                                                                row_of(ms, mc, 0, r), mc.R * mc.M, pc.BLOCK)
+                eff, need = get_num_blocks_to_allocate(tl.load(batch.target + k), hits, nblk, mc.BS)
+                if (need * mc.G + zero_ref).to(tl.int64) > num_free:
                     if STOP_ON_FAILURE:
                         stop = 1
                 else:
-                    # Touch every group's hits before any group allocates.
                     g = 0
-                    while g < G:
-                        touch_counted(ctrl, ring, qslot, ref_cnt, s_cnt, s_last, s_first,
-                                      block_table + (g * R + r).to(tl.int64) * M, hits, N, BLOCK)
+                    while g < mc.G:  # every group's hits are touched before any group allocates
+                        num_free -= touch_checked(ps, pc, row_of(ms, mc, g, r), hits)
                         g += 1
-                    # Then each group in order gets its new blocks (evicting their keys).
-                    g = 0
-                    while g < G:
-                        row = block_table + (g * R + r).to(tl.int64) * M
-                        new_head = ring_scan_pop(ring, ctrl, row, nblk + hits, need, C, BLOCK)
-                        tl.debug_barrier()
-                        claim_blocks(ref_cnt, qslot, num_keys, hash_ntok, keys, table, overflow, watcher_id,
-                                     watch_seq, reuse, ev, ctrl, row, nblk + hits, need, tag0 + r * G + g,
-                                     MK, NCHUNK, CACHING, EVENTS, BLOCK)
-                        tl.store(ctrl + HEAD, new_head)
-                        tl.store(ctrl + NUM_FREE, tl.load(ctrl + NUM_FREE) - need)
-                        tl.debug_barrier()
-                        g += 1
-                    # Cache the blocks that became full: cache_full_blocks(row, hashes, num_cached, nf).
-                    if CACHING:
-                        known = tl.minimum(eff, nt)
-                        nhash = tl.load(num_hashes + r)
-                        nf = tl.minimum(known // bs, nhash // K)
-                        g = 0
-                        while g < G:
-                            row = block_table + (g * R + r).to(tl.int64) * M
-                            nc_ptr = num_cached + g * R + r
-                            start = tl.maximum(tl.load(nc_ptr), hits)
-                            kb = (r * G + g).to(tl.int64) * (M * K)
-                            t = start
-                            while t < nf:
-                                pos = t + offs
-                                mm = pos < nf
-                                blk = tl.load(row + pos, mask=mm, other=0)
-                                act = mm & (blk != 0)
-                                ev_pos = tl.load(ctrl + EV_COUNT)
-                                n_rm = drop_keys(table, overflow, keys, num_keys, hash_ntok, ev, ev_pos, blk, act,
-                                                 MK, NCHUNK, EVENTS, tag0 + r * G + g)
-                                tl.debug_barrier()
-                                hi = tl.load(req_hi + kb + (pos + 1) * K - 1, mask=act, other=0)
-                                lo = tl.load(req_lo + kb + (pos + 1) * K - 1, mask=act, other=0)
-                                a64 = act.to(tl.int64)
-                                rank = tl.cumsum(a64, axis=0) - a64
-                                seq = tl.load(ctrl + KEY_SEQ)
-                                gv = tl.zeros([BLOCK], tl.int64) + g
-                                put_key(table, overflow, keys, hash_ntok, blk, 0, hi, lo, gv, seq + rank,
-                                        (pos + 1).to(tl.int64) * bs, act, MK, NCHUNK, BLOCK)
-                                tl.store(num_keys + blk, tl.full([BLOCK], 1, tl.int32), mask=act)
-                                n_st = tl.sum(a64, axis=0)
-                                if EVENTS:
-                                    write_event(ev, ev_pos + n_rm + rank, EV_STORED, blk, hi, lo, gv, tag0 + r * G + g, act,
-                                                start.to(tl.int64))
-                                    tl.store(ctrl + EV_COUNT, ev_pos + n_rm + n_st)
-                                tl.store(ctrl + KEY_SEQ, seq + n_st)
-                                tl.debug_barrier()
-                                t += BLOCK
-                            tl.store(nc_ptr, tl.maximum(start, nf))
-                            if K > 1:  # the block after them, written up to a hash-block boundary
-                                nh = tl.minimum(known // (bs // K), nhash)
-                                if (nh * (bs // K) > nf * bs) & (nf < nblk + hits + need):
-                                    blk = tl.load(row + nf)
-                                    if blk != 0:
-                                        perr = partial_key(ctrl, num_keys, hash_ntok, keys, table, overflow, ev, blk,
-                                                           tl.load(req_hi + kb + nh - 1), tl.load(req_lo + kb + nh - 1),
-                                                           g, (nh * (bs // K)).to(tl.int64), tag0 + (R + r) * G + g,
-                                                           (nh - 1).to(tl.int64), MK, NCHUNK, EVENTS, EV_CAP, BLOCK)
-                                        if perr != 0:
-                                            set_status(status, perr, OP_ALLOCATE_SLOTS, blk)
-                            g += 1
+                    head = allocate_new_blocks(ps, pc, ms, mc, r, nblk + hits, need, head, tail)
+                    num_free -= need * mc.G
+                    if pc.CACHING:
+                        cache_blocks(ps, pc, ms, mc, r, tl.minimum(eff, nt), hits, nblk + hits + need)
                     else:
                         g = 0
-                        while g < G:
-                            tl.store(num_cached + g * R + r, tl.maximum(tl.load(num_cached + g * R + r), hits))
+                        while g < mc.G:
+                            tl.store(ms.num_cached + g * mc.R + r,
+                                     tl.maximum(tl.load(ms.num_cached + g * mc.R + r), hits))
                             g += 1
-                    tl.store(num_blocks + r, nblk + hits + need)
-                    tl.store(num_computed + r, eff)
-                    tl.store(admitted + k, 1)
+                    tl.store(ms.num_blocks + r, nblk + hits + need)
+                    tl.store(ms.num_computed + r, eff)
+                    tl.store(batch.admitted + k, 1)
                 k += 1
-        if err != 0:
-            set_status(status, err, OP_ALLOCATE_SLOTS, err_val)
+            tl.store(ps.ctrl + HEAD, head)
+            tl.store(ps.ctrl + TAIL, tail)
+            tl.store(ps.ctrl + NUM_FREE, num_free)
+        else:
+            set_status(ps.status, err, OP_ALLOCATE_SLOTS, err_val)
+
+
+def launch_allocate_slots(ps, pc, ms, mc, batch, *, stop_on_failure: bool):
+    """Launch ``allocate_slots_kernel`` (one program)."""
+    allocate_slots_kernel[(1,)](ps, pc, ms, mc, batch, batch.slots.numel(), STOP_ON_FAILURE=bool(stop_on_failure),
+                                num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))
 
 
 @triton.jit
-def free_requests_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, s_cnt, s_last,
-                         block_table, num_blocks, num_computed, num_cached, num_hashes, active, s_req, scratch,
-                         slots, num_reqs, cap, G: tl.constexpr, R: tl.constexpr, M: tl.constexpr, C: tl.constexpr,
-                         CACHING: tl.constexpr, BLOCK: tl.constexpr):
-    """``free`` of ``num_reqs[0]`` requests in order: for each, every group's row freed tail first (one
-    ``free_blocks`` per group), then the request's counts reset. A slot out of range or listed twice
-    sets the status word before anything changes."""
+def gather_rows(ms, mc: tl.constexpr, slots, nb):
+    """The ids of a ``free`` of requests ``slots[:nb]``, flattened into ``s_ids``: segment (k, g) is
+    request k's group-g row reversed (``free_blocks`` of it), segments request-major; offsets in
+    ``s_seg: int32[nb * G + 1]``. Returns the number of ids."""
+    offs = tl.arange(0, mc.BLOCK)
+    total = tl.zeros([], tl.int32)
+    i = 0
+    while i < nb:  # segment offsets: base_k + g * nblk_k
+        idx = i + offs
+        m = idx < nb
+        r = tl.load(slots + idx, mask=m, other=0)
+        n = tl.where(m, tl.load(ms.num_blocks + r, mask=m, other=0), 0)
+        base = total + (tl.cumsum(n, axis=0) - n) * mc.G
+        for g in tl.static_range(mc.G):
+            tl.store(ms.s_seg + idx * mc.G + g, base + g * n, mask=m)
+        total += tl.sum(n, axis=0) * mc.G
+        i += mc.BLOCK
+    tl.store(ms.s_seg + nb * mc.G, total)
+    tl.debug_barrier()
+    nseg = nb * mc.G
+    i = 0
+    while i < total:
+        idx = i + offs
+        m = idx < total
+        j = segment_of(ms.s_seg, nseg, idx)
+        k = j // mc.G
+        g = j % mc.G
+        s1 = tl.load(ms.s_seg + j + 1, mask=m, other=0)
+        r = tl.load(slots + k, mask=m, other=0)
+        b = tl.load(ms.block_table + (g * mc.R + r).to(tl.int64) * mc.M + (s1 - 1 - idx), mask=m, other=0)
+        tl.store(ms.s_ids + idx, b, mask=m)
+        i += mc.BLOCK
+    tl.debug_barrier()
+    return total
+
+
+@triton.jit
+def free_requests_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_reqs, cap):
+    """``free`` of ``num_reqs[0]`` requests as ONE batched free (docs/algorithms.md section 2): every
+    group's row of each request, tail first, segments in request order, then the requests' counts
+    reset. A count outside ``0..cap``, a slot out of range, listed twice or not in use sets the status
+    word before anything changes."""
     nb, nb_ok = checked_count(num_reqs, cap)
-    if tl.load(status) == 0:
-        err, err_val = check_slots(slots, nb, s_req, active, R, BLOCK)
+    if status_clear(ps.status):
+        err, err_val = check_slots(ms, mc, slots, nb)
         err_val = tl.where(nb_ok, err_val, tl.load(num_reqs).to(tl.int64))
         err = tl.where(nb_ok, err, E_INVALID_ARG)
         if err == 0:
-            k = 0
-            while k < nb:
-                r = tl.load(slots + k)
-                n = tl.load(num_blocks + r)
-                g = 0
-                while g < G:
-                    row = block_table + (g * R + r).to(tl.int64) * M
-                    free_row_range(ctrl, ring, qslot, ref_cnt, num_keys, s_cnt, s_last, row, n * 0, n, scratch,
-                                   C, CACHING, BLOCK)
-                    tl.store(num_cached + g * R + r, 0)
-                    g += 1
-                tl.store(num_blocks + r, 0)
-                tl.store(num_computed + r, 0)
-                tl.store(num_hashes + r, 0)
-                tl.store(active + r, 0)
-                k += 1
+            n = gather_rows(ms, mc, slots, nb)
+            count_ids(ps, ms.s_ids, n, pc.BLOCK)
+            tl.debug_barrier()
+            dfree_i, dfree_v = first_double_free(ps, ms.s_ids, n, pc.BLOCK)
+            if dfree_i == BIG:  # always, unless the state is corrupt
+                nf, nl = release_scan(ps, pc, ms.s_ids, n, ms.s_pf, True)
+                tl.debug_barrier()
+                head = tl.load(ps.ctrl + HEAD)
+                tail = ring_make_room(ps, pc, head, tl.load(ps.ctrl + TAIL), nf + nl)
+                tail = release_place(ps, pc, ms.s_ids, n, ms.s_pf, ms.s_seg, nb * mc.G, head, tail, nf, True, True)
+                tl.store(ps.ctrl + HEAD, head - nf)
+                tl.store(ps.ctrl + TAIL, tail)
+                tl.store(ps.ctrl + NUM_FREE, tl.load(ps.ctrl + NUM_FREE) + nf + nl)
+                offs = tl.arange(0, mc.BLOCK)
+                i = 0
+                while i < nb:
+                    m = (i + offs) < nb
+                    r = tl.load(slots + i + offs, mask=m, other=0)
+                    zero = tl.zeros([mc.BLOCK], tl.int32)
+                    tl.store(ms.num_blocks + r, zero, mask=m)
+                    tl.store(ms.num_computed + r, zero, mask=m)
+                    tl.store(ms.num_hashes + r, zero, mask=m)
+                    tl.store(ms.active + r, zero.to(tl.int8), mask=m)
+                    for g in tl.static_range(mc.G):
+                        tl.store(ms.num_cached + g * mc.R + r, zero, mask=m)
+                    i += mc.BLOCK
+            else:
+                set_status(ps.status, E_DOUBLE_FREE, OP_FREE, dfree_v)
+            tl.debug_barrier()
+            reset_ids(ps, ms.s_ids, n, pc.N, pc.BLOCK)
         else:
-            set_status(status, err, OP_FREE_REQUESTS, err_val)
+            set_status(ps.status, err, OP_FREE, err_val)
+
+
+def launch_free_requests(ps, pc, ms, mc, slots, num_reqs):
+    """Launch ``free_requests_kernel`` (one program)."""
+    free_requests_kernel[(1,)](ps, pc, ms, mc, slots, num_reqs, slots.numel(),
+                               num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))
+
+
+@triton.jit
+def slot_mapping_kernel(ps, ms, mc: tl.constexpr, slots, positions, num, cap, out, group, offset, admitted,
+                        HAS_ADMITTED: tl.constexpr):
+    """``out[t] = block_table[group, slots[t], p // BS] * BS + p % BS`` with ``p = positions[t] + offset``
+    for ``t < num[0]`` (at most ``cap``): each slot in use and each position inside its row; else -1
+    there and E_INVALID_ARG in the status word (the first bad entry). With ``HAS_ADMITTED``, entries
+    whose ``admitted[t]`` is 0 give -1 and are no error. Grid (1,)."""
+    n, n_ok = checked_count(num, cap)
+    offs = tl.arange(0, mc.BLOCK)
+    err = tl.where(n_ok, 0, E_INVALID_ARG)
+    err_val = tl.where(n_ok, 0, tl.load(num)).to(tl.int64)
+    err_i = tl.full([], BIG, tl.int32)
+    i = 0
+    while i < n:
+        idx = i + offs
+        m = idx < n
+        if HAS_ADMITTED:
+            m = m & (tl.load(admitted + idx, mask=m, other=0) != 0)
+        r = tl.load(slots + idx, mask=m, other=0)
+        p = tl.load(positions + idx, mask=m, other=0).to(tl.int64) + offset
+        okr = m & (r >= 0) & (r < mc.R)
+        okr = okr & (tl.load(ms.active + r, mask=okr, other=0) != 0)
+        nblk = tl.load(ms.num_blocks + r, mask=okr, other=0)
+        ok = okr & (p >= 0) & (p < nblk.to(tl.int64) * mc.BS)
+        blk = tl.load(ms.block_table + (group * mc.R + r).to(tl.int64) * mc.M + p // mc.BS, mask=ok, other=0)
+        tl.store(out + idx, tl.where(ok, blk.to(tl.int64) * mc.BS + p % mc.BS, -1), mask=idx < n)
+        err, err_val, err_i = keep_first(err, err_val, err_i, E_INVALID_ARG, m & ~ok, idx, tl.where(okr, p, r))
+        i += mc.BLOCK
+    if err != 0:
+        set_status(ps.status, err, OP_SLOT_MAPPING, err_val)
+
+
+def launch_slot_mapping(ps, ms, mc, slots, positions, num, out, group: int, offset: int, admitted):
+    slot_mapping_kernel[(1,)](ps, ms, mc, slots, positions, num, slots.numel(), out, group, offset,
+                              slots if admitted is None else admitted, HAS_ADMITTED=admitted is not None,
+                              num_warps=warps_for(mc.BLOCK))
+
+
+@triton.jit
+def release_copies_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr):
+    """After the pending copies ran: one ``free_blocks`` of ``copy_release[:num_copies]`` and an empty
+    queue, only when the status word is clear, so copies stay pending (and their blocks held) past a
+    failed step. A count outside ``0..Q`` or a bad id sets E_INVALID_ARG / E_INVALID_ID instead."""
+    n, n_ok = checked_count(ms.num_copies, mc.Q)
+    if status_clear(ps.status):
+        err, err_val, _ = check_ids(ms.copy_release, n, pc.N, False, pc.BLOCK)
+        err = tl.where(n_ok, err, E_INVALID_ARG)
+        err_val = tl.where(n_ok, err_val, tl.load(ms.num_copies).to(tl.int64))
+        if err == 0:
+            count_ids(ps, ms.copy_release, n, pc.BLOCK)
+            tl.debug_barrier()
+            dfree_i, dfree_v = first_double_free(ps, ms.copy_release, n, pc.BLOCK)
+            tl.debug_barrier()
+            reset_ids(ps, ms.copy_release, n, pc.N, pc.BLOCK)
+            tl.debug_barrier()
+            err = tl.where(dfree_i < BIG, E_DOUBLE_FREE, err)
+            err_val = tl.where(dfree_i < BIG, dfree_v, err_val)
+        if err == 0:
+            head, tail, released = free_checked(ps, pc, ms.copy_release, n, ms.s_pf, tl.load(ps.ctrl + HEAD),
+                                                tl.load(ps.ctrl + TAIL))
+            tl.store(ps.ctrl + HEAD, head)
+            tl.store(ps.ctrl + TAIL, tail)
+            tl.store(ps.ctrl + NUM_FREE, tl.load(ps.ctrl + NUM_FREE) + released)
+            tl.store(ms.num_copies, 0)
+        else:
+            set_status(ps.status, err, OP_RELEASE_COPIES, err_val)
+
+
+def launch_release_copies(ps, pc, ms, mc):
+    release_copies_kernel[(1,)](ps, pc, ms, mc, num_warps=warps_for(pc.BLOCK))

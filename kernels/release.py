@@ -1,21 +1,28 @@
-"""Release and re-acquire references: batched ``free_blocks``, ``unpin_blocks`` and ``touch``.
+"""Releasing and re-acquiring references: the one free path and the one touch path every kernel uses,
+and the ``free_blocks`` / ``free_batched`` / ``unpin_blocks`` / ``touch`` kernels with their launchers.
 
-Grid (1,). Exact in op order without relying on lane order at one address: per-block counts with
+Exact in op order without relying on lane order at one address: per-block counts with
 ``atomic_add``, last / first occurrence with ``atomic_max`` / ``atomic_min``, then prefix sums
-(DESIGN-NOTES.md section 2). Scratch ``s_cnt`` (zeros), ``s_last`` (-1), ``s_first`` (BIG), all
-``int32[N]``, and ``s_pf: int32[M + 1]`` are returned to their idle values before the kernel ends.
+(docs/algorithms.md section 2). Scratch ``s_cnt`` (zeros), ``s_last`` (-1), ``s_first`` (BIG), all
+``int32[N]``, are back at their idle values when a kernel ends.
+
+The free path, for ids ``ids[:n]`` in op order cut into segments (each one ``free_blocks`` call):
+
+1. ``count_ids``: occurrence counts and last / first index per block;
+2. ``release_scan``: the first id whose count exceeds its ref count (a double free), and per id
+   whether it releases its block (its last occurrence, count == ref count) to the front (no key, or
+   caching off: F) or the back (hashed: L); ``pf[i]`` = F releases before i;
+3. ``release_place``: F element i of segment [s, e) goes to ``head - pf[e] + pf[i] - pf[s]`` (later
+   segments land ahead, as later ``free_blocks`` calls prepend in front of earlier ones), L elements
+   to the tail in order; ref counts drop by the counts;
+4. ``reset_ids``: the scratch back to idle (also on the error path).
 """
 import triton
 import triton.language as tl
 
-from .common import (
-    BIG, E_DOUBLE_FREE, E_INVALID_ARG, E_INVALID_ID, E_NULL_BLOCK, HEAD, NUM_FREE, TAIL, WATCH_SEQ, checked_count,
-    first_bad, set_status,
-)
+from .common import checked_count, first_bad, keep_first, set_status, status_clear, warps_for
+from .layout import BIG, E_DOUBLE_FREE, E_INVALID_ARG, E_INVALID_ID, E_NULL_BLOCK, HEAD, NUM_FREE, TAIL
 from .queue import ring_make_room, ring_put, ring_unlink
-
-MODE_FREE = tl.constexpr(0)
-MODE_UNPIN = tl.constexpr(1)
 
 
 @triton.jit
@@ -23,9 +30,9 @@ def check_ids(ids, n, N: tl.constexpr, NULL_IS_ERROR: tl.constexpr, BLOCK: tl.co
     """(error code, offending id) over ``ids[:n]``: the first out-of-range id, else the first null id
     when NULL_IS_ERROR, else (0, 0)."""
     offs = tl.arange(0, BLOCK)
-    bad_i = n * 0 + BIG
-    bad_v = (n * 0).to(tl.int64)
-    null_i = n * 0 + BIG
+    bad_i = tl.full([], BIG, tl.int32)
+    bad_v = tl.zeros([], tl.int64)
+    null_i = tl.full([], BIG, tl.int32)
     i = 0
     while i < n:
         m = (i + offs) < n
@@ -39,11 +46,11 @@ def check_ids(ids, n, N: tl.constexpr, NULL_IS_ERROR: tl.constexpr, BLOCK: tl.co
     code = tl.where(bad_i < BIG, E_INVALID_ID, 0)
     if NULL_IS_ERROR:
         code = tl.where((code == 0) & (null_i < BIG), E_NULL_BLOCK, code)
-    return code, bad_v
+    return code, bad_v, bad_i
 
 
 @triton.jit
-def count_ids(ids, n, s_cnt, s_last, s_first, BLOCK: tl.constexpr):
+def count_ids(ps, ids, n, BLOCK: tl.constexpr):
     """Per-block occurrence counts and last / first index of the non-null ids (order-free atomics)."""
     offs = tl.arange(0, BLOCK)
     i = 0
@@ -51,224 +58,277 @@ def count_ids(ids, n, s_cnt, s_last, s_first, BLOCK: tl.constexpr):
         m = (i + offs) < n
         b = tl.load(ids + i + offs, mask=m, other=0)
         m = m & (b != 0)
-        tl.atomic_add(s_cnt + b, 1, mask=m)
-        tl.atomic_max(s_last + b, i + offs, mask=m)
-        tl.atomic_min(s_first + b, i + offs, mask=m)
+        tl.atomic_add(ps.s_cnt + b, 1, mask=m)
+        tl.atomic_max(ps.s_last + b, i + offs, mask=m)
+        tl.atomic_min(ps.s_first + b, i + offs, mask=m)
         i += BLOCK
 
 
 @triton.jit
-def first_bad_id_index(ids, n, N: tl.constexpr, BLOCK: tl.constexpr):
-    """Index of the first id of ``ids[:n]`` outside ``0 .. N-1`` (BIG when none)."""
-    offs = tl.arange(0, BLOCK)
-    bad_i = n * 0 + BIG
-    i = 0
-    while i < n:
-        idx = i + offs
-        m = idx < n
-        b = tl.load(ids + idx, mask=m, other=0)
-        anyb, bi, _ = first_bad(m & ((b < 0) | (b >= N)), idx, b)
-        bad_i = tl.minimum(bad_i, tl.where(anyb, bi, BIG))
-        i += BLOCK
-    return bad_i
-
-
-@triton.jit
-def first_over_ref(ids, n, s_cnt, ref_cnt, BLOCK: tl.constexpr):
-    """(any, block) of the first non-null id of ``ids[:n]`` whose count in ``s_cnt`` exceeds its ref count."""
-    offs = tl.arange(0, BLOCK)
-    bad_i = n * 0 + BIG
-    bad_v = (n * 0).to(tl.int64)
-    i = 0
-    while i < n:
-        idx = i + offs
-        m = idx < n
-        b = tl.load(ids + idx, mask=m, other=0)
-        m = m & (b != 0)
-        cnt = tl.load(s_cnt + b, mask=m, other=0)
-        ref = tl.load(ref_cnt + b, mask=m, other=0)
-        anyb, bi, bv = first_bad(m & (cnt > ref), idx, b)
-        bad_v = tl.where(anyb & (bi < bad_i), bv, bad_v)
-        bad_i = tl.where(anyb & (bi < bad_i), bi, bad_i)
-        i += BLOCK
-    return bad_i < BIG, bad_v
-
-
-@triton.jit
-def reset_scratch(ids, n, s_cnt, s_last, s_first, N: tl.constexpr, BLOCK: tl.constexpr):
+def reset_ids(ps, ids, n, N: tl.constexpr, BLOCK: tl.constexpr):
+    """Scratch of the (in-range) ids back to idle."""
     offs = tl.arange(0, BLOCK)
     i = 0
     while i < n:
         m = (i + offs) < n
         b = tl.load(ids + i + offs, mask=m, other=0)
         m = m & (b >= 0) & (b < N)
-        tl.store(s_cnt + b, tl.zeros([BLOCK], tl.int32), mask=m)
-        tl.store(s_last + b, tl.full([BLOCK], -1, tl.int32), mask=m)
-        tl.store(s_first + b, tl.full([BLOCK], BIG, tl.int32), mask=m)
+        tl.store(ps.s_cnt + b, tl.zeros([BLOCK], tl.int32), mask=m)
+        tl.store(ps.s_last + b, tl.full([BLOCK], -1, tl.int32), mask=m)
+        tl.store(ps.s_first + b, tl.full([BLOCK], BIG, tl.int32), mask=m)
         i += BLOCK
 
 
 @triton.jit
-def release_kernel(ctrl, status, ring, qslot, ref_cnt, num_keys, watcher_id, watch_seq,
-                   s_cnt, s_last, s_first, s_pf,
-                   ids, num_ids, cap, seg, seg_off, nseg, cb_id,
-                   OP: tl.constexpr, MODE: tl.constexpr, N: tl.constexpr, C: tl.constexpr,
-                   CACHING: tl.constexpr, BLOCK: tl.constexpr):
-    """Batched ``free_blocks`` (MODE_FREE) or one ``unpin_blocks`` (MODE_UNPIN).
-
-    Reads the first ``num_ids[0]`` (at most ``cap``) of ``ids: int32[cap]`` in op order, ``seg: int32``
-    (each id's segment, i.e. which ``free_blocks`` call it belongs to) and ``seg_off: int32[nseg+1]``
-    (segment j is ``[off[j], off[j+1])``, cut at num_ids[0]; the offsets must start at 0, never
-    decrease and reach num_ids[0], else E_INVALID_ARG: fixed-capacity inputs may pad past the count),
-    and for unpin ``cb_id: int32[1]`` (the watcher to register). Writes on success: ref counts, ring
-    and qslot (un-hashed blocks that reach 0 are prepended, later segments ahead of earlier ones;
-    hashed ones, and every unpinned one, appended), head / tail / num_free, watchers. Errors (a bad
-    id, the null block in unpin, a decrement below 0) set the status word and change nothing.
-    """
-    n, n_ok = checked_count(num_ids, cap)
+def first_double_free(ps, ids, n, BLOCK: tl.constexpr):
+    """(index, block) of the first non-null id of ``ids[:n]`` whose count exceeds its ref count
+    (index BIG when none). Needs ``count_ids`` first."""
     offs = tl.arange(0, BLOCK)
-    if tl.load(status) == 0:
-        seg_ok = n_ok & (tl.load(seg_off) == 0) & (tl.load(seg_off + nseg) >= n)
-        i = 0
-        while i < nseg:
-            j = i + offs
-            m = j < nseg
-            down = m & (tl.load(seg_off + j + 1, mask=m, other=0) < tl.load(seg_off + j, mask=m, other=0))
-            seg_ok = seg_ok & (tl.sum(down.to(tl.int32), axis=0) == 0)
-            i += BLOCK
-        n = tl.where(seg_ok, n, 0)
-        err, err_val = check_ids(ids, n, N, MODE == MODE_UNPIN, BLOCK)
-        err_val = tl.where(seg_ok, err_val, tl.load(num_ids).to(tl.int64))
-        err = tl.where(seg_ok, err, E_INVALID_ARG)
-        if MODE == MODE_FREE:
-            if (err != 0) & seg_ok:
-                # The batch fails where the sequence of free_blocks calls would: at the segment of the
-                # first bad id, unless a double free completes in an earlier segment.
-                p_end = tl.minimum(tl.load(seg_off + tl.load(seg + first_bad_id_index(ids, n, N, BLOCK))), n)
-                count_ids(ids, p_end, s_cnt, s_last, s_first, BLOCK)
-                tl.debug_barrier()
-                dfree, dval = first_over_ref(ids, p_end, s_cnt, ref_cnt, BLOCK)
-                err = tl.where(dfree, E_DOUBLE_FREE, err)
-                err_val = tl.where(dfree, dval, err_val)
-                tl.debug_barrier()
-        if err == 0:
-            count_ids(ids, n, s_cnt, s_last, s_first, BLOCK)
-            tl.debug_barrier()
-            # Validate (first offending occurrence) and mark releases; s_pf[i] = F's before i.
-            nf = n * 0
-            nl = n * 0
-            bad_i = n * 0 + BIG
-            i = 0
-            while i < n:
-                idx = i + offs
-                m = idx < n
-                b = tl.load(ids + idx, mask=m, other=0)
-                m = m & (b != 0)
-                cnt = tl.load(s_cnt + b, mask=m, other=0)
-                ref = tl.load(ref_cnt + b, mask=m, other=0)
-                anyb, bi, bv = first_bad(m & (cnt > ref), idx, b)
-                err_val = tl.where(anyb & (bi < bad_i), bv, err_val)
-                bad_i = tl.where(anyb & (bi < bad_i), bi, bad_i)
-                rel = m & (tl.load(s_last + b, mask=m, other=-1) == idx) & (cnt == ref)
-                if MODE == MODE_FREE:
-                    if CACHING:
-                        is_f = rel & (tl.load(num_keys + b, mask=m, other=0) == 0)
-                    else:
-                        is_f = rel
-                else:
-                    is_f = rel & False
-                fi = is_f.to(tl.int32)
-                tl.store(s_pf + idx, nf + tl.cumsum(fi, axis=0) - fi, mask=idx < n)
-                nf += tl.sum(fi, axis=0)
-                nl += tl.sum((rel & ~is_f).to(tl.int32), axis=0)
-                i += BLOCK
-            tl.store(s_pf + n, nf)
-            err = tl.where(bad_i < BIG, E_DOUBLE_FREE, 0)
-            tl.debug_barrier()
-            if err == 0:
-                ring_make_room(ring, qslot, ctrl, nf + nl, C, BLOCK)
-                head = tl.load(ctrl + HEAD)
-                tail = tl.load(ctrl + TAIL)
-                wseq = tl.load(ctrl + WATCH_SEQ)
-                cb = tl.load(cb_id)
-                lpos = tail
-                i = 0
-                while i < n:
-                    idx = i + offs
-                    m = idx < n
-                    b = tl.load(ids + idx, mask=m, other=0)
-                    m = m & (b != 0)
-                    cnt = tl.load(s_cnt + b, mask=m, other=0)
-                    ref = tl.load(ref_cnt + b, mask=m, other=0)
-                    is_last = m & (tl.load(s_last + b, mask=m, other=-1) == idx)
-                    rel = is_last & (cnt == ref)
-                    pf_i = tl.load(s_pf + idx, mask=m, other=0)
-                    if MODE == MODE_FREE:
-                        sg = tl.load(seg + idx, mask=m, other=0)
-                        # Segments are cut at num_ids (s_pf is written only up to n).
-                        s_lo = tl.minimum(tl.load(seg_off + sg, mask=m, other=0), n)
-                        s_hi = tl.minimum(tl.load(seg_off + sg + 1, mask=m, other=0), n)
-                        pf_s = tl.load(s_pf + s_lo, mask=m, other=0)
-                        pf_e = tl.load(s_pf + s_hi, mask=m, other=0)
-                        is_f = rel & (tl.load(s_pf + idx + 1, mask=m, other=0) > pf_i)
-                    else:
-                        pf_s = pf_i
-                        pf_e = pf_i
-                        is_f = rel & False
-                    is_l = rel & ~is_f
-                    li = is_l.to(tl.int64)
-                    ring_put(ring, qslot, head - pf_e + (pf_i - pf_s), b, is_f, C)
-                    ring_put(ring, qslot, lpos + tl.cumsum(li, axis=0) - li, b, is_l, C)
-                    lpos += tl.sum(li, axis=0)
-                    tl.store(ref_cnt + b, ref - cnt, mask=is_last)
-                    if MODE == MODE_UNPIN:
-                        is_first = m & (tl.load(s_first + b, mask=m, other=-1) == idx)
-                        new_w = is_first & (tl.load(watcher_id + b, mask=m, other=0) < 0)
-                        nw = new_w.to(tl.int64)
-                        tl.store(watch_seq + b, wseq + tl.cumsum(nw, axis=0) - nw, mask=new_w)
-                        wseq += tl.sum(nw, axis=0)
-                        tl.store(watcher_id + b, tl.zeros([BLOCK], tl.int32) + cb, mask=is_first)
-                    i += BLOCK
-                tl.store(ctrl + HEAD, head - nf)
-                tl.store(ctrl + TAIL, lpos)
-                tl.store(ctrl + NUM_FREE, tl.load(ctrl + NUM_FREE) + nf + nl)
-                tl.store(ctrl + WATCH_SEQ, wseq)
-            tl.debug_barrier()
-        reset_scratch(ids, n, s_cnt, s_last, s_first, N, BLOCK)
-        if err != 0:
-            set_status(status, err, OP, err_val)
+    err = tl.zeros([], tl.int32)
+    val = tl.zeros([], tl.int64)
+    bad_i = tl.full([], BIG, tl.int32)
+    i = 0
+    while i < n:
+        idx = i + offs
+        m = idx < n
+        b = tl.load(ids + idx, mask=m, other=0)
+        m = m & (b != 0)
+        over = m & (tl.load(ps.s_cnt + b, mask=m, other=0) > tl.load(ps.ref_cnt + b, mask=m, other=0))
+        err, val, bad_i = keep_first(err, val, bad_i, E_DOUBLE_FREE, over, idx, b)
+        i += BLOCK
+    return bad_i, val
 
 
 @triton.jit
-def touch_kernel(ctrl, status, ring, qslot, ref_cnt, s_cnt, s_last, s_first, ids, num_ids, cap,
-                 OP: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr):
-    """``touch``: for each distinct non-null block, unlink it from the ring if its ref_cnt is 0, then
-    add its occurrence count. Reads the first ``num_ids[0]`` of ``ids: int32[cap]``; an out-of-range id
-    or count sets the status word and changes nothing. Unlinking leaves tombstones, so the other
-    blocks keep their order."""
-    n, n_ok = checked_count(num_ids, cap)
+def release_flags(ps, pc: tl.constexpr, b, idx, m, TO_FRONT: tl.constexpr):
+    """Per lane: (releases its block, to the front). A lane releases at its block's last occurrence
+    when the count equals the ref count; to the front when the block has no key (or caching is off),
+    never for unpin (``TO_FRONT`` False)."""
+    cnt = tl.load(ps.s_cnt + b, mask=m, other=0)
+    ref = tl.load(ps.ref_cnt + b, mask=m, other=0)
+    last = m & (tl.load(ps.s_last + b, mask=m, other=-1) == idx)
+    rel = last & (cnt == ref)
+    if TO_FRONT:
+        if pc.CACHING:
+            front = rel & (tl.load(ps.num_keys + b, mask=m, other=0) == 0)
+        else:
+            front = rel
+    else:
+        front = rel & False
+    return last, rel, front, cnt, ref
+
+
+@triton.jit
+def release_scan(ps, pc: tl.constexpr, ids, n, pf, TO_FRONT: tl.constexpr):
+    """(F releases, L releases) of ``ids[:n]``; writes ``pf[i]`` = F releases before i, ``pf[n]``.
+    Needs ``count_ids`` and a batch without double frees."""
+    offs = tl.arange(0, pc.BLOCK)
+    nf = tl.zeros([], tl.int32)
+    nl = tl.zeros([], tl.int32)
+    i = 0
+    while i < n:
+        idx = i + offs
+        m = idx < n
+        b = tl.load(ids + idx, mask=m, other=0)
+        m = m & (b != 0)
+        _, rel, front, _, _ = release_flags(ps, pc, b, idx, m, TO_FRONT)
+        fi = front.to(tl.int32)
+        tl.store(pf + idx, nf + tl.cumsum(fi, axis=0) - fi, mask=idx < n)
+        nf += tl.sum(fi, axis=0)
+        nl += tl.sum((rel & ~front).to(tl.int32), axis=0)
+        i += pc.BLOCK
+    tl.store(pf + n, nf)
+    return nf, nl
+
+
+@triton.jit
+def segment_of(seg_off, nseg, idx):
+    """Segment j of each flat index (``seg_off[j] <= idx < seg_off[j + 1]``; nondecreasing offsets
+    from 0): a binary search, log2(nseg) dependent loads."""
+    lo = tl.zeros_like(idx)
+    hi = tl.zeros_like(idx) + nseg
+    step = 1
+    while step < nseg:
+        step *= 2
+    while step > 0:
+        mid = lo + step
+        go = (mid < hi) & (tl.load(seg_off + mid, mask=mid <= nseg, other=BIG) <= idx)
+        lo = tl.where(go, mid, lo)
+        step = step // 2
+    return lo
+
+
+@triton.jit
+def release_place(ps, pc: tl.constexpr, ids, n, pf, seg_off, nseg, head, tail, nf,
+                  TO_FRONT: tl.constexpr, SEGMENTS: tl.constexpr):
+    """Commit a checked release of ``ids[:n]`` (see the module docstring); returns the new tail.
+    Without ``SEGMENTS`` the whole list is one ``free_blocks`` call (``pf`` still holds its prefix)."""
+    offs = tl.arange(0, pc.BLOCK)
+    lpos = tail
+    i = 0
+    while i < n:
+        idx = i + offs
+        m = idx < n
+        b = tl.load(ids + idx, mask=m, other=0)
+        m = m & (b != 0)
+        last, rel, front, cnt, ref = release_flags(ps, pc, b, idx, m, TO_FRONT)
+        pf_i = tl.load(pf + idx, mask=m, other=0)
+        if SEGMENTS:
+            sg = segment_of(seg_off, nseg, idx)
+            pf_s = tl.load(pf + tl.minimum(tl.load(seg_off + sg, mask=m, other=0), n), mask=m, other=0)
+            pf_e = tl.load(pf + tl.minimum(tl.load(seg_off + sg + 1, mask=m, other=0), n), mask=m, other=0)
+        else:
+            pf_s = tl.zeros_like(pf_i)
+            pf_e = tl.zeros_like(pf_i) + nf
+        back = rel & ~front
+        li = back.to(tl.int64)
+        ring_put(ps, pc, head - pf_e + (pf_i - pf_s), b, front)
+        ring_put(ps, pc, lpos + tl.cumsum(li, axis=0) - li, b, back)
+        lpos += tl.sum(li, axis=0)
+        tl.store(ps.ref_cnt + b, ref - cnt, mask=last)
+        i += pc.BLOCK
+    return lpos
+
+
+@triton.jit
+def free_checked(ps, pc: tl.constexpr, ids, n, pf, head, tail):
+    """``free_blocks(ids[:n])`` of an already validated list (one segment): counts, placement, scratch
+    reset. Returns (new head, new tail, blocks released); the caller stores them."""
+    count_ids(ps, ids, n, pc.BLOCK)
+    tl.debug_barrier()
+    nf, nl = release_scan(ps, pc, ids, n, pf, True)
+    tl.debug_barrier()
+    tail = ring_make_room(ps, pc, head, tail, nf + nl)
+    tail = release_place(ps, pc, ids, n, pf, pf, 1, head, tail, nf, True, False)
+    tl.debug_barrier()
+    reset_ids(ps, ids, n, pc.N, pc.BLOCK)
+    tl.debug_barrier()
+    return head - nf, tail, nf + nl
+
+
+@triton.jit
+def check_segments(seg_off, nseg, n, BLOCK: tl.constexpr):
+    """Segment offsets must start at 0, never decrease and reach ``n`` (fixed-capacity inputs may pad
+    past the count; segments are cut at ``n``)."""
     offs = tl.arange(0, BLOCK)
-    if tl.load(status) == 0:
-        err, err_val = check_ids(ids, n, N, False, BLOCK)
+    ok = (tl.load(seg_off) == 0) & (tl.load(seg_off + nseg) >= n)
+    i = 0
+    while i < nseg:
+        j = i + offs
+        m = j < nseg
+        down = m & (tl.load(seg_off + j + 1, mask=m, other=0) < tl.load(seg_off + j, mask=m, other=0))
+        ok = ok & (tl.sum(down.to(tl.int32), axis=0) == 0)
+        i += BLOCK
+    return ok
+
+
+@triton.jit
+def release_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, seg_off, nseg, pf, OP: tl.constexpr,
+                   UNPIN: tl.constexpr):
+    """Batched ``free_blocks`` (segments: ``seg_off: int32[nseg + 1]``) or one ``unpin_blocks``.
+
+    Reads the first ``num_ids[0]`` (at most ``cap``) of ``ids: int32[cap]``; ``pf: int32[cap + 1]``
+    scratch. On success: ref counts, ring, qslot, head / tail / num_free, and for unpin the watched
+    flags of the listed blocks (their callbacks live on the host). Errors (bad offsets or count, a
+    bad id, the null block in unpin, a decrement below 0) set the status word and change nothing; a
+    batch of frees fails where its sequence of ``free_blocks`` calls would: at the segment of the
+    first bad id, unless a double free completes in an earlier segment.
+    """
+    n, n_ok = checked_count(num_ids, cap)
+    if status_clear(ps.status):
+        seg_ok = n_ok & check_segments(seg_off, nseg, n, pc.BLOCK)
+        n = tl.where(seg_ok, n, 0)
+        err, err_val, bad_i = check_ids(ids, n, pc.N, UNPIN, pc.BLOCK)
+        err_val = tl.where(seg_ok, err_val, tl.load(num_ids).to(tl.int64))
+        err = tl.where(seg_ok, err, E_INVALID_ARG)
+        # Count up to the first bad id's segment (a double free there or before comes first).
+        p_end = n
+        if (err != 0) & seg_ok & (not UNPIN):
+            p_end = tl.minimum(tl.load(seg_off + segment_of(seg_off, nseg, bad_i)), n)
+        if (err == 0) | (p_end < n):
+            count_ids(ps, ids, p_end, pc.BLOCK)
+            tl.debug_barrier()
+            dfree_i, dfree_v = first_double_free(ps, ids, p_end, pc.BLOCK)
+            err = tl.where(dfree_i < BIG, E_DOUBLE_FREE, err)
+            err_val = tl.where(dfree_i < BIG, dfree_v, err_val)
+            tl.debug_barrier()
+            if err == 0:
+                nf, nl = release_scan(ps, pc, ids, n, pf, not UNPIN)
+                tl.debug_barrier()
+                head = tl.load(ps.ctrl + HEAD)
+                tail = ring_make_room(ps, pc, head, tl.load(ps.ctrl + TAIL), nf + nl)
+                tail = release_place(ps, pc, ids, n, pf, seg_off, nseg, head, tail, nf, not UNPIN, True)
+                if UNPIN:
+                    offs = tl.arange(0, pc.BLOCK)
+                    i = 0
+                    while i < n:
+                        m = (i + offs) < n
+                        b = tl.load(ids + i + offs, mask=m, other=0)
+                        tl.store(ps.watched + b, tl.full([pc.BLOCK], 1, tl.int8), mask=m)
+                        i += pc.BLOCK
+                tl.store(ps.ctrl + HEAD, head - nf)
+                tl.store(ps.ctrl + TAIL, tail)
+                tl.store(ps.ctrl + NUM_FREE, tl.load(ps.ctrl + NUM_FREE) + nf + nl)
+            tl.debug_barrier()
+            reset_ids(ps, ids, p_end, pc.N, pc.BLOCK)
+        if err != 0:
+            set_status(ps.status, err, OP, err_val)
+
+
+def launch_release(ps, pc, ids, num_ids, seg_off, *, unpin: bool, op: int):
+    """Launch ``release_kernel``: one program, ``pc.BLOCK`` lanes. ``ids: int32[M]``, ``num_ids:
+    int32[1]``, ``seg_off: int32[S + 1]`` on the pool's device."""
+    import torch
+
+    pf = torch.empty(ids.numel() + 1, dtype=torch.int32, device=ids.device)
+    release_kernel[(1,)](ps, pc, ids, num_ids, ids.numel(), seg_off, seg_off.numel() - 1, pf, OP=op, UNPIN=unpin,
+                         num_warps=warps_for(pc.BLOCK))
+
+
+@triton.jit
+def touch_checked(ps, pc: tl.constexpr, ids, n):
+    """``touch(ids[:n])`` of already validated ids: each distinct non-null block is unlinked from the
+    ring if its ref count was 0, then raised by its occurrence count. Returns the blocks unlinked (the
+    caller lowers num_free); leaves the scratch idle."""
+    offs = tl.arange(0, pc.BLOCK)
+    count_ids(ps, ids, n, pc.BLOCK)
+    tl.debug_barrier()
+    unlinked = tl.zeros([], tl.int32)
+    i = 0
+    while i < n:
+        idx = i + offs
+        m = idx < n
+        b = tl.load(ids + idx, mask=m, other=0)
+        first = m & (b != 0) & (tl.load(ps.s_first + b, mask=m & (b != 0), other=-1) == idx)
+        ref = tl.load(ps.ref_cnt + b, mask=first, other=1)
+        ring_unlink(ps, b, first & (ref == 0))
+        tl.store(ps.ref_cnt + b, ref + tl.load(ps.s_cnt + b, mask=first, other=0), mask=first)
+        unlinked += tl.sum((first & (ref == 0)).to(tl.int32), axis=0)
+        i += pc.BLOCK
+    tl.debug_barrier()
+    reset_ids(ps, ids, n, pc.N, pc.BLOCK)
+    tl.debug_barrier()
+    return unlinked
+
+
+@triton.jit
+def touch_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, OP: tl.constexpr):
+    """``touch`` of the first ``num_ids[0]`` (at most ``cap``) of ``ids: int32[cap]`` (order-free: one
+    launch equals any sequence of touches). An out-of-range id or count sets the status word and
+    changes nothing; the other blocks keep their queue order (tombstones)."""
+    n, n_ok = checked_count(num_ids, cap)
+    if status_clear(ps.status):
+        err, err_val, _ = check_ids(ids, n, pc.N, False, pc.BLOCK)
         err_val = tl.where(n_ok, err_val, tl.load(num_ids).to(tl.int64))
         err = tl.where(n_ok, err, E_INVALID_ARG)
         if err == 0:
-            count_ids(ids, n, s_cnt, s_last, s_first, BLOCK)
-            tl.debug_barrier()
-            unlinked = n * 0
-            i = 0
-            while i < n:
-                idx = i + offs
-                m = idx < n
-                b = tl.load(ids + idx, mask=m, other=0)
-                first = m & (b != 0) & (tl.load(s_first + b, mask=m & (b != 0), other=-1) == idx)
-                ref = tl.load(ref_cnt + b, mask=first, other=1)
-                ring_unlink(ring, qslot, b, first & (ref == 0))
-                tl.store(ref_cnt + b, ref + tl.load(s_cnt + b, mask=first, other=0), mask=first)
-                unlinked += tl.sum((first & (ref == 0)).to(tl.int32), axis=0)
-                i += BLOCK
-            tl.store(ctrl + NUM_FREE, tl.load(ctrl + NUM_FREE) - unlinked)
-            tl.debug_barrier()
-        reset_scratch(ids, n, s_cnt, s_last, s_first, N, BLOCK)
-        if err != 0:
-            set_status(status, err, OP, err_val)
+            unlinked = touch_checked(ps, pc, ids, n)
+            tl.store(ps.ctrl + NUM_FREE, tl.load(ps.ctrl + NUM_FREE) - unlinked)
+        else:
+            set_status(ps.status, err, OP, err_val)
+
+
+def launch_touch(ps, pc, ids, num_ids, *, op: int):
+    """Launch ``touch_kernel``: one program. ``ids: int32[M]``, ``num_ids: int32[1]``."""
+    touch_kernel[(1,)](ps, pc, ids, num_ids, ids.numel(), OP=op, num_warps=warps_for(pc.BLOCK))
+

@@ -1,5 +1,5 @@
-"""``validate()`` on the device: every invariant of SPEC.md section 1 and of the device layout
-(ring R1-R5 of DESIGN-NOTES.md section 1; key rows, table words and overflow counts of section 4).
+"""``validate()`` on the device: every invariant of docs/semantics.md section 1 and of the device layout
+(ring R1-R5 of docs/algorithms.md section 1; key rows, table words and overflow counts of section 4).
 
 Grid (1,). Reads the whole state, writes only ``out: int64[2]`` = (first failed check, offending
 value; 0 = all hold) and the scratch ``s_ovf: int32[NCHUNK]`` (expected overflow counts), which it
@@ -8,8 +8,10 @@ zeroes again. Checks run in a fixed order; the first failing one is reported.
 import triton
 import triton.language as tl
 
-from .common import BIG, HEAD, NUM_FREE, TAIL
+from .common import warps_for
+
 from .keytable import CHUNK, K_GROUP, K_HI, K_LO, K_SLOT, KW, key_home, key_tag
+from .layout import BIG, HEAD, NUM_FREE, TAIL
 
 # Check ids (gpupool.validate.CHECKS has their messages).
 V_WINDOW = tl.constexpr(1)
@@ -38,18 +40,26 @@ def _note(code, val, bad, idx, check):
 
 
 @triton.jit
-def validate_kernel(ctrl, ring, qslot, ref_cnt, num_keys, hash_ntok, keys, table, overflow, s_ovf, out,
-                    N: tl.constexpr, C: tl.constexpr, MK: tl.constexpr, NCHUNK: tl.constexpr,
-                    CACHING: tl.constexpr, BLOCK: tl.constexpr):
+def validate_kernel(ps, pc: tl.constexpr, s_ovf, out):
+    """The checks above, in order; ``out: int64[2]`` = (first failed check, offending value)."""
+    validate_state(ps, s_ovf, out, pc.N, pc.C, pc.MK, pc.NCHUNK, pc.CACHING, pc.BLOCK)
+
+
+@triton.jit
+def validate_state(ps, s_ovf, out, N: tl.constexpr, C: tl.constexpr, MK: tl.constexpr, NCHUNK: tl.constexpr,
+                   CACHING: tl.constexpr, BLOCK: tl.constexpr):
+    # (the sizes come as separate constexprs: fields unpacked from a constexpr tuple are not constexpr)
+    ctrl, ring, qslot, ref_cnt, num_keys = ps.ctrl, ps.ring, ps.qslot, ps.ref_cnt, ps.num_keys
+    hash_ntok, keys, table, overflow = ps.hash_ntok, ps.keys, ps.table, ps.overflow
     offs = tl.arange(0, BLOCK)
     head = tl.load(ctrl + HEAD)
     tail = tl.load(ctrl + TAIL)
-    code = (head * 0).to(tl.int32)
-    val = head * 0
+    code = tl.zeros([], tl.int32)
+    val = tl.zeros([], tl.int64)
     win = tail - head
     code = tl.where((win < 0) | (win > C), V_WINDOW, code)
     val = tl.where(code == V_WINDOW, win, val)
-    live = head * 0
+    live = tl.zeros([], tl.int64)
     if code == 0:
         p = head
         while p < tail:
@@ -68,7 +78,7 @@ def validate_kernel(ctrl, ring, qslot, ref_cnt, num_keys, hash_ntok, keys, table
         val = tl.where(code == V_NUM_FREE, nf, val)
     null_bad = (tl.load(qslot) != -1) | (tl.load(num_keys) != 0)
     code = tl.where((code == 0) & null_bad, V_NULL, code)
-    total_keys = head * 0
+    total_keys = tl.zeros([], tl.int64)
     i = 0
     while i < N:
         b = i + offs
@@ -115,14 +125,13 @@ def validate_kernel(ctrl, ring, qslot, ref_cnt, num_keys, hash_ntok, keys, table
                 d += 1
         i += BLOCK
     tl.debug_barrier()
-    used_words = head * 0
+    used_words = tl.zeros([], tl.int64)
     i = 0
     while i < NCHUNK * CHUNK:
         idx = i + offs
         used_words += tl.sum((tl.load(table + idx, mask=idx < NCHUNK * CHUNK, other=0) != 0).to(tl.int64), axis=0)
         i += BLOCK
-    sink = tl.load(table + NCHUNK * CHUNK)
-    bad_count = (used_words != total_keys) | (sink != 0)
+    bad_count = used_words != total_keys
     code = tl.where((code == 0) & bad_count, V_TABLE_COUNT, code)
     val = tl.where(code == V_TABLE_COUNT, used_words, val)
     i = 0
@@ -135,3 +144,7 @@ def validate_kernel(ctrl, ring, qslot, ref_cnt, num_keys, hash_ntok, keys, table
         i += BLOCK
     tl.store(out, code.to(tl.int64))
     tl.store(out + 1, val)
+
+
+def launch_validate(ps, pc, s_ovf, out):
+    validate_kernel[(1,)](ps, pc, s_ovf, out, num_warps=warps_for(pc.BLOCK))

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from gpupool import BlockPool, ReferenceBlockPool
+from gpupool.kernels.common import forced_warps
 from gpupool.errors import OutOfBlocksError
 from gpupool.replay import load_trace, replay
-from gpupool.replay_device import replay_batched
+from gpupool.replay.device import replay_batched
 from pool_helpers import h, pool_state
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -25,11 +26,13 @@ def i32(xs):
 
 
 def random_run(seed, num_warps=None, n=64, steps=150):
-    """A seeded op sequence on a device pool and the reference; returns both pools."""
+    """A seeded op sequence on a device pool and the reference (every kernel at ``num_warps`` warps
+    when given); returns both pools."""
+    if num_warps:
+        with forced_warps(num_warps):
+            return random_run(seed, None, n, steps)
     rng = random.Random(seed)
     dev = BlockPool(n, max_keys_per_block=2, device=DEV, ring_capacity=64)
-    if num_warps:
-        dev._warps = num_warps
     ref = ReferenceBlockPool(n, max_keys_per_block=2)
     held: list[int] = []
     for _ in range(steps):
@@ -76,7 +79,7 @@ def test_differential_on_cuda_is_bitwise_repeatable(num_warps):
     first = None
     for _ in range(20):
         dev, _ = random_run(seed=7, num_warps=num_warps)
-        state = {k: v.cpu().clone() for k, v in dev.state.tensors().items()}
+        state = {k: v.cpu().clone() for k, v in dev.state._asdict().items()}
         if first is None:
             first = state
         else:

@@ -58,9 +58,10 @@ from hypothesis import note as _hnote  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.control import currently_in_test_context  # noqa: E402
 
-from gpupool import BlockPool, ReferenceBlockPool  # noqa: E402
+from gpupool import BlockPool, ReferenceBlockPool  # noqa
+from gpupool.kernels.layout import Ctrl, Op  # noqa: E402
 from gpupool.errors import (  # noqa: E402
-    DoubleFreeError, HashConflictError, InvalidArgumentError, InvalidBlockIdError, InvalidCountError,
+    ArgumentTypeError, DoubleFreeError, HashConflictError, InvalidArgumentError, InvalidBlockIdError, InvalidCountError,
     KeyCapacityError, NullBlockError, OutOfBlocksError, PoolError,
 )
 from gpupool.keys import device_key  # noqa: E402
@@ -68,7 +69,7 @@ from gpupool.keys import device_key  # noqa: E402
 from pool_helpers import h, ints, pool_state  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-CTRL_COMPACTIONS = 7
+CTRL_COMPACTIONS = Ctrl.COMPACTIONS
 UNIVERSE = [h(f"fault{i}") for i in range(12)]  # small: keys repeat, collide and get promoted
 ANY = object()  # "do not check the offending value"
 BIG_BS = 1 << 12  # a block size whose token counts exceed every count the generators create
@@ -108,12 +109,12 @@ def dev_digest(dev: BlockPool, *, status: bool = True) -> str:
     batched op and ``check()``), plus the host's pending events and callback table. Never waits on or
     drains the device (it does not call ``_finish``)."""
     d = hashlib.sha256()
-    for name, t in dev.state.tensors().items():
+    for name, t in dev.state._asdict().items():
         if name == "status" and not status:
             continue
         d.update(name.encode())
         d.update(t.detach().to("cpu").contiguous().numpy().tobytes())
-    d.update(repr((sorted(dev._callbacks), dev._events)).encode())
+    d.update(repr(([(b, id(cb)) for b, cb in dev._watchers.items()], dev._events)).encode())
     return d.hexdigest()
 
 
@@ -589,7 +590,7 @@ def f_get_too_many(p, c):
 
 def f_get_not_int(p, c):
     n = c.pick([1.0, "1", None, True, torch.tensor(1.0)], "not_int")
-    p.expect_fail(f"get_new_blocks({n!r})", "get_new_blocks", InvalidArgumentError,
+    p.expect_fail(f"get_new_blocks({n!r})", "get_new_blocks", ArgumentTypeError,
                   lambda pool: pool.get_new_blocks(n), lambda pool: pool.get_new_blocks(n))
 
 
@@ -622,18 +623,17 @@ def f_free_double(p, c):
 
 def f_free_not_ids(p, c):
     arg = c.pick([None, "12", [1.5], [True], [None], 3], "not_ids")
-    p.expect_fail(f"free_blocks({arg!r})", "free_blocks", InvalidArgumentError,
+    p.expect_fail(f"free_blocks({arg!r})", "free_blocks", ArgumentTypeError,
                   lambda pool: pool.free_blocks(arg), lambda pool: pool.free_blocks(arg))
 
 
 def _bad_tensor(c, ids):
-    """(tensor, reference rejects it too): float / bool tensors fail on both pools; int64 (and other
-    integer) tensors are accepted by the reference (SPEC.md: integer tensors) but the device takes
-    int32 only (gpupool.BlockPool docstring)."""
-    kind = c.pick(["int64", "float32", "bool", "int16", "float64"], "bad_dtype")
+    """(tensor, reference rejects it too): float / bool tensors fail on both pools (integer tensors of
+    any dtype are ids for both: test_int64_id_tensors_agree)."""
+    kind = c.pick(["float32", "bool", "float64"], "bad_dtype")
     dtype = getattr(torch, kind)
     t = torch.tensor(ids if kind != "bool" else [True] * len(ids), device=DEVICE).to(dtype)
-    return t, kind in ("float32", "float64", "bool")
+    return t, True
 
 
 def f_ids_dtype(p, c):
@@ -655,7 +655,7 @@ def f_ids_dtype(p, c):
         if op == "cache_full_blocks":
             return pool.cache_full_blocks(t, hs, 0, len(ids), 16)
         return getattr(pool, op)(t)
-    p.expect_fail(f"{op}(tensor {ids} of {t.dtype})", op, InvalidArgumentError,
+    p.expect_fail(f"{op}(tensor {ids} of {t.dtype})", op, ArgumentTypeError,
                   (lambda pool: call(pool, cr)) if ref_rejects else None, lambda pool: call(pool, cd))
 
 
@@ -706,7 +706,7 @@ def f_unpin_bad(p, c):
     else:
         cb = c.pick([None, 3, "cb"], "not_callable")
         a, b = ids_args(c, ids)
-        p.expect_fail(f"unpin_blocks({ids}, {cb!r})", "unpin_blocks", InvalidArgumentError,
+        p.expect_fail(f"unpin_blocks({ids}, {cb!r})", "unpin_blocks", ArgumentTypeError,
                       lambda pool: pool.unpin_blocks(a, cb), lambda pool: pool.unpin_blocks(b, cb))
 
 
@@ -777,7 +777,7 @@ def f_cache_full_lengths(p, c):
         value = ANY
     a, b = ids_args(c, ids)
     p.expect_fail(f"cache_full_blocks({ids}, {len(hs)} hashes, nf={nf}, mask={mask})", "cache_full_blocks",
-                  InvalidArgumentError, lambda pool: pool.cache_full_blocks(a, hs, 0, nf, BIG_BS, 0, mask),
+                  ArgumentTypeError if kind == "not_bytes" else InvalidArgumentError, lambda pool: pool.cache_full_blocks(a, hs, 0, nf, BIG_BS, 0, mask),
                   lambda pool: pool.cache_full_blocks(b, hs, 0, nf, BIG_BS, 0, mask), value)
 
 
@@ -858,7 +858,7 @@ def f_cache_partial_args(p, c):
     else:
         hs = list(hs)
         hs[0] = "not bytes"
-        value = ANY
+        exc, value = ArgumentTypeError, ANY
     p.expect_fail(f"cache_partial_block({x}, {len(hs)} hashes, nt={nt}, bs={bs}, hbs={hbs})", "cache_partial_block",
                   exc, lambda pool: pool.cache_partial_block(x, hs, nt, 0, bs, hbs),
                   lambda pool: pool.cache_partial_block(x, hs, nt, 0, bs, hbs), value)
@@ -880,7 +880,7 @@ def f_move(p, c):
         src, dst = (x, c.int(1, p.n - 1, "mv_d")) if c.chance(50, "bad_src") else (src, x)
         exc, value = InvalidBlockIdError, x
     else:
-        dst, exc, value = c.pick([1.0, "1", None], "mv_dst_bad"), InvalidArgumentError, ANY
+        dst, exc, value = c.pick([1.0, "1", None], "mv_dst_bad"), ArgumentTypeError, ANY
     p.expect_fail(f"move_block_hashes({src!r}, {dst!r})", "move_block_hashes", exc,
                   lambda pool: pool.move_block_hashes(src, dst), lambda pool: pool.move_block_hashes(src, dst), value)
 
@@ -898,12 +898,12 @@ def f_queries(p, c):
     kind = c.pick(["hash", "group", "writable", "writable_type"], "q_kind")
     if kind == "hash":
         hh = c.pick(["abc", 5, None, [UNIVERSE[0]]], "q_hash")
-        p.expect_fail(f"get_cached_block({hh!r}, [0])", "get_cached_block", InvalidArgumentError,
+        p.expect_fail(f"get_cached_block({hh!r}, [0])", "get_cached_block", ArgumentTypeError,
                       lambda pool: pool.get_cached_block(hh, [0]), lambda pool: pool.get_cached_block(hh, [0]))
     elif kind == "group":
         g = c.pick(["0", 0.0, None], "q_group")
         groups = [g] + c.pick([[], [0]], "q_more")  # the bad group first (see test_get_cached_block_checks_every_group)
-        p.expect_fail(f"get_cached_block(H0, {groups!r})", "get_cached_block", InvalidArgumentError,
+        p.expect_fail(f"get_cached_block(H0, {groups!r})", "get_cached_block", ArgumentTypeError,
                       lambda pool: pool.get_cached_block(UNIVERSE[0], groups),
                       lambda pool: pool.get_cached_block(UNIVERSE[0], groups))
     elif kind == "writable":
@@ -912,7 +912,7 @@ def f_queries(p, c):
                       lambda pool: pool.is_block_writable(x), lambda pool: pool.is_block_writable(x), x)
     else:
         x = c.pick([1.0, "1", None], "q_wr")
-        p.expect_fail(f"is_block_writable({x!r})", "is_block_writable", InvalidArgumentError,
+        p.expect_fail(f"is_block_writable({x!r})", "is_block_writable", ArgumentTypeError,
                       lambda pool: pool.is_block_writable(x), lambda pool: pool.is_block_writable(x))
 
 
@@ -998,7 +998,8 @@ def f_batched_dtype(p, c):
         "touch": ("touch_batched", lambda dev: dev.touch_batched(torch.tensor(ids, dtype=bad, device=DEVICE))),
         "touch_list": ("touch_batched", lambda dev: dev.touch_batched(list(ids))),
     }[kind]
-    p.expect_fail(f"{op}({kind}, {bad})", op, InvalidArgumentError, None, fn)
+    p.expect_fail(f"{op}({kind}, {bad})", op, ArgumentTypeError if kind.endswith("_list") else InvalidArgumentError,
+                  None, fn)
     assert int(p.dev.state.status[0]) == 0, "a host-side argument error must not set the status word"
 
 
@@ -1123,7 +1124,7 @@ def test_sticky_status_word_blocks_later_batched_ops_until_check():
     ref_before, dev_before = ref_digest(p.ref), dev_digest(p.dev)
     dev_digest_before_ns = dev_digest(p.dev, status=False)
     p.dev.free_batched(i32([1, 2, 2]), i32([0, 1, 3]))  # segment 1 frees block 2 twice
-    assert p.dev.state.status.tolist()[:3] == [DoubleFreeError.code, 11, 2]  # op 11 = free_batched
+    assert p.dev.state.status.tolist()[:3] == [DoubleFreeError.code, Op.FREE_BATCHED, 2]
     p.dev.allocate_batched(i32([2]))
     p.dev.touch_batched(i32([5, 6]))
     p.dev.free_batched(i32([3]), i32([0, 1]))
@@ -1225,7 +1226,7 @@ def test_free_batched_rejects_mismatched_seg_offsets():
 
 def test_get_cached_block_checks_every_group():
     p = Pair(5)
-    p.expect_fail("get_cached_block(H0, [0, '1'])", "get_cached_block", InvalidArgumentError,
+    p.expect_fail("get_cached_block(H0, [0, '1'])", "get_cached_block", ArgumentTypeError,
                   lambda pool: pool.get_cached_block(UNIVERSE[0], [0, "1"]),
                   lambda pool: pool.get_cached_block(UNIVERSE[0], [0, "1"]))
 

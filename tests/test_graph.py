@@ -58,7 +58,6 @@ def drive(step_fn, ref, dev, steps, seed, dev_manager):
         step_fn(decoding, [tokens[r] for r in decoding], finished)
         dev_adm = dev.admitted[: len(decoding)].tolist()
         assert [int(x) for x in ref_adm] == dev_adm, step
-        dev_manager.finish(finished)
         for r in finished:
             del tokens[r]
         for r, ok in zip(decoding, ref_adm):

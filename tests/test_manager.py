@@ -365,7 +365,6 @@ def free_both(p: Pair, slots: list[int], tensors: bool, desc: str) -> None:
         if tensors:
             p.dev.free(i32(slots))
             p.dev.pool.check()
-            p.dev.finish(slots)
         else:
             p.dev.free(slots)
 

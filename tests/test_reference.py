@@ -516,7 +516,7 @@ def test_key_capacity_via_partial_secondaries_from_scratch():
     assert pool.cache_partial_block(b, hs, 12, 0, BS, 4) == (hs[2], 0)
     assert pool.block_keys(b) == [(hs[2], 0)]
     assert pool.take_events() == [BlockRemoved(hs[1], 0), BlockRemoved(hs[0], 0),
-                                  BlockStored((hs[2],), hs[1], BS, 0)]
+                                  BlockStored((hs[2],), hs[1], 4, 0)]
 
 
 def test_default_max_keys_per_block_is_4():
@@ -554,8 +554,8 @@ def test_partial_then_full_promotion():
     assert pool.block_hash_num_tokens(b1) == 24
     assert pool.take_events() == [
         BlockStored((hs[0],), None, BS, 0),
-        BlockStored((fine[5],), fine[4], BS, 0),
-        BlockStored((fine[4],), fine[3], BS, 0),
+        BlockStored((fine[5],), fine[4], 4, 0),
+        BlockStored((fine[4],), fine[3], 4, 0),
     ]
     assert lookup(pool, fine[5]) == [b1] and lookup(pool, fine[4]) == [b1]
     # now full: cache_full_blocks promotes it (old keys removed, new key primary)
@@ -583,7 +583,7 @@ def test_partial_promotion_to_longer_partial_and_equal_length_secondary():
     pool.cache_partial_block(b, hs, 16, 0, BS, 8)       # more tokens: replaces both
     assert pool.block_keys(b) == [(hs[1], 0)] and pool.block_hash_num_tokens(b) == 16
     assert pool.take_events() == [BlockRemoved(hs[0], 0), BlockRemoved(h("o"), 0),
-                                  BlockStored((hs[1],), hs[0], BS, 0)]
+                                  BlockStored((hs[1],), hs[0], 8, 0)]
 
 
 def test_partial_replace_existing_hashes():
@@ -600,13 +600,13 @@ def test_partial_replace_existing_hashes():
     assert pool.block_keys(b) == [(hs[1], 0)]
     assert pool.block_hash_num_tokens(b) == 8
     assert pool.take_events() == [BlockRemoved(hs[3], 0), BlockRemoved(hs[1], 0), BlockRemoved(hs[0], 1),
-                                  BlockStored((hs[1],), hs[0], BS, 0)]
+                                  BlockStored((hs[1],), hs[0], 4, 0)]
     assert lookup(pool, hs[3]) is None and lookup(pool, hs[0], [1]) is None
     # the same key without replace: nothing happens; with replace: removed and re-stored
     assert pool.cache_partial_block(b, hs, 8, 0, BS, 4) == (hs[1], 0)
     assert pool.take_events() == []
     pool.cache_partial_block(b, hs, 8, 0, BS, 4, replace_existing_hashes=True)
-    assert pool.take_events() == [BlockRemoved(hs[1], 0), BlockStored((hs[1],), hs[0], BS, 0)]
+    assert pool.take_events() == [BlockRemoved(hs[1], 0), BlockStored((hs[1],), hs[0], 4, 0)]
     assert pool.block_keys(b) == [(hs[1], 0)]
     assert_consistent(pool)
 
@@ -677,11 +677,11 @@ def test_cache_full_blocks_events_parent_mask_and_null():
     assert pool.block_keys(blocks[3]) == [(hs[3], 3)] and pool.block_hash_num_tokens(blocks[3]) == 4 * BS
     assert pool.block_keys(blocks[4]) == [(hs[4], 3)] and pool.block_hash_num_tokens(blocks[4]) == 5 * BS
     assert pool.block_keys(0) == []
-    # nothing stored -> no event; num_cached >= num_full -> no-op
+    # nothing stored -> an empty BlockStored (as vLLM); num_cached >= num_full -> no-op
     pool.cache_full_blocks(ids, hs, 1, 2, BS, 3)
     pool.cache_full_blocks(ids, hs, 4, 4, BS, 3)
     pool.cache_full_blocks(ids, hs, 5, 2, BS, 3)
-    assert pool.take_events() == []
+    assert pool.take_events() == [BlockStored((), hs[0], BS, 3)]
     assert pool.ref_counts(blocks) == [1] * 5 and pool.free_queue() == [6, 7]
     assert_consistent(pool)
 
@@ -997,8 +997,8 @@ class SpecModel:
                 raise KeyCapacityError("cache_full_blocks", "cap", b)
             self._insert(b, key, nt)
             stored.append(hs[i])
-        if stored:
-            self.events.append(BlockStored(tuple(stored), hs[nc - 1] if nc > 0 else None, bs, g))
+        # one BlockStored per call past the no-op checks, even an empty one (as vLLM)
+        self.events.append(BlockStored(tuple(stored), hs[nc - 1] if nc > 0 else None, bs, g))
 
     def cache_partial_block(self, b, hs, nt, g, bs, hbs, replace):
         self._check("cache_partial_block", [b])
@@ -1014,7 +1014,7 @@ class SpecModel:
         if len(self.keys[b]) >= self.max_keys:
             raise KeyCapacityError("cache_partial_block", "cap", b)
         self._insert(b, key, nt)
-        self.events.append(BlockStored((hs[k - 1],), hs[k - 2] if k >= 2 else None, bs, g))
+        self.events.append(BlockStored((hs[k - 1],), hs[k - 2] if k >= 2 else None, hbs, g))
         return key
 
     def move_block_hashes(self, s, d):

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from gpupool import BlockPool, ReferenceBlockPool, cli
 from gpupool.replay import TraceRequest, load_trace, replay
-from gpupool.replay_device import replay_batched
+from gpupool.replay.device import replay_batched
 
 FIELDS = ("requests", "admitted", "rejected", "prompt_blocks", "hit_blocks", "free_queue_sha256", "waited",
           "peak_blocks_in_use")

@@ -5,7 +5,7 @@ A seeded random run of thousands of ops, valid and invalid mixed (every fault ki
 built to reach the rare paths:
 
 * ``ring_capacity`` = the smallest power of two >= ``num_blocks``: touch / free cycles fill the ring
-  with tombstones and force compactions (``pool.state.ctrl[7]`` counts them, checked > 0);
+  with tombstones and force compactions (``pool.state.ctrl[Ctrl.COMPACTIONS]`` counts them, checked > 0);
 * ``num_chunks=1``: a key table of 16 slots with ``(num_blocks - 1) * max_keys_per_block == 16``, so
   the table runs (and is checked to run) completely full, with long probe paths and overflow counts.
 

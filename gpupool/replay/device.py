@@ -1,7 +1,7 @@
 """Batched trace replay on the device pool: one ``admission_step`` launch per time point.
 
 Every completion and arrival that shares a timestamp goes through one ``BlockPool.admission_step``
-call, which applies them exactly as the request-by-request model of SPEC.md section 5 does
+call, which applies them exactly as the request-by-request model of docs/semantics.md section 5 does
 (``gpupool.replay``), so the reports are identical. The host waits for the device once per time point
 (to learn who was admitted and with which blocks, i.e. when they finish).
 
@@ -17,14 +17,14 @@ from collections.abc import Mapping
 
 import torch
 
-from .keys import device_key
-from .replay import (
-    DEFAULT_BLOCK_SIZE, DEFAULT_TPOT_MS, ReplayReport, TraceRequest, free_queue_digest, replay, trace_block_hash,
-)
+from ..kernels.replay import StepInputs, StepOutputs, TraceTensors, launch_admission_step
+from ..keys import trace_block_hash
+from .model import DEFAULT_BLOCK_SIZE, DEFAULT_TPOT_MS, ReplayReport, free_queue_digest, replay
+from .trace import TraceRequest
 
 
-def _prepare(trace: list[TraceRequest], block_size: int, device) -> tuple[list[int], dict]:
-    """Arrival order and the per-request device tensors ``admission_step`` reads."""
+def _prepare(trace: list[TraceRequest], block_size: int, device, registry) -> tuple[list[int], TraceTensors]:
+    """Arrival order and the per-request device tensors the admission step reads."""
     order = sorted(range(len(trace)), key=lambda i: trace[i].timestamp)
     keys: dict[int, tuple[int, int]] = {}
     his, los, off, full, hitcap, total = [], [], [], [], [], []
@@ -35,21 +35,21 @@ def _prepare(trace: list[TraceRequest], block_size: int, device) -> tuple[list[i
         for h in tr.hash_ids[:f]:
             k = keys.get(h)
             if k is None:
-                k = keys[h] = device_key(trace_block_hash(h), 0)
+                k = keys[h] = registry.register(trace_block_hash(h), 0)
             his.append(k[0])
             los.append(k[1])
         full.append(f)
         hitcap.append(min(f, (tr.input_length - 1) // block_size))
         total.append(-(-(tr.input_length + tr.output_length) // block_size))
     i64, i32 = torch.int64, torch.int32
-    req = {
-        "chain_hi": torch.tensor(his or [0], dtype=i64, device=device),
-        "chain_lo": torch.tensor(los or [0], dtype=i64, device=device),
-        "chain_off": torch.tensor(off or [0], dtype=i64, device=device),
-        "full": torch.tensor(full or [0], dtype=i32, device=device),
-        "hitcap": torch.tensor(hitcap or [0], dtype=i32, device=device),
-        "total": torch.tensor(total or [0], dtype=i32, device=device),
-    }
+    req = TraceTensors(
+        chain_hi=torch.tensor(his or [0], dtype=i64, device=device),
+        chain_lo=torch.tensor(los or [0], dtype=i64, device=device),
+        chain_off=torch.tensor(off or [0], dtype=i64, device=device),
+        full=torch.tensor(full or [0], dtype=i32, device=device),
+        hitcap=torch.tensor(hitcap or [0], dtype=i32, device=device),
+        total=torch.tensor(total or [0], dtype=i32, device=device),
+    )
     return order, req
 
 
@@ -78,8 +78,10 @@ def replay_batched(pool, trace: list[TraceRequest], *, block_size: int = DEFAULT
     rep = ReplayReport(pool="BlockPool (batched)", num_blocks=n, block_size=block_size, tpot_ms=float(tpot_ms),
                        requests=len(trace))
     start = time.perf_counter()
-    order, req = _prepare(trace, block_size, dev)
-    totals = req["total"].tolist()
+    h = pool.handle()
+    order, req = _prepare(trace, block_size, dev, h.registry)
+    totals = req.total.tolist()
+    group_ids = torch.zeros(1, dtype=torch.int32, device=dev)
     waiting: list[int] = []  # request indices (arrival order)
     running: list[tuple[float, int, list[int]]] = []
     seq = 0
@@ -106,16 +108,27 @@ def replay_batched(pool, trace: list[TraceRequest], *, block_size: int = DEFAULT
             out_off = [0]
             for r in line:
                 out_off.append(out_off[-1] + totals[r])
-            res = pool.admission_step(
-                req, torch.tensor(line or [0], dtype=i32, device=dev)[: len(line)],
-                torch.tensor([len(waiting)], dtype=i32, device=dev),
-                torch.tensor(list(range(len(comps))) + [-1] * len(arrivals), dtype=i32, device=dev),
-                torch.tensor(free_flat or [0], dtype=i32, device=dev)[: len(free_flat)],
-                torch.tensor(free_off, dtype=i32, device=dev),
-                torch.tensor(out_off[:-1] or [0], dtype=i64, device=dev), out_off[-1], block_size=block_size)
+            L = len(line)
+            step = StepInputs(
+                line=torch.tensor(line or [0], dtype=i32, device=dev),
+                line_waiting=torch.tensor([len(waiting)], dtype=i32, device=dev),
+                events=torch.tensor(list(range(len(comps))) + [-1] * len(arrivals) or [0], dtype=i32, device=dev),
+                num_events=torch.tensor([len(comps) + len(arrivals)], dtype=i32, device=dev),
+                free_ids=torch.tensor(free_flat or [0], dtype=i32, device=dev),
+                free_off=torch.tensor(free_off, dtype=i32, device=dev),
+                num_free_ids=torch.tensor([len(free_flat)], dtype=i32, device=dev),
+                out_off=torch.tensor(out_off[:-1] or [0], dtype=i64, device=dev))
+            out = StepOutputs(result=torch.zeros(max(L, 1), dtype=i32, device=dev),
+                              hits=torch.zeros(max(L, 1), dtype=i32, device=dev),
+                              free_after=torch.zeros(max(L, 1), dtype=i64, device=dev),
+                              blocks=torch.zeros(max(out_off[-1], 1), dtype=i32, device=dev),
+                              pf=torch.zeros(len(free_flat) + 1, dtype=i32, device=dev))
+            sizes = torch.tensor([len(order), max(L, 1), max(len(comps) + len(arrivals), 1), max(len(free_flat), 1),
+                                  len(comps)], dtype=i64, device=dev)
+            launch_admission_step(h.state, h.config, req, step, out, sizes, group_ids, block_size)
             pool.check()
-            result, hits, free_after = res["result"].tolist(), res["hits"].tolist(), res["free_after"].tolist()
-            blocks_all = res["blocks"].tolist()
+            result, hits, free_after = out.result.tolist(), out.hits.tolist(), out.free_after.tolist()
+            blocks_all = out.blocks.tolist()
             waiting = []
             for k, r in enumerate(line):
                 if result[k] == 1:

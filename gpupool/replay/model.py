@@ -1,4 +1,4 @@
-"""Trace replay: the main job's model (SPEC.md section 5), run against any pool of SPEC.md section 4.
+"""Trace replay: the main job's model (docs/semantics.md section 5), run against any pool of docs/semantics.md section 4.
 
 A trace is JSON lines in Mooncake's format::
 
@@ -11,7 +11,7 @@ service, released with the Mooncake paper; see ``gpupool/data/mooncake/README.md
 512-token block, so other block sizes replay it with the ids re-read at that size (a synthetic
 workload, still deterministic and the same for both pools).
 
-The model, exactly (SPEC.md section 5):
+The model, exactly (docs/semantics.md section 5):
 
 * Events are processed in time order. At equal times completions come before arrivals, completions
   in (finish time, admission order) order and arrivals in arrival order: by timestamp, ties in trace
@@ -30,7 +30,7 @@ The model, exactly (SPEC.md section 5):
   ``cache_full_blocks(blocks, hashes, len(hits), full, block_size, 0)``; the request finishes at
   ``t + output_length * tpot_ms`` (Python float arithmetic) and then ``free_blocks(reversed(blocks))``.
 
-The pool is driven only through the conformance names of SPEC.md section 4 (``get_cached_block``,
+The pool is driven only through the conformance names of docs/semantics.md section 4 (``get_cached_block``,
 ``touch``, ``get_new_blocks``, ``cache_full_blocks``, ``free_blocks``, ``get_num_free_blocks``,
 ``free_queue``, ``ref_counts(ids)``) plus ``num_blocks``, so the reference pool and the device pool
 replay the same trace op for op; equal reports (hit counts, free-queue digest) mean equal behaviour.
@@ -55,22 +55,14 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import json
 import math
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from importlib import resources
-from os import PathLike
-from pathlib import Path
 
-try:  # SPEC.md section 5's block hash; keys.py is the single definition when present.
-    from .keys import trace_block_hash
-except ImportError:  # pragma: no cover - only while keys.py is missing
-    def trace_block_hash(hash_id: int) -> bytes:
-        """``sha256(str(hash_id).encode()).digest()`` (SPEC.md section 5)."""
-        return hashlib.sha256(str(int(hash_id)).encode()).digest()
+from ..keys import trace_block_hash
+from .trace import BUNDLED_TRACE, TraceRequest, _is_int, bundled_trace_path, load_trace
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE", "DEFAULT_NUM_BLOCKS", "DEFAULT_TPOT_MS", "BUNDLED_TRACE", "ReplayReport",
@@ -80,74 +72,6 @@ __all__ = [
 DEFAULT_BLOCK_SIZE = 512
 DEFAULT_TPOT_MS = 20.0
 DEFAULT_NUM_BLOCKS = 16384
-BUNDLED_TRACE = "data/mooncake/conversation_trace.jsonl"  # package data of gpupool
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    """One trace line: arrival ``timestamp`` (ms), prompt and output token counts, prefix-hash ids."""
-
-    timestamp: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def bundled_trace_path():
-    """The bundled Mooncake conversation trace (an importlib.resources Traversable)."""
-    return resources.files("gpupool").joinpath(BUNDLED_TRACE)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _parse_line(text: str, where: str) -> TraceRequest:
-    try:
-        row = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in row]
-    if missing:
-        raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
-    ts, inp, out, ids = row["timestamp"], row["input_length"], row["output_length"], row["hash_ids"]
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
-        raise ValueError(f"{where}: timestamp must be a finite number >= 0, got {ts!r}")
-    if not _is_int(inp) or inp < 1:
-        raise ValueError(f"{where}: input_length must be an integer >= 1, got {inp!r}")
-    if not _is_int(out) or out < 0:
-        raise ValueError(f"{where}: output_length must be an integer >= 0, got {out!r}")
-    if not isinstance(ids, list) or not all(_is_int(h) for h in ids):
-        raise ValueError(f"{where}: hash_ids must be a list of integers")
-    return TraceRequest(ts, inp, out, tuple(ids))
-
-
-def load_trace(path: str | PathLike | None = None, limit: int | None = None) -> list[TraceRequest]:
-    """Read a Mooncake-format JSON-lines trace (default: the bundled conversation trace).
-
-    Blank lines are skipped; ``limit`` keeps the first ``limit`` requests (in file order).
-    Raises ValueError naming the file and line for a malformed line (bad JSON, a missing field, a
-    negative or non-integer length, non-integer hash ids), FileNotFoundError for a missing file.
-    """
-    if limit is not None and (not _is_int(limit) or limit < 0):
-        raise ValueError(f"limit must be an integer >= 0, got {limit!r}")
-    if path is None:
-        source, name = bundled_trace_path(), "bundled trace " + BUNDLED_TRACE
-    else:
-        source, name = Path(path), str(path)
-    out: list[TraceRequest] = []
-    if limit == 0:
-        return out
-    with source.open("r", encoding="utf-8") as f:
-        for lineno, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            out.append(_parse_line(text, f"{name}, line {lineno}"))
-            if limit is not None and len(out) >= limit:
-                break
-    return out
 
 
 def free_queue_digest(free_queue: Iterable[int]) -> str:
@@ -157,7 +81,7 @@ def free_queue_digest(free_queue: Iterable[int]) -> str:
 
 @dataclass
 class ReplayReport:
-    """What a replay measured. ``to_json_dict()`` gives the SPEC.md section 5 names (and the extras).
+    """What a replay measured. ``to_json_dict()`` gives the docs/semantics.md section 5 names (and the extras).
 
     SPEC fields: ``requests``, ``admitted``, ``rejected``, ``prompt_blocks`` (sum of ``full`` over
     admitted requests), ``hit_blocks``, ``hit_ratio`` (hit / prompt blocks; 0 when there are none),
@@ -342,7 +266,7 @@ class _Replayer:
 
 def replay(pool, trace: list[TraceRequest], *, block_size: int = DEFAULT_BLOCK_SIZE,
            tpot_ms: float = DEFAULT_TPOT_MS, progress: bool | Mapping = False) -> ReplayReport:
-    """Replay ``trace`` on ``pool`` with the model of SPEC.md section 5 (see the module docstring).
+    """Replay ``trace`` on ``pool`` with the model of docs/semantics.md section 5 (see the module docstring).
 
     ``pool`` must be fresh in the sense that no block is held (all ``num_blocks - 1`` non-null blocks
     free); it is left with every request finished. ``progress``: a tqdm bar over finished requests

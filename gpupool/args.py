@@ -1,0 +1,229 @@
+"""Argument coercion and limits shared by both pools and both managers (the bottom layer).
+
+Both the reference pool and the device pool accept the same inputs and reject the rest with the same
+typed errors (docs/errors.md): ids are Python ints or integer tensors / arrays, hashes are ``bytes``,
+group ids and token counts fit the device's int32 fields. Nothing here knows about pools.
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .errors import ArgumentTypeError, InvalidArgumentError, InvalidBlockIdError
+
+NULL_BLOCK = 0
+#: Largest group id and token count either pool stores (int32 on the device).
+MAX_GROUP_ID = 2**31 - 1
+MAX_TOKENS = 2**31 - 1
+
+
+def as_int(op: str, x, what: str = "value") -> int:
+    """``x`` as a Python int (ints, numpy and 0-d torch integers); anything else is ArgumentTypeError."""
+    if isinstance(x, bool):
+        raise ArgumentTypeError(op, f"{what} must be an integer, got bool {x!r}")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise ArgumentTypeError(op, f"{what} must be an integer, got {type(x).__name__} {x!r}") from None
+
+
+def as_group(op: str, g) -> int:
+    """A KV-cache group id: an int in ``0 .. MAX_GROUP_ID``, else InvalidArgumentError."""
+    g = as_int(op, g, "group_id")
+    if not 0 <= g <= MAX_GROUP_ID:
+        raise InvalidArgumentError(op, f"group_id {g} outside 0..{MAX_GROUP_ID}", g)
+    return g
+
+
+def as_groups(op: str, groups) -> list[int]:
+    """A sequence of group ids (``get_cached_block``'s ``kv_cache_group_ids``)."""
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
+        raise ArgumentTypeError(op, f"kv_cache_group_ids must be a sequence of ints, got {type(groups).__name__}")
+    return [as_group(op, g) for g in groups]
+
+
+def check_tokens(op: str, n: int, what: str) -> None:
+    """Token counts the pools store must fit ``MAX_TOKENS`` (int32 on the device)."""
+    if n > MAX_TOKENS:
+        raise InvalidArgumentError(op, f"{what} {n} exceeds {MAX_TOKENS} tokens", n)
+
+
+def check_hash(op: str, h) -> bytes:
+    """A block hash: ``bytes`` (or bytearray), else ArgumentTypeError."""
+    if not isinstance(h, (bytes, bytearray)):
+        raise ArgumentTypeError(op, f"block hashes must be bytes, got {type(h).__name__}")
+    return bytes(h)
+
+
+def as_hash_list(op: str, hashes) -> Sequence:
+    """A sequence of block hashes (checked one by one where used), else ArgumentTypeError."""
+    if isinstance(hashes, (str, bytes, bytearray)) or not isinstance(hashes, Sequence):
+        raise ArgumentTypeError(op, f"block_hashes must be a sequence of bytes, got {type(hashes).__name__}")
+    return hashes
+
+
+def as_id_list(op: str, ids) -> list[int]:
+    """Block ids (a sequence of ints, or an integer tensor / array of any integer dtype) as Python ints."""
+    if hasattr(ids, "tolist") and not isinstance(ids, list):
+        dtype = str(getattr(ids, "dtype", ""))
+        if "int" not in dtype:
+            raise ArgumentTypeError(op, f"block ids must have an integer dtype, got {dtype}")
+        ids = ids.tolist()
+        if isinstance(ids, int):
+            ids = [ids]
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise ArgumentTypeError(op, f"block ids must be a sequence of ints, got {type(ids).__name__}")
+    return [as_int(op, b, "block id") for b in ids]
+
+
+def check_block_id(op: str, b: int, num_blocks: int) -> int:
+    if not 0 <= b < num_blocks:
+        raise InvalidBlockIdError(op, f"block id {b} out of range 0..{num_blocks - 1}", b)
+    return b
+
+
+def partial_block_args(op: str, num_blocks: int, block, block_hashes, num_tokens, group_id, block_size,
+                       hash_block_size):
+    """``cache_partial_block``'s argument checks (docs/semantics.md section 2):
+    returns ``(block, num_tokens, group, hash_block_size, hash, parent hash or None)``."""
+    b = check_block_id(op, as_int(op, block, "block id"), num_blocks)
+    block_hashes = as_hash_list(op, block_hashes)
+    nt = as_int(op, num_tokens, "num_tokens")
+    g = as_group(op, group_id)
+    bs = as_int(op, block_size, "block_size")
+    hbs = as_int(op, hash_block_size, "hash_block_size")
+    if bs <= 0 or hbs <= 0 or bs % hbs != 0:
+        raise InvalidArgumentError(op, f"block_size {bs} must be a positive multiple of hash_block_size {hbs}", bs)
+    check_tokens(op, nt, "num_tokens")
+    if nt % hbs != 0:
+        raise InvalidArgumentError(op, f"num_tokens {nt} is not a multiple of hash_block_size {hbs}", nt)
+    k = nt // hbs
+    if not 0 < k <= len(block_hashes):
+        raise InvalidArgumentError(op, f"num_tokens {nt} needs hash {k} of {len(block_hashes)}", nt)
+    h = check_hash(op, block_hashes[k - 1])
+    parent = check_hash(op, block_hashes[k - 2]) if k >= 2 else None
+    return b, nt, g, hbs, h, parent
+
+
+@dataclass(frozen=True)
+class CacheFullArgs:
+    """``cache_full_blocks``'s checked arguments: the caching range ``[nc, nf)``, the hashes of
+    ``[max(nc - 1, 0), nf)`` (the first is the parent when ``nc > 0``), the mask over the range."""
+
+    ids: list[int]
+    hashes: list[bytes]
+    nc: int
+    nf: int
+    block_size: int
+    group: int
+    mask: list[bool] | None
+    noop: bool
+
+    @property
+    def parent(self) -> bytes | None:
+        return self.hashes[0] if self.nc > 0 else None
+
+    def stored_hash(self, i: int) -> bytes:
+        """The hash of block ``ids[i]`` for ``nc <= i < nf``."""
+        return self.hashes[i - max(self.nc - 1, 0)]
+
+
+def cache_full_args(op: str, num_blocks: int, caching: bool, blocks, block_hashes, num_cached_blocks,
+                    num_full_blocks, block_size, group_id, block_mask) -> CacheFullArgs:
+    """``cache_full_blocks``'s argument checks, shared by both pools (docs/semantics.md section 2).
+    ``noop`` is set (and nothing past the scalar checks validated) when ``nc >= nf`` or caching is off."""
+    nc = as_int(op, num_cached_blocks, "num_cached_blocks")
+    nf = as_int(op, num_full_blocks, "num_full_blocks")
+    bs = as_int(op, block_size, "block_size")
+    g = as_group(op, group_id)
+    ids = [check_block_id(op, b, num_blocks) for b in as_id_list(op, blocks)]
+    block_hashes = as_hash_list(op, block_hashes)
+    from .errors import InvalidCountError
+
+    if nc < 0:
+        raise InvalidCountError(op, f"num_cached_blocks must be >= 0, got {nc}", nc)
+    if bs <= 0:
+        raise InvalidArgumentError(op, f"block_size must be > 0, got {bs}", bs)
+    if nc >= nf or not caching:
+        return CacheFullArgs(ids, [], nc, nf, bs, g, None, True)
+    check_tokens(op, nf * bs, "num_full_blocks * block_size")
+    if nf > len(ids):
+        raise InvalidArgumentError(op, f"num_full_blocks {nf} exceeds the {len(ids)} blocks given", nf)
+    if nf > len(block_hashes):
+        raise InvalidArgumentError(op, f"num_full_blocks {nf} exceeds the {len(block_hashes)} hashes given", nf)
+    hashes = [check_hash(op, block_hashes[i]) for i in range(max(nc - 1, 0), nf)]
+    mask = None
+    if block_mask is not None:
+        raw = block_mask.tolist() if hasattr(block_mask, "tolist") else block_mask
+        if isinstance(raw, (str, bytes)) or not isinstance(raw, Iterable):
+            raise ArgumentTypeError(op, f"block_mask must be a sequence of bools, got {type(raw).__name__}")
+        mask = [bool(m) for m in raw]
+        if len(mask) < nf - nc:
+            raise InvalidArgumentError(op, f"block_mask has {len(mask)} entries, need {nf - nc}", len(mask))
+    return CacheFullArgs(ids, hashes, nc, nf, bs, g, mask, False)
+
+
+def as_hash_bytes_list(op: str, hashes) -> list[bytes]:
+    """Every entry of a hash sequence as bytes (``add_request`` / ``append_block_hashes``)."""
+    return [check_hash(op, x) for x in as_hash_list(op, hashes)]
+
+
+# ---- the request manager's shape -------------------------------------------------------------
+
+def _group_spec(op: str, spec) -> tuple[str, int]:
+    """("full", 0) or ("sliding_window", window_tokens) from "full" / ("sliding_window", w)."""
+    if spec == "full" or spec == ("full",):
+        return ("full", 0)
+    if isinstance(spec, (tuple, list)) and len(spec) == 2 and spec[0] == "sliding_window":
+        w = as_int(op, spec[1], "sliding window")
+        if w < 1:
+            raise InvalidArgumentError(op, f"sliding window must be >= 1 token, got {w}", w)
+        return ("sliding_window", w)
+    raise InvalidArgumentError(op, f"unknown KV-cache group spec {spec!r} (\"full\" or (\"sliding_window\", tokens))")
+
+
+@dataclass(frozen=True)
+class ManagerShape:
+    """The checked shape of a KV cache manager (both managers; docs/semantics.md section 6).
+
+    ``block_size`` tokens per block in every group; request hashes per ``hash_block_size`` tokens
+    (a divisor of ``block_size``; ``hashes_per_block`` = block_size / hash_block_size); block tables
+    of ``max_num_reqs`` rows of ``max_blocks_per_req`` blocks; ``groups``: per KV-cache group
+    ``("full", 0)`` or ``("sliding_window", window_tokens)``.
+    """
+
+    block_size: int
+    hash_block_size: int
+    max_num_reqs: int
+    max_blocks_per_req: int
+    groups: tuple[tuple[str, int], ...]
+
+    @property
+    def hashes_per_block(self) -> int:
+        return self.block_size // self.hash_block_size
+
+    @property
+    def max_tokens(self) -> int:
+        return self.max_blocks_per_req * self.block_size
+
+    @classmethod
+    def make(cls, block_size, hash_block_size, max_num_reqs, max_blocks_per_req, groups) -> "ManagerShape":
+        """Raises InvalidArgumentError for sizes below 1, a hash block size that does not divide the
+        block size, or an unknown group spec."""
+        op = "KVCacheManager"
+        bs = as_int(op, block_size, "block_size")
+        hbs = as_int(op, hash_block_size if hash_block_size is not None else bs, "hash_block_size")
+        r = as_int(op, max_num_reqs, "max_num_reqs")
+        m = as_int(op, max_blocks_per_req, "max_blocks_per_req")
+        if bs < 1 or r < 1 or m < 1:
+            raise InvalidArgumentError(op, "block_size, max_num_reqs and max_blocks_per_req must be >= 1")
+        if hbs < 1 or bs % hbs:
+            raise InvalidArgumentError(op, f"block_size {bs} must be a multiple of hash_block_size {hbs}", hbs)
+        check_tokens(op, m * bs, "max_blocks_per_req * block_size")
+        if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
+            raise ArgumentTypeError(op, f"groups must be a sequence of group specs, got {type(groups).__name__}")
+        gs = tuple(_group_spec(op, g) for g in groups)
+        if not gs:
+            raise InvalidArgumentError(op, "at least one KV-cache group is needed")
+        return cls(bs, hbs, r, m, gs)

@@ -1,0 +1,314 @@
+"""The reference request manager: vLLM's KVCacheManager over ``ReferenceBlockPool`` in plain Python,
+the oracle of ``gpupool.manager.KVCacheManager`` (docs/semantics.md section 6)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..args import NULL_BLOCK, ManagerShape, as_hash_bytes_list, as_id_list, as_int
+from ..errors import InvalidArgumentError, InvalidCountError, OutOfBlocksError
+from ..locking import Locked, locked
+from .pool import ReferenceBlockPool
+
+
+class ReferenceKVCacheManager(Locked):
+    """The request layer (vLLM's KVCacheManager and its coordinator) over ``ReferenceBlockPool``: the
+    oracle of ``gpupool.manager.KVCacheManager``. Semantics are documented there, op by op.
+
+    Requests live in slots ``0 .. max_num_reqs-1``; every KV-cache group (``groups``: "full" or
+    ("sliding_window", tokens)) has a block table row per slot, all of one ``block_size``, sharing one
+    pool; group g's keys use group id g. Request hashes are per ``hash_block_size`` tokens (a divisor
+    of ``block_size``, k = block_size / hash_block_size of them per block): full block i is keyed by
+    hash ``(i + 1) * k - 1``; with k > 1 a partly written block is also keyed at its last complete
+    hash-block boundary (``cache_partial_block``).
+    """
+
+    def __init__(self, num_blocks: int, *, block_size: int, max_num_reqs: int, max_blocks_per_req: int,
+                 groups=("full",), hash_block_size: int | None = None, enable_caching: bool = True,
+                 enable_kv_cache_events: bool = False, max_keys_per_block: int = 4):
+        self.shape = sh = ManagerShape.make(block_size, hash_block_size, max_num_reqs, max_blocks_per_req, groups)
+        self.block_size, self.hash_block_size, self.hashes_per_block = sh.block_size, sh.hash_block_size, \
+            sh.hashes_per_block
+        self.max_num_reqs, self.max_blocks_per_req, self.groups = sh.max_num_reqs, sh.max_blocks_per_req, sh.groups
+        self.pool = ReferenceBlockPool(num_blocks, enable_caching=enable_caching,
+                                       enable_kv_cache_events=enable_kv_cache_events,
+                                       max_keys_per_block=max_keys_per_block)
+        self._lock = self.pool._lock  # one lock for the manager and its pool
+        self.enable_caching = bool(enable_caching)
+        G, R = len(self.groups), self.max_num_reqs
+        self.tables: list[list[list[int]]] = [[[] for _ in range(R)] for _ in range(G)]
+        self.num_cached = [[0] * R for _ in range(G)]
+        self.num_computed = [0] * R
+        self.hashes: list[list[bytes]] = [[] for _ in range(R)]
+        self.active = [False] * R
+        self.pending_copies: list[tuple[int, int, int]] = []  # (src, dst, block released after the copy)
+
+    # ---- checks ------------------------------------------------------------------------------
+    def _slot(self, op: str, slot, active: bool | None = True) -> int:
+        r = as_int(op, slot, "slot")
+        if not 0 <= r < self.max_num_reqs:
+            raise InvalidArgumentError(op, f"slot {r} out of range 0..{self.max_num_reqs - 1}", r)
+        if active is not None and self.active[r] != active:
+            raise InvalidArgumentError(op, f"slot {r} is {'not ' if active else ''}in use", r)
+        return r
+
+    def _slots(self, op: str, slots) -> list[int]:
+        out = [self._slot(op, s) for s in as_id_list(op, slots)]
+        if len(set(out)) != len(out):
+            raise InvalidArgumentError(op, "a slot is listed twice")
+        return out
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _full_hashes(self, r: int) -> list[bytes]:
+        k = self.hashes_per_block
+        return self.hashes[r][k - 1::k]
+
+    @locked
+    def add_request(self, slot: int, block_hashes: Sequence[bytes] = ()) -> None:
+        """Start a request in a free slot with the hashes of its known hash blocks (prompt)."""
+        op = "add_request"
+        r = self._slot(op, slot, active=False)
+        hs = as_hash_bytes_list(op, block_hashes)
+        if len(hs) > self.max_blocks_per_req * self.hashes_per_block:
+            raise InvalidArgumentError(op, f"{len(hs)} block hashes exceed max_blocks_per_req", len(hs))
+        self.active[r] = True
+        self.hashes[r] = hs
+        self.num_computed[r] = 0
+        for g in range(len(self.groups)):
+            self.tables[g][r] = []
+            self.num_cached[g][r] = 0
+
+    @locked
+    def append_block_hashes(self, slot: int, block_hashes: Sequence[bytes]) -> None:
+        """Hashes of further full blocks of a running request (tokens it generated)."""
+        op = "append_block_hashes"
+        r = self._slot(op, slot)
+        hs = as_hash_bytes_list(op, block_hashes)
+        if len(self.hashes[r]) + len(hs) > self.max_blocks_per_req * self.hashes_per_block:
+            raise InvalidArgumentError(op, "block hashes exceed max_blocks_per_req", len(self.hashes[r]) + len(hs))
+        self.hashes[r].extend(hs)
+
+    def _lookup_hits(self, r: int, num_tokens: int) -> list[list[int]]:
+        """Per group, the hit blocks of the longest prefix on which every group hits."""
+        G = len(self.groups)
+        out: list[list[int]] = [[] for _ in range(G)]
+        if not self.enable_caching:
+            return out
+        full = self._full_hashes(r)
+        cap = min(max(num_tokens - 1, 0) // self.block_size, len(full))
+        for i in range(cap):
+            got = self.pool.get_cached_block(full[i], list(range(G)))
+            if got is None:
+                break
+            for g in range(G):
+                out[g].append(got[g])
+        return out
+
+    @locked
+    def get_computed_blocks(self, slots, num_tokens) -> list[tuple[int, list[list[int]]]]:
+        """For each request: (hit blocks, per-group hit block ids): the longest cached prefix of its
+        hashes, at most ``(num_tokens - 1) // block_size`` blocks, all groups hitting. Pure."""
+        op = "get_computed_blocks"
+        rs = self._slots(op, slots)
+        nts = [as_int(op, x, "num_tokens") for x in num_tokens]
+        if len(nts) != len(rs):
+            raise InvalidArgumentError(op, "slots and num_tokens differ in length")
+        out = []
+        for r, nt in zip(rs, nts):
+            hits = self._lookup_hits(r, nt)
+            out.append((len(hits[0]), hits))
+        return out
+
+    def _remove_skipped_blocks(self, r: int) -> None:
+        for g, (kind, window) in enumerate(self.groups):
+            if kind != "sliding_window":
+                continue
+            row = self.tables[g][r]
+            n_skip = max(0, self.num_computed[r] - window + 1) // self.block_size
+            removed = []
+            for i in range(min(n_skip, len(row)) - 1, -1, -1):
+                if row[i] == NULL_BLOCK:
+                    break
+                removed.append(row[i])
+                row[i] = NULL_BLOCK
+            if removed:
+                self.pool.free_blocks(removed)
+
+    @locked
+    def allocate_slots(self, slots, num_tokens, target_tokens, lookup=None, stop_on_failure: bool = True) -> list[bool]:
+        """Give each request, in order, blocks for ``target_tokens`` tokens (all or nothing per request).
+
+        For request k (slot r): first the sliding-window blocks that left the window are freed and
+        replaced by the null block (by ``num_computed`` before the step; vLLM's remove_skipped_blocks).
+        If ``lookup[k]``, the longest cached prefix (``get_computed_blocks`` with ``num_tokens[k]``)
+        is taken as hits, computed after the earlier requests of the batch. ``eff = max(target,
+        hits * block_size)``; ``need = ceil(eff / block_size) - table length - hits`` new blocks per
+        group. If ``need * groups + (hit blocks with ref_cnt 0) > free`` the request gets nothing (and
+        with ``stop_on_failure`` neither do the ones after it). Else every group's hits are touched,
+        then each group in order gets ``get_new_blocks(need)``, and blocks that became full are
+        cached: ``cache_full_blocks(row, full_hashes, num_cached, nf, bs, g)`` with ``nf =
+        min(min(eff, num_tokens) // bs, len(full_hashes))``; with hash_block_size < block_size the
+        block after them, if written up to a hash-block boundary ``nh * hbs > nf * bs`` (``nh =
+        min(min(eff, num_tokens) // hbs, len(hashes))``), is then ``cache_partial_block(row[nf],
+        hashes, nh * hbs, g, bs, hbs)`` (null blocks skipped). Returns one admitted flag per request.
+        """
+        op = "allocate_slots"
+        rs = self._slots(op, slots)
+        nts = [as_int(op, x, "num_tokens") for x in num_tokens]
+        tgt = [as_int(op, x, "target_tokens") for x in target_tokens]
+        lk = [bool(x) for x in (lookup if lookup is not None else [False] * len(rs))]
+        if not len(nts) == len(tgt) == len(lk) == len(rs):
+            raise InvalidArgumentError(op, "slots, num_tokens, target_tokens and lookup differ in length")
+        bs, G = self.block_size, len(self.groups)
+        for t in tgt + nts:
+            if not 0 <= t <= self.max_blocks_per_req * bs:
+                raise InvalidCountError(op, f"token count {t} outside 0..{self.max_blocks_per_req * bs}", t)
+        admitted = [False] * len(rs)
+        for k, r in enumerate(rs):
+            self._remove_skipped_blocks(r)
+            hits = self._lookup_hits(r, nts[k]) if lk[k] and not self.tables[0][r] else [[] for _ in range(G)]
+            nh = len(hits[0])
+            eff = max(tgt[k], nh * bs)
+            need = max(0, -(-eff // bs) - len(self.tables[0][r]) - nh)
+            zero_ref = sum(1 for g in range(G) for c in self.pool.ref_counts(hits[g]) if c == 0)
+            if need * G + zero_ref > self.pool.get_num_free_blocks():
+                if stop_on_failure:
+                    break
+                continue
+            for g in range(G):
+                self.pool.touch(hits[g])
+            for g in range(G):
+                self.tables[g][r].extend(hits[g])
+                self.num_cached[g][r] = max(self.num_cached[g][r], nh)
+            for g in range(G):
+                self.tables[g][r].extend(self.pool.get_new_blocks(need))
+            if self.enable_caching:
+                full = self._full_hashes(r)
+                known = min(eff, nts[k])
+                nf = min(known // bs, len(full))
+                nh = min(known // self.hash_block_size, len(self.hashes[r]))
+                for g in range(G):
+                    if nf > self.num_cached[g][r]:
+                        self.pool.cache_full_blocks(self.tables[g][r], full, self.num_cached[g][r], nf, bs, g)
+                        self.num_cached[g][r] = nf
+                    row = self.tables[g][r]
+                    if nh * self.hash_block_size > nf * bs and nf < len(row) and row[nf] != NULL_BLOCK \
+                            and self._partial_key_fits(row[nf], nh * self.hash_block_size):
+                        self.pool.cache_partial_block(row[nf], self.hashes[r], nh * self.hash_block_size, g, bs,
+                                                      self.hash_block_size)
+            self.num_computed[r] = eff
+            admitted[k] = True
+        return admitted
+
+    def _partial_key_fits(self, b: int, num_tokens: int) -> bool:
+        """A partial key replaces the block's keys if its primary covers fewer tokens, else it is a
+        secondary key: the manager skips one that would exceed max_keys_per_block."""
+        p = self.pool
+        return not p.keys[b] or p.hash_num_tokens[b] < num_tokens or len(p.keys[b]) < p.max_keys_per_block
+
+    @locked
+    def free(self, slots) -> None:
+        """Finish requests, in order: each group's blocks freed tail first (one free_blocks per group)."""
+        op = "free"
+        rs = self._slots(op, slots)
+        for r in rs:
+            for g in range(len(self.groups)):
+                self.pool.free_blocks(self.tables[g][r][::-1])
+                self.tables[g][r] = []
+                self.num_cached[g][r] = 0
+            self.active[r] = False
+            self.num_computed[r] = 0
+            self.hashes[r] = []
+
+    @locked
+    def slot_mapping(self, slots, positions, group: int = 0) -> list[int]:
+        """KV slot of each (request, token position): ``block_id * block_size + position % block_size``."""
+        op = "slot_mapping"
+        rs = [self._slot(op, s) for s in as_id_list(op, slots)]
+        ps = [as_int(op, p, "position") for p in positions]
+        out = []
+        for r, p in zip(rs, ps):
+            row = self.tables[group][r]
+            if not 0 <= p < len(row) * self.block_size:
+                raise InvalidArgumentError(op, f"position {p} of slot {r} has no block", p)
+            out.append(row[p // self.block_size] * self.block_size + p % self.block_size)
+        return out
+
+    @locked
+    def block_table(self, group: int = 0) -> list[list[int]]:
+        return [list(row) for row in self.tables[group]]
+
+    # ---- copy-on-write ----------------------------------------------------------------------
+    @locked
+    def cow_append(self, slot: int, srcs: Sequence[int]) -> list[int]:
+        """Partial prefix hit of a request: for every group g, the cached block ``srcs[g]`` that
+        partly matches its next tokens is copied into a private block ``dst_g`` appended to its row
+        (null srcs get the null block, no copy). Each src is touched, so it is held by the pending
+        copy until :meth:`release_copied`. Returns the dsts. Raises OutOfBlocksError (nothing changed)."""
+        op = "cow_append"
+        r = self._slot(op, slot)
+        G = len(self.groups)
+        ss = self.pool._ids(op, srcs)
+        if len(ss) != G:
+            raise InvalidArgumentError(op, f"need one src per group ({G}), got {len(ss)}", len(ss))
+        if len(self.tables[0][r]) >= self.max_blocks_per_req:
+            raise InvalidArgumentError(op, f"slot {r}'s row is full", r)
+        real = [s for s in ss if s != NULL_BLOCK]
+        self._check_not_pending_dst(op, real)
+        need = len(real) + sum(1 for s in set(real) if self.pool.ref_cnt[s] == 0)
+        if need > self.pool.get_num_free_blocks():
+            raise OutOfBlocksError(op, f"copy-on-write needs {need} free blocks", need)
+        self.pool.touch(real)
+        dsts = []
+        for g, s in enumerate(ss):
+            dst = self.pool.get_new_blocks(1)[0] if s != NULL_BLOCK else NULL_BLOCK
+            self.tables[g][r].append(dst)
+            if s != NULL_BLOCK:
+                self.pending_copies.append((s, dst, s))
+            dsts.append(dst)
+        return dsts
+
+    @locked
+    def cow_move(self, slot: int, index: int) -> list[int]:
+        """A running request must keep writing its blocks at ``index`` while they are cached: for every
+        group, the block's keys move to a fresh block ``dst_g`` (``move_block_hashes``), which gets a
+        copy of the contents and is released after it; the rows stay append-only (null entries are
+        skipped, dst null). Returns the dsts. Raises OutOfBlocksError, InvalidArgumentError."""
+        op = "cow_move"
+        r = self._slot(op, slot)
+        i = as_int(op, index, "index")
+        if not 0 <= i < len(self.tables[0][r]):
+            raise InvalidArgumentError(op, f"slot {r} has no block at index {i}", i)
+        srcs = [self.tables[g][r][i] for g in range(len(self.groups))]
+        self._check_not_pending_dst(op, [s for s in srcs if s != NULL_BLOCK])
+        need = sum(1 for s in srcs if s != NULL_BLOCK)
+        if need > self.pool.get_num_free_blocks():
+            raise OutOfBlocksError(op, f"copy-on-write needs {need} free blocks", need)
+        dsts = []
+        for s in srcs:
+            if s == NULL_BLOCK:
+                dsts.append(NULL_BLOCK)
+                continue
+            dst = self.pool.get_new_blocks(1)[0]
+            self.pool.move_block_hashes(s, dst)
+            self.pending_copies.append((s, dst, dst))
+            dsts.append(dst)
+        return dsts
+
+    def _check_not_pending_dst(self, op: str, srcs: list[int]) -> None:
+        """A block still waiting to receive a copy cannot be copied from (one copy launch runs them all)."""
+        pending = {c[1] for c in self.pending_copies}
+        for s in srcs:
+            if s in pending:
+                raise InvalidArgumentError(op, f"block {s} still waits for a pending copy; run the copies first", s)
+
+    @locked
+    def take_pending_copies(self) -> list[tuple[int, int, int]]:
+        """Drain the queue: ``(src, dst, release)`` per copy, in order. After the copies have run, pass
+        the list to :meth:`release_copied`."""
+        out, self.pending_copies = self.pending_copies, []
+        return out
+
+    @locked
+    def release_copied(self, copies: Sequence[tuple[int, int, int]]) -> None:
+        """Drop the references the copies held: ``free_blocks`` of the released endpoints, in order."""
+        self.pool.free_blocks([c[2] for c in copies])

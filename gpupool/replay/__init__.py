@@ -1,0 +1,12 @@
+"""The trace replay, the project's main job (docs/semantics.md section 5): trace loading
+(``trace``), the model driving any pool op by op (``model``: the reference loop) and the device loop
+(``device``)."""
+from .model import (
+    DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS, DEFAULT_TPOT_MS, ReplayReport, free_queue_digest, replay,
+)
+from .trace import BUNDLED_TRACE, TraceRequest, bundled_trace_path, load_trace
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE", "DEFAULT_NUM_BLOCKS", "DEFAULT_TPOT_MS", "BUNDLED_TRACE", "ReplayReport",
+    "TraceRequest", "bundled_trace_path", "free_queue_digest", "load_trace", "replay",
+]

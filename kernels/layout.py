@@ -1,0 +1,145 @@
+"""Every number the host and the kernels must agree on, defined once: control-word slots, the status
+word, op codes, error codes, event kinds and row layout, sentinels.
+
+Each group is an ``IntEnum`` for the host; kernels read the ``tl.constexpr`` mirrors below it (a
+kernel cannot read an enum member). ``tests/test_layout.py`` checks that every mirror equals its member.
+"""
+from enum import IntEnum
+
+import triton.language as tl
+
+from ..errors import ErrorCode
+
+
+class Ctrl(IntEnum):
+    """Slots of the control words ``ctrl: int64[CTRL_SIZE]`` (docs/design.md, device state)."""
+
+    HEAD = 0  # ring position of the queue head (may go below zero)
+    TAIL = 1  # one past the last ring position of the live window
+    NUM_FREE = 2  # live (non-tombstone) slots in [HEAD, TAIL)
+    KEY_SEQ = 3  # next key insertion sequence number (earliest-inserted lookups)
+    EV_COUNT = 4  # event rows written since the host last drained
+    REUSE_COUNT = 5  # reuse-log entries written since the host last drained
+    COMPACTIONS = 6  # ring compactions so far (a statistic)
+    ALLOC_PARALLEL = 7  # allocate_slots batches that took the request-parallel path (a statistic)
+    ALLOC_FALLBACK = 8  # allocate_slots batches that needed the sequential path from some request on
+    ALLOC_SPLIT = 9  # scratch: first request of the current batch left to the sequential path
+    FALLBACK_REASONS = 10  # slots 10..15: batches that fell back, per reason (kernels/manager.py)
+
+
+CTRL_SIZE = 16
+
+HEAD = tl.constexpr(Ctrl.HEAD)
+TAIL = tl.constexpr(Ctrl.TAIL)
+NUM_FREE = tl.constexpr(Ctrl.NUM_FREE)
+KEY_SEQ = tl.constexpr(Ctrl.KEY_SEQ)
+EV_COUNT = tl.constexpr(Ctrl.EV_COUNT)
+REUSE_COUNT = tl.constexpr(Ctrl.REUSE_COUNT)
+COMPACTIONS = tl.constexpr(Ctrl.COMPACTIONS)
+ALLOC_PARALLEL = tl.constexpr(Ctrl.ALLOC_PARALLEL)
+ALLOC_FALLBACK = tl.constexpr(Ctrl.ALLOC_FALLBACK)
+ALLOC_SPLIT = tl.constexpr(Ctrl.ALLOC_SPLIT)
+FALLBACK_REASONS = tl.constexpr(Ctrl.FALLBACK_REASONS)
+
+
+class Status(IntEnum):
+    """Slots of the sticky status word ``status: int64[4]``: the first error of a batched op."""
+
+    CODE = 0
+    OP = 1
+    VALUE = 2
+
+
+ST_CODE = tl.constexpr(Status.CODE)
+ST_OP = tl.constexpr(Status.OP)
+ST_VALUE = tl.constexpr(Status.VALUE)
+
+
+class Op(IntEnum):
+    """The op that recorded an error; ``op_name(code)`` is the op's method name."""
+
+    GET_NEW_BLOCKS = 1
+    FREE_BLOCKS = 2
+    TOUCH = 3
+    UNPIN_BLOCKS = 4
+    CACHE_FULL_BLOCKS = 5
+    CACHE_PARTIAL_BLOCK = 6
+    MOVE_BLOCK_HASHES = 7
+    EVICT_BLOCKS = 8
+    RESET_PREFIX_CACHE = 9
+    ALLOCATE_BATCHED = 10
+    FREE_BATCHED = 11
+    TOUCH_BATCHED = 12
+    LOOKUP_BATCHED = 13
+    LONGEST_PREFIX_BATCHED = 14
+    ALLOCATE_SLOTS = 15
+    FREE = 16
+    SLOT_MAPPING = 17
+    RELEASE_COPIES = 18
+    REPLAY = 19
+
+
+def op_name(code: int) -> str:
+    try:
+        return Op(code).name.lower()
+    except ValueError:
+        return f"op {code}"
+
+
+OP_GET_NEW_BLOCKS = tl.constexpr(Op.GET_NEW_BLOCKS)
+OP_FREE_BLOCKS = tl.constexpr(Op.FREE_BLOCKS)
+OP_TOUCH = tl.constexpr(Op.TOUCH)
+OP_UNPIN_BLOCKS = tl.constexpr(Op.UNPIN_BLOCKS)
+OP_CACHE_FULL_BLOCKS = tl.constexpr(Op.CACHE_FULL_BLOCKS)
+OP_CACHE_PARTIAL_BLOCK = tl.constexpr(Op.CACHE_PARTIAL_BLOCK)
+OP_MOVE_BLOCK_HASHES = tl.constexpr(Op.MOVE_BLOCK_HASHES)
+OP_EVICT_BLOCKS = tl.constexpr(Op.EVICT_BLOCKS)
+OP_RESET_PREFIX_CACHE = tl.constexpr(Op.RESET_PREFIX_CACHE)
+OP_ALLOCATE_BATCHED = tl.constexpr(Op.ALLOCATE_BATCHED)
+OP_FREE_BATCHED = tl.constexpr(Op.FREE_BATCHED)
+OP_TOUCH_BATCHED = tl.constexpr(Op.TOUCH_BATCHED)
+OP_LOOKUP_BATCHED = tl.constexpr(Op.LOOKUP_BATCHED)
+OP_LONGEST_PREFIX_BATCHED = tl.constexpr(Op.LONGEST_PREFIX_BATCHED)
+OP_ALLOCATE_SLOTS = tl.constexpr(Op.ALLOCATE_SLOTS)
+OP_FREE = tl.constexpr(Op.FREE)
+OP_SLOT_MAPPING = tl.constexpr(Op.SLOT_MAPPING)
+OP_RELEASE_COPIES = tl.constexpr(Op.RELEASE_COPIES)
+OP_REPLAY = tl.constexpr(Op.REPLAY)
+
+# Error codes (gpupool.errors.ErrorCode; the messages live with the error classes).
+E_OUT_OF_BLOCKS = tl.constexpr(ErrorCode.OUT_OF_BLOCKS)
+E_INVALID_COUNT = tl.constexpr(ErrorCode.INVALID_COUNT)
+E_INVALID_ID = tl.constexpr(ErrorCode.INVALID_ID)
+E_NULL_BLOCK = tl.constexpr(ErrorCode.NULL_BLOCK)
+E_DOUBLE_FREE = tl.constexpr(ErrorCode.DOUBLE_FREE)
+E_HASH_CONFLICT = tl.constexpr(ErrorCode.HASH_CONFLICT)
+E_KEY_CAPACITY = tl.constexpr(ErrorCode.KEY_CAPACITY)
+E_INVALID_ARG = tl.constexpr(ErrorCode.INVALID_ARG)
+E_INVARIANT = tl.constexpr(ErrorCode.INVARIANT)
+E_BUFFER_FULL = tl.constexpr(ErrorCode.BUFFER_FULL)
+
+
+class Event(IntEnum):
+    """Kinds of the device event rows ``ev: int64[EV_CAP, EVW]``.
+
+    Row layouts (columns): REMOVED and STORED_ITEM ``(kind, block, key hi, key lo, group, 0)``;
+    STORED, the header of one BlockStored whose items follow it, ``(kind, has_parent, parent hi,
+    parent lo, group, block_size)``; CLEARED ``(kind, 0, ...)``. Rows carry device keys; the host
+    names them through its key registry (gpupool/registry.py)."""
+
+    REMOVED = 1
+    STORED = 2
+    STORED_ITEM = 3
+    CLEARED = 4
+
+
+EVW = tl.constexpr(6)
+EV_REMOVED = tl.constexpr(Event.REMOVED)
+EV_STORED = tl.constexpr(Event.STORED)
+EV_STORED_ITEM = tl.constexpr(Event.STORED_ITEM)
+EV_CLEARED = tl.constexpr(Event.CLEARED)
+
+# Sentinels.
+BIG = tl.constexpr(2147483647)  # "no index" in min-reductions; int32 maximum
+INT32_MAX = 2147483647  # the same, for the host
+NO_SLOT = tl.constexpr(-1)  # qslot of a block that is not queued; a tombstone ring slot
