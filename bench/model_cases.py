@@ -1,0 +1,466 @@
+"""Modelled GPU latency of gpupool's hot operations (a MODEL, not a measurement).
+
+Each case builds a steady state through the public API (outside the recorder), then records ONE
+operation with ``gpucost.Recorder`` (Triton's CPU interpreter, instrumented) and prints a markdown
+row: the modelled H200 time of that operation (best / lo / hi scenarios, microseconds) as CUDA-graph
+nodes and eagerly, the number of Triton launches, torch glue kernels and host syncs, the
+critical-path counts of the dominant launch's slowest program, and the dominant kernel's name.
+gpucost is a latency *model* (see its module docstring): quote its figures as "modelled".
+
+Steady state (every case): a pool of 100,000 blocks whose free blocks ALL carry a key (a warm prefix
+cache). It is made by allocating every free block with ``allocate_batched`` (chunks of 16,384),
+keying each chunk with fresh hashes (``cache_full_blocks``) and freeing it (``free_batched``); the
+pool's ``get_num_free_blocks()`` and a ``lookup_batched`` of every warm key then check it.
+
+Cases:
+
+* ``decode_step`` (B = ``--sizes``, default 64, 256, 1024): ``KVCacheManager(100_000, block_size=16,
+  max_num_reqs=B, max_blocks_per_req=168)`` on a warm pool; B running requests with prompts of 192 to
+  2,591 tokens (``random.Random(SEED + B)``), each added with fresh hashes of its full blocks and
+  prefilled with ``allocate_slots(lookup=True)`` (batched, ``--prefill-batch`` requests per call;
+  the lookups miss, the prompt blocks are taken from the head of the queue, evicting warm keys, and
+  their full blocks get keyed). Then ONE ``DecodeStep.run()`` where ``B // 128`` requests (at least
+  1) finish (``finished``) and the other requests decode one token each (``num_tokens =
+  num_computed + 1``): exactly ``B // 16`` of them cross a block boundary (``num_computed % 16 ==
+  0``: one new block each), exactly ``B // 16`` fill their last block (``num_computed % 16 == 15``;
+  the hash of that block is appended with ``append_block_hashes`` before the step, so the step keys
+  it), the rest have ``num_computed % 16`` in 1..14. No copy-on-write copies are pending.
+* ``alloc_4096x1`` / ``alloc_64x64``: ``allocate_batched`` of 4,096 blocks as one demand / as 64
+  demands of 64, on the warm pool (every block taken loses its key).
+* ``free_4096``: ``free_batched`` of 4,096 blocks in 64 segments of 64 (64 "requests", each freed
+  tail first). The blocks were allocated from the warm pool; in each segment the first 32 blocks
+  (request order) were keyed again with fresh hashes, the last 32 are un-hashed: half / half, and
+  each segment frees its 32 un-hashed blocks first (to the queue's front), then its 32 hashed ones
+  (to the back).
+* ``lookup_10000``: ``lookup_batched`` of 10,000 device keys (``gpupool.keys.device_key``) of warm
+  hashes, all hits.
+* ``touch_4096``: ``touch_batched`` of 4,096 distinct cached free blocks chosen at random (they are
+  unlinked from the middle of the free queue).
+
+Every op is called as a plain caller would (optional count tensors left to their defaults, so their
+``torch.full`` glue is part of the op), and checked afterwards (``check()``, counts, hits).
+
+Run (from the repository root; the package's kernels run in Triton's interpreter, no GPU needed)::
+
+    TRITON_INTERPRET=1 python bench/model_cases.py                       # every case, table only
+    TRITON_INTERPRET=1 python bench/model_cases.py --cases decode_step --sizes 64 --report
+    TRITON_INTERPRET=1 python bench/model_cases.py --json /tmp/model.json
+
+gpucost is not part of the project: it is looked for at ``--gpucost PATH``, else ``$GPUCOST``, else
+``../shared/tools/gpucost.py`` next to the repository root; without it the script exits with status 2.
+The script always measures the tree it lives in (its ``gpupool`` and ``kernels`` directories come
+first on the import path, even when another checkout is installed editable).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.abc
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_GPUCOST = ROOT.parent / "shared" / "tools" / "gpucost.py"
+NUM_BLOCKS = 100_000
+BLOCK_SIZE = 16
+MAX_BLOCKS_PER_REQ = 168
+SEED = 20240611
+WARM_CHUNK = 16_384
+CASES = ("decode_step", "alloc_4096x1", "alloc_64x64", "free_4096", "lookup_10000", "touch_4096")
+COUNT_KINDS = ("ld", "at", "red", "scan", "bar", "br", "it")
+
+
+# ---- imports: gpucost from beside the repository, gpupool from this tree ------------------------
+def load_gpucost(path_arg: str | None):
+    """Import gpucost from --gpucost, $GPUCOST or ../shared/tools/gpucost.py; exit 2 if absent."""
+    path = Path(path_arg or os.environ.get("GPUCOST") or DEFAULT_GPUCOST)
+    if not path.is_file():
+        print(f"model_cases: gpucost not found at {path} (pass --gpucost PATH or set GPUCOST); "
+              "it is a development tool beside the repository, not part of gpupool", file=sys.stderr)
+        sys.exit(2)
+    spec = importlib.util.spec_from_file_location("gpucost", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpucost"] = mod
+    spec.loader.exec_module(mod)
+    return mod, path
+
+
+class _ThisTreeKernels(importlib.abc.MetaPathFinder):
+    """``gpupool.kernels`` lives in ``<root>/kernels`` (pyproject's package-dir): map it to THIS
+    tree, ahead of an editable install of another checkout."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "gpupool.kernels":
+            return None
+        kdir = ROOT / "kernels"
+        return importlib.util.spec_from_file_location(name, kdir / "__init__.py",
+                                                      submodule_search_locations=[str(kdir)])
+
+
+def import_this_tree():
+    sys.path.insert(0, str(ROOT))
+    if (ROOT / "kernels" / "__init__.py").is_file() and not (ROOT / "gpupool" / "kernels").exists():
+        sys.meta_path.insert(0, _ThisTreeKernels())
+    import gpupool
+    import gpupool.kernels
+    for mod in (gpupool, gpupool.kernels):
+        if not Path(mod.__file__).resolve().is_relative_to(ROOT):
+            sys.exit(f"model_cases: imported {mod.__name__} from {mod.__file__}, not from {ROOT}")
+    return gpupool
+
+
+def git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        return head + (" (with uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+# ---- steady state ------------------------------------------------------------------------------
+def i32(values):
+    import torch
+    return torch.tensor(list(values), dtype=torch.int32)
+
+
+class Hashes:
+    """Fresh, distinct 32-byte block hashes (never a real token chain: nothing shares a prefix)."""
+
+    def __init__(self, tag: str):
+        self.tag = tag.encode()
+        self.n = 0
+
+    def take(self, k: int) -> list[bytes]:
+        out = [hashlib.sha256(self.tag + b":%d" % (self.n + j)).digest() for j in range(k)]
+        self.n += k
+        return out
+
+
+def warm_pool(pool, hashes: Hashes) -> dict[bytes, int]:
+    """Key every free block of ``pool`` (allocate a chunk, cache it with fresh hashes, free it; the
+    hashed blocks go to the back, so the next chunk takes un-keyed ones). Returns hash -> block."""
+    n_free = pool.get_num_free_blocks()
+    owner: dict[bytes, int] = {}
+    left = n_free
+    while left:
+        n = min(WARM_CHUNK, left)
+        out, _ = pool.allocate_batched(i32([n]))
+        blocks = out[:n].clone()
+        hs = hashes.take(n)
+        pool.cache_full_blocks(blocks, hs, 0, n, BLOCK_SIZE, 0)
+        pool.free_batched(blocks.flip(0).contiguous(), i32([0, n]))
+        pool.check()
+        owner.update(zip(hs, blocks.tolist()))
+        left -= n
+    assert pool.get_num_free_blocks() == n_free, "warm-up changed the number of free blocks"
+    check_free_keyed(pool, owner)
+    return owner
+
+
+def lookup_all(pool, hashes: list[bytes]):
+    import torch
+    from gpupool.keys import device_key
+    keys = [device_key(h, 0) for h in hashes]
+    hi = torch.tensor([k[0] for k in keys], dtype=torch.int64)
+    lo = torch.tensor([k[1] for k in keys], dtype=torch.int64)
+    return hi, lo, torch.zeros(len(keys), dtype=torch.int32)
+
+
+def check_free_keyed(pool, owner: dict[bytes, int]) -> None:
+    """Every free block answers to its warm key (one lookup_batched of every warm key)."""
+    hs = list(owner)
+    found = pool.lookup_batched(*lookup_all(pool, hs)).tolist()
+    keyed = {b for b in found if b >= 0}
+    assert all(b < 0 or b == owner[h] for h, b in zip(hs, found)), "a warm key answers with another block"
+    free = pool.free_queue()
+    assert len(free) == pool.get_num_free_blocks()
+    missing = [b for b in free if b not in keyed]
+    assert not missing, f"{len(missing)} free blocks carry no key (e.g. {missing[:5]})"
+
+
+def warm_block_pool(gp):
+    t0 = time.perf_counter()
+    pool = gp.BlockPool(NUM_BLOCKS)
+    owner = warm_pool(pool, Hashes("warm"))
+    return pool, owner, time.perf_counter() - t0
+
+
+# ---- recording ---------------------------------------------------------------------------------
+def summarize(gc, rec, case: str, params: dict, build_s: float, record_s: float, extra: dict) -> dict:
+    """The numbers of one recorded case (all scenario triples are best / lo / hi, microseconds)."""
+    hi = gc.SCENARIO_NAMES.index("hi")
+    launches = rec.launches
+    dom = max(launches, key=lambda L: L.body()[hi]) if launches else None
+    host = rec.host_counts()
+    glue_names: dict[str, int] = {}
+    for h in rec.host:
+        if h.kind == "glue":
+            glue_names[h.what] = glue_names.get(h.what, 0) + 1
+    return {
+        "case": case, "params": params,
+        "graph_us": rec.totals(graph=True)["all"], "eager_us": rec.totals(graph=False)["all"],
+        "totals_graph": rec.totals(graph=True), "totals_eager": rec.totals(graph=False),
+        "serial_graph_us": rec.totals(graph=True, model="serial")["all"],
+        "launches": len(launches), "glue": host.get("glue", 0), "syncs": host.get("sync", 0),
+        "h2d": host.get("h2d", 0), "glue_ops": glue_names,
+        "dominant": None if dom is None else {
+            "kernel": dom.name, "grid": list(dom.grid), "programs": dom.nprog, "warps": dom.num_warps,
+            "body_us": dom.body(), "max_counts": dom.max_counts()},
+        "per_launch": [{"kernel": L.name, "grid": list(L.grid), "programs": L.nprog, "body_us": L.body(),
+                        "max_counts": L.max_counts()} for L in launches],
+        "build_s": round(build_s, 2), "record_s": round(record_s, 2), **extra,
+    }
+
+
+def record(gc, fn, report: bool, title: str):
+    t0 = time.perf_counter()
+    with gc.Recorder(label=title, track_lines=report) as rec:
+        out = fn()
+    dt = time.perf_counter() - t0
+    if report:
+        print()
+        rec.report(title=f"{title} (modelled, gpucost)")
+        print()
+    return rec, out, dt
+
+
+# ---- cases -------------------------------------------------------------------------------------
+def case_decode_step(gp, gc, B: int, args) -> dict:
+    from gpupool.graph import DecodeStep
+    from gpupool.manager import KVCacheManager
+
+    t0 = time.perf_counter()
+    m = KVCacheManager(NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_reqs=B, max_blocks_per_req=MAX_BLOCKS_PER_REQ)
+    owner = warm_pool(m.pool, Hashes("warm"))
+    t_warm = time.perf_counter() - t0
+
+    # Request kinds, exact counts: cross (num_computed % 16 == 0), fill (% 16 == 15), finish, other.
+    rng = random.Random(SEED + B)
+    n_cross = n_fill = B // 16
+    n_fin = max(1, B // 128)
+    kinds = ["cross"] * n_cross + ["fill"] * n_fill + ["finish"] * n_fin
+    kinds += ["other"] * (B - len(kinds))
+    rng.shuffle(kinds)
+    resid = {"cross": lambda: 0, "fill": lambda: 15, "finish": lambda: rng.randint(1, 14),
+             "other": lambda: rng.randint(1, 14)}
+    # 12 .. 161 full blocks + residue: prompts of 192 .. 2,591 tokens (max_blocks_per_req 168 fits).
+    prompt = [rng.randint(12, 161) * BLOCK_SIZE + resid[k]() for k in kinds]
+    held = sum(-(-p // BLOCK_SIZE) for p in prompt)
+    if held + n_cross > NUM_BLOCKS - 1:
+        raise SystemExit(f"decode_step B={B}: prompts need {held} blocks, more than the pool's {NUM_BLOCKS - 1}")
+
+    req_hashes = Hashes(f"req{B}")
+    for r in range(B):
+        m.add_request(r, req_hashes.take(prompt[r] // BLOCK_SIZE))
+    t1 = time.perf_counter()
+    for lo in range(0, B, args.prefill_batch):
+        rs = list(range(lo, min(B, lo + args.prefill_batch)))
+        adm = m.allocate_slots(rs, [prompt[r] for r in rs], [prompt[r] for r in rs], lookup=[True] * len(rs))
+        m.pool.check()
+        assert int(adm.sum()) == len(rs), "a prefill was not admitted"
+    t_prefill = time.perf_counter() - t1
+    fill_hash = {}
+    for r in range(B):
+        if kinds[r] == "fill":
+            fill_hash[r] = req_hashes.take(1)[0]
+            m.append_block_hashes(r, [fill_hash[r]])
+    free_before = m.pool.get_num_free_blocks()
+    assert free_before == NUM_BLOCKS - 1 - held, (free_before, held)
+    check_free_keyed(m.pool, owner)
+
+    step = DecodeStep(m, max_batch=B)
+    run = [r for r in range(B) if kinds[r] != "finish"]
+    fin = [r for r in range(B) if kinds[r] == "finish"]
+    step.slots[: len(run)] = i32(run)
+    step.num_tokens[: len(run)] = i32([prompt[r] + 1 for r in run])
+    step.num_reqs.fill_(len(run))
+    step.finished[: len(fin)] = i32(fin)
+    step.num_finished.fill_(len(fin))
+    build_s = time.perf_counter() - t0
+
+    rec, _, record_s = record(gc, step.run, args.report, f"decode_step B={B}")
+
+    # The step did what the steady state says.
+    m.pool.check()
+    m.finish(fin)
+    assert int(step.admitted[: len(run)].sum()) == len(run), "a decoding request was not admitted"
+    freed = sum(-(-prompt[r] // BLOCK_SIZE) for r in fin)
+    assert m.pool.get_num_free_blocks() == free_before + freed - n_cross
+    if fill_hash:
+        hit = m.pool.lookup_batched(*lookup_all(m.pool, list(fill_hash.values()))).tolist()
+        assert min(hit) >= 0, "a block filled by the step was not keyed"
+    params = {"B": B, "running": len(run), "cross": n_cross, "fill": n_fill, "finished": len(fin),
+              "prompt_tokens_min": min(prompt), "prompt_tokens_max": max(prompt), "blocks_held": held,
+              "free_blocks_before": free_before, "prefill_batch": args.prefill_batch}
+    extra = {"warm_s": round(t_warm, 2), "prefill_s": round(t_prefill, 2)}
+    return summarize(gc, rec, f"decode_step B={B}", params, build_s, record_s, extra)
+
+
+def case_alloc(gp, gc, num: int, each: int, args) -> dict:
+    import torch
+    pool, owner, build_s = warm_block_pool(gp)
+    free0 = pool.get_num_free_blocks()
+    demands = torch.full((num,), each, dtype=torch.int32)
+    rec, (out, offsets), record_s = record(gc, lambda: pool.allocate_batched(demands), args.report,
+                                           f"allocate_batched {num} x {each}")
+    pool.check()
+    total = num * each
+    blocks = out[:total].tolist()
+    assert offsets.tolist() == [k * each for k in range(num + 1)]
+    assert len(set(blocks)) == total and pool.get_num_free_blocks() == free0 - total
+    by_block = {b: h for h, b in owner.items()}
+    hit = pool.lookup_batched(*lookup_all(pool, [by_block[b] for b in blocks])).tolist()
+    assert max(hit) < 0, "an allocated block kept its key"
+    name = "alloc_4096x1" if num == 1 else f"alloc_{num}x{each}"
+    return summarize(gc, rec, name, {"demands": num, "blocks_each": each, "evicted_keys": total}, build_s,
+                     record_s, {})
+
+
+def case_free(gp, gc, args) -> dict:
+    import torch
+    pool, owner, build_s = warm_block_pool(gp)
+    t0 = time.perf_counter()
+    segs, per = 64, 64
+    out, _ = pool.allocate_batched(torch.full((segs,), per, dtype=torch.int32))
+    blocks = out[: segs * per].view(segs, per).clone()
+    hashed = blocks[:, : per // 2].reshape(-1).contiguous()  # first half of each "request" keyed again
+    pool.cache_full_blocks(hashed, Hashes("free").take(hashed.numel()), 0, hashed.numel(), BLOCK_SIZE, 0)
+    pool.check()
+    ids = blocks.flip(1).reshape(-1).contiguous()  # each request tail first
+    seg_offsets = torch.arange(0, segs * per + 1, per, dtype=torch.int32)
+    free0 = pool.get_num_free_blocks()
+    build_s += time.perf_counter() - t0
+    rec, _, record_s = record(gc, lambda: pool.free_batched(ids, seg_offsets), args.report,
+                              f"free_batched {segs * per} in {segs} segments")
+    pool.check()
+    assert pool.get_num_free_blocks() == free0 + segs * per
+    return summarize(gc, rec, "free_4096", {"blocks": segs * per, "segments": segs, "hashed": hashed.numel()},
+                     build_s, record_s, {})
+
+
+def case_lookup(gp, gc, args) -> dict:
+    pool, owner, build_s = warm_block_pool(gp)
+    t0 = time.perf_counter()
+    rng = random.Random(SEED + 1)
+    hs = rng.sample(sorted(owner), 10_000)
+    keys = lookup_all(pool, hs)
+    build_s += time.perf_counter() - t0
+    rec, out, record_s = record(gc, lambda: pool.lookup_batched(*keys), args.report, "lookup_batched 10,000")
+    pool.check()
+    assert out.tolist() == [owner[h] for h in hs], "a lookup did not hit its block"
+    return summarize(gc, rec, "lookup_10000", {"keys": len(hs), "hits": len(hs)}, build_s, record_s, {})
+
+
+def case_touch(gp, gc, args) -> dict:
+    pool, owner, build_s = warm_block_pool(gp)
+    t0 = time.perf_counter()
+    rng = random.Random(SEED + 2)
+    chosen = rng.sample(sorted(owner.values()), 4096)
+    ids = i32(chosen)
+    free0 = pool.get_num_free_blocks()
+    build_s += time.perf_counter() - t0
+    rec, _, record_s = record(gc, lambda: pool.touch_batched(ids), args.report, "touch_batched 4,096")
+    pool.check()
+    assert pool.get_num_free_blocks() == free0 - 4096
+    assert set(pool.ref_counts(chosen)) == {1}
+    return summarize(gc, rec, "touch_4096", {"blocks": 4096, "cached_free": True}, build_s, record_s, {})
+
+
+# ---- output ------------------------------------------------------------------------------------
+def fmt(v) -> str:
+    return " / ".join(f"{x:,.0f}" if x >= 10 else f"{x:.1f}" for x in v)
+
+
+HEADER = ("| case | graph us best / lo / hi | eager us best / lo / hi | launches | glue | syncs | "
+          + " | ".join(COUNT_KINDS) + " | dominant kernel |")
+
+
+def table(results: list[dict]) -> str:
+    sep = "|---|---|---|---:|---:|---:|" + "---:|" * len(COUNT_KINDS) + "---|"
+    return "\n".join([HEADER, sep] + [row(r) for r in results])
+
+
+def row(r: dict) -> str:
+    d = r["dominant"] or {"kernel": "-", "max_counts": dict.fromkeys(COUNT_KINDS, 0)}
+    return (f"| {r['case']} | {fmt(r['graph_us'])} | {fmt(r['eager_us'])} | {r['launches']} | {r['glue']} | "
+            f"{r['syncs']} | " + " | ".join(str(d["max_counts"][k]) for k in COUNT_KINDS) + f" | {d['kernel']} |")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help=f"comma list of cases (default all): {', '.join(CASES)}; 'alloc' means both alloc cases")
+    ap.add_argument("--sizes", default="64,256,1024", help="decode_step batch sizes B (comma list)")
+    ap.add_argument("--report", action="store_true", help="print gpucost's full report (launches, hot lines, loops)")
+    ap.add_argument("--json", metavar="PATH", help="write every number to PATH")
+    ap.add_argument("--gpucost", metavar="PATH", help="gpucost.py (default $GPUCOST, else ../shared/tools/gpucost.py)")
+    ap.add_argument("--prefill-batch", type=int, default=256, help="requests per allocate_slots call when prefilling")
+    args = ap.parse_args(argv)
+
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    cases = [x for c in cases for x in (("alloc_4096x1", "alloc_64x64") if c == "alloc" else (c,))]
+    bad = [c for c in cases if c not in CASES]
+    if bad:
+        ap.error(f"unknown case(s) {', '.join(bad)}; choose from {', '.join(CASES)}")
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+
+    gc, gc_path = load_gpucost(args.gpucost)
+    gp = import_this_tree()
+    commit = git_commit()
+    print(f"gpupool {Path(gp.__file__).parent} at {commit}; gpucost {gc_path}")
+    print("Modelled H200 latency (gpucost, a model, not a measurement); us best / lo / hi. "
+          "Counts: the dominant launch's slowest program (max per kind over its programs).")
+    print()
+    if not args.report:
+        print(table([]))
+    results = []
+    jobs = []
+    for c in cases:
+        if c == "decode_step":
+            jobs += [(f"decode_step B={B}", lambda B=B: case_decode_step(gp, gc, B, args)) for B in sizes]
+        elif c == "alloc_4096x1":
+            jobs.append((c, lambda: case_alloc(gp, gc, 1, 4096, args)))
+        elif c == "alloc_64x64":
+            jobs.append((c, lambda: case_alloc(gp, gc, 64, 64, args)))
+        elif c == "free_4096":
+            jobs.append((c, lambda: case_free(gp, gc, args)))
+        elif c == "lookup_10000":
+            jobs.append((c, lambda: case_lookup(gp, gc, args)))
+        elif c == "touch_4096":
+            jobs.append((c, lambda: case_touch(gp, gc, args)))
+    for name, job in jobs:
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: building and recording ...", file=sys.stderr, flush=True)
+        r = job()
+        results.append(r)
+        if not args.report:
+            print(row(r), flush=True)
+    if args.report:  # the reports came in between: the whole table once more
+        print(table(results))
+    print()
+    for r in results:
+        extra = "".join(f", {k} {r[k]} s" for k in ("warm_s", "prefill_s") if k in r)
+        print(f"- {r['case']}: build {r['build_s']} s{extra}, record {r['record_s']} s; glue "
+              f"{', '.join(f'{k} x{v}' for k, v in sorted(r['glue_ops'].items())) or '-'}")
+    if args.json:
+        meta = {"commit": commit, "gpupool": str(Path(gp.__file__).parent), "gpucost": str(gc_path),
+                "scenarios": list(gc.SCENARIO_NAMES), "model": "gpucost (modelled H200 latency, not measured)",
+                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv}
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
