@@ -293,7 +293,6 @@ def case_decode_step(gp, gc, B: int, args) -> dict:
 
     # The step did what the steady state says.
     m.pool.check()
-    m.finish(fin)
     assert int(step.admitted[: len(run)].sum()) == len(run), "a decoding request was not admitted"
     freed = sum(-(-prompt[r] // BLOCK_SIZE) for r in fin)
     assert m.pool.get_num_free_blocks() == free_before + freed - n_cross
