@@ -40,6 +40,8 @@ import torch
 from .args import NULL_BLOCK, ManagerShape, as_hash_bytes_list, as_id_list, as_int
 from .errors import InvalidArgumentError, InvariantError, OutOfBlocksError
 from .kernels import manager as k_manager
+from .kernels import parallel_alloc as k_parallel
+from .kernels.parallel_alloc import NKG, NPAR
 from .kernels.copy_blocks import copy_blocks
 from .locking import locked
 from .pool import BlockPool
@@ -67,11 +69,15 @@ class ManagerState(NamedTuple):
     s_ids: torch.Tensor
     s_pf: torch.Tensor
     s_seg: torch.Tensor
+    s_par: torch.Tensor
+    s_kg: torch.Tensor
+    s_filter: torch.Tensor
 
 
 class ManagerConfig(NamedTuple):
     """The manager's sizes, a ``tl.constexpr`` argument: G groups, R request slots, M blocks per row,
-    K hash blocks per block, BS tokens per block, Q pending-copy capacity, BLOCK lanes per request tile."""
+    K hash blocks per block, BS tokens per block, Q pending-copy capacity, BLOCK lanes per request tile,
+    FS entries of the request-parallel path's key filter (kernels/parallel_alloc.py)."""
 
     G: int
     R: int
@@ -80,6 +86,7 @@ class ManagerConfig(NamedTuple):
     BS: int
     Q: int
     BLOCK: int
+    FS: int
 
 
 class AllocateBatch(NamedTuple):
@@ -116,7 +123,14 @@ def allocate_manager_state(shape: ManagerShape, q: int, device) -> ManagerState:
         s_ids=torch.zeros(max(G * R * M, q), dtype=i32, device=device),
         s_pf=torch.zeros(max(G * R * M, q) + 1, dtype=i32, device=device),
         s_seg=torch.zeros(G * R + 1, dtype=i32, device=device),
+        s_par=torch.zeros((NPAR, R + 1), dtype=i32, device=device),
+        s_kg=torch.zeros((NKG, G * R + 1), dtype=i32, device=device),
+        s_filter=torch.zeros(filter_size(R), dtype=i32, device=device),
     )
+
+
+def filter_size(max_num_reqs: int) -> int:
+    return pow2_at_least(max(1024, 4 * max_num_reqs))
 
 
 class KVCacheManager:
@@ -152,7 +166,9 @@ class KVCacheManager:
         self.state = allocate_manager_state(sh, q, self.device)
         self.config = ManagerConfig(G=len(sh.groups), R=sh.max_num_reqs, M=sh.max_blocks_per_req,
                                     K=sh.hashes_per_block, BS=sh.block_size, Q=q,
-                                    BLOCK=min(1024, max(16, pow2_at_least(sh.max_num_reqs))))
+                                    BLOCK=min(1024, max(16, pow2_at_least(sh.max_num_reqs))),
+                                    FS=filter_size(sh.max_num_reqs))
+        self.parallel = True  # False: every batch takes the exact sequential path (tests, debugging)
         self._pool.registry.add_pin_source(self._active_keys)
 
     # the device tensors by name, for readers and tests
@@ -300,8 +316,9 @@ class KVCacheManager:
         count past the arrays) go to the status word and change nothing. ``admitted``: an output
         buffer to fill (a captured step's)."""
         batch = self.batch(slots, num_tokens, target_tokens, lookup, num_reqs, admitted)
-        k_manager.launch_allocate_slots(self._pool.state, self._pool.config, self.state, self.config, batch,
-                                        stop_on_failure=stop_on_failure)
+        ps, pc = self._pool.state, self._pool.config
+        k_parallel.launch_allocate_slots_parallel(ps, pc, self.state, self.config, batch, force_exact=not self.parallel)
+        k_manager.launch_allocate_slots(ps, pc, self.state, self.config, batch, stop_on_failure=stop_on_failure)
         return batch.admitted[: batch.slots.numel()]
 
     @locked

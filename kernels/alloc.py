@@ -32,24 +32,33 @@ def claim_needs(ps, pc: tl.constexpr, out, base, total):
 
 
 @triton.jit
+def claim_tile(ps, pc: tl.constexpr, b, m, ev_pos, reuse_pos):
+    """Hand out one tile of popped blocks ``b`` (lanes ``m``): evict their keys (BlockRemoved rows from
+    ``ev_pos``, a scalar or one base per lane), ref_cnt = 1, not queued, watched blocks logged in lane
+    order from ``reuse_pos``. Returns (keys evicted, new reuse_pos)."""
+    dropped = tl.zeros([], tl.int64)
+    if pc.CACHING:
+        dropped = drop_keys(ps, pc, b, m, ev_pos)
+    tl.store(ps.ref_cnt + b, tl.full(b.shape, 1, tl.int32), mask=m)
+    tl.store(ps.qslot + b, tl.full(b.shape, NO_SLOT, tl.int32), mask=m)
+    w = m & (tl.load(ps.watched + b, mask=m, other=0) != 0)
+    wi = w.to(tl.int64)
+    tl.store(ps.reuse + reuse_pos + tl.cumsum(wi, axis=0) - wi, b, mask=w)
+    tl.store(ps.watched + b, tl.zeros(b.shape, tl.int8), mask=w)
+    return dropped, reuse_pos + tl.sum(wi, axis=0)
+
+
+@triton.jit
 def claim_blocks(ps, pc: tl.constexpr, out, base, total, ev_pos, reuse_pos):
-    """Hand out ``out[base:base+total]`` (already popped): evict their keys (rows from ``ev_pos``),
-    ref_cnt = 1, not queued, watched blocks logged from ``reuse_pos``. Returns the new (ev_pos,
+    """Hand out ``out[base:base+total]`` (already popped) with ``claim_tile``. Returns the new (ev_pos,
     reuse_pos); the caller stores them."""
     offs = tl.arange(0, pc.BLOCK)
     i = 0
     while i < total:
         m = (i + offs) < total
         b = tl.load(out + base + i + offs, mask=m, other=0)
-        if pc.CACHING:
-            ev_pos += drop_keys(ps, pc, b, m, ev_pos)
-        tl.store(ps.ref_cnt + b, tl.full([pc.BLOCK], 1, tl.int32), mask=m)
-        tl.store(ps.qslot + b, tl.full([pc.BLOCK], NO_SLOT, tl.int32), mask=m)
-        w = m & (tl.load(ps.watched + b, mask=m, other=0) != 0)
-        wi = w.to(tl.int64)
-        tl.store(ps.reuse + reuse_pos + tl.cumsum(wi, axis=0) - wi, b, mask=w)
-        tl.store(ps.watched + b, tl.zeros([pc.BLOCK], tl.int8), mask=w)
-        reuse_pos += tl.sum(wi, axis=0)
+        dropped, reuse_pos = claim_tile(ps, pc, b, m, ev_pos, reuse_pos)
+        ev_pos += dropped
         i += pc.BLOCK
     return ev_pos, reuse_pos
 

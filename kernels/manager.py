@@ -18,7 +18,7 @@ from .alloc import pop_and_claim
 from .cache import add_key, cache_range
 from .common import checked_count, keep_first, set_status, status_clear, warps_for
 from .layout import (
-    BIG, E_BUFFER_FULL, E_DOUBLE_FREE, E_INVALID_ARG, E_INVALID_COUNT, EV_COUNT, HEAD, KEY_SEQ, NUM_FREE, OP_ALLOCATE_SLOTS, OP_FREE,
+    ALLOC_SPLIT, BIG, E_BUFFER_FULL, E_DOUBLE_FREE, E_INVALID_ARG, E_INVALID_COUNT, EV_COUNT, HEAD, KEY_SEQ, NUM_FREE, OP_ALLOCATE_SLOTS, OP_FREE,
     OP_RELEASE_COPIES, OP_SLOT_MAPPING, TAIL,
 )
 from .lookup import find_longest_cache_hit
@@ -206,19 +206,12 @@ def check_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb):
 
 
 @triton.jit
-def allocate_slots_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, STOP_ON_FAILURE: tl.constexpr):
-    """``allocate_slots`` of ``batch.num_reqs[0]`` requests in order, the exact sequential path
-    (``ReferenceKVCacheManager.allocate_slots``): per request, remove the skipped sliding-window
-    blocks, take the longest cache hit (``lookup`` and an empty row), and if ``need * G + zero-ref
-    hits <= num_free`` touch the hits, allocate the new blocks and cache the full ones; else skip it
-    (or stop, ``STOP_ON_FAILURE``).
-
-    ``batch`` (AllocateBatch): ``slots, num_tokens, target: int32[cap]``, ``lookup: int8[cap]``,
-    ``num_reqs: int32[1]`` (at most ``cap``), output ``admitted: int32[cap]``. Errors (a count outside
-    ``0..cap``, a slot out of range, repeated or not in use, a token count outside ``0 .. M * BS``, events
-    that might not fit) set the status word before anything changes.
-    """
+def check_allocate_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap):
+    """(requests, error) of an ``allocate_slots`` batch: a count outside ``0..cap``, a slot out of
+    range, repeated or not in use, a token count outside ``0 .. M * BS`` or events that might not fit
+    set the status word (the error is then nonzero). Also zeroes ``admitted``."""
     nb, nb_ok = checked_count(batch.num_reqs, cap)
+    err = tl.full([], E_INVALID_ARG, tl.int32)
     if status_clear(ps.status):
         err, err_val, rows = check_batch(ps, pc, ms, mc, batch, nb)
         err = tl.where(nb_ok, err, E_INVALID_ARG)
@@ -227,60 +220,76 @@ def allocate_slots_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap
             full = (err == 0) & (tl.load(ps.ctrl + EV_COUNT) + rows > pc.EV_CAP)
             err = tl.where(full, E_BUFFER_FULL, err)
             err_val = tl.where(full, rows, err_val)
+        if err != 0:
+            set_status(ps.status, err, OP_ALLOCATE_SLOTS, err_val)
         tl.debug_barrier()
-        if err == 0:
-            head = tl.load(ps.ctrl + HEAD)
-            tail = tl.load(ps.ctrl + TAIL)
-            num_free = tl.load(ps.ctrl + NUM_FREE)
-            k = 0
-            stop = tl.zeros([], tl.int32)
-            while (k < nb) & (stop == 0):
-                r = tl.load(batch.slots + k)
-                nt = tl.load(batch.num_tokens + k)
-                head, tail, released = remove_skipped_blocks(ps, pc, ms, mc, r, head, tail)
-                num_free += released
-                nblk = tl.load(ms.num_blocks + r)
-                hits = tl.zeros([], tl.int32)
-                zero_ref = tl.zeros([], tl.int32)
+    return nb, err
+
+
+@triton.jit
+def allocate_slots_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, STOP_ON_FAILURE: tl.constexpr):
+    """``allocate_slots``, the exact sequential path (``ReferenceKVCacheManager.allocate_slots``), from
+    request ``ctrl[ALLOC_SPLIT]`` of a batch the request-parallel kernel (``kernels/parallel_alloc.py``)
+    validated and committed up to there; returns at once when that is the whole batch. Per request:
+    remove the skipped sliding-window blocks, take the longest cache hit (``lookup`` and an empty
+    row), and if ``need * G + zero-ref hits <= num_free`` touch the hits, allocate the new blocks and
+    cache the full ones; else skip it (or stop, ``STOP_ON_FAILURE``).
+
+    ``batch`` (AllocateBatch): ``slots, num_tokens, target: int32[cap]``, ``lookup: int8[cap]``,
+    ``num_reqs: int32[1]`` (at most ``cap``), output ``admitted: int32[cap]``.
+    """
+    nb, _ = checked_count(batch.num_reqs, cap)
+    k = tl.load(ps.ctrl + ALLOC_SPLIT).to(tl.int32)
+    if status_clear(ps.status) & (k < nb):
+        head = tl.load(ps.ctrl + HEAD)
+        tail = tl.load(ps.ctrl + TAIL)
+        num_free = tl.load(ps.ctrl + NUM_FREE)
+        stop = tl.zeros([], tl.int32)
+        while (k < nb) & (stop == 0):
+            r = tl.load(batch.slots + k)
+            nt = tl.load(batch.num_tokens + k)
+            head, tail, released = remove_skipped_blocks(ps, pc, ms, mc, r, head, tail)
+            num_free += released
+            nblk = tl.load(ms.num_blocks + r)
+            hits = tl.zeros([], tl.int32)
+            zero_ref = tl.zeros([], tl.int32)
+            if pc.CACHING:
+                if (tl.load(batch.lookup + k) != 0) & (nblk == 0):
+                    cap_hits = tl.minimum(tl.maximum(nt - 1, 0) // mc.BS, tl.load(ms.num_hashes + r) // mc.K)
+                    hits, zero_ref = find_longest_cache_hit(ps, pc, ms.req_hi + keys_of(mc, 0, r) + mc.K - 1,
+                                                            ms.req_lo + keys_of(mc, 0, r) + mc.K - 1, mc.M * mc.K,
+                                                            mc.K, ms.group_ids, mc.G, cap_hits,
+                                                            row_of(ms, mc, 0, r), mc.R * mc.M, pc.BLOCK)
+            eff, need = get_num_blocks_to_allocate(tl.load(batch.target + k), hits, nblk, mc.BS)
+            if (need * mc.G + zero_ref).to(tl.int64) > num_free:
+                if STOP_ON_FAILURE:
+                    stop = 1
+            else:
+                g = 0
+                while g < mc.G:  # every group's hits are touched before any group allocates
+                    num_free -= touch_checked(ps, pc, row_of(ms, mc, g, r), hits)
+                    g += 1
+                head = allocate_new_blocks(ps, pc, ms, mc, r, nblk + hits, need, head, tail)
+                num_free -= need * mc.G
                 if pc.CACHING:
-                    if (tl.load(batch.lookup + k) != 0) & (nblk == 0):
-                        cap_hits = tl.minimum(tl.maximum(nt - 1, 0) // mc.BS, tl.load(ms.num_hashes + r) // mc.K)
-                        hits, zero_ref = find_longest_cache_hit(ps, pc, ms.req_hi + keys_of(mc, 0, r) + mc.K - 1,
-                                                                ms.req_lo + keys_of(mc, 0, r) + mc.K - 1, mc.M * mc.K,
-                                                                mc.K, ms.group_ids, mc.G, cap_hits,
-                                                                row_of(ms, mc, 0, r), mc.R * mc.M, pc.BLOCK)
-                eff, need = get_num_blocks_to_allocate(tl.load(batch.target + k), hits, nblk, mc.BS)
-                if (need * mc.G + zero_ref).to(tl.int64) > num_free:
-                    if STOP_ON_FAILURE:
-                        stop = 1
+                    cache_blocks(ps, pc, ms, mc, r, tl.minimum(eff, nt), hits, nblk + hits + need)
                 else:
                     g = 0
-                    while g < mc.G:  # every group's hits are touched before any group allocates
-                        num_free -= touch_checked(ps, pc, row_of(ms, mc, g, r), hits)
+                    while g < mc.G:
+                        tl.store(ms.num_cached + g * mc.R + r,
+                                 tl.maximum(tl.load(ms.num_cached + g * mc.R + r), hits))
                         g += 1
-                    head = allocate_new_blocks(ps, pc, ms, mc, r, nblk + hits, need, head, tail)
-                    num_free -= need * mc.G
-                    if pc.CACHING:
-                        cache_blocks(ps, pc, ms, mc, r, tl.minimum(eff, nt), hits, nblk + hits + need)
-                    else:
-                        g = 0
-                        while g < mc.G:
-                            tl.store(ms.num_cached + g * mc.R + r,
-                                     tl.maximum(tl.load(ms.num_cached + g * mc.R + r), hits))
-                            g += 1
-                    tl.store(ms.num_blocks + r, nblk + hits + need)
-                    tl.store(ms.num_computed + r, eff)
-                    tl.store(batch.admitted + k, 1)
-                k += 1
-            tl.store(ps.ctrl + HEAD, head)
-            tl.store(ps.ctrl + TAIL, tail)
-            tl.store(ps.ctrl + NUM_FREE, num_free)
-        else:
-            set_status(ps.status, err, OP_ALLOCATE_SLOTS, err_val)
+                tl.store(ms.num_blocks + r, nblk + hits + need)
+                tl.store(ms.num_computed + r, eff)
+                tl.store(batch.admitted + k, 1)
+            k += 1
+        tl.store(ps.ctrl + HEAD, head)
+        tl.store(ps.ctrl + TAIL, tail)
+        tl.store(ps.ctrl + NUM_FREE, num_free)
 
 
 def launch_allocate_slots(ps, pc, ms, mc, batch, *, stop_on_failure: bool):
-    """Launch ``allocate_slots_kernel`` (one program)."""
+    """Launch ``allocate_slots_kernel`` (one program), after ``launch_allocate_slots_parallel``."""
     allocate_slots_kernel[(1,)](ps, pc, ms, mc, batch, batch.slots.numel(), STOP_ON_FAILURE=bool(stop_on_failure),
                                 num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))
 

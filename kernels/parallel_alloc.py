@@ -1,0 +1,756 @@
+"""``allocate_slots`` of a batch, request-parallel (docs/algorithms.md section 6).
+
+One program, lanes over requests (tiles of ``mc.BLOCK``) and over flattened per-request work (tiles of
+``pc.BLOCK``): queue positions, key sequence numbers and event rows come from prefix sums in request
+order, so the result equals the sequence of per-request calls of the exact path
+(``kernels/manager.py``). The exact path is order-dependent where one request's effect changes what a
+later one sees; those cases are found on the device and cut the batch at the first request affected
+(the *split*). Requests ``[0, split)`` commit here; ``allocate_slots_kernel`` continues from the
+split (it returns at once when the split is the whole batch), so one captured graph serves both.
+
+Where the prefix sums stop being exact (the fallback reasons, counted in ``ctrl``):
+
+* ``OUT_OF_BLOCKS``: the first request that does not fit (the running free count depends on which
+  earlier requests were admitted, and ``stop_on_failure`` stops there);
+* ``SLIDING_WINDOW``: a sliding-window release that a later pop could take (an un-hashed block goes to
+  the queue's head), of a block another request shares, or in a batch with prefix hits; pops that
+  would reach blocks released to the tail in the same batch;
+* ``PREFIX``: a lookup whose first miss an earlier request of the batch caches, or whose zero-ref hit
+  an earlier request could pop (a conservative rank test against the queue's head);
+* ``PARTIAL_KEY``: a partial-block key (hash blocks finer than blocks);
+* ``FORCED``: the caller asked for the exact path (tests).
+
+Scratch (manager state, back to idle at the end): ``s_par: int32[NPAR, R + 1]`` per-request fields,
+``s_kg: int32[NKG, G * R + 1]`` per (request, group) fields (index ``k * G + g``), ``s_filter:
+int32[FS]`` keys cached in the batch (a conservative set: a false hit only costs a fallback); the
+pool's ``s_first`` (idle BIG) and ``s_last`` (idle -1).
+"""
+from enum import IntEnum
+
+import triton
+import triton.language as tl
+
+from .alloc import claim_tile
+from .common import warps_for
+from .events import write_stored_header, write_stored_item
+from .keytable import drop_keys, key_home, lookup_blocks, put_key
+from .layout import (
+    ALLOC_FALLBACK, ALLOC_PARALLEL, ALLOC_SPLIT, BIG, EV_COUNT, FALLBACK_REASONS, HEAD, KEY_SEQ, NO_SLOT, NUM_FREE,
+    REUSE_COUNT, TAIL,
+)
+from .manager import check_allocate_batch, keys_of, row_of
+from .queue import ring_make_room, ring_scan_pop
+from .release import count_ids, release_place, release_scan, reset_ids, segment_of
+
+
+class Fallback(IntEnum):
+    """Why a batch left the request-parallel path (``ctrl[FALLBACK_REASONS + reason]`` counts them)."""
+
+    OUT_OF_BLOCKS = 0
+    SLIDING_WINDOW = 1
+    PREFIX = 2
+    PARTIAL_KEY = 3
+    FORCED = 4
+
+
+R_OUT_OF_BLOCKS = tl.constexpr(Fallback.OUT_OF_BLOCKS)
+R_SLIDING_WINDOW = tl.constexpr(Fallback.SLIDING_WINDOW)
+R_PREFIX = tl.constexpr(Fallback.PREFIX)
+R_PARTIAL_KEY = tl.constexpr(Fallback.PARTIAL_KEY)
+R_FORCED = tl.constexpr(Fallback.FORCED)
+
+# per-request fields of s_par
+P_SLOT = tl.constexpr(0)
+P_NBLK = tl.constexpr(1)  # row length before the step
+P_CAP = tl.constexpr(2)  # positions the lookup may hit
+P_LOFF = tl.constexpr(3)  # offsets of the flattened lookups (nb + 1 entries)
+P_MISS = tl.constexpr(4)  # first missing position (BIG: none)
+P_HITS = tl.constexpr(5)
+P_ZREF = tl.constexpr(6)  # hits on blocks with ref 0 that no earlier request hits (per position, group)
+P_REL = tl.constexpr(7)  # sliding-window blocks released
+P_NEED = tl.constexpr(8)  # new blocks per group
+P_EFF = tl.constexpr(9)  # tokens with slots after the step
+P_POPOFF = tl.constexpr(10)  # offsets of the popped blocks (nb + 1 entries)
+P_ZOFF = tl.constexpr(11)  # zero-ref hits of earlier requests
+P_EVICT = tl.constexpr(12)  # keys evicted by the request's pops
+P_QOFF = tl.constexpr(13)  # evicted keys of earlier requests
+P_EVBASE = tl.constexpr(14)  # first event row (nb + 1 entries)
+P_NF = tl.constexpr(15)  # full blocks known after the step
+NPAR = 16
+# per (request, group) fields of s_kg
+G_START = tl.constexpr(0)  # first block to key
+G_NSKIP = tl.constexpr(1)  # blocks outside the sliding window
+G_LEAD = tl.constexpr(2)  # leading null blocks of the row
+G_RELOFF = tl.constexpr(3)  # offsets of the released blocks (nseg + 1 entries)
+G_COFF = tl.constexpr(4)  # offsets of the blocks to key (nseg + 1 entries)
+G_RM = tl.constexpr(5)  # old keys removed by caching
+G_ST = tl.constexpr(6)  # keys stored
+G_RMOFF = tl.constexpr(7)  # removed keys of earlier segments
+G_STOFF = tl.constexpr(8)  # stored keys of earlier segments
+G_EV = tl.constexpr(9)  # first event row of the segment's caching
+NKG = 10
+
+
+@triton.jit
+def par(ms, mc: tl.constexpr, f: tl.constexpr, k):
+    return ms.s_par + f * (mc.R + 1) + k
+
+
+@triton.jit
+def pkg(ms, mc: tl.constexpr, f: tl.constexpr, j):
+    return ms.s_kg + f * (mc.G * mc.R + 1) + j
+
+
+@triton.jit
+def ld(ptr, m):
+    return tl.load(ptr, mask=m, other=0)
+
+
+@triton.jit
+def first_index(cur, bad, k):
+    """The lower of ``cur`` and the first lane index where ``bad`` holds."""
+    return tl.minimum(cur, tl.min(tl.where(bad, k, BIG), axis=0))
+
+
+@triton.jit
+def leading_nulls(row, n, m, M: tl.constexpr):
+    """Null blocks at the start of each lane's ``row[:n]`` (rows are nulls, then blocks: sliding-window
+    removal nulls a prefix): a binary search, log2(M) loads."""
+    lead = tl.zeros_like(n)
+    step: tl.constexpr = triton.next_power_of_2(M)
+    while step > 0:
+        cand = lead + step
+        ok = m & (cand <= n)
+        ok = ok & (tl.load(row + cand - 1, mask=ok, other=1) == 0)
+        lead = tl.where(ok, cand, lead)
+        step = step // 2
+    return lead
+
+
+# ---- analysis: nothing below changes pool or manager state until ``commit`` ------------------------
+
+@triton.jit
+def scan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb):
+    """Per request: slot, row length, lookup cap and offsets, sliding-window releases and their flags.
+    Returns (lookups, released, first SW conflict, any prepend, first prepend request)."""
+    offs = tl.arange(0, mc.BLOCK)
+    lcarry = tl.zeros([], tl.int32)
+    rel_total = tl.zeros([], tl.int32)
+    sw_bad = tl.full([], BIG, tl.int32)
+    pre_first = tl.full([], BIG, tl.int32)
+    i = 0
+    while i < nb:
+        k = i + offs
+        m = k < nb
+        r = ld(batch.slots + k, m)
+        nt = ld(batch.num_tokens + k, m)
+        nblk = ld(ms.num_blocks + r, m)
+        ncomp = ld(ms.num_computed + r, m)
+        cap = tl.zeros_like(k)
+        if pc.CACHING:
+            look = m & (ld(batch.lookup + k, m) != 0) & (nblk == 0)
+            cap = tl.where(look, tl.minimum(tl.maximum(nt - 1, 0) // mc.BS, ld(ms.num_hashes + r, m) // mc.K), 0)
+        tl.store(par(ms, mc, P_SLOT, k), r, mask=m)
+        tl.store(par(ms, mc, P_NBLK, k), nblk, mask=m)
+        tl.store(par(ms, mc, P_CAP, k), cap, mask=m)
+        tl.store(par(ms, mc, P_LOFF, k), lcarry + tl.cumsum(cap, axis=0) - cap, mask=m)
+        tl.store(par(ms, mc, P_MISS, k), tl.full([mc.BLOCK], BIG, tl.int32), mask=m)
+        zero = tl.zeros([mc.BLOCK], tl.int32)
+        tl.store(par(ms, mc, P_ZREF, k), zero, mask=m)
+        tl.store(par(ms, mc, P_EVICT, k), zero, mask=m)
+        lcarry += tl.sum(cap, axis=0)
+        rel = tl.zeros_like(k)
+        bad = m & False
+        pre = m & False
+        for g in tl.static_range(mc.G):
+            w = tl.load(ms.windows + g)
+            row = row_of(ms, mc, g, r)
+            nskip = tl.where(m & (w > 0), tl.minimum(tl.maximum(ncomp - w + 1, 0) // mc.BS, nblk), 0)
+            lead = leading_nulls(row, nskip, m, mc.M)
+            tl.store(pkg(ms, mc, G_NSKIP, k * mc.G + g), nskip, mask=m)
+            tl.store(pkg(ms, mc, G_LEAD, k * mc.G + g), lead, mask=m)
+            rel += nskip - lead
+            t = 0
+            most = tl.max(nskip - lead, axis=0)
+            while t < most:  # the released blocks (usually none or one per request)
+                a = m & (lead + t < nskip)
+                b = tl.load(row + lead + t, mask=a, other=0)
+                bad = bad | (a & (ld(ps.ref_cnt + b, a) != 1))
+                if pc.CACHING:
+                    pre = pre | (a & (ld(ps.num_keys + b, a) == 0))
+                else:
+                    pre = pre | a
+                t += 1
+        tl.store(par(ms, mc, P_REL, k), rel, mask=m)
+        rel_total += tl.sum(rel, axis=0)
+        sw_bad = first_index(sw_bad, bad, k)
+        pre_first = first_index(pre_first, pre, k)
+        i += mc.BLOCK
+    tl.store(par(ms, mc, P_LOFF, nb), lcarry)
+    return lcarry, rel_total, sw_bad, pre_first
+
+
+@triton.jit
+def lookup_item(ms, mc: tl.constexpr, nb, f, m):
+    """(request, position, slot) of flattened lookup items ``f``."""
+    k = segment_of(par(ms, mc, P_LOFF, 0), nb, f)
+    t = f - ld(par(ms, mc, P_LOFF, k), m)
+    return k, t, ld(par(ms, mc, P_SLOT, k), m)
+
+
+@triton.jit
+def find_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_lookups):
+    """``find_longest_cache_hit`` of every request at once, flattened over (request, position): hit
+    blocks into the rows, the first miss per request with ``atomic_min``."""
+    offs = tl.arange(0, pc.BLOCK)
+    i = 0
+    while i < num_lookups:
+        f = i + offs
+        m = f < num_lookups
+        k, t, r = lookup_item(ms, mc, nb, f, m)
+        ok = m
+        for g in tl.static_range(mc.G):
+            ka = keys_of(mc, g, r) + (t + 1).to(tl.int64) * mc.K - 1
+            grp = tl.zeros_like(t) + tl.load(ms.group_ids + g)
+            blk = lookup_blocks(ps, pc, ld(ms.req_hi + ka, m), ld(ms.req_lo + ka, m), grp, m)
+            tl.store(row_of(ms, mc, g, r) + t, blk, mask=m)
+            ok = ok & (blk >= 0)
+        tl.atomic_min(par(ms, mc, P_MISS, k), t, mask=m & ~ok)
+        i += pc.BLOCK
+    tl.debug_barrier()
+
+
+@triton.jit
+def count_zero_ref_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_lookups):
+    """Hits per request, and the zero-ref hits each request's admission check counts: hits on a
+    block with ref 0 that no earlier request of the batch hits (its touch raises the count)."""
+    offs = tl.arange(0, mc.BLOCK)
+    any_hits = tl.zeros([], tl.int32)
+    i = 0
+    while i < nb:
+        k = i + offs
+        m = k < nb
+        hits = tl.minimum(ld(par(ms, mc, P_MISS, k), m), ld(par(ms, mc, P_CAP, k), m))
+        tl.store(par(ms, mc, P_HITS, k), hits, mask=m)
+        any_hits += tl.sum(hits, axis=0)
+        i += mc.BLOCK
+    tl.debug_barrier()
+    offs = tl.arange(0, pc.BLOCK)
+    for phase in tl.static_range(3):  # first hitter; count; scratch back to idle
+        if any_hits > 0:
+            i = 0
+            while i < num_lookups:
+                f = i + offs
+                m = f < num_lookups
+                k, t, r = lookup_item(ms, mc, nb, f, m)
+                m = m & (t < ld(par(ms, mc, P_HITS, k), m))
+                for g in tl.static_range(mc.G):
+                    b = tl.load(row_of(ms, mc, g, r) + t, mask=m, other=0)
+                    if phase == 0:
+                        tl.atomic_min(ps.s_first + b, k, mask=m)
+                    elif phase == 1:
+                        z = m & (ld(ps.ref_cnt + b, m) == 0) & (ld(ps.s_first + b, m) == k)
+                        tl.atomic_add(par(ms, mc, P_ZREF, k), 1, mask=z)
+                    else:
+                        tl.store(ps.s_first + b, tl.full([pc.BLOCK], BIG, tl.int32), mask=m)
+                i += pc.BLOCK
+            tl.debug_barrier()
+    return any_hits > 0
+
+
+@triton.jit
+def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_free, any_hits, any_rel):
+    """Per request: tokens and new blocks (``get_num_blocks_to_allocate``), pop and zero-ref offsets,
+    the blocks ``cache_blocks`` keys per group (offsets of the flattened caching), and the first
+    request of each conflict kind. Returns (pops, keyed blocks, first failure, first SW conflict, first
+    partial key, first prepend after pops = computed later)."""
+    offs = tl.arange(0, mc.BLOCK)
+    pcarry = tl.zeros([], tl.int32)
+    zcarry = tl.zeros([], tl.int32)
+    dcarry = tl.zeros([], tl.int64)
+    ccarry = tl.zeros([], tl.int32)
+    rcarry = tl.zeros([], tl.int32)
+    fail = tl.full([], BIG, tl.int32)
+    sw = tl.full([], BIG, tl.int32)
+    partial = tl.full([], BIG, tl.int32)
+    i = 0
+    while i < nb:
+        k = i + offs
+        m = k < nb
+        r = ld(par(ms, mc, P_SLOT, k), m)
+        nt = ld(batch.num_tokens + k, m)
+        hits = ld(par(ms, mc, P_HITS, k), m)
+        nblk = ld(par(ms, mc, P_NBLK, k), m)
+        rel = ld(par(ms, mc, P_REL, k), m)
+        zref = ld(par(ms, mc, P_ZREF, k), m)
+        eff = tl.maximum(ld(batch.target + k, m), hits * mc.BS)
+        need = tl.where(m, tl.maximum((eff + mc.BS - 1) // mc.BS - nblk - hits, 0), 0)
+        pops = need * mc.G
+        # the admission check, every earlier request admitted: sum(demand - released) <= num_free
+        d = (pops + zref - rel).to(tl.int64)
+        fail = first_index(fail, m & (dcarry + tl.cumsum(d, axis=0) > num_free), k)
+        # pops never reach blocks released to the tail in this batch
+        reach = (pcarry + zcarry + tl.cumsum(pops + zref, axis=0)).to(tl.int64) > num_free
+        sw = first_index(sw, m & any_rel & (reach | (hits > 0)), k)
+        sw = first_index(sw, m & (rel > 0) & any_hits, k)
+        tl.store(par(ms, mc, P_NEED, k), need, mask=m)
+        tl.store(par(ms, mc, P_EFF, k), eff, mask=m)
+        tl.store(par(ms, mc, P_POPOFF, k), pcarry + tl.cumsum(pops, axis=0) - pops, mask=m)
+        tl.store(par(ms, mc, P_ZOFF, k), zcarry + tl.cumsum(zref, axis=0) - zref, mask=m)
+        dcarry += tl.sum(d, axis=0)
+        pcarry += tl.sum(pops, axis=0)
+        zcarry += tl.sum(zref, axis=0)
+        # cache_blocks: per group blocks [start, nf) get keys
+        known = tl.minimum(eff, nt)
+        nhash = ld(ms.num_hashes + r, m)
+        nf = tl.minimum(known // mc.BS, nhash // mc.K)
+        tl.store(par(ms, mc, P_NF, k), nf, mask=m)
+        csize = tl.zeros_like(k)
+        rsize = tl.zeros_like(k)
+        for g in tl.static_range(mc.G):
+            start = tl.maximum(ld(ms.num_cached + g * mc.R + r, m), hits)
+            tl.store(pkg(ms, mc, G_START, k * mc.G + g), start, mask=m)
+            if pc.CACHING:
+                csize += tl.where(m, tl.maximum(nf - start, 0), 0)
+            j = k * mc.G + g
+            rsize += ld(pkg(ms, mc, G_NSKIP, j), m) - ld(pkg(ms, mc, G_LEAD, j), m)
+        if pc.CACHING and (mc.K > 1):
+            hbs = mc.BS // mc.K
+            nh = tl.minimum(known // hbs, nhash)
+            partial = first_index(partial, m & (nh * hbs > nf * mc.BS) & (nf < nblk + hits + need), k)
+        # per (request, group) offsets: earlier requests' totals, then earlier groups'
+        cbase = ccarry + tl.cumsum(csize, axis=0) - csize
+        rbase = rcarry + tl.cumsum(rsize, axis=0) - rsize
+        for g in tl.static_range(mc.G):
+            j = k * mc.G + g
+            tl.store(pkg(ms, mc, G_COFF, j), cbase, mask=m)
+            tl.store(pkg(ms, mc, G_RELOFF, j), rbase, mask=m)
+            tl.store(pkg(ms, mc, G_RM, j), tl.zeros_like(k), mask=m)
+            tl.store(pkg(ms, mc, G_ST, j), tl.zeros_like(k), mask=m)
+            if pc.CACHING:
+                cbase += tl.where(m, tl.maximum(nf - ld(pkg(ms, mc, G_START, j), m), 0), 0)
+            rbase += ld(pkg(ms, mc, G_NSKIP, j), m) - ld(pkg(ms, mc, G_LEAD, j), m)
+        ccarry += tl.sum(csize, axis=0)
+        rcarry += tl.sum(rsize, axis=0)
+        i += mc.BLOCK
+    tl.store(par(ms, mc, P_POPOFF, nb), pcarry)
+    tl.store(pkg(ms, mc, G_COFF, nb * mc.G), ccarry)
+    tl.store(pkg(ms, mc, G_RELOFF, nb * mc.G), rcarry)
+    return pcarry, zcarry, ccarry, fail, sw, partial
+
+
+@triton.jit
+def cache_item(ms, mc: tl.constexpr, nseg, f, m):
+    """(segment, request, group, slot, block position) of flattened caching items ``f``."""
+    j = segment_of(pkg(ms, mc, G_COFF, 0), nseg, f)
+    k = j // mc.G
+    g = j % mc.G
+    pos = ld(pkg(ms, mc, G_START, j), m) + f - ld(pkg(ms, mc, G_COFF, j), m)
+    return j, k, g, ld(par(ms, mc, P_SLOT, k), m), pos
+
+
+@triton.jit
+def scan_cached(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_items, use_filter):
+    """Per (request, group): the old keys that caching removes and the keys it stores (event rows);
+    with ``use_filter``, each stored key's request into the batch's key filter (``atomic_min``)."""
+    offs = tl.arange(0, pc.BLOCK)
+    i = 0
+    while i < num_items:
+        f = i + offs
+        m = f < num_items
+        j, k, g, r, pos = cache_item(ms, mc, nb * mc.G, f, m)
+        pre = m & (pos < ld(par(ms, mc, P_NBLK, k), m))  # blocks the row held before (else: popped now)
+        b = tl.load(row_of(ms, mc, g, r) + pos, mask=pre, other=0)
+        act = m & ((pre == 0) | ((b != 0) & (pos >= ld(pkg(ms, mc, G_NSKIP, j), m))))
+        tl.atomic_add(pkg(ms, mc, G_ST, j), 1, mask=act)
+        tl.atomic_add(pkg(ms, mc, G_RM, j), ld(ps.num_keys + b, act & pre), mask=act & pre)
+        if use_filter:
+            ka = keys_of(mc, g, r) + (pos + 1).to(tl.int64) * mc.K - 1
+            tl.atomic_min(ms.s_filter + key_home(ld(ms.req_lo + ka, act), g, mc.FS), k, mask=act)
+        i += pc.BLOCK
+    tl.debug_barrier()
+
+
+@triton.jit
+def first_cached_miss(ms, mc: tl.constexpr, nb):
+    """The first request whose first lookup miss is a key an earlier request of the batch caches
+    (then its sequential lookup would hit further)."""
+    offs = tl.arange(0, mc.BLOCK)
+    first = tl.full([], BIG, tl.int32)
+    i = 0
+    while i < nb:
+        k = i + offs
+        m = k < nb
+        t = ld(par(ms, mc, P_MISS, k), m)
+        m = m & (t < ld(par(ms, mc, P_CAP, k), m))
+        r = ld(par(ms, mc, P_SLOT, k), m)
+        for g in tl.static_range(mc.G):
+            ka = keys_of(mc, g, r) + (t + 1).to(tl.int64) * mc.K - 1
+            s = ld(ms.s_filter + key_home(ld(ms.req_lo + ka, m), tl.zeros_like(k) + g, mc.FS), m)
+            first = first_index(first, m & (s < k), k)
+        i += mc.BLOCK
+    return first
+
+
+@triton.jit
+def first_popped_hit(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_lookups, limit):
+    """The first request with a zero-ref hit that an earlier request's pops could take: the block's
+    rank among the queue's live blocks is below that request's earlier pops plus earlier unlinks
+    (conservative). Ranks of the first ``limit`` live blocks go to ``s_last`` and back to -1."""
+    offs = tl.arange(0, pc.BLOCK)
+    head = tl.load(ps.ctrl + HEAD)
+    tail = tl.load(ps.ctrl + TAIL)
+    first = tl.full([], BIG, tl.int32)
+    for phase in tl.static_range(2):
+        taken = tl.zeros([], tl.int64)
+        p = head
+        while (taken < limit) & (p < tail):
+            pos = p + offs
+            v = tl.load(ps.ring + (pos & (pc.C - 1)), mask=pos < tail, other=-1)
+            live = v >= 0
+            rank = tl.cumsum(live.to(tl.int64), axis=0) + taken - 1
+            keep = live & (rank < limit)
+            if phase == 0:
+                tl.store(ps.s_last + v, rank.to(tl.int32), mask=keep)
+            else:
+                tl.store(ps.s_last + v, tl.full([pc.BLOCK], -1, tl.int32), mask=keep)
+            taken += tl.sum(live.to(tl.int64), axis=0)
+            p += pc.BLOCK
+        tl.debug_barrier()
+        if phase == 0:
+            i = 0
+            while i < num_lookups:
+                f = i + offs
+                m = f < num_lookups
+                k, t, r = lookup_item(ms, mc, nb, f, m)
+                m = m & (t < ld(par(ms, mc, P_HITS, k), m))
+                before = ld(par(ms, mc, P_POPOFF, k), m) + ld(par(ms, mc, P_ZOFF, k), m)
+                for g in tl.static_range(mc.G):
+                    b = tl.load(row_of(ms, mc, g, r) + t, mask=m, other=0)
+                    rank = tl.load(ps.s_last + b, mask=m, other=-1)
+                    first = first_index(first, m & (rank >= 0) & (rank < before), k)
+                i += pc.BLOCK
+            tl.debug_barrier()
+    return first
+
+
+# ---- commit of requests [0, split) -------------------------------------------------------------
+
+@triton.jit
+def touch_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_lookups):
+    """Touch every group's hits: ref += 1 per occurrence; the lane that raised a 0 unlinks the block
+    (order-free, like ``touch``). Returns the blocks unlinked."""
+    offs = tl.arange(0, pc.BLOCK)
+    unlinked = tl.zeros([], tl.int32)
+    i = 0
+    while i < num_lookups:
+        f = i + offs
+        m = f < num_lookups
+        k, t, r = lookup_item(ms, mc, nb, f, m)
+        m = m & (t < ld(par(ms, mc, P_HITS, k), m))
+        for g in tl.static_range(mc.G):
+            b = tl.load(row_of(ms, mc, g, r) + t, mask=m, other=0)
+            old = tl.atomic_add(ps.ref_cnt + b, 1, mask=m)
+            first = m & (old == 0)
+            s = tl.load(ps.qslot + b, mask=first, other=0)
+            tl.store(ps.ring + s, tl.full([pc.BLOCK], NO_SLOT, tl.int32), mask=first)
+            tl.store(ps.qslot + b, tl.full([pc.BLOCK], NO_SLOT, tl.int32), mask=first)
+            unlinked += tl.sum(first.to(tl.int32), axis=0)
+        i += pc.BLOCK
+    tl.debug_barrier()
+    return unlinked
+
+
+@triton.jit
+def event_layout(ms, mc: tl.constexpr, split, ev0, EVENTS: tl.constexpr):
+    """Event rows in request order: request k's evictions (its pops), then per group the caching's
+    removed keys, one BlockStored header and its items. Writes the offsets; returns the end row."""
+    offs = tl.arange(0, mc.BLOCK)
+    ecarry = ev0
+    qcarry = tl.zeros([], tl.int32)
+    rmcarry = tl.zeros([], tl.int32)
+    stcarry = tl.zeros([], tl.int32)
+    i = 0
+    while i < split:
+        k = i + offs
+        m = k < split
+        evict = tl.zeros_like(k)
+        if EVENTS:
+            evict = ld(par(ms, mc, P_EVICT, k), m)
+        nf = ld(par(ms, mc, P_NF, k), m)
+        rows = evict
+        rm_k = tl.zeros_like(k)
+        st_k = tl.zeros_like(k)
+        for g in tl.static_range(mc.G):
+            j = k * mc.G + g
+            rm = ld(pkg(ms, mc, G_RM, j), m)
+            st = ld(pkg(ms, mc, G_ST, j), m)
+            if EVENTS:
+                rows += tl.where(m & (nf > ld(pkg(ms, mc, G_START, j), m)), 1 + rm + st, 0)
+            rm_k += rm
+            st_k += st
+        base = ecarry + tl.cumsum(rows, axis=0) - rows
+        rmb = rmcarry + tl.cumsum(rm_k, axis=0) - rm_k
+        stb = stcarry + tl.cumsum(st_k, axis=0) - st_k
+        tl.store(par(ms, mc, P_EVBASE, k), base, mask=m)
+        tl.store(par(ms, mc, P_QOFF, k), qcarry + tl.cumsum(evict, axis=0) - evict, mask=m)
+        base += evict
+        for g in tl.static_range(mc.G):
+            j = k * mc.G + g
+            rm = ld(pkg(ms, mc, G_RM, j), m)
+            st = ld(pkg(ms, mc, G_ST, j), m)
+            tl.store(pkg(ms, mc, G_EV, j), base, mask=m)
+            tl.store(pkg(ms, mc, G_RMOFF, j), rmb, mask=m)
+            tl.store(pkg(ms, mc, G_STOFF, j), stb, mask=m)
+            if EVENTS:
+                base += tl.where(m & (nf > ld(pkg(ms, mc, G_START, j), m)), 1 + rm + st, 0)
+            rmb += rm
+            stb += st
+        ecarry += tl.sum(rows, axis=0)
+        qcarry += tl.sum(evict, axis=0)
+        rmcarry += tl.sum(rm_k, axis=0)
+        stcarry += tl.sum(st_k, axis=0)
+        i += mc.BLOCK
+    tl.store(par(ms, mc, P_EVBASE, split), ecarry)
+    tl.debug_barrier()
+    return ecarry
+
+
+@triton.jit
+def pop_item(ms, mc: tl.constexpr, split, f, m):
+    """(request, group, row position, slot) of popped blocks ``f``."""
+    k = segment_of(par(ms, mc, P_POPOFF, 0), split, f)
+    o = f - ld(par(ms, mc, P_POPOFF, k), m)
+    need = tl.maximum(ld(par(ms, mc, P_NEED, k), m), 1)
+    pos = ld(par(ms, mc, P_NBLK, k), m) + ld(par(ms, mc, P_HITS, k), m) + o % need
+    return k, o // need, pos, ld(par(ms, mc, P_SLOT, k), m)
+
+
+@triton.jit
+def allocate_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, num_pops, head, tail):
+    """vLLM's ``allocate_new_blocks`` for requests [0, split): one popleft of all their blocks, the
+    evictions' rows per request, claims, and the blocks scattered into the rows. Returns the head."""
+    offs = tl.arange(0, pc.BLOCK)
+    new_head = ring_scan_pop(ps, pc, head, tail, ms.s_ids, 0, num_pops)
+    tl.debug_barrier()
+    if pc.CACHING:
+        i = 0
+        while i < num_pops:
+            f = i + offs
+            m = f < num_pops
+            b = tl.load(ms.s_ids + f, mask=m, other=0)
+            k = segment_of(par(ms, mc, P_POPOFF, 0), split, f)
+            tl.atomic_add(par(ms, mc, P_EVICT, k), ld(ps.num_keys + b, m), mask=m)
+            i += pc.BLOCK
+        tl.debug_barrier()
+    event_layout(ms, mc, split, tl.load(ps.ctrl + EV_COUNT).to(tl.int32), pc.EVENTS)
+    carry = tl.zeros([], tl.int32)
+    reuse_pos = tl.load(ps.ctrl + REUSE_COUNT)
+    i = 0
+    while i < num_pops:
+        f = i + offs
+        m = f < num_pops
+        b = tl.load(ms.s_ids + f, mask=m, other=0)
+        k, g, pos, r = pop_item(ms, mc, split, f, m)
+        ev = ld(par(ms, mc, P_EVBASE, k), m) - ld(par(ms, mc, P_QOFF, k), m) + carry
+        dropped, reuse_pos = claim_tile(ps, pc, b, m, ev, reuse_pos)
+        carry += dropped.to(tl.int32)
+        tl.store(row_of(ms, mc, g, r) + pos, b, mask=m)
+        i += pc.BLOCK
+    tl.store(ps.ctrl + REUSE_COUNT, reuse_pos)
+    tl.debug_barrier()
+    return new_head
+
+
+@triton.jit
+def released_item(ms, mc: tl.constexpr, nseg, f, m):
+    """Row pointer of flattened released blocks ``f``: segment (k, g) is ``row[lead:nskip]`` reversed."""
+    j = segment_of(pkg(ms, mc, G_RELOFF, 0), nseg, f)
+    r = ld(par(ms, mc, P_SLOT, j // mc.G), m)
+    pos = ld(pkg(ms, mc, G_NSKIP, j), m) - 1 - (f - ld(pkg(ms, mc, G_RELOFF, j), m))
+    return row_of(ms, mc, j % mc.G, r) + pos
+
+
+@triton.jit
+def remove_skipped_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, head, tail):
+    """vLLM's ``remove_skipped_blocks`` for requests [0, split) as one batched free: segment (k, g)
+    is the blocks that left group g's window, tail first; then nulls in the rows. Returns (head, tail,
+    released)."""
+    offs = tl.arange(0, pc.BLOCK)
+    nseg = split * mc.G
+    n = tl.load(pkg(ms, mc, G_RELOFF, nseg))
+    i = 0
+    while i < n:
+        f = i + offs
+        m = f < n
+        tl.store(ms.s_ids + f, tl.load(released_item(ms, mc, nseg, f, m), mask=m, other=0), mask=m)
+        i += pc.BLOCK
+    tl.debug_barrier()
+    count_ids(ps, ms.s_ids, n, pc.BLOCK)
+    tl.debug_barrier()
+    nf, nl = release_scan(ps, pc, ms.s_ids, n, ms.s_pf, True)
+    tl.debug_barrier()
+    tail = ring_make_room(ps, pc, head, tail, nf + nl)
+    tail = release_place(ps, pc, ms.s_ids, n, ms.s_pf, pkg(ms, mc, G_RELOFF, 0), nseg, head, tail, nf, True, True)
+    tl.debug_barrier()
+    reset_ids(ps, ms.s_ids, n, pc.N, pc.BLOCK)
+    i = 0
+    while i < n:
+        f = i + offs
+        m = f < n
+        tl.store(released_item(ms, mc, nseg, f, m), tl.zeros([pc.BLOCK], tl.int32), mask=m)
+        i += pc.BLOCK
+    tl.debug_barrier()
+    return head - nf, tail, nf + nl
+
+
+@triton.jit
+def cache_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, seq0):
+    """vLLM's ``cache_blocks`` for requests [0, split), flattened over (request, group, block): old
+    keys removed, one BlockStored header per range, keys with sequence numbers in request order.
+    Returns the keys stored."""
+    offs = tl.arange(0, pc.BLOCK)
+    nseg = split * mc.G
+    n = tl.load(pkg(ms, mc, G_COFF, nseg))
+    if pc.EVENTS:
+        i = 0
+        while i < nseg:  # headers, also of ranges holding only null blocks
+            j = i + offs
+            m = j < nseg
+            k = j // mc.G
+            g = j % mc.G
+            r = ld(par(ms, mc, P_SLOT, k), m)
+            start = ld(pkg(ms, mc, G_START, j), m)
+            m = m & (ld(par(ms, mc, P_NF, k), m) > start)
+            pa = m & (start > 0)
+            ka = keys_of(mc, g, r) + start.to(tl.int64) * mc.K - 1
+            write_stored_header(ps.ev, ld(pkg(ms, mc, G_EV, j), m) + ld(pkg(ms, mc, G_RM, j), m), pa.to(tl.int64),
+                                ld(ms.req_hi + ka, pa), ld(ms.req_lo + ka, pa), g.to(tl.int64), mc.BS, m)
+            i += pc.BLOCK
+    stored = tl.zeros([], tl.int32)
+    for phase in tl.static_range(2):  # old keys out, then new keys in
+        carry = tl.zeros([], tl.int32)
+        i = 0
+        while i < n:
+            f = i + offs
+            m = f < n
+            j, k, g, r, pos = cache_item(ms, mc, nseg, f, m)
+            b = tl.load(row_of(ms, mc, g, r) + pos, mask=m, other=0)
+            act = m & (b != 0)
+            if phase == 0:
+                ev = ld(pkg(ms, mc, G_EV, j), m) - ld(pkg(ms, mc, G_RMOFF, j), m) + carry
+                carry += drop_keys(ps, pc, b, act, ev).to(tl.int32)
+            else:
+                a = act.to(tl.int32)
+                rank = carry + tl.cumsum(a, axis=0) - a
+                ka = keys_of(mc, g, r) + (pos + 1).to(tl.int64) * mc.K - 1
+                hi = ld(ms.req_hi + ka, act)
+                lo = ld(ms.req_lo + ka, act)
+                g64 = g.to(tl.int64)
+                put_key(ps, pc, b, 0, hi, lo, g64, seq0 + rank, (pos + 1).to(tl.int64) * mc.BS, act)
+                tl.store(ps.num_keys + b, tl.full([pc.BLOCK], 1, tl.int32), mask=act)
+                if pc.EVENTS:
+                    ev = ld(pkg(ms, mc, G_EV, j), m) + ld(pkg(ms, mc, G_RM, j), m) + 1 + rank - \
+                        ld(pkg(ms, mc, G_STOFF, j), m)
+                    write_stored_item(ps.ev, ev, b, hi, lo, g64, act)
+                carry += tl.sum(a, axis=0)
+            i += pc.BLOCK
+        tl.debug_barrier()
+        stored = carry
+    return stored
+
+
+@triton.jit
+def finish_requests(ms, mc: tl.constexpr, batch, split, CACHING: tl.constexpr):
+    """Row lengths, computed and cached counts and ``admitted`` of requests [0, split)."""
+    offs = tl.arange(0, mc.BLOCK)
+    i = 0
+    while i < split:
+        k = i + offs
+        m = k < split
+        r = ld(par(ms, mc, P_SLOT, k), m)
+        hits = ld(par(ms, mc, P_HITS, k), m)
+        nf = ld(par(ms, mc, P_NF, k), m)
+        for g in tl.static_range(mc.G):
+            start = ld(pkg(ms, mc, G_START, k * mc.G + g), m)
+            if CACHING:
+                start = tl.maximum(start, nf)
+            tl.store(ms.num_cached + g * mc.R + r, start, mask=m)
+        tl.store(ms.num_blocks + r, ld(par(ms, mc, P_NBLK, k), m) + hits + ld(par(ms, mc, P_NEED, k), m), mask=m)
+        tl.store(ms.num_computed + r, ld(par(ms, mc, P_EFF, k), m), mask=m)
+        tl.store(batch.admitted + k, tl.full([mc.BLOCK], 1, tl.int32), mask=m)
+        i += mc.BLOCK
+
+
+@triton.jit
+def allocate_slots_parallel_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, FORCE_EXACT: tl.constexpr):
+    """``allocate_slots`` of ``batch.num_reqs[0]`` requests (AllocateBatch, see kernels/manager.py):
+    validate the whole batch (errors set the status word and change nothing), analyse every request
+    in parallel, commit requests ``[0, split)`` and leave ``ctrl[ALLOC_SPLIT] = split`` for the exact
+    path (module docstring). ``FORCE_EXACT``: split 0 (tests)."""
+    nb, err = check_allocate_batch(ps, pc, ms, mc, batch, cap)
+    if err == 0:
+        num_free = tl.load(ps.ctrl + NUM_FREE)
+        num_lookups, rel_total, sw, pre_first = scan_requests(ps, pc, ms, mc, batch, nb)
+        tl.debug_barrier()
+        if num_lookups > 0:
+            find_hits(ps, pc, ms, mc, nb, num_lookups)
+        any_hits = count_zero_ref_hits(ps, pc, ms, mc, nb, num_lookups)
+        num_pops, num_zref, num_items, fail, sw2, partial = plan_requests(ps, pc, ms, mc, batch, nb, num_free,
+                                                                          any_hits, rel_total > 0)
+        tl.debug_barrier()
+        sw = tl.minimum(sw, sw2)
+        if pre_first < BIG:  # an un-hashed release goes to the head: no pops after it
+            if num_pops > tl.load(par(ms, mc, P_POPOFF, pre_first)):
+                sw = tl.minimum(sw, pre_first)
+        prefix = tl.full([], BIG, tl.int32)
+        if num_lookups > 0:
+            offs = tl.arange(0, mc.BLOCK)
+            i = 0
+            while i < mc.FS:
+                tl.store(ms.s_filter + i + offs, tl.full([mc.BLOCK], BIG, tl.int32), mask=(i + offs) < mc.FS)
+                i += mc.BLOCK
+            tl.debug_barrier()
+        scan_cached(ps, pc, ms, mc, nb, num_items, num_lookups > 0)
+        if num_lookups > 0:
+            prefix = first_cached_miss(ms, mc, nb)
+            if num_zref > 0:
+                prefix = tl.minimum(prefix, first_popped_hit(ps, pc, ms, mc, nb, num_lookups, num_pops + num_zref))
+        split = tl.minimum(tl.minimum(tl.minimum(fail, sw), tl.minimum(prefix, partial)), nb)
+        reason = tl.where(split == fail, R_OUT_OF_BLOCKS,
+                          tl.where(split == sw, R_SLIDING_WINDOW, tl.where(split == prefix, R_PREFIX, R_PARTIAL_KEY)))
+        if FORCE_EXACT:
+            split = 0
+            reason = R_FORCED
+        tl.store(ps.ctrl + ALLOC_SPLIT, split)
+        if split < nb:
+            tl.store(ps.ctrl + ALLOC_FALLBACK, tl.load(ps.ctrl + ALLOC_FALLBACK) + 1)
+            tl.store(ps.ctrl + FALLBACK_REASONS + reason, tl.load(ps.ctrl + FALLBACK_REASONS + reason) + 1)
+        else:
+            tl.store(ps.ctrl + ALLOC_PARALLEL, tl.load(ps.ctrl + ALLOC_PARALLEL) + 1)
+        if split > 0:
+            head = tl.load(ps.ctrl + HEAD)
+            tail = tl.load(ps.ctrl + TAIL)
+            unlinked = tl.zeros([], tl.int32)
+            if num_lookups > 0:
+                unlinked = touch_hits(ps, pc, ms, mc, split, tl.load(par(ms, mc, P_LOFF, split)))
+            pops = tl.load(par(ms, mc, P_POPOFF, split))
+            head = allocate_all(ps, pc, ms, mc, split, pops, head, tail)
+            released = tl.zeros([], tl.int32)
+            if tl.load(pkg(ms, mc, G_RELOFF, split * mc.G)) > 0:
+                head, tail, released = remove_skipped_all(ps, pc, ms, mc, split, head, tail)
+            stored = tl.zeros([], tl.int32)
+            if pc.CACHING:
+                stored = cache_all(ps, pc, ms, mc, split, tl.load(ps.ctrl + KEY_SEQ))
+            finish_requests(ms, mc, batch, split, pc.CACHING)
+            tl.store(ps.ctrl + HEAD, head)
+            tl.store(ps.ctrl + TAIL, tail)
+            tl.store(ps.ctrl + NUM_FREE, num_free + released - pops - unlinked)
+            tl.store(ps.ctrl + KEY_SEQ, tl.load(ps.ctrl + KEY_SEQ) + stored)
+            tl.store(ps.ctrl + EV_COUNT, tl.load(par(ms, mc, P_EVBASE, split)))
+
+
+def launch_allocate_slots_parallel(ps, pc, ms, mc, batch, *, force_exact: bool = False):
+    """Launch ``allocate_slots_parallel_kernel`` (one program)."""
+    allocate_slots_parallel_kernel[(1,)](ps, pc, ms, mc, batch, batch.slots.numel(), FORCE_EXACT=bool(force_exact),
+                                         num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))
