@@ -41,7 +41,7 @@ from .args import NULL_BLOCK, ManagerShape, as_hash_bytes_list, as_id_list, as_i
 from .errors import InvalidArgumentError, InvariantError, OutOfBlocksError
 from .kernels import manager as k_manager
 from .kernels import parallel_alloc as k_parallel
-from .kernels.parallel_alloc import NKG, NPAR
+from .kernels.parallel_alloc import NKG, NMAP, NPAR
 from .kernels.copy_blocks import copy_blocks
 from .locking import locked
 from .pool import BlockPool
@@ -71,13 +71,15 @@ class ManagerState(NamedTuple):
     s_seg: torch.Tensor
     s_par: torch.Tensor
     s_kg: torch.Tensor
+    s_map: torch.Tensor
     s_filter: torch.Tensor
 
 
 class ManagerConfig(NamedTuple):
     """The manager's sizes, a ``tl.constexpr`` argument: G groups, R request slots, M blocks per row,
     K hash blocks per block, BS tokens per block, Q pending-copy capacity, BLOCK lanes per request tile,
-    FS entries of the request-parallel path's key filter (kernels/parallel_alloc.py)."""
+    FS entries of the request-parallel path's key filter, MAPS = G * R * M entries per item map
+    (kernels/parallel_alloc.py)."""
 
     G: int
     R: int
@@ -87,6 +89,7 @@ class ManagerConfig(NamedTuple):
     Q: int
     BLOCK: int
     FS: int
+    MAPS: int
 
 
 class AllocateBatch(NamedTuple):
@@ -125,6 +128,7 @@ def allocate_manager_state(shape: ManagerShape, q: int, device) -> ManagerState:
         s_seg=torch.zeros(G * R + 1, dtype=i32, device=device),
         s_par=torch.zeros((NPAR, R + 1), dtype=i32, device=device),
         s_kg=torch.zeros((NKG, G * R + 1), dtype=i32, device=device),
+        s_map=torch.zeros((NMAP, G * R * M), dtype=i32, device=device),
         s_filter=torch.zeros(filter_size(R), dtype=i32, device=device),
     )
 
@@ -167,7 +171,8 @@ class KVCacheManager:
         self.config = ManagerConfig(G=len(sh.groups), R=sh.max_num_reqs, M=sh.max_blocks_per_req,
                                     K=sh.hashes_per_block, BS=sh.block_size, Q=q,
                                     BLOCK=min(1024, max(16, pow2_at_least(sh.max_num_reqs))),
-                                    FS=filter_size(sh.max_num_reqs))
+                                    FS=filter_size(sh.max_num_reqs),
+                                    MAPS=len(sh.groups) * sh.max_num_reqs * sh.max_blocks_per_req)
         self.parallel = True  # False: every batch takes the exact sequential path (tests, debugging)
         self._pool.registry.add_pin_source(self._active_keys)
 

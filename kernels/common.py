@@ -71,3 +71,40 @@ def forced_warps(num_warps: int):
         yield
     finally:
         _forced_warps = old
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def segment_ids(seg_off, nseg, total, out, BLOCK: tl.constexpr):
+    """``out[f]`` = the segment holding flat index ``f < total`` (``seg_off[j] <= f < seg_off[j + 1]``,
+    nondecreasing offsets from 0): each non-empty segment marks its first index, then a running max
+    fills the rest. O(total) work with no dependent chain per item (a binary search per item costs
+    log2(nseg) dependent loads in every pass that needs the mapping)."""
+    offs = tl.arange(0, BLOCK)
+    i = 0
+    while i < total:
+        tl.store(out + i + offs, tl.full([BLOCK], -1, tl.int32), mask=(i + offs) < total)
+        i += BLOCK
+    tl.debug_barrier()
+    i = 0
+    while i < nseg:
+        j = i + offs
+        m = j < nseg
+        o = tl.load(seg_off + j, mask=m, other=0)
+        tl.store(out + o, j, mask=m & (tl.load(seg_off + j + 1, mask=m, other=0) > o))
+        i += BLOCK
+    tl.debug_barrier()
+    carry = tl.full([], -1, tl.int32)
+    i = 0
+    while i < total:
+        f = i + offs
+        m = f < total
+        run = tl.maximum(tl.associative_scan(tl.load(out + f, mask=m, other=-1), 0, _max_combine), carry)
+        tl.store(out + f, run, mask=m)
+        carry = tl.max(run, axis=0)
+        i += BLOCK
+    tl.debug_barrier()

@@ -21,7 +21,8 @@ Where the prefix sums stop being exact (the fallback reasons, counted in ``ctrl`
 * ``FORCED``: the caller asked for the exact path (tests).
 
 Scratch (manager state, back to idle at the end): ``s_par: int32[NPAR, R + 1]`` per-request fields,
-``s_kg: int32[NKG, G * R + 1]`` per (request, group) fields (index ``k * G + g``), ``s_filter:
+``s_kg: int32[NKG, G * R + 1]`` per (request, group) fields (index ``k * G + g``), ``s_map: int32[NMAP,
+MAPS]`` the request (or segment) of each flattened item, ``s_filter:
 int32[FS]`` keys cached in the batch (a conservative set: a false hit only costs a fallback); the
 pool's ``s_first`` (idle BIG) and ``s_last`` (idle -1).
 """
@@ -31,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .alloc import claim_tile
-from .common import warps_for
+from .common import segment_ids, warps_for
 from .events import write_stored_header, write_stored_item
 from .keytable import drop_keys, key_home, lookup_blocks, put_key
 from .layout import (
@@ -89,6 +90,11 @@ G_RMOFF = tl.constexpr(7)  # removed keys of earlier segments
 G_STOFF = tl.constexpr(8)  # stored keys of earlier segments
 G_EV = tl.constexpr(9)  # first event row of the segment's caching
 NKG = 10
+# rows of s_map: the segment of each flattened item
+MAP_LOOKUP = tl.constexpr(0)
+MAP_CACHE = tl.constexpr(1)
+MAP_POP = tl.constexpr(2)
+NMAP = 3
 
 
 @triton.jit
@@ -117,7 +123,9 @@ def leading_nulls(row, n, m, M: tl.constexpr):
     """Null blocks at the start of each lane's ``row[:n]`` (rows are nulls, then blocks: sliding-window
     removal nulls a prefix): a binary search, log2(M) loads."""
     lead = tl.zeros_like(n)
-    step: tl.constexpr = triton.next_power_of_2(M)
+    step = 1
+    while step < M:
+        step *= 2
     while step > 0:
         cand = lead + step
         ok = m & (cand <= n)
@@ -193,7 +201,7 @@ def scan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb):
 @triton.jit
 def lookup_item(ms, mc: tl.constexpr, nb, f, m):
     """(request, position, slot) of flattened lookup items ``f``."""
-    k = segment_of(par(ms, mc, P_LOFF, 0), nb, f)
+    k = ld(ms.s_map + MAP_LOOKUP * mc.MAPS + f, m)
     t = f - ld(par(ms, mc, P_LOFF, k), m)
     return k, t, ld(par(ms, mc, P_SLOT, k), m)
 
@@ -342,7 +350,7 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
 @triton.jit
 def cache_item(ms, mc: tl.constexpr, nseg, f, m):
     """(segment, request, group, slot, block position) of flattened caching items ``f``."""
-    j = segment_of(pkg(ms, mc, G_COFF, 0), nseg, f)
+    j = ld(ms.s_map + MAP_CACHE * mc.MAPS + f, m)
     k = j // mc.G
     g = j % mc.G
     pos = ld(pkg(ms, mc, G_START, j), m) + f - ld(pkg(ms, mc, G_COFF, j), m)
@@ -519,7 +527,7 @@ def event_layout(ms, mc: tl.constexpr, split, ev0, EVENTS: tl.constexpr):
 @triton.jit
 def pop_item(ms, mc: tl.constexpr, split, f, m):
     """(request, group, row position, slot) of popped blocks ``f``."""
-    k = segment_of(par(ms, mc, P_POPOFF, 0), split, f)
+    k = ld(ms.s_map + MAP_POP * mc.MAPS + f, m)
     o = f - ld(par(ms, mc, P_POPOFF, k), m)
     need = tl.maximum(ld(par(ms, mc, P_NEED, k), m), 1)
     pos = ld(par(ms, mc, P_NBLK, k), m) + ld(par(ms, mc, P_HITS, k), m) + o % need
@@ -532,14 +540,14 @@ def allocate_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, num_pops, he
     evictions' rows per request, claims, and the blocks scattered into the rows. Returns the head."""
     offs = tl.arange(0, pc.BLOCK)
     new_head = ring_scan_pop(ps, pc, head, tail, ms.s_ids, 0, num_pops)
-    tl.debug_barrier()
+    segment_ids(par(ms, mc, P_POPOFF, 0), split, num_pops, ms.s_map + MAP_POP * mc.MAPS, pc.BLOCK)
     if pc.CACHING:
         i = 0
         while i < num_pops:
             f = i + offs
             m = f < num_pops
             b = tl.load(ms.s_ids + f, mask=m, other=0)
-            k = segment_of(par(ms, mc, P_POPOFF, 0), split, f)
+            k = ld(ms.s_map + MAP_POP * mc.MAPS + f, m)
             tl.atomic_add(par(ms, mc, P_EVICT, k), ld(ps.num_keys + b, m), mask=m)
             i += pc.BLOCK
         tl.debug_barrier()
@@ -694,11 +702,13 @@ def allocate_slots_parallel_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, b
         num_lookups, rel_total, sw, pre_first = scan_requests(ps, pc, ms, mc, batch, nb)
         tl.debug_barrier()
         if num_lookups > 0:
+            segment_ids(par(ms, mc, P_LOFF, 0), nb, num_lookups, ms.s_map + MAP_LOOKUP * mc.MAPS, pc.BLOCK)
             find_hits(ps, pc, ms, mc, nb, num_lookups)
         any_hits = count_zero_ref_hits(ps, pc, ms, mc, nb, num_lookups)
         num_pops, num_zref, num_items, fail, sw2, partial = plan_requests(ps, pc, ms, mc, batch, nb, num_free,
                                                                           any_hits, rel_total > 0)
         tl.debug_barrier()
+        segment_ids(pkg(ms, mc, G_COFF, 0), nb * mc.G, num_items, ms.s_map + MAP_CACHE * mc.MAPS, pc.BLOCK)
         sw = tl.minimum(sw, sw2)
         if pre_first < BIG:  # an un-hashed release goes to the head: no pops after it
             if num_pops > tl.load(par(ms, mc, P_POPOFF, pre_first)):

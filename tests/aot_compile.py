@@ -147,7 +147,11 @@ def main(ccs):
                 ok = "cubin" in out.asm
             except Exception as e:  # report and go on, so one run lists every failure
                 ok = False
-                print(f"FAIL sm_{cc} {fn.__name__}: {type(e).__name__}: {str(e)[:2000]} | cause: {repr(e.__cause__)[:3000]}", flush=True)
+                root = e
+                while root.__cause__ is not None:  # the innermost jit function's error says what is wrong
+                    root = root.__cause__
+                print(f"FAIL sm_{cc} {fn.__name__}: {type(e).__name__}: {str(e)[:600]} | innermost: "
+                      f"{type(root).__name__}: {str(root)[-1500:]}", flush=True)
             failures += not ok
             if ok:
                 print(f"ok   sm_{cc} {fn.__name__} {consts}", flush=True)
