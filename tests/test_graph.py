@@ -137,3 +137,63 @@ def test_captured_decode_step_replays_like_the_reference_for_1000_steps():
             torch.cuda.set_sync_debug_mode("default")
 
     drive(run, ref, step, steps=1000, seed=9, dev_manager=dev_m)
+
+
+class LaunchCounter:
+    """Counts Triton launches (interpreter) and host reads of device tensors inside the block."""
+
+    SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__")
+
+    def __enter__(self):
+        import triton.runtime.interpreter as interp
+
+        self.launches = self.syncs = 0
+        self._cls = interp.InterpretedFunction
+        self._getitem = self._cls.__getitem__
+        counter = self
+
+        def getitem(fn, grid):
+            counter.launches += 1
+            return counter._getitem(fn, grid)
+
+        self._cls.__getitem__ = getitem
+        self._saved = {}
+        for name in self.SYNC_METHODS:
+            orig = getattr(torch.Tensor, name)
+            self._saved[name] = orig
+
+            def wrapped(t, *a, _orig=orig, **kw):
+                counter.syncs += 1
+                return _orig(t, *a, **kw)
+
+            setattr(torch.Tensor, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        self._cls.__getitem__ = self._getitem
+        for name, orig in self._saved.items():
+            setattr(torch.Tensor, name, orig)
+        return False
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counts interpreter launches")
+def test_decode_step_launches_and_syncs_do_not_depend_on_batch_size():
+    """A decode step is the same fixed sequence of launches with no host sync, for 1 or 24 requests
+    (the request-parallel kernel, the exact path that returns at once, ...): nothing loops over
+    requests on the host."""
+    counts = []
+    for batch in (1, 24):
+        m = KVCacheManager(256, block_size=BS, max_num_reqs=32, max_blocks_per_req=8)
+        for r in range(batch):
+            m.add_request(r, [h(1000 * r + i) for i in range(2)])
+        m.allocate_slots(list(range(batch)), [7] * batch, [7] * batch, [1] * batch)
+        step = DecodeStep(m, 32)
+        fill(step, list(range(1, batch)), [8] * (batch - 1), [0])
+        with LaunchCounter() as c:
+            step.run()
+        m.pool.check()
+        assert step.admitted[: batch - 1].tolist() == [1] * (batch - 1)
+        assert m.pool.statistics()["alloc_fallback"] == 0
+        counts.append((c.launches, c.syncs))
+    assert counts[0] == counts[1], counts
+    assert counts[0][0] >= 4 and counts[0][1] == 0, counts  # free, allocate (2), slot mapping, ...

@@ -605,11 +605,14 @@ GROUP_KINDS = {
 _EXAMPLES = max(4, settings().max_examples // 3)
 
 
+@pytest.mark.parametrize("parallel", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["parallel", "exact"])
 @pytest.mark.parametrize("kind", list(GROUP_KINDS))
 @settings(max_examples=_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                           HealthCheck.data_too_large])
 @given(data=st.data())
-def test_manager_matches_reference(kind, data):
+def test_manager_matches_reference(kind, parallel, data):
+    """Random workloads; ``parallel``: allocate_slots takes the request-parallel path where it is exact
+    (kernels/parallel_alloc.py), else every batch takes the exact sequential path."""
     bs = data.draw(st.sampled_from([4, 16]), label="block_size")
     hbs = bs if data.draw(st.booleans(), label="hash blocks = blocks") else data.draw(
         st.sampled_from([2] if bs == 4 else [4, 8]), label="hash_block_size")
@@ -619,6 +622,7 @@ def test_manager_matches_reference(kind, data):
              max_blocks_per_req=data.draw(st.integers(8, 16), label="max_blocks_per_req"), groups=groups,
              caching=not rare(data, "caching off", 4), events=data.draw(st.booleans(), label="events"),
              hash_block_size=hbs, kv_caches=True)
+    p.dev.parallel = parallel
     note(f"config: N={p.N} bs={bs} hbs={hbs} R={p.R} M={p.M} groups={groups} caching={p.caching} "
          f"events={p.events}")
     num_ops = data.draw(st.integers(6, 24), label="num ops")
