@@ -2,8 +2,10 @@
 # Device checks for a lent CUDA machine, in one go (under 8 minutes):
 #   1. the CUDA-only tests (python -m pytest -q tests -m cuda),
 #   2. `gpupool replay --pool both` on the whole bundled trace (device and reference must agree),
-#   3. the benchmarks (`gpupool bench`: pytest-benchmark JSON + PNG),
-#   4. a short table (op, pool, N, batch, median us, GPU us), printed last.
+#   3. the modelled cases of bench/model_cases.py MEASURED with CUDA events (decode step at B = 64 and
+#      1,024, allocate / free / touch of 4,096 blocks, 10,000 lookups; eager and as CUDA-graph replays),
+#   4. the benchmarks (`gpupool bench`: pytest-benchmark JSON + PNG),
+#   5. short tables (measured cases; op, pool, N, batch, median us, GPU us), printed last.
 # Run from anywhere: bash bench/gpu_check.sh (GPU_CHECK_ALLOW_CPU=1: a dry run without CUDA).
 # Output goes to $OUT if set, else bench/out.
 # Each stage has a timeout taken from one overall deadline; a failed stage is reported and the
@@ -61,10 +63,11 @@ if ! $PY -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'
   log "no CUDA device; GPU_CHECK_ALLOW_CPU=1: dry run on the CPU (Triton interpreter, quick grid)"
 fi
 
-stage cuda_tests 120 330 $PY -m pytest -q -p no:cacheprovider tests -m cuda
-stage replay 120 250 $PY -m gpupool replay --pool both --json "$OUTDIR/replay.json"
+stage cuda_tests 100 350 $PY -m pytest -q -p no:cacheprovider tests -m cuda
+stage measured 120 230 $PY bench/model_cases.py --measure --reps 50 --sizes 64,1024 --json "$OUTDIR/measured.json"
+stage replay 100 130 $PY -m gpupool replay --pool both --json "$OUTDIR/replay.json"
 export GPUPOOL_BENCH_MAX_TIME=${GPUPOOL_BENCH_MAX_TIME:-0.05}
-stage bench 330 5 $PY -m gpupool bench --out "$OUTDIR/bench"
+stage bench 200 5 $PY -m gpupool bench --out "$OUTDIR/bench"
 
 echo
 log "stages failed: ${FAILED[*]:-none}"
@@ -77,6 +80,9 @@ if "device" in r:
           f"reference {r['reference']['requests_per_s']:,.0f} req/s, hit blocks {r['device']['hit_blocks']} "
           f"vs {r['reference']['hit_blocks']}")
 PYEOF
+fi
+if [[ -f "$OUTDIR/measured.log" ]]; then
+  grep '^|' "$OUTDIR/measured.log" || true  # the measured cases (compare with bench/RESULTS.md's modelled ones)
 fi
 if [[ -f "$OUTDIR/bench.json" ]]; then
   $PY bench/plot.py "$OUTDIR/bench.json" --table

@@ -37,8 +37,14 @@ Cases:
 * ``touch_4096``: ``touch_batched`` of 4,096 distinct cached free blocks chosen at random (they are
   unlinked from the middle of the free queue).
 
-Every op is called as a plain caller would (optional count tensors left to their defaults, so their
-``torch.full`` glue is part of the op), and checked afterwards (``check()``, counts, hits).
+Every op is called as a plain caller would (optional count tensors left to their defaults: the kernels
+then take the array's length, with no glue kernel), and checked afterwards (``check()``, counts, hits).
+
+``--measure`` (on a CUDA machine; ``bench/gpu_check.sh`` runs it) builds the same states on the GPU
+and MEASURES each op with CUDA events instead of modelling it: every state tensor of the pool (and
+manager) is snapshotted before the op and restored before each repetition; "eager" times the op as
+called, "graph" times the replay of a CUDA graph captured from it (median of ``--reps``). Without
+CUDA, ``--measure`` is a dry run of the same flow on the CPU (wall clock, the interpreter's speed).
 
 Run (from the repository root; the package's kernels run in Triton's interpreter, no GPU needed)::
 
@@ -65,7 +71,8 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if "--measure" not in sys.argv[1:]:  # modelling runs the kernels in the interpreter; measuring compiles them
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_GPUCOST = ROOT.parent / "shared" / "tools" / "gpucost.py"
@@ -129,9 +136,12 @@ def git_commit() -> str:
 
 
 # ---- steady state ------------------------------------------------------------------------------
+DEVICE = "cpu"  # "cuda" with --measure on a CUDA machine (set in main)
+
+
 def i32(values):
     import torch
-    return torch.tensor(list(values), dtype=torch.int32)
+    return torch.tensor(list(values), dtype=torch.int32, device=DEVICE)
 
 
 class Hashes:
@@ -172,8 +182,8 @@ def lookup_all(pool, hashes: list[bytes]):
     import torch
     from gpupool.keys import device_key
     keys = [device_key(h, 0) for h in hashes]
-    hi = torch.tensor([k[0] for k in keys], dtype=torch.int64)
-    lo = torch.tensor([k[1] for k in keys], dtype=torch.int64)
+    hi = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=DEVICE)
+    lo = torch.tensor([k[1] for k in keys], dtype=torch.int64, device=DEVICE)
     return hi, lo, torch.zeros(len(keys), dtype=torch.int32)
 
 
@@ -196,9 +206,74 @@ def warm_block_pool(gp):
     return pool, owner, time.perf_counter() - t0
 
 
+# ---- measuring (--measure) ---------------------------------------------------------------------
+class Measure:
+    """Times one op with CUDA events (``--measure``), in place of gpucost's model.
+
+    Every tensor of ``state`` (the NamedTuples the op changes) is snapshotted first and restored
+    before each repetition, so every repetition starts from the same steady state; the last run, on a
+    restored state, is the one the case checks. "eager": the op as called (launch overheads
+    included); "graph": the replay of a CUDA graph captured from it. Medians over ``reps``, us.
+    Without CUDA: a dry run on the CPU (wall clock; no graph)."""
+
+    def __init__(self, reps: int):
+        import torch
+        self.reps = reps
+        self.cuda = torch.cuda.is_available()
+        self.device = torch.cuda.get_device_name(0) if self.cuda else "cpu (dry run, interpreter)"
+
+    def _time(self, fn, restore) -> float:
+        import torch
+        restore()
+        if not self.cuda:
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e6
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1000.0
+
+    def run(self, fn, state, title: str):
+        import statistics
+
+        import torch
+        t0 = time.perf_counter()
+        tensors = [t for nt in state for t in nt if isinstance(t, torch.Tensor)]
+        snap = [t.clone() for t in tensors]
+
+        def restore():
+            for t, saved in zip(tensors, snap):
+                t.copy_(saved)
+
+        eager = [self._time(fn, restore) for _ in range(self.reps)]
+        graph = []
+        if self.cuda:
+            restore()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            graph = [self._time(g.replay, restore) for _ in range(self.reps)]
+        restore()
+        out = fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+        rec = {"measured": True, "device": self.device, "reps": self.reps,
+               "eager_us": round(statistics.median(eager), 2),
+               "graph_us": round(statistics.median(graph), 2) if graph else None}
+        return rec, out, time.perf_counter() - t0
+
+
 # ---- recording ---------------------------------------------------------------------------------
 def summarize(gc, rec, case: str, params: dict, build_s: float, record_s: float, extra: dict) -> dict:
     """The numbers of one recorded case (all scenario triples are best / lo / hi, microseconds)."""
+    if isinstance(gc, Measure):
+        return {"case": case, "params": params, "build_s": round(build_s, 2), "record_s": round(record_s, 2),
+                **rec, **extra}
     hi = gc.SCENARIO_NAMES.index("hi")
     launches = rec.launches
     dom = max(launches, key=lambda L: L.body()[hi]) if launches else None
@@ -223,7 +298,11 @@ def summarize(gc, rec, case: str, params: dict, build_s: float, record_s: float,
     }
 
 
-def record(gc, fn, report: bool, title: str):
+def record(gc, fn, report: bool, title: str, state=()):
+    """Model ``fn`` with gpucost, or (``gc`` a :class:`Measure`) time it; ``state``: the NamedTuples
+    of tensors the op changes (restored between repetitions when measuring)."""
+    if isinstance(gc, Measure):
+        return gc.run(fn, state, title)
     t0 = time.perf_counter()
     with gc.Recorder(label=title, track_lines=report) as rec:
         out = fn()
@@ -289,7 +368,8 @@ def case_decode_step(gp, gc, B: int, args) -> dict:
     step.num_finished.fill_(len(fin))
     build_s = time.perf_counter() - t0
 
-    rec, _, record_s = record(gc, step.run, args.report, f"decode_step B={B}")
+    rec, _, record_s = record(gc, step.run, args.report, f"decode_step B={B}",
+                              state=(m.pool.state, m.state, tuple(vars(step).values())))
 
     # The step did what the steady state says.
     m.pool.check()
@@ -310,9 +390,9 @@ def case_alloc(gp, gc, num: int, each: int, args) -> dict:
     import torch
     pool, owner, build_s = warm_block_pool(gp)
     free0 = pool.get_num_free_blocks()
-    demands = torch.full((num,), each, dtype=torch.int32)
+    demands = torch.full((num,), each, dtype=torch.int32, device=DEVICE)
     rec, (out, offsets), record_s = record(gc, lambda: pool.allocate_batched(demands), args.report,
-                                           f"allocate_batched {num} x {each}")
+                                           f"allocate_batched {num} x {each}", state=(pool.state,))
     pool.check()
     total = num * each
     blocks = out[:total].tolist()
@@ -331,17 +411,17 @@ def case_free(gp, gc, args) -> dict:
     pool, owner, build_s = warm_block_pool(gp)
     t0 = time.perf_counter()
     segs, per = 64, 64
-    out, _ = pool.allocate_batched(torch.full((segs,), per, dtype=torch.int32))
+    out, _ = pool.allocate_batched(torch.full((segs,), per, dtype=torch.int32, device=DEVICE))
     blocks = out[: segs * per].view(segs, per).clone()
     hashed = blocks[:, : per // 2].reshape(-1).contiguous()  # first half of each "request" keyed again
     pool.cache_full_blocks(hashed, Hashes("free").take(hashed.numel()), 0, hashed.numel(), BLOCK_SIZE, 0)
     pool.check()
     ids = blocks.flip(1).reshape(-1).contiguous()  # each request tail first
-    seg_offsets = torch.arange(0, segs * per + 1, per, dtype=torch.int32)
+    seg_offsets = torch.arange(0, segs * per + 1, per, dtype=torch.int32, device=DEVICE)
     free0 = pool.get_num_free_blocks()
     build_s += time.perf_counter() - t0
     rec, _, record_s = record(gc, lambda: pool.free_batched(ids, seg_offsets), args.report,
-                              f"free_batched {segs * per} in {segs} segments")
+                              f"free_batched {segs * per} in {segs} segments", state=(pool.state,))
     pool.check()
     assert pool.get_num_free_blocks() == free0 + segs * per
     return summarize(gc, rec, "free_4096", {"blocks": segs * per, "segments": segs, "hashed": hashed.numel()},
@@ -355,7 +435,8 @@ def case_lookup(gp, gc, args) -> dict:
     hs = rng.sample(sorted(owner), 10_000)
     keys = lookup_all(pool, hs)
     build_s += time.perf_counter() - t0
-    rec, out, record_s = record(gc, lambda: pool.lookup_batched(*keys), args.report, "lookup_batched 10,000")
+    rec, out, record_s = record(gc, lambda: pool.lookup_batched(*keys), args.report, "lookup_batched 10,000",
+                                state=(pool.state,))
     pool.check()
     assert out.tolist() == [owner[h] for h in hs], "a lookup did not hit its block"
     return summarize(gc, rec, "lookup_10000", {"keys": len(hs), "hits": len(hs)}, build_s, record_s, {})
@@ -369,7 +450,8 @@ def case_touch(gp, gc, args) -> dict:
     ids = i32(chosen)
     free0 = pool.get_num_free_blocks()
     build_s += time.perf_counter() - t0
-    rec, _, record_s = record(gc, lambda: pool.touch_batched(ids), args.report, "touch_batched 4,096")
+    rec, _, record_s = record(gc, lambda: pool.touch_batched(ids), args.report, "touch_batched 4,096",
+                              state=(pool.state,))
     pool.check()
     assert pool.get_num_free_blocks() == free0 - 4096
     assert set(pool.ref_counts(chosen)) == {1}
@@ -390,7 +472,13 @@ def table(results: list[dict]) -> str:
     return "\n".join([HEADER, sep] + [row(r) for r in results])
 
 
+MEASURED_HEADER = "| case | measured graph us | measured eager us | reps | device |\n|---|---:|---:|---:|---|"
+
+
 def row(r: dict) -> str:
+    if r.get("measured"):
+        g = "-" if r["graph_us"] is None else f"{r['graph_us']:,.1f}"
+        return f"| {r['case']} | {g} | {r['eager_us']:,.1f} | {r['reps']} | {r['device']} |"
     d = r["dominant"] or {"kernel": "-", "max_counts": dict.fromkeys(COUNT_KINDS, 0)}
     return (f"| {r['case']} | {fmt(r['graph_us'])} | {fmt(r['eager_us'])} | {r['launches']} | {r['glue']} | "
             f"{r['syncs']} | " + " | ".join(str(d["max_counts"][k]) for k in COUNT_KINDS) + f" | {d['kernel']} |")
@@ -406,6 +494,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write every number to PATH")
     ap.add_argument("--gpucost", metavar="PATH", help="gpucost.py (default $GPUCOST, else ../shared/tools/gpucost.py)")
     ap.add_argument("--prefill-batch", type=int, default=256, help="requests per allocate_slots call when prefilling")
+    ap.add_argument("--measure", action="store_true",
+                    help="time each op with CUDA events on the GPU instead of modelling it (no gpucost needed)")
+    ap.add_argument("--reps", type=int, default=20, help="repetitions per op with --measure (median)")
     args = ap.parse_args(argv)
 
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -415,14 +506,25 @@ def main(argv=None) -> int:
         ap.error(f"unknown case(s) {', '.join(bad)}; choose from {', '.join(CASES)}")
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
 
-    gc, gc_path = load_gpucost(args.gpucost)
+    global DEVICE
+    if args.measure:
+        gc, gc_path = Measure(args.reps), "-"
+        DEVICE = "cuda" if gc.cuda else "cpu"
+    else:
+        gc, gc_path = load_gpucost(args.gpucost)
     gp = import_this_tree()
     commit = git_commit()
     print(f"gpupool {Path(gp.__file__).parent} at {commit}; gpucost {gc_path}")
-    print("Modelled H200 latency (gpucost, a model, not a measurement); us best / lo / hi. "
-          "Counts: the dominant launch's slowest program (max per kind over its programs).")
+    if args.measure:
+        print(f"MEASURED with CUDA events on {gc.device}; median us of {args.reps} repetitions, each from the "
+              "same restored state.")
+    else:
+        print("Modelled H200 latency (gpucost, a model, not a measurement); us best / lo / hi. "
+              "Counts: the dominant launch's slowest program (max per kind over its programs).")
     print()
-    if not args.report:
+    if args.measure:
+        print(MEASURED_HEADER)
+    elif not args.report:
         print(table([]))
     results = []
     jobs = []
@@ -445,16 +547,17 @@ def main(argv=None) -> int:
         results.append(r)
         if not args.report:
             print(row(r), flush=True)
-    if args.report:  # the reports came in between: the whole table once more
+    if args.report and not args.measure:  # the reports came in between: the whole table once more
         print(table(results))
     print()
     for r in results:
         extra = "".join(f", {k} {r[k]} s" for k in ("warm_s", "prefill_s") if k in r)
-        print(f"- {r['case']}: build {r['build_s']} s{extra}, record {r['record_s']} s; glue "
-              f"{', '.join(f'{k} x{v}' for k, v in sorted(r['glue_ops'].items())) or '-'}")
+        glue = ", ".join(f"{k} x{v}" for k, v in sorted(r.get("glue_ops", {}).items())) or "-"
+        print(f"- {r['case']}: build {r['build_s']} s{extra}, record {r['record_s']} s; glue {glue}")
     if args.json:
-        meta = {"commit": commit, "gpupool": str(Path(gp.__file__).parent), "gpucost": str(gc_path),
-                "scenarios": list(gc.SCENARIO_NAMES), "model": "gpucost (modelled H200 latency, not measured)",
+        how = ({"model": f"measured with CUDA events on {gc.device}"} if args.measure else
+               {"scenarios": list(gc.SCENARIO_NAMES), "model": "gpucost (modelled H200 latency, not measured)"})
+        meta = {"commit": commit, "gpupool": str(Path(gp.__file__).parent), "gpucost": str(gc_path), **how,
                 "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv}
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         print(f"wrote {args.json}")

@@ -196,6 +196,16 @@ class KVCacheManager:
             raise InvalidArgumentError(op, f"slot {r} is {'not ' if active else ''}in use", r)
         return r
 
+    def _host_slots(self, op: str, slots) -> list[int]:
+        """A host list of distinct slots in use, checked on the host (waits for the device)."""
+        rs = as_id_list(op, slots)
+        self._pool.finish()
+        for r in rs:
+            self._slot(op, r)
+        if len(set(rs)) != len(rs):
+            raise InvalidArgumentError(op, "a slot is listed twice")
+        return rs
+
     def _write_hashes(self, r: int, start: int, hashes: list[bytes]) -> None:
         if hashes:
             keys = [self._pool.registry.register_many(hashes, g) for g in range(len(self.groups))]
@@ -268,12 +278,7 @@ class KVCacheManager:
         ``(hits: int32[B], blocks: int32[B, G, M])`` on the device (first ``hits[b]`` valid). Read-only;
         the slots are checked on the host (a tensor of slots is read back: this op waits)."""
         op = "get_computed_blocks"
-        rs = as_id_list(op, slots)
-        self._pool.finish()
-        for r in rs:
-            self._slot(op, r)
-        if len(set(rs)) != len(rs):
-            raise InvalidArgumentError(op, "a slot is listed twice")
+        rs = self._host_slots(op, slots)
         s = torch.tensor(rs, dtype=torch.long, device=self.device)
         nt = self._i32(op, num_tokens, "num_tokens")
         if s.numel() != nt.numel():
@@ -334,12 +339,7 @@ class KVCacheManager:
         op = "free"
         host_list = not isinstance(slots, torch.Tensor)
         if host_list:
-            rs = as_id_list(op, slots)
-            self._pool.finish()
-            for r in rs:
-                self._slot(op, r)
-            if len(set(rs)) != len(rs):
-                raise InvalidArgumentError(op, "a slot is listed twice")
+            self._host_slots(op, slots)
         s = self._i32(op, slots, "slots")
         k_manager.launch_free_requests(self._pool.state, self._pool.config, self.state, self.config, s,
                                        self._count(op, num_reqs, s.numel()))

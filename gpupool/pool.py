@@ -191,9 +191,10 @@ class BlockPool:
         return t.reshape(-1).contiguous()
 
     def _count(self, op: str, count, n: int) -> torch.Tensor:
-        """A device count: the given ``int32[1]`` tensor, or ``n`` filled on the device (no H2D copy)."""
+        """A device count: the given ``int32[1]`` tensor, or None when the whole array counts (the
+        kernel then takes its length: no glue kernel, no H2D copy)."""
         if count is None:
-            return torch.full((1,), n, dtype=torch.int32, device=self.device)
+            return None
         return self._device_i32(op, count, "the count")[:1]
 
     # ---- docs/semantics.md section 2: single ops ----------------------------------------------------
@@ -211,7 +212,7 @@ class BlockPool:
         if n > self.num_blocks:
             raise OutOfBlocksError(op, f"cannot get {n} free blocks from a pool of {self.num_blocks}", n)
         blocks, _ = k_alloc.launch_alloc(self.state, self.config, self._tensor([n]), self._count(op, None, 1),
-                                         op=Op.GET_NEW_BLOCKS)
+                                         op=Op.GET_NEW_BLOCKS, max_total=n)
         self.check()
         return blocks[:n].clone()
 

@@ -8,7 +8,7 @@ calls. ``claim_blocks`` is the one place that hands a popped block out: its keys
 import triton
 import triton.language as tl
 
-from .common import checked_count, first_bad, set_status, status_clear, warps_for
+from .common import batch_config, checked_count, first_bad, raw_count, set_status, status_clear, warps_for
 from .keytable import drop_keys
 from .layout import (
     E_BUFFER_FULL, E_INVALID_ARG, E_INVALID_COUNT, E_OUT_OF_BLOCKS, EV_COUNT, HEAD, NO_SLOT, NUM_FREE, REUSE_COUNT,
@@ -96,7 +96,7 @@ def alloc_kernel(ps, pc: tl.constexpr, demands, num_demands, cap, out_blocks, ou
         free = tl.load(ps.ctrl + NUM_FREE)
         total = tl.zeros([], tl.int64)
         err = tl.where(nd_ok, 0, E_INVALID_ARG)
-        err_val = tl.where(nd_ok, 0, tl.load(num_demands)).to(tl.int64)
+        err_val = tl.where(nd_ok, 0, raw_count(num_demands, cap)).to(tl.int64)
         tl.store(out_offsets, 0)
         i = 0
         while i < nd:
@@ -133,13 +133,15 @@ def alloc_kernel(ps, pc: tl.constexpr, demands, num_demands, cap, out_blocks, ou
             set_status(ps.status, err, OP, err_val)
 
 
-def launch_alloc(ps, pc, demands, num_demands, *, op: int):
+def launch_alloc(ps, pc, demands, num_demands, *, op: int, max_total: int | None = None):
     """Launch ``alloc_kernel`` (one program). ``demands: int32[B]``, ``num_demands: int32[1]``.
+    ``max_total``: an upper bound of the demands' sum when the host knows it (sizes the tiles).
     Returns ``(blocks: int32[N + 1], offsets: int32[B + 1])``."""
     import torch
 
     offsets = torch.empty(demands.numel() + 1, dtype=torch.int32, device=demands.device)
     out = torch.empty(pc.N + 1, dtype=torch.int32, device=demands.device)
+    pc = batch_config(pc, pc.N if max_total is None else max_total)  # tiles as wide as the blocks it may pop
     alloc_kernel[(1,)](ps, pc, demands, num_demands, demands.numel(), out, offsets, OP=op,
                        num_warps=warps_for(pc.BLOCK))
     return out, offsets

@@ -47,13 +47,16 @@ def cache_range_needs(ps, pc: tl.constexpr, ids, mask, nc, nf, HAS_MASK: tl.cons
 
 @triton.jit
 def cache_range(ps, pc: tl.constexpr, ids, mask, nc, nf, khi, klo, kbase, kstride, grp, bs,
-                has_parent, parent_hi, parent_lo, ev_pos, seq, HAS_MASK: tl.constexpr):
+                has_parent, parent_hi, parent_lo, HAS_MASK: tl.constexpr):
     """``cache_full_blocks`` of a checked range: block ``ids[i]`` for ``i`` in ``[nc, nf)`` (not null,
     not masked) gets key ``(khi[kbase + i * kstride], klo[...], grp)`` covering ``(i + 1) * bs``
     tokens as its only key (old keys removed first: BlockRemoved rows), insertion seqs from ``seq`` in
     block order; then one BlockStored header (parent key when ``has_parent``) and its items. Returns
-    the new (ev_pos, seq); the caller stores them. No block may be listed twice in the range."""
+    the new (ev_pos, seq) (read from ``ctrl``); the caller stores them. No block may be listed twice
+    in the range."""
     offs = tl.arange(0, pc.BLOCK)
+    ev_pos = tl.load(ps.ctrl + EV_COUNT)
+    seq = tl.load(ps.ctrl + KEY_SEQ)
     i = nc
     while i < nf:
         b, act = range_block(ids, mask, nc, nf, i + offs, HAS_MASK)
@@ -149,8 +152,7 @@ def cache_full_kernel(ps, pc: tl.constexpr, ids, key_hi, key_lo, mask, p, OP: tl
             if err == 0:
                 ev_pos, seq = cache_range(ps, pc, ids, mask, nc, nf, key_hi, key_lo, 0, 1, tl.load(p + CF_GROUP), bs,
                                           tl.load(p + CF_HAS_PARENT), tl.load(p + CF_PARENT_HI),
-                                          tl.load(p + CF_PARENT_LO), tl.load(ps.ctrl + EV_COUNT),
-                                          tl.load(ps.ctrl + KEY_SEQ), HAS_MASK)
+                                          tl.load(p + CF_PARENT_LO), HAS_MASK)
                 tl.store(ps.ctrl + KEY_SEQ, seq)
                 tl.store(ps.ctrl + EV_COUNT, ev_pos)
         if err != 0:
@@ -298,16 +300,18 @@ def move_kernel(ps, pc: tl.constexpr, p, OP: tl.constexpr):
     """``move_block_hashes(p[0], p[1])``: every key row of src moves to dst (new seqs, so they count as
     newly inserted), src ends un-hashed. Errors: ids out of range, dst null, dst already keyed."""
     if status_clear(ps.status):
-        src = tl.load(p + 0).to(tl.int32)
-        dst = tl.load(p + 1).to(tl.int32)
-        err = tl.where((src < 0) | (src >= pc.N), E_INVALID_ID, 0)
-        val = src.to(tl.int64)
-        bad_dst = (err == 0) & ((dst < 0) | (dst >= pc.N))
+        src64 = tl.load(p + 0)  # checked as int64: a cast first would wrap 2**31 into range
+        dst64 = tl.load(p + 1)
+        err = tl.where((src64 < 0) | (src64 >= pc.N), E_INVALID_ID, 0)
+        val = src64
+        bad_dst = (err == 0) & ((dst64 < 0) | (dst64 >= pc.N))
         err = tl.where(bad_dst, E_INVALID_ID, err)
-        val = tl.where(bad_dst, dst.to(tl.int64), val)
-        null_dst = (err == 0) & (dst == 0)
+        val = tl.where(bad_dst, dst64, val)
+        null_dst = (err == 0) & (dst64 == 0)
         err = tl.where(null_dst, E_NULL_BLOCK, err)
-        val = tl.where(null_dst, dst.to(tl.int64), val)
+        val = tl.where(null_dst, dst64, val)
+        src = src64.to(tl.int32)
+        dst = dst64.to(tl.int32)
         if err == 0:
             keyed = tl.load(ps.num_keys + dst) > 0
             err = tl.where(keyed, E_HASH_CONFLICT, err)

@@ -9,7 +9,7 @@ earlier error stays first.
 import triton
 import triton.language as tl
 
-from .common import checked_count
+from .common import checked_count, raw_count
 from .keytable import lookup_blocks
 from .layout import BIG, E_INVALID_ARG, ST_CODE, ST_OP, ST_VALUE
 
@@ -31,7 +31,7 @@ def lookup_kernel(ps, pc: tl.constexpr, key_hi, key_lo, key_group, num_keys_in, 
     ``0..cap`` looks nothing up (program 0 records it)."""
     n, n_ok = checked_count(num_keys_in, cap)
     if (tl.program_id(0) == 0) & (n_ok == 0):
-        record_error(ps.status, OP, tl.load(num_keys_in))
+        record_error(ps.status, OP, raw_count(num_keys_in, cap))
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = idx < n
     hi = tl.load(key_hi + idx, mask=m, other=0)

@@ -16,14 +16,14 @@ import triton.language as tl
 
 from .alloc import pop_and_claim
 from .cache import add_key, cache_range
-from .common import checked_count, keep_first, set_status, status_clear, warps_for
+from .common import checked_count, keep_first, segment_ids, set_status, status_clear, warps_for
 from .layout import (
     ALLOC_SPLIT, BIG, E_BUFFER_FULL, E_DOUBLE_FREE, E_INVALID_ARG, E_INVALID_COUNT, EV_COUNT, HEAD, KEY_SEQ, NUM_FREE, OP_ALLOCATE_SLOTS, OP_FREE,
     OP_RELEASE_COPIES, OP_SLOT_MAPPING, TAIL,
 )
 from .lookup import find_longest_cache_hit
 from .release import (
-    check_ids, count_ids, first_double_free, free_checked, release_place, release_scan, reset_ids, segment_of, touch_checked,
+    check_ids, count_ids, first_double_free, free_checked, release_place, release_scan, reset_ids, touch_checked,
 )
 from .queue import ring_make_room
 
@@ -152,8 +152,7 @@ def cache_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, known, hits, nro
             ev_pos, seq = cache_range(ps, pc, row, row, start, nf, ms.req_hi, ms.req_lo, kb + mc.K - 1, mc.K, g,
                                       mc.BS, (start > 0).to(tl.int64),
                                       tl.load(ms.req_hi + pk, mask=start > 0, other=0),
-                                      tl.load(ms.req_lo + pk, mask=start > 0, other=0),
-                                      tl.load(ps.ctrl + EV_COUNT), tl.load(ps.ctrl + KEY_SEQ), False)
+                                      tl.load(ms.req_lo + pk, mask=start > 0, other=0), False)
             tl.store(ps.ctrl + KEY_SEQ, seq)
             tl.store(ps.ctrl + EV_COUNT, ev_pos)
         tl.store(ms.num_cached + g * mc.R + r, tl.maximum(start, nf))
@@ -298,7 +297,7 @@ def launch_allocate_slots(ps, pc, ms, mc, batch, *, stop_on_failure: bool):
 def gather_rows(ms, mc: tl.constexpr, slots, nb):
     """The ids of a ``free`` of requests ``slots[:nb]``, flattened into ``s_ids``: segment (k, g) is
     request k's group-g row reversed (``free_blocks`` of it), segments request-major; offsets in
-    ``s_seg: int32[nb * G + 1]``. Returns the number of ids."""
+    ``s_seg: int32[nb * G + 1]``, the segment of each id in ``s_map[0]``. Returns the number of ids."""
     offs = tl.arange(0, mc.BLOCK)
     total = tl.zeros([], tl.int32)
     i = 0
@@ -314,12 +313,12 @@ def gather_rows(ms, mc: tl.constexpr, slots, nb):
         i += mc.BLOCK
     tl.store(ms.s_seg + nb * mc.G, total)
     tl.debug_barrier()
-    nseg = nb * mc.G
+    segment_ids(ms.s_seg, nb * mc.G, total, ms.s_map, mc.BLOCK)
     i = 0
     while i < total:
         idx = i + offs
         m = idx < total
-        j = segment_of(ms.s_seg, nseg, idx)
+        j = tl.load(ms.s_map + idx, mask=m, other=0)
         k = j // mc.G
         g = j % mc.G
         s1 = tl.load(ms.s_seg + j + 1, mask=m, other=0)
@@ -346,13 +345,12 @@ def free_requests_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_
             n = gather_rows(ms, mc, slots, nb)
             count_ids(ps, ms.s_ids, n, pc.BLOCK)
             tl.debug_barrier()
-            dfree_i, dfree_v = first_double_free(ps, ms.s_ids, n, pc.BLOCK)
+            nf, nl, dfree_i, dfree_v = release_scan(ps, pc, ms.s_ids, n, ms.s_pf, True)
+            tl.debug_barrier()
             if dfree_i == BIG:  # always, unless the state is corrupt
-                nf, nl = release_scan(ps, pc, ms.s_ids, n, ms.s_pf, True)
-                tl.debug_barrier()
                 head = tl.load(ps.ctrl + HEAD)
                 tail = ring_make_room(ps, pc, head, tl.load(ps.ctrl + TAIL), nf + nl)
-                tail = release_place(ps, pc, ms.s_ids, n, ms.s_pf, ms.s_seg, nb * mc.G, head, tail, nf, True, True)
+                tail = release_place(ps, pc, ms.s_ids, n, ms.s_pf, ms.s_seg, ms.s_map, head, tail, nf, True, True)
                 tl.store(ps.ctrl + HEAD, head - nf)
                 tl.store(ps.ctrl + TAIL, tail)
                 tl.store(ps.ctrl + NUM_FREE, tl.load(ps.ctrl + NUM_FREE) + nf + nl)

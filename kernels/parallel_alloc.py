@@ -41,7 +41,7 @@ from .layout import (
 )
 from .manager import check_allocate_batch, keys_of, row_of
 from .queue import ring_make_room, ring_scan_pop
-from .release import count_ids, release_place, release_scan, reset_ids, segment_of
+from .release import count_ids, release_place, release_scan, reset_ids
 
 
 class Fallback(IntEnum):
@@ -207,6 +207,14 @@ def lookup_item(ms, mc: tl.constexpr, nb, f, m):
 
 
 @triton.jit
+def hit_item(ms, mc: tl.constexpr, nb, num_lookups, f):
+    """Lookup item ``f`` as (request k, position t, slot r, whether it is one of k's hits)."""
+    m = f < num_lookups
+    k, t, r = lookup_item(ms, mc, nb, f, m)
+    return k, t, r, m & (t < ld(par(ms, mc, P_HITS, k), m))
+
+
+@triton.jit
 def find_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_lookups):
     """``find_longest_cache_hit`` of every request at once, flattened over (request, position): hit
     blocks into the rows, the first miss per request with ``atomic_min``."""
@@ -248,10 +256,7 @@ def count_zero_ref_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_look
         if any_hits > 0:
             i = 0
             while i < num_lookups:
-                f = i + offs
-                m = f < num_lookups
-                k, t, r = lookup_item(ms, mc, nb, f, m)
-                m = m & (t < ld(par(ms, mc, P_HITS, k), m))
+                k, t, r, m = hit_item(ms, mc, nb, num_lookups, i + offs)
                 for g in tl.static_range(mc.G):
                     b = tl.load(row_of(ms, mc, g, r) + t, mask=m, other=0)
                     if phase == 0:
@@ -452,10 +457,7 @@ def touch_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_lookups):
     unlinked = tl.zeros([], tl.int32)
     i = 0
     while i < num_lookups:
-        f = i + offs
-        m = f < num_lookups
-        k, t, r = lookup_item(ms, mc, nb, f, m)
-        m = m & (t < ld(par(ms, mc, P_HITS, k), m))
+        k, t, r, m = hit_item(ms, mc, nb, num_lookups, i + offs)
         for g in tl.static_range(mc.G):
             b = tl.load(row_of(ms, mc, g, r) + t, mask=m, other=0)
             old = tl.atomic_add(ps.ref_cnt + b, 1, mask=m)
@@ -571,9 +573,10 @@ def allocate_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, num_pops, he
 
 
 @triton.jit
-def released_item(ms, mc: tl.constexpr, nseg, f, m):
-    """Row pointer of flattened released blocks ``f``: segment (k, g) is ``row[lead:nskip]`` reversed."""
-    j = segment_of(pkg(ms, mc, G_RELOFF, 0), nseg, f)
+def released_item(ms, mc: tl.constexpr, f, m):
+    """Row pointer of flattened released blocks ``f``: segment (k, g) is ``row[lead:nskip]`` reversed
+    (segments of the items in the lookup map, free once lookups are done)."""
+    j = ld(ms.s_map + MAP_LOOKUP * mc.MAPS + f, m)
     r = ld(par(ms, mc, P_SLOT, j // mc.G), m)
     pos = ld(pkg(ms, mc, G_NSKIP, j), m) - 1 - (f - ld(pkg(ms, mc, G_RELOFF, j), m))
     return row_of(ms, mc, j % mc.G, r) + pos
@@ -587,26 +590,28 @@ def remove_skipped_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, head, 
     offs = tl.arange(0, pc.BLOCK)
     nseg = split * mc.G
     n = tl.load(pkg(ms, mc, G_RELOFF, nseg))
+    segment_ids(pkg(ms, mc, G_RELOFF, 0), nseg, n, ms.s_map + MAP_LOOKUP * mc.MAPS, pc.BLOCK)
     i = 0
     while i < n:
         f = i + offs
         m = f < n
-        tl.store(ms.s_ids + f, tl.load(released_item(ms, mc, nseg, f, m), mask=m, other=0), mask=m)
+        tl.store(ms.s_ids + f, tl.load(released_item(ms, mc, f, m), mask=m, other=0), mask=m)
         i += pc.BLOCK
     tl.debug_barrier()
     count_ids(ps, ms.s_ids, n, pc.BLOCK)
     tl.debug_barrier()
-    nf, nl = release_scan(ps, pc, ms.s_ids, n, ms.s_pf, True)
+    nf, nl, _, _ = release_scan(ps, pc, ms.s_ids, n, ms.s_pf, True)
     tl.debug_barrier()
     tail = ring_make_room(ps, pc, head, tail, nf + nl)
-    tail = release_place(ps, pc, ms.s_ids, n, ms.s_pf, pkg(ms, mc, G_RELOFF, 0), nseg, head, tail, nf, True, True)
+    tail = release_place(ps, pc, ms.s_ids, n, ms.s_pf, pkg(ms, mc, G_RELOFF, 0), ms.s_map + MAP_LOOKUP * mc.MAPS, head,
+                         tail, nf, True, True)
     tl.debug_barrier()
     reset_ids(ps, ms.s_ids, n, pc.N, pc.BLOCK)
     i = 0
     while i < n:
         f = i + offs
         m = f < n
-        tl.store(released_item(ms, mc, nseg, f, m), tl.zeros([pc.BLOCK], tl.int32), mask=m)
+        tl.store(released_item(ms, mc, f, m), tl.zeros([pc.BLOCK], tl.int32), mask=m)
         i += pc.BLOCK
     tl.debug_barrier()
     return head - nf, tail, nf + nl

@@ -20,7 +20,7 @@ The free path, for ids ``ids[:n]`` in op order cut into segments (each one ``fre
 import triton
 import triton.language as tl
 
-from .common import checked_count, first_bad, keep_first, set_status, status_clear, warps_for
+from .common import batch_config, checked_count, first_bad, keep_first, raw_count, segment_ids, set_status, status_clear, warps_for
 from .layout import BIG, E_DOUBLE_FREE, E_INVALID_ARG, E_INVALID_ID, E_NULL_BLOCK, HEAD, NUM_FREE, TAIL
 from .queue import ring_make_room, ring_put, ring_unlink
 
@@ -120,25 +120,31 @@ def release_flags(ps, pc: tl.constexpr, b, idx, m, TO_FRONT: tl.constexpr):
 
 @triton.jit
 def release_scan(ps, pc: tl.constexpr, ids, n, pf, TO_FRONT: tl.constexpr):
-    """(F releases, L releases) of ``ids[:n]``; writes ``pf[i]`` = F releases before i, ``pf[n]``.
-    Needs ``count_ids`` and a batch without double frees."""
+    """(F releases, L releases, first double-free index or BIG, its block) of ``ids[:n]``; writes
+    ``pf[i]`` = F releases before i, ``pf[n]``. Needs ``count_ids``; the releases and ``pf`` mean
+    something only when there is no double free (a count above the ref count), found in this pass
+    so that a batch is read once before it commits."""
     offs = tl.arange(0, pc.BLOCK)
     nf = tl.zeros([], tl.int32)
     nl = tl.zeros([], tl.int32)
+    err = tl.zeros([], tl.int32)
+    bad_v = tl.zeros([], tl.int64)
+    bad_i = tl.full([], BIG, tl.int32)
     i = 0
     while i < n:
         idx = i + offs
         m = idx < n
         b = tl.load(ids + idx, mask=m, other=0)
         m = m & (b != 0)
-        _, rel, front, _, _ = release_flags(ps, pc, b, idx, m, TO_FRONT)
+        _, rel, front, cnt, ref = release_flags(ps, pc, b, idx, m, TO_FRONT)
+        err, bad_v, bad_i = keep_first(err, bad_v, bad_i, E_DOUBLE_FREE, m & (cnt > ref), idx, b)
         fi = front.to(tl.int32)
         tl.store(pf + idx, nf + tl.cumsum(fi, axis=0) - fi, mask=idx < n)
         nf += tl.sum(fi, axis=0)
         nl += tl.sum((rel & ~front).to(tl.int32), axis=0)
         i += pc.BLOCK
     tl.store(pf + n, nf)
-    return nf, nl
+    return nf, nl, bad_i, bad_v
 
 
 @triton.jit
@@ -159,10 +165,11 @@ def segment_of(seg_off, nseg, idx):
 
 
 @triton.jit
-def release_place(ps, pc: tl.constexpr, ids, n, pf, seg_off, nseg, head, tail, nf,
+def release_place(ps, pc: tl.constexpr, ids, n, pf, seg_off, seg_of, head, tail, nf,
                   TO_FRONT: tl.constexpr, SEGMENTS: tl.constexpr):
     """Commit a checked release of ``ids[:n]`` (see the module docstring); returns the new tail.
-    Without ``SEGMENTS`` the whole list is one ``free_blocks`` call (``pf`` still holds its prefix)."""
+    ``seg_of[i]``: the segment of index i (from :func:`segment_ids`). Without ``SEGMENTS`` the whole
+    list is one ``free_blocks`` call (``pf`` still holds its prefix; ``seg_off``, ``seg_of`` unread)."""
     offs = tl.arange(0, pc.BLOCK)
     lpos = tail
     i = 0
@@ -174,7 +181,7 @@ def release_place(ps, pc: tl.constexpr, ids, n, pf, seg_off, nseg, head, tail, n
         last, rel, front, cnt, ref = release_flags(ps, pc, b, idx, m, TO_FRONT)
         pf_i = tl.load(pf + idx, mask=m, other=0)
         if SEGMENTS:
-            sg = segment_of(seg_off, nseg, idx)
+            sg = tl.load(seg_of + idx, mask=m, other=0)
             pf_s = tl.load(pf + tl.minimum(tl.load(seg_off + sg, mask=m, other=0), n), mask=m, other=0)
             pf_e = tl.load(pf + tl.minimum(tl.load(seg_off + sg + 1, mask=m, other=0), n), mask=m, other=0)
         else:
@@ -196,10 +203,10 @@ def free_checked(ps, pc: tl.constexpr, ids, n, pf, head, tail):
     reset. Returns (new head, new tail, blocks released); the caller stores them."""
     count_ids(ps, ids, n, pc.BLOCK)
     tl.debug_barrier()
-    nf, nl = release_scan(ps, pc, ids, n, pf, True)
+    nf, nl, _, _ = release_scan(ps, pc, ids, n, pf, True)
     tl.debug_barrier()
     tail = ring_make_room(ps, pc, head, tail, nf + nl)
-    tail = release_place(ps, pc, ids, n, pf, pf, 1, head, tail, nf, True, False)
+    tail = release_place(ps, pc, ids, n, pf, pf, pf, head, tail, nf, True, False)
     tl.debug_barrier()
     reset_ids(ps, ids, n, pc.N, pc.BLOCK)
     tl.debug_barrier()
@@ -223,12 +230,12 @@ def check_segments(seg_off, nseg, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def release_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, seg_off, nseg, pf, OP: tl.constexpr,
+def release_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, seg_off, nseg, pf, seg_of, OP: tl.constexpr,
                    UNPIN: tl.constexpr):
     """Batched ``free_blocks`` (segments: ``seg_off: int32[nseg + 1]``) or one ``unpin_blocks``.
 
     Reads the first ``num_ids[0]`` (at most ``cap``) of ``ids: int32[cap]``; ``pf: int32[cap + 1]``
-    scratch. On success: ref counts, ring, qslot, head / tail / num_free, and for unpin the watched
+    and ``seg_of: int32[cap]`` scratch. On success: ref counts, ring, qslot, head / tail / num_free, and for unpin the watched
     flags of the listed blocks (their callbacks live on the host). Errors (bad offsets or count, a
     bad id, the null block in unpin, a decrement below 0) set the status word and change nothing; a
     batch of frees fails where its sequence of ``free_blocks`` calls would: at the segment of the
@@ -239,7 +246,7 @@ def release_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, seg_off, nseg, pf, O
         seg_ok = n_ok & check_segments(seg_off, nseg, n, pc.BLOCK)
         n = tl.where(seg_ok, n, 0)
         err, err_val, bad_i = check_ids(ids, n, pc.N, UNPIN, pc.BLOCK)
-        err_val = tl.where(seg_ok, err_val, tl.load(num_ids).to(tl.int64))
+        err_val = tl.where(seg_ok, err_val, raw_count(num_ids, cap).to(tl.int64))
         err = tl.where(seg_ok, err, E_INVALID_ARG)
         # Count up to the first bad id's segment (a double free there or before comes first).
         p_end = n
@@ -248,16 +255,16 @@ def release_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, seg_off, nseg, pf, O
         if (err == 0) | (p_end < n):
             count_ids(ps, ids, p_end, pc.BLOCK)
             tl.debug_barrier()
-            dfree_i, dfree_v = first_double_free(ps, ids, p_end, pc.BLOCK)
+            nf, nl, dfree_i, dfree_v = release_scan(ps, pc, ids, p_end, pf, not UNPIN)
             err = tl.where(dfree_i < BIG, E_DOUBLE_FREE, err)
             err_val = tl.where(dfree_i < BIG, dfree_v, err_val)
             tl.debug_barrier()
-            if err == 0:
-                nf, nl = release_scan(ps, pc, ids, n, pf, not UNPIN)
-                tl.debug_barrier()
+            if err == 0:  # so p_end == n: the scan covered the whole batch
                 head = tl.load(ps.ctrl + HEAD)
                 tail = ring_make_room(ps, pc, head, tl.load(ps.ctrl + TAIL), nf + nl)
-                tail = release_place(ps, pc, ids, n, pf, seg_off, nseg, head, tail, nf, not UNPIN, True)
+                if not UNPIN:  # unpin is one segment placed at the tail only
+                    segment_ids(seg_off, nseg, n, seg_of, pc.BLOCK)
+                tail = release_place(ps, pc, ids, n, pf, seg_off, seg_of, head, tail, nf, not UNPIN, not UNPIN)
                 if UNPIN:
                     offs = tl.arange(0, pc.BLOCK)
                     i = 0
@@ -280,33 +287,30 @@ def launch_release(ps, pc, ids, num_ids, seg_off, *, unpin: bool, op: int):
     int32[1]``, ``seg_off: int32[S + 1]`` on the pool's device."""
     import torch
 
+    pc = batch_config(pc, ids.numel())
     pf = torch.empty(ids.numel() + 1, dtype=torch.int32, device=ids.device)
-    release_kernel[(1,)](ps, pc, ids, num_ids, ids.numel(), seg_off, seg_off.numel() - 1, pf, OP=op, UNPIN=unpin,
+    seg_of = torch.empty(max(1, ids.numel()), dtype=torch.int32, device=ids.device)
+    release_kernel[(1,)](ps, pc, ids, num_ids, ids.numel(), seg_off, seg_off.numel() - 1, pf, seg_of, OP=op, UNPIN=unpin,
                          num_warps=warps_for(pc.BLOCK))
 
 
 @triton.jit
 def touch_checked(ps, pc: tl.constexpr, ids, n):
-    """``touch(ids[:n])`` of already validated ids: each distinct non-null block is unlinked from the
-    ring if its ref count was 0, then raised by its occurrence count. Returns the blocks unlinked (the
-    caller lowers num_free); leaves the scratch idle."""
+    """``touch(ids[:n])`` of already validated ids: every non-null occurrence raises its block's ref
+    count by one (an atomic); the one lane that finds it at 0 unlinks the block from the ring. One
+    random access per id, no scratch, order-free. Returns the blocks unlinked (the caller lowers
+    num_free)."""
     offs = tl.arange(0, pc.BLOCK)
-    count_ids(ps, ids, n, pc.BLOCK)
-    tl.debug_barrier()
     unlinked = tl.zeros([], tl.int32)
     i = 0
     while i < n:
-        idx = i + offs
-        m = idx < n
-        b = tl.load(ids + idx, mask=m, other=0)
-        first = m & (b != 0) & (tl.load(ps.s_first + b, mask=m & (b != 0), other=-1) == idx)
-        ref = tl.load(ps.ref_cnt + b, mask=first, other=1)
-        ring_unlink(ps, b, first & (ref == 0))
-        tl.store(ps.ref_cnt + b, ref + tl.load(ps.s_cnt + b, mask=first, other=0), mask=first)
-        unlinked += tl.sum((first & (ref == 0)).to(tl.int32), axis=0)
+        m = (i + offs) < n
+        b = tl.load(ids + i + offs, mask=m, other=0)
+        m = m & (b != 0)
+        was_free = m & (tl.atomic_add(ps.ref_cnt + b, 1, mask=m) == 0)
+        ring_unlink(ps, b, was_free)
+        unlinked += tl.sum(was_free.to(tl.int32), axis=0)
         i += pc.BLOCK
-    tl.debug_barrier()
-    reset_ids(ps, ids, n, pc.N, pc.BLOCK)
     tl.debug_barrier()
     return unlinked
 
@@ -319,7 +323,7 @@ def touch_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, OP: tl.constexpr):
     n, n_ok = checked_count(num_ids, cap)
     if status_clear(ps.status):
         err, err_val, _ = check_ids(ids, n, pc.N, False, pc.BLOCK)
-        err_val = tl.where(n_ok, err_val, tl.load(num_ids).to(tl.int64))
+        err_val = tl.where(n_ok, err_val, raw_count(num_ids, cap).to(tl.int64))
         err = tl.where(n_ok, err, E_INVALID_ARG)
         if err == 0:
             unlinked = touch_checked(ps, pc, ids, n)
@@ -330,5 +334,6 @@ def touch_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, OP: tl.constexpr):
 
 def launch_touch(ps, pc, ids, num_ids, *, op: int):
     """Launch ``touch_kernel``: one program. ``ids: int32[M]``, ``num_ids: int32[1]``."""
+    pc = batch_config(pc, ids.numel())
     touch_kernel[(1,)](ps, pc, ids, num_ids, ids.numel(), OP=op, num_warps=warps_for(pc.BLOCK))
 

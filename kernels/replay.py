@@ -173,8 +173,7 @@ def admission_step_kernel(ps, pc: tl.constexpr, tr, step, out, sizes, group_ids,
                                     ps, pc, out.blocks + ob, out.blocks, hits, full, tr.chain_hi, tr.chain_lo, base, 1,
                                     tl.load(group_ids), bs, (hits > 0).to(tl.int64),
                                     tl.load(tr.chain_hi + pk, mask=hits > 0, other=0),
-                                    tl.load(tr.chain_lo + pk, mask=hits > 0, other=0),
-                                    tl.load(ps.ctrl + EV_COUNT), tl.load(ps.ctrl + KEY_SEQ), False)
+                                    tl.load(tr.chain_lo + pk, mask=hits > 0, other=0), False)
                                 tl.store(ps.ctrl + KEY_SEQ, seq)
                                 tl.store(ps.ctrl + EV_COUNT, ev_pos)
                             tl.store(out.result + lh, RES_ADMITTED)

@@ -55,6 +55,10 @@ def drive_pool(num_blocks=64, **kw):  # noqa: C901
     p.allocate_batched(torch.tensor([1, 2], dtype=i32))
     p.free_batched(torch.tensor([1, 2], dtype=i32), torch.tensor([0, 1, 2], dtype=i32))
     p.touch_batched(torch.tensor([1], dtype=i32))
+    if num_blocks >= 4096:  # batches of 4,096 ids take wide tiles (kernels/common.py batch_config)
+        wide = torch.ones(4096, dtype=i32)
+        p.touch_batched(wide)
+        p.free_batched(wide, torch.tensor([0, 4096], dtype=i32))
     k = device_key(h[0], 0)
     kh = torch.tensor([[[k[0]]]], dtype=torch.int64)
     p.longest_prefix_batched(kh, kh.clone(), torch.tensor([0], dtype=i32), torch.tensor([1], dtype=i32))
@@ -110,7 +114,7 @@ def signature_of(fn, args, kwargs):
     sig, consts = {}, {}
     for i, name in enumerate(names):
         v = values[name]
-        if fn.params[i].is_constexpr:
+        if fn.params[i].is_constexpr or v is None:  # None (an absent optional pointer) is a constexpr
             sig[name] = "constexpr"
             consts[name] = v
         elif isinstance(v, tuple) and hasattr(v, "_fields"):  # a NamedTuple of tensors: one argument

@@ -1,0 +1,50 @@
+"""The tree's layout rules (docs: README "Layout"): kernels take their state as NamedTuples (no
+``@triton.jit`` function with more than 16 parameters), launches happen only in ``kernels/``, and the
+device path never imports the reference pool."""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_JIT_PARAMS = 16
+DEVICE_PATH = ["gpupool/pool.py", "gpupool/state.py", "gpupool/manager.py", "gpupool/graph.py",
+               "gpupool/validate.py", "gpupool/args.py", "gpupool/errors.py"]
+
+
+def _jit_functions():
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and any(
+                    ast.unparse(d).startswith(("triton.jit", "jit")) for d in node.decorator_list):
+                yield path.name, node
+
+
+def test_kernels_are_found():
+    assert len(list(_jit_functions())) > 40
+
+
+@pytest.mark.parametrize("limit", [MAX_JIT_PARAMS])
+def test_no_jit_function_takes_more_than_16_parameters(limit):
+    wide = {f"{name}::{fn.name}": len(fn.args.args) for name, fn in _jit_functions() if len(fn.args.args) > limit}
+    assert not wide, f"@triton.jit functions over {limit} parameters (pass state as a NamedTuple): {wide}"
+
+
+def test_kernels_are_launched_only_from_kernels():
+    """``kernel[grid](...)`` appears only in kernels/ (each kernel has a launcher beside it)."""
+    launches = []
+    for path in sorted((ROOT / "gpupool").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                    and ast.unparse(node.func.value).endswith("_kernel")):
+                launches.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not launches, f"launches outside kernels/: {launches}"
+
+
+@pytest.mark.parametrize("rel", DEVICE_PATH)
+def test_device_path_does_not_import_the_reference(rel):
+    tree = ast.parse((ROOT / rel).read_text())
+    mods = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    mods += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in mods if "reference" in m], f"{rel} imports the reference: {mods}"
