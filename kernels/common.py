@@ -36,6 +36,13 @@ def checked_count(count_ptr, cap):
 
 
 @triton.jit
+def tile_of(ptr, idx, n):
+    """``ptr[idx]`` on the lanes with ``idx < n`` (0 elsewhere), and that mask: one tile of a list."""
+    m = idx < n
+    return tl.load(ptr + idx, mask=m, other=0), m
+
+
+@triton.jit
 def raw_count(count_ptr, cap):
     """The count as given (``cap`` when ``count_ptr`` is None), for error values."""
     if count_ptr is None:
@@ -60,6 +67,12 @@ def keep_first(err, err_val, err_i, new_err, bad, idx, val):
     anyb, i, v = first_bad(bad, idx, val)
     take = anyb & (i < err_i)
     return tl.where(take, new_err, err), tl.where(take, v, err_val), tl.where(take, i, err_i)
+
+
+@triton.jit
+def no_error():
+    """The start of a :func:`keep_first` fold: (no code, no value, no index)."""
+    return tl.zeros([], tl.int32), tl.zeros([], tl.int64), tl.full([], BIG, tl.int32)
 
 
 _forced_warps: int | None = None

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .alloc import pop_and_claim
 from .cache import add_key, cache_range
-from .common import checked_count, keep_first, segment_ids, set_status, status_clear, warps_for
+from .common import checked_count, keep_first, segment_ids, set_status, status_clear, tile_of, no_error, warps_for
 from .layout import (
     ALLOC_SPLIT, BIG, E_BUFFER_FULL, E_DOUBLE_FREE, E_INVALID_ARG, E_INVALID_COUNT, EV_COUNT, HEAD, KEY_SEQ, NUM_FREE, OP_ALLOCATE_SLOTS, OP_FREE,
     OP_RELEASE_COPIES, OP_SLOT_MAPPING, TAIL,
@@ -44,13 +44,10 @@ def keys_of(mc: tl.constexpr, g, r):
 def check_slots(ms, mc: tl.constexpr, slots, nb):
     """(error, value): a slot out of range, listed twice or not in use; ``s_req`` scratch left zeroed."""
     offs = tl.arange(0, mc.BLOCK)
-    err = tl.zeros([], tl.int32)
-    val = tl.zeros([], tl.int64)
-    err_i = tl.full([], BIG, tl.int32)
+    err, val, err_i = no_error()
     i = 0
     while i < nb:
-        m = (i + offs) < nb
-        r = tl.load(slots + i + offs, mask=m, other=0)
+        r, m = tile_of(slots, i + offs, nb)
         bad = m & ((r < 0) | (r >= mc.R))
         err, val, err_i = keep_first(err, val, err_i, E_INVALID_ARG, bad, i + offs, r)
         tl.atomic_add(ms.s_req + r, 1, mask=m & ~bad)
@@ -58,8 +55,7 @@ def check_slots(ms, mc: tl.constexpr, slots, nb):
     tl.debug_barrier()
     i = 0
     while i < nb:
-        m = (i + offs) < nb
-        r = tl.load(slots + i + offs, mask=m, other=0)
+        r, m = tile_of(slots, i + offs, nb)
         ok = m & (r >= 0) & (r < mc.R)
         bad = ok & ((tl.load(ms.s_req + r, mask=ok, other=0) > 1) | (tl.load(ms.active + r, mask=ok, other=1) == 0))
         err, val, err_i = keep_first(err, val, err_i, E_INVALID_ARG, bad, i + offs, r)
@@ -67,8 +63,7 @@ def check_slots(ms, mc: tl.constexpr, slots, nb):
     tl.debug_barrier()
     i = 0
     while i < nb:
-        m = (i + offs) < nb
-        r = tl.load(slots + i + offs, mask=m, other=0)
+        r, m = tile_of(slots, i + offs, nb)
         tl.store(ms.s_req + r, tl.zeros([mc.BLOCK], tl.int32), mask=m & (r >= 0) & (r < mc.R))
         i += mc.BLOCK
     return err, val
@@ -345,12 +340,13 @@ def free_requests_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_
             n = gather_rows(ms, mc, slots, nb)
             count_ids(ps, ms.s_ids, n, pc.BLOCK)
             tl.debug_barrier()
-            nf, nl, dfree_i, dfree_v = release_scan(ps, pc, ms.s_ids, n, ms.s_pf, True)
+            nf, nl, dfree_i, dfree_v = release_scan(ps, pc, ms.s_ids, n, ms.s_pf, ms.s_map + mc.MAPS, True)
             tl.debug_barrier()
             if dfree_i == BIG:  # always, unless the state is corrupt
                 head = tl.load(ps.ctrl + HEAD)
                 tail = ring_make_room(ps, pc, head, tl.load(ps.ctrl + TAIL), nf + nl)
-                tail = release_place(ps, pc, ms.s_ids, n, ms.s_pf, ms.s_seg, ms.s_map, head, tail, nf, True, True)
+                tail = release_place(ps, pc, ms.s_ids, n, ms.s_pf, ms.s_map + mc.MAPS, ms.s_seg, ms.s_map, head,
+                                     tail, nf, True, True)
                 tl.store(ps.ctrl + HEAD, head - nf)
                 tl.store(ps.ctrl + TAIL, tail)
                 tl.store(ps.ctrl + NUM_FREE, tl.load(ps.ctrl + NUM_FREE) + nf + nl)

@@ -600,11 +600,11 @@ def remove_skipped_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, head, 
     tl.debug_barrier()
     count_ids(ps, ms.s_ids, n, pc.BLOCK)
     tl.debug_barrier()
-    nf, nl, _, _ = release_scan(ps, pc, ms.s_ids, n, ms.s_pf, True)
+    nf, nl, _, _ = release_scan(ps, pc, ms.s_ids, n, ms.s_pf, ms.s_map + MAP_POP * mc.MAPS, True)
     tl.debug_barrier()
     tail = ring_make_room(ps, pc, head, tail, nf + nl)
-    tail = release_place(ps, pc, ms.s_ids, n, ms.s_pf, pkg(ms, mc, G_RELOFF, 0), ms.s_map + MAP_LOOKUP * mc.MAPS, head,
-                         tail, nf, True, True)
+    tail = release_place(ps, pc, ms.s_ids, n, ms.s_pf, ms.s_map + MAP_POP * mc.MAPS, pkg(ms, mc, G_RELOFF, 0),
+                         ms.s_map + MAP_LOOKUP * mc.MAPS, head, tail, nf, True, True)
     tl.debug_barrier()
     reset_ids(ps, ms.s_ids, n, pc.N, pc.BLOCK)
     i = 0

@@ -20,7 +20,10 @@ The free path, for ids ``ids[:n]`` in op order cut into segments (each one ``fre
 import triton
 import triton.language as tl
 
-from .common import batch_config, checked_count, first_bad, keep_first, raw_count, segment_ids, set_status, status_clear, warps_for
+from .common import (
+    batch_config, checked_count, first_bad, keep_first, raw_count, segment_ids, set_status, status_clear, tile_of,
+    no_error, warps_for,
+)
 from .layout import BIG, E_DOUBLE_FREE, E_INVALID_ARG, E_INVALID_ID, E_NULL_BLOCK, HEAD, NUM_FREE, TAIL
 from .queue import ring_make_room, ring_put, ring_unlink
 
@@ -84,14 +87,11 @@ def first_double_free(ps, ids, n, BLOCK: tl.constexpr):
     """(index, block) of the first non-null id of ``ids[:n]`` whose count exceeds its ref count
     (index BIG when none). Needs ``count_ids`` first."""
     offs = tl.arange(0, BLOCK)
-    err = tl.zeros([], tl.int32)
-    val = tl.zeros([], tl.int64)
-    bad_i = tl.full([], BIG, tl.int32)
+    err, val, bad_i = no_error()
     i = 0
     while i < n:
         idx = i + offs
-        m = idx < n
-        b = tl.load(ids + idx, mask=m, other=0)
+        b, m = tile_of(ids, idx, n)
         m = m & (b != 0)
         over = m & (tl.load(ps.s_cnt + b, mask=m, other=0) > tl.load(ps.ref_cnt + b, mask=m, other=0))
         err, val, bad_i = keep_first(err, val, bad_i, E_DOUBLE_FREE, over, idx, b)
@@ -119,24 +119,26 @@ def release_flags(ps, pc: tl.constexpr, b, idx, m, TO_FRONT: tl.constexpr):
 
 
 @triton.jit
-def release_scan(ps, pc: tl.constexpr, ids, n, pf, TO_FRONT: tl.constexpr):
+def release_scan(ps, pc: tl.constexpr, ids, n, pf, code, TO_FRONT: tl.constexpr):
     """(F releases, L releases, first double-free index or BIG, its block) of ``ids[:n]``; writes
     ``pf[i]`` = F releases before i, ``pf[n]``. Needs ``count_ids``; the releases and ``pf`` mean
     something only when there is no double free (a count above the ref count), found in this pass
-    so that a batch is read once before it commits."""
+    so that a batch is read once before it commits. ``code: int32[n]`` scratch (or None) keeps each
+    lane's flags (front, release, last occurrence) for ``release_place``: one coalesced read there
+    instead of four gathers."""
     offs = tl.arange(0, pc.BLOCK)
     nf = tl.zeros([], tl.int32)
     nl = tl.zeros([], tl.int32)
-    err = tl.zeros([], tl.int32)
-    bad_v = tl.zeros([], tl.int64)
-    bad_i = tl.full([], BIG, tl.int32)
+    err, bad_v, bad_i = no_error()
     i = 0
     while i < n:
         idx = i + offs
-        m = idx < n
-        b = tl.load(ids + idx, mask=m, other=0)
+        b, m = tile_of(ids, idx, n)
         m = m & (b != 0)
-        _, rel, front, cnt, ref = release_flags(ps, pc, b, idx, m, TO_FRONT)
+        last, rel, front, cnt, ref = release_flags(ps, pc, b, idx, m, TO_FRONT)
+        if code is not None:
+            flags = front.to(tl.int32) | (rel.to(tl.int32) << 1) | (last.to(tl.int32) << 2)
+            tl.store(code + idx, flags, mask=idx < n)
         err, bad_v, bad_i = keep_first(err, bad_v, bad_i, E_DOUBLE_FREE, m & (cnt > ref), idx, b)
         fi = front.to(tl.int32)
         tl.store(pf + idx, nf + tl.cumsum(fi, axis=0) - fi, mask=idx < n)
@@ -165,20 +167,27 @@ def segment_of(seg_off, nseg, idx):
 
 
 @triton.jit
-def release_place(ps, pc: tl.constexpr, ids, n, pf, seg_off, seg_of, head, tail, nf,
+def release_place(ps, pc: tl.constexpr, ids, n, pf, code, seg_off, seg_of, head, tail, nf,
                   TO_FRONT: tl.constexpr, SEGMENTS: tl.constexpr):
     """Commit a checked release of ``ids[:n]`` (see the module docstring); returns the new tail.
-    ``seg_of[i]``: the segment of index i (from :func:`segment_ids`). Without ``SEGMENTS`` the whole
-    list is one ``free_blocks`` call (``pf`` still holds its prefix; ``seg_off``, ``seg_of`` unread)."""
+    ``code``: the flags ``release_scan`` kept (None: read them again). ``seg_of[i]``: the segment of
+    index i (from :func:`segment_ids`). Without ``SEGMENTS`` the whole list is one ``free_blocks``
+    call (``pf`` still holds its prefix; ``seg_off``, ``seg_of`` unread)."""
     offs = tl.arange(0, pc.BLOCK)
     lpos = tail
     i = 0
     while i < n:
         idx = i + offs
-        m = idx < n
-        b = tl.load(ids + idx, mask=m, other=0)
+        b, m = tile_of(ids, idx, n)
         m = m & (b != 0)
-        last, rel, front, cnt, ref = release_flags(ps, pc, b, idx, m, TO_FRONT)
+        if code is None:
+            last, rel, front, cnt, ref = release_flags(ps, pc, b, idx, m, TO_FRONT)
+            tl.store(ps.ref_cnt + b, ref - cnt, mask=last)
+        else:
+            flags = tl.load(code + idx, mask=m, other=0)
+            front = m & ((flags & 1) != 0)
+            rel = m & ((flags & 2) != 0)
+            tl.atomic_add(ps.ref_cnt + b, -1, mask=m)  # one per occurrence: ref - count, order-free
         pf_i = tl.load(pf + idx, mask=m, other=0)
         if SEGMENTS:
             sg = tl.load(seg_of + idx, mask=m, other=0)
@@ -192,7 +201,6 @@ def release_place(ps, pc: tl.constexpr, ids, n, pf, seg_off, seg_of, head, tail,
         ring_put(ps, pc, head - pf_e + (pf_i - pf_s), b, front)
         ring_put(ps, pc, lpos + tl.cumsum(li, axis=0) - li, b, back)
         lpos += tl.sum(li, axis=0)
-        tl.store(ps.ref_cnt + b, ref - cnt, mask=last)
         i += pc.BLOCK
     return lpos
 
@@ -203,10 +211,10 @@ def free_checked(ps, pc: tl.constexpr, ids, n, pf, head, tail):
     reset. Returns (new head, new tail, blocks released); the caller stores them."""
     count_ids(ps, ids, n, pc.BLOCK)
     tl.debug_barrier()
-    nf, nl, _, _ = release_scan(ps, pc, ids, n, pf, True)
+    nf, nl, _, _ = release_scan(ps, pc, ids, n, pf, None, True)
     tl.debug_barrier()
     tail = ring_make_room(ps, pc, head, tail, nf + nl)
-    tail = release_place(ps, pc, ids, n, pf, pf, pf, head, tail, nf, True, False)
+    tail = release_place(ps, pc, ids, n, pf, None, pf, pf, head, tail, nf, True, False)
     tl.debug_barrier()
     reset_ids(ps, ids, n, pc.N, pc.BLOCK)
     tl.debug_barrier()
@@ -230,12 +238,12 @@ def check_segments(seg_off, nseg, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def release_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, seg_off, nseg, pf, seg_of, OP: tl.constexpr,
+def release_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, seg_off, nseg, pf, seg_of, code, OP: tl.constexpr,
                    UNPIN: tl.constexpr):
     """Batched ``free_blocks`` (segments: ``seg_off: int32[nseg + 1]``) or one ``unpin_blocks``.
 
     Reads the first ``num_ids[0]`` (at most ``cap``) of ``ids: int32[cap]``; ``pf: int32[cap + 1]``
-    and ``seg_of: int32[cap]`` scratch. On success: ref counts, ring, qslot, head / tail / num_free, and for unpin the watched
+    ``seg_of, code: int32[cap]`` scratch. On success: ref counts, ring, qslot, head / tail / num_free, and for unpin the watched
     flags of the listed blocks (their callbacks live on the host). Errors (bad offsets or count, a
     bad id, the null block in unpin, a decrement below 0) set the status word and change nothing; a
     batch of frees fails where its sequence of ``free_blocks`` calls would: at the segment of the
@@ -255,7 +263,7 @@ def release_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, seg_off, nseg, pf, s
         if (err == 0) | (p_end < n):
             count_ids(ps, ids, p_end, pc.BLOCK)
             tl.debug_barrier()
-            nf, nl, dfree_i, dfree_v = release_scan(ps, pc, ids, p_end, pf, not UNPIN)
+            nf, nl, dfree_i, dfree_v = release_scan(ps, pc, ids, p_end, pf, code, not UNPIN)
             err = tl.where(dfree_i < BIG, E_DOUBLE_FREE, err)
             err_val = tl.where(dfree_i < BIG, dfree_v, err_val)
             tl.debug_barrier()
@@ -264,7 +272,8 @@ def release_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, seg_off, nseg, pf, s
                 tail = ring_make_room(ps, pc, head, tl.load(ps.ctrl + TAIL), nf + nl)
                 if not UNPIN:  # unpin is one segment placed at the tail only
                     segment_ids(seg_off, nseg, n, seg_of, pc.BLOCK)
-                tail = release_place(ps, pc, ids, n, pf, seg_off, seg_of, head, tail, nf, not UNPIN, not UNPIN)
+                tail = release_place(ps, pc, ids, n, pf, code, seg_off, seg_of, head, tail, nf, not UNPIN,
+                                     not UNPIN)
                 if UNPIN:
                     offs = tl.arange(0, pc.BLOCK)
                     i = 0
@@ -290,7 +299,9 @@ def launch_release(ps, pc, ids, num_ids, seg_off, *, unpin: bool, op: int):
     pc = batch_config(pc, ids.numel())
     pf = torch.empty(ids.numel() + 1, dtype=torch.int32, device=ids.device)
     seg_of = torch.empty(max(1, ids.numel()), dtype=torch.int32, device=ids.device)
-    release_kernel[(1,)](ps, pc, ids, num_ids, ids.numel(), seg_off, seg_off.numel() - 1, pf, seg_of, OP=op, UNPIN=unpin,
+    code = torch.empty_like(seg_of)
+    release_kernel[(1,)](ps, pc, ids, num_ids, ids.numel(), seg_off, seg_off.numel() - 1, pf, seg_of, code, OP=op,
+                         UNPIN=unpin,
                          num_warps=warps_for(pc.BLOCK))
 
 

@@ -174,3 +174,36 @@ class WatcherLog:
 
     def tagged(self) -> list[tuple[object, int]]:
         return [(t, b) for t, b, _ in self.calls]
+
+
+def reuse_callbacks(pair):
+    """A pair of ``on_reuse`` callbacks (reference, device) that log ``(tag, block)`` into
+    ``pair.fired[side]``, with a fresh tag from ``pair.next_tag`` (the pair harnesses' watchers)."""
+    tag = pair.next_tag
+    pair.next_tag += 1
+
+    def make(side):
+        log = pair.fired[side]
+
+        def on_reuse(b):
+            log.append((tag, int(b)))
+        return on_reuse
+    return make("ref"), make("dev")
+
+
+def assert_lookups_agree(ref, dev, hashes, where: str = "") -> None:
+    """``lookup_batched`` on the device pool of every hash in groups 0 and 1 equals the reference's
+    ``get_cached_block`` (-1 for a miss)."""
+    import torch
+
+    from gpupool.keys import device_key
+    keys = [(hh, g) for hh in sorted(hashes) for g in (0, 1)]
+    dk = [device_key(hh, g) for hh, g in keys]
+    t64 = lambda v: torch.tensor(v, dtype=torch.int64, device=dev.device)  # noqa: E731
+    got = ints(dev.lookup_batched(t64([k[0] for k in dk]), t64([k[1] for k in dk]),
+                                  torch.tensor([g for _, g in keys], dtype=torch.int32, device=dev.device)))
+    want = []
+    for hh, g in keys:
+        r = ref.get_cached_block(hh, [g])
+        want.append(-1 if r is None else r[0])
+    assert got == want, f"lookups differ: device {got} != reference {want}; {where}"

@@ -46,22 +46,7 @@ from gpupool.errors import (  # noqa: E402
 )
 from gpupool.keys import device_key  # noqa: E402
 
-try:
-    from pool_helpers import pool_state
-except ImportError:  # pragma: no cover - the shared helpers are optional
-    def _ints(x):
-        return [int(v) for v in (x.tolist() if hasattr(x, "tolist") else x)]
-
-    def pool_state(pool) -> dict:
-        return {
-            "free_queue": _ints(pool.free_queue()),
-            "ref_counts": _ints(pool.ref_counts()),
-            "blocks": [([(bytes(hh), int(g)) for hh, g in pool.block_keys(b)],
-                        None if pool.block_hash_num_tokens(b) is None else int(pool.block_hash_num_tokens(b)))
-                       for b in range(int(pool.num_blocks))],
-            "num_free": int(pool.get_num_free_blocks()),
-            "num_watchers": int(pool.num_watchers()),
-        }
+from pool_helpers import ints, pool_state, reuse_callbacks, assert_lookups_agree  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CTRL_HEAD, CTRL_TAIL, CTRL_COMPACTIONS = Ctrl.HEAD, Ctrl.TAIL, Ctrl.COMPACTIONS
@@ -74,14 +59,6 @@ def H(i) -> bytes:
 
 
 HASHES = [H(i) for i in range(NUM_HASHES)]
-
-
-def ints(x) -> list[int]:
-    if hasattr(x, "tolist") and not isinstance(x, list):
-        x = x.tolist()
-        if isinstance(x, int):
-            return [x]
-    return [int(v) for v in x]
 
 
 def i32(values) -> torch.Tensor:
@@ -190,16 +167,7 @@ class Pair:
 
     # ---- watchers ---------------------------------------------------------------------------
     def callbacks(self):
-        tag = self.next_tag
-        self.next_tag += 1
-
-        def make(side):
-            log = self.fired[side]
-
-            def on_reuse(b):
-                log.append((tag, int(b)))
-            return on_reuse
-        return make("ref"), make("dev")
+        return reuse_callbacks(self)
 
     # ---- comparing ----------------------------------------------------------------------------
     def where(self) -> str:
@@ -221,15 +189,7 @@ class Pair:
             dev.validate()
         assert dev.get_usage() == pytest.approx(ref.get_usage())
         if self.check_lookups and self.used:
-            keys = [(hh, g) for hh in sorted(self.used) for g in (0, 1)]
-            dk = [device_key(hh, g) for hh, g in keys]
-            got = ints(dev.lookup_batched(i64([k[0] for k in dk]), i64([k[1] for k in dk]),
-                                          i32([g for _, g in keys])))
-            want = []
-            for hh, g in keys:
-                r = ref.get_cached_block(hh, [g])
-                want.append(-1 if r is None else r[0])
-            assert got == want, f"lookups differ: device {got} != reference {want}; {self.where()}"
+            assert_lookups_agree(ref, dev, self.used, self.where())
 
     def snapshot(self):
         return pool_state(self.ref)

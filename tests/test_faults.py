@@ -66,7 +66,7 @@ from gpupool.errors import (  # noqa: E402
 )
 from gpupool.keys import device_key  # noqa: E402
 
-from pool_helpers import h, ints, pool_state  # noqa: E402
+from pool_helpers import h, ints, pool_state, reuse_callbacks, assert_lookups_agree  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CTRL_COMPACTIONS = Ctrl.COMPACTIONS
@@ -203,16 +203,7 @@ class Pair:
         return "after ops:\n  " + "\n  ".join(self.history[-15:])
 
     def callbacks(self):
-        tag = self.next_tag
-        self.next_tag += 1
-
-        def make(side):
-            log = self.fired[side]
-
-            def on_reuse(b):
-                log.append((tag, int(b)))
-            return on_reuse
-        return make("ref"), make("dev")
+        return reuse_callbacks(self)
 
     # ---- reading the reference -------------------------------------------------------------------
     def refs(self) -> list[int]:
@@ -251,15 +242,7 @@ class Pair:
         dev.validate()
         assert dev.get_usage() == pytest.approx(ref.get_usage())
         if self.used:
-            keys = [(hh, g) for hh in sorted(self.used) for g in (0, 1)]
-            dk = [device_key(hh, g) for hh, g in keys]
-            got = ints(dev.lookup_batched(i64([k[0] for k in dk]), i64([k[1] for k in dk]),
-                                          i32([g for _, g in keys])))
-            want = []
-            for hh, g in keys:
-                r = ref.get_cached_block(hh, [g])
-                want.append(-1 if r is None else r[0])
-            assert got == want, f"lookups differ: device {got} != reference {want}; {self.where()}"
+            assert_lookups_agree(ref, dev, self.used, self.where())
 
     # ---- an op expected to fail ------------------------------------------------------------------
     def expect_fail(self, desc, op, exc, ref_fn, dev_fn, value=ANY, full=True) -> None:

@@ -55,6 +55,7 @@ from gpupool.errors import (  # noqa: E402
 )
 from gpupool.manager import KVCacheManager  # noqa: E402
 from gpupool.reference import ReferenceKVCacheManager  # noqa: E402
+from pool_helpers import ints, pool_state  # noqa: E402
 
 
 # =================================================================================================
@@ -80,28 +81,8 @@ ALPHABET = sorted({x for t in TEMPLATES for x in t} | set(TAIL))
 HASH = {i: H(i) for i in ALPHABET}
 
 
-def ints(x) -> list[int]:
-    if hasattr(x, "tolist") and not isinstance(x, list):
-        x = x.tolist()
-        if isinstance(x, int):
-            return [x]
-    return [int(v) for v in x]
-
-
 def i32(values) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int32, device=DEVICE)
-
-
-def pool_state(pool) -> dict:
-    """The pool's observable state through the conformance surface (SPEC.md section 4)."""
-    return {
-        "free_queue": ints(pool.free_queue()),
-        "ref_counts": ints(pool.ref_counts()),
-        "blocks": [([(bytes(hh), int(g)) for hh, g in pool.block_keys(b)],
-                    None if pool.block_hash_num_tokens(b) is None else int(pool.block_hash_num_tokens(b)))
-                   for b in range(int(pool.num_blocks))],
-        "num_free": int(pool.get_num_free_blocks()),
-    }
 
 
 def manager_state(m) -> dict:
