@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Device checks for a lent CUDA machine, in one go (under 8 minutes):
 #   1. the CUDA-only tests (python -m pytest -q tests -m cuda),
-#   2. `gpupool replay --pool both` on the whole bundled trace (device and reference must agree),
+#   2. `gpupool replay --pool both` on the whole bundled trace (the device replay loop and the
+#      reference must agree; the device's wall time is the whole-trace benchmark),
 #   3. the modelled cases of bench/model_cases.py MEASURED with CUDA events (decode step at B = 64 and
-#      1,024, allocate / free / touch of 4,096 blocks, 10,000 lookups; eager and as CUDA-graph replays),
+#      1,024, allocate / free / touch of 4,096 blocks, 10,000 lookups; eager and as CUDA-graph replays;
+#      the replay loop on the first 1,000 requests, wall clock),
 #   4. the benchmarks (`gpupool bench`: pytest-benchmark JSON + PNG),
 #   5. short tables (measured cases; op, pool, N, batch, median us, GPU us), printed last.
 # Run from anywhere: bash bench/gpu_check.sh (GPU_CHECK_ALLOW_CPU=1: a dry run without CUDA).
@@ -76,8 +78,8 @@ if [[ -f "$OUTDIR/replay.json" ]]; then
 import json, sys
 r = json.load(open(sys.argv[1]))
 if "device" in r:
-    print(f"replay: match={r['match']} device {r['device']['requests_per_s']:,.0f} req/s, "
-          f"reference {r['reference']['requests_per_s']:,.0f} req/s, hit blocks {r['device']['hit_blocks']} "
+    print(f"replay: match={r['match']} device {r['device']['wall_s']:.3f} s ({r['device']['requests_per_s']:,.0f} req/s), "
+          f"reference {r['reference']['wall_s']:.3f} s ({r['reference']['requests_per_s']:,.0f} req/s), hit blocks {r['device']['hit_blocks']} "
           f"vs {r['reference']['hit_blocks']}")
 PYEOF
 fi

@@ -36,6 +36,9 @@ Cases:
   hashes, all hits.
 * ``touch_4096``: ``touch_batched`` of 4,096 distinct cached free blocks chosen at random (they are
   unlinked from the middle of the free queue).
+* ``replay`` (``--replay-requests``, default 1,000): ``replay_on_device`` of the bundled trace's first
+  requests on a fresh ``BlockPool(16384)`` (the CLI's default model), recorded whole and compared
+  with the reference pool's report. Its target is the eager figure (host round trips counted).
 
 Every op is called as a plain caller would (optional count tensors left to their defaults: the kernels
 then take the array's length, with no glue kernel), and checked afterwards (``check()``, counts, hits).
@@ -81,7 +84,7 @@ BLOCK_SIZE = 16
 MAX_BLOCKS_PER_REQ = 168
 SEED = 20240611
 WARM_CHUNK = 16_384
-CASES = ("decode_step", "alloc_4096x1", "alloc_64x64", "free_4096", "lookup_10000", "touch_4096")
+CASES = ("decode_step", "alloc_4096x1", "alloc_64x64", "free_4096", "lookup_10000", "touch_4096", "replay")
 COUNT_KINDS = ("ld", "at", "red", "scan", "bar", "br", "it")
 
 
@@ -458,6 +461,36 @@ def case_touch(gp, gc, args) -> dict:
     return summarize(gc, rec, "touch_4096", {"blocks": 4096, "cached_free": True}, build_s, record_s, {})
 
 
+def case_replay(gp, gc, args) -> dict:
+    """The device replay loop on the bundled trace's first ``--replay-requests`` requests (default
+    pool and model settings), recorded whole: upload, launches, host syncs, the final digest."""
+    from gpupool.replay import DEFAULT_NUM_BLOCKS, load_trace, replay
+    from gpupool.replay.device import replay_on_device
+
+    t0 = time.perf_counter()
+    trace = load_trace(limit=args.replay_requests)
+    pool = gp.BlockPool(DEFAULT_NUM_BLOCKS, device=DEVICE)
+    ref = replay(gp.ReferenceBlockPool(DEFAULT_NUM_BLOCKS), trace)
+    build_s = time.perf_counter() - t0
+    params = {"requests": len(trace), "num_blocks": DEFAULT_NUM_BLOCKS}
+    if isinstance(gc, Measure):  # a whole run, wall clock (host syncs included); no graph
+        import torch
+        if gc.cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        rep = replay_on_device(pool, trace)
+        rec = {"measured": True, "device": gc.device, "reps": 1, "eager_us": (time.perf_counter() - t) * 1e6,
+               "graph_us": None}
+        record_s = rec["eager_us"] / 1e6
+    else:
+        rec, rep, record_s = record(gc, lambda: replay_on_device(pool, trace), args.report,
+                                    f"replay_on_device, first {len(trace)} requests")
+    for f in ("admitted", "hit_blocks", "free_queue_sha256"):
+        assert getattr(rep, f) == getattr(ref, f), f"device replay differs from the reference in {f}"
+    params["time_points"] = len({t.timestamp for t in trace})  # arrivals' times; completions add more
+    return summarize(gc, rec, f"replay_{len(trace)}", params, build_s, record_s, {})
+
+
 # ---- output ------------------------------------------------------------------------------------
 def fmt(v) -> str:
     return " / ".join(f"{x:,.0f}" if x >= 10 else f"{x:.1f}" for x in v)
@@ -497,6 +530,8 @@ def main(argv=None) -> int:
     ap.add_argument("--measure", action="store_true",
                     help="time each op with CUDA events on the GPU instead of modelling it (no gpucost needed)")
     ap.add_argument("--reps", type=int, default=20, help="repetitions per op with --measure (median)")
+    ap.add_argument("--replay-requests", type=int, default=1000,
+                    help="requests of the bundled trace for the replay case (default 1,000)")
     args = ap.parse_args(argv)
 
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -541,6 +576,8 @@ def main(argv=None) -> int:
             jobs.append((c, lambda: case_lookup(gp, gc, args)))
         elif c == "touch_4096":
             jobs.append((c, lambda: case_touch(gp, gc, args)))
+        elif c == "replay":
+            jobs.append((c, lambda: case_replay(gp, gc, args)))
     for name, job in jobs:
         print(f"[{time.strftime('%H:%M:%S')}] {name}: building and recording ...", file=sys.stderr, flush=True)
         r = job()

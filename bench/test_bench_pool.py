@@ -425,7 +425,7 @@ def test_replay(benchmark, kind):
     trace = load_trace(None, limit)
     benchmark.group = "replay"
     if kind == "device":
-        from gpupool.replay.device import replay_batched as run
+        from gpupool.replay.device import replay_on_device as run
         if CUDA:  # compile the step kernel outside the timing
             run(make_pool("device", DEFAULT_NUM_BLOCKS), trace[:20])
     else:

@@ -269,7 +269,7 @@ def cmd_replay(args) -> int:
         from .pool import BlockPool
 
         if isinstance(pools[k], BlockPool):
-            from .replay.device import replay_batched as run  # the device loop
+            from .replay.device import replay_on_device as run  # the device loop
         else:
             run = replay
         rep = run(pools[k], trace, block_size=args.block_size, tpot_ms=args.tpot_ms, progress=progress)

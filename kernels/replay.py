@@ -1,17 +1,26 @@
-"""The trace replay's device kernels (docs/semantics.md section 5): one time point of frees and
-arrivals with head-of-line admission in one launch.
+"""The trace replay's event loop on the device (docs/semantics.md section 5; DESIGN-NOTES section 7).
 
-``admission_step_kernel`` replays a sequence of events at one time point exactly as the single ops
-would: each event is either the free of one finished request's blocks (a ``free_blocks`` call) or
-the arrival of a request at the back of the waiting line, and after every event the line is admitted
-in order until the first request that does not fit. Admitting request r: longest cached prefix of its
-chain (capped), fit check ``new + zero-ref hits <= num_free``, touch of the hits, popleft of ``new``
-blocks (evicting their keys), keys for the newly full blocks.
+``replay_loop_kernel`` is one program that runs the replay model itself, event by event, for up to
+``max_points`` time points per launch, so the host only launches and, now and then, reads the
+progress words. Its state lives in device tensors between launches (:class:`LoopState`):
 
-One program walks events, requests and tiles in order, so the result is the sequence of single ops
-by construction. Inputs are validated as a whole first (ids, counts, offsets, that the frees never
-drive a ref count below zero, room for the events), so an error changes nothing.
+* arrivals come from the sorted trace, uploaded once (:class:`TraceTensors`); the waiting line is
+  always the contiguous range ``[line_head, next_arrival)`` of arrival indices, because admission is
+  head-of-line and in arrival order (an admitted or rejected request is always the line's head);
+* running requests wait in a D-ary min-heap keyed by (finish time, arrival index), which is the
+  model's (finish time, admission order): requests are admitted in arrival order. A D-ary heap
+  (D = 32 children per node, read as one vector) keeps sift-down to about log_32(running) dependent
+  loads;
+* each event is applied exactly as the model's single ops would (a completion frees the request's
+  blocks tail first, then an admission pass; an arrival joins the line, then an admission pass unless
+  the line was already blocked). Finish times are ``now + dur[r]`` with ``dur`` computed on the host
+  as the model computes it (``output_length * tpot_ms`` in float64), so one IEEE addition gives the
+  same times and ties;
+* the report's counters accumulate in ``words``.
+
+The kernel trusts its trace tensors: ``gpupool.replay.device`` builds them from a checked trace.
 """
+from enum import IntEnum
 from typing import NamedTuple
 
 import torch
@@ -20,175 +29,248 @@ import triton.language as tl
 
 from .alloc import pop_and_claim
 from .cache import cache_range
-from .common import checked_count, keep_first, set_status, status_clear, warps_for
-from .layout import BIG, E_BUFFER_FULL, E_DOUBLE_FREE, E_INVALID_ARG, EV_COUNT, HEAD, KEY_SEQ, NUM_FREE, OP_REPLAY, TAIL
+from .common import status_clear, warps_for
+from .layout import BIG, HEAD, KEY_SEQ, EV_COUNT, NUM_FREE, TAIL
 from .lookup import find_longest_cache_hit
-from .release import check_ids, count_ids, first_double_free, free_checked, reset_ids, touch_checked
+from .release import free_checked, touch_checked
 
-RES_WAITING = tl.constexpr(0)
-RES_ADMITTED = tl.constexpr(1)
-RES_REJECTED = tl.constexpr(2)
+
+class LoopWord(IntEnum):
+    """Slots of ``LoopState.words: int64[NUM_LOOP_WORDS]``."""
+
+    NUM_REQUESTS = 0  # R, set by the host
+    NEXT_ARRIVAL = 1  # arrivals [0, NEXT_ARRIVAL) have joined the line
+    LINE_HEAD = 2  # arrivals [0, LINE_HEAD) have been admitted or rejected
+    RUNNING = 3  # entries in the heap
+    DONE = 4  # 1 when no event is left
+    TIME_POINTS = 5  # distinct event times processed
+    ADMITTED = 6
+    REJECTED = 7
+    PROMPT_BLOCKS = 8
+    HIT_BLOCKS = 9
+    WAITED = 10
+    PEAK_IN_USE = 11
+    COMPLETED = 12
+
+
+NUM_LOOP_WORDS = 16
+W_NUM_REQUESTS = tl.constexpr(LoopWord.NUM_REQUESTS)
+W_NEXT_ARRIVAL = tl.constexpr(LoopWord.NEXT_ARRIVAL)
+W_LINE_HEAD = tl.constexpr(LoopWord.LINE_HEAD)
+W_RUNNING = tl.constexpr(LoopWord.RUNNING)
+W_DONE = tl.constexpr(LoopWord.DONE)
+W_TIME_POINTS = tl.constexpr(LoopWord.TIME_POINTS)
+W_ADMITTED = tl.constexpr(LoopWord.ADMITTED)
+W_REJECTED = tl.constexpr(LoopWord.REJECTED)
+W_PROMPT_BLOCKS = tl.constexpr(LoopWord.PROMPT_BLOCKS)
+W_HIT_BLOCKS = tl.constexpr(LoopWord.HIT_BLOCKS)
+W_WAITED = tl.constexpr(LoopWord.WAITED)
+W_PEAK_IN_USE = tl.constexpr(LoopWord.PEAK_IN_USE)
+W_COMPLETED = tl.constexpr(LoopWord.COMPLETED)
+
+HEAP_D = tl.constexpr(32)  # children per heap node
+INF = tl.constexpr(float("inf"))
 
 
 class TraceTensors(NamedTuple):
-    """Every request of a trace once, by arrival index r: ``chain_hi, chain_lo: int64[K]`` device keys
-    of all full prompt blocks, ``chain_off: int64[R]`` where request r's chain starts, ``full, hitcap,
-    total: int32[R]`` (full blocks, positions that may hit, blocks needed)."""
+    """Every request of a trace once, by arrival index r (sorted by timestamp, ties in trace order):
+    ``ts, dur: float64[R]`` arrival time and ``output_length * tpot_ms`` (ms); ``chain_hi, chain_lo:
+    int64[K]`` device keys of all full prompt blocks, ``chain_off: int64[R]`` where request r's chain
+    starts; ``full, hitcap, total: int32[R]`` (full blocks, positions that may hit, blocks needed);
+    ``blk_off: int64[R]`` where r's blocks go in ``LoopState.blocks``."""
 
+    ts: torch.Tensor
+    dur: torch.Tensor
     chain_hi: torch.Tensor
     chain_lo: torch.Tensor
     chain_off: torch.Tensor
     full: torch.Tensor
     hitcap: torch.Tensor
     total: torch.Tensor
+    blk_off: torch.Tensor
 
 
-class StepInputs(NamedTuple):
-    """One time point: ``line: int32[L]`` request indices in line order, the first ``line_waiting[0]``
-    waiting already; ``events: int32[E]`` (``j >= 0`` frees segment j of ``free_ids``, bounds in
-    ``free_off: int32[S + 1]``; -1 reveals the next arrival), counts ``num_events, num_free_ids:
-    int32[1]``; ``out_off: int64[L]`` where line position k's blocks go in ``blocks``."""
+class LoopState(NamedTuple):
+    """The loop's device state between launches: ``words: int64[NUM_LOOP_WORDS]`` (``LoopWord``),
+    ``now: float64[1]`` (ms; -inf before the first event), the heap ``heap_t: float64[H]`` /
+    ``heap_r: int32[H]`` (H >= the most requests that can run at once, N - 1), ``blocks: int32[B]``
+    each admitted request's blocks tail first (the order it frees them), scratch ``adm: int32[T]``
+    and ``pf: int32[T + 1]`` (T = the largest admissible request's block count)."""
 
-    line: torch.Tensor
-    line_waiting: torch.Tensor
-    events: torch.Tensor
-    num_events: torch.Tensor
-    free_ids: torch.Tensor
-    free_off: torch.Tensor
-    num_free_ids: torch.Tensor
-    out_off: torch.Tensor
-
-
-class StepOutputs(NamedTuple):
-    """Per line position: ``result: int32[L]`` (0 waiting, 1 admitted, 2 rejected), ``hits: int32[L]``,
-    ``free_after: int64[L]`` (free blocks right after it); ``blocks: int32[cap]`` (hits then new);
-    ``pf: int32[F + 1]`` scratch of the frees."""
-
-    result: torch.Tensor
-    hits: torch.Tensor
-    free_after: torch.Tensor
+    words: torch.Tensor
+    now: torch.Tensor
+    heap_t: torch.Tensor
+    heap_r: torch.Tensor
     blocks: torch.Tensor
+    adm: torch.Tensor
     pf: torch.Tensor
 
 
 @triton.jit
-def admission_step_kernel(ps, pc: tl.constexpr, tr, step, out, sizes, group_ids, bs):
-    """One time point of the replay model (module docstring). ``sizes: int64[5]`` = (requests R, line
-    capacity L, event capacity E, free-id capacity F, segment count S); ``group_ids: int32[1]`` the
-    group, ``bs`` the block size in tokens. Bad counts, offsets, request indices or line positions set
-    E_INVALID_ARG."""
+def heap_push(heap_t, heap_r, n, t, r):
+    """Insert (t, r) into the D-ary min-heap of ``n`` entries; returns n + 1."""
+    pos = n.to(tl.int64)
+    go = pos > 0
+    while go:
+        parent = (pos - 1) // HEAP_D
+        pt = tl.load(heap_t + parent)
+        pr = tl.load(heap_r + parent)
+        up = (t < pt) | ((t == pt) & (r < pr))
+        tl.store(heap_t + pos, pt, mask=up)
+        tl.store(heap_r + pos, pr, mask=up)
+        pos = tl.where(up, parent, pos)
+        go = up & (pos > 0)
+    tl.store(heap_t + pos, t)
+    tl.store(heap_r + pos, r)
+    tl.debug_barrier()
+    return n + 1
+
+
+@triton.jit
+def heap_pop(heap_t, heap_r, n):
+    """Remove the root of the D-ary min-heap of ``n > 0`` entries; returns n - 1. Each level reads
+    the D children as one vector; r is unique, so (t, r) names one child."""
+    offs = tl.arange(0, HEAP_D)
+    n -= 1
+    t = tl.load(heap_t + n)  # the last entry sinks from the root
+    r = tl.load(heap_r + n)
+    pos = tl.zeros([], tl.int64)
+    go = n > 0
+    while go:
+        c = pos * HEAP_D + 1 + offs
+        m = c < n
+        ct = tl.load(heap_t + c, mask=m, other=INF)
+        cr = tl.load(heap_r + c, mask=m, other=BIG)
+        tmin = tl.min(ct, axis=0)
+        rmin = tl.min(tl.where(m & (ct == tmin), cr, BIG), axis=0)
+        cmin = tl.min(tl.where(m & (ct == tmin) & (cr == rmin), c, n), axis=0)
+        down = (cmin < n) & ((tmin < t) | ((tmin == t) & (rmin < r)))
+        tl.store(heap_t + pos, tmin, mask=down)
+        tl.store(heap_r + pos, rmin, mask=down)
+        pos = tl.where(down, cmin, pos)
+        go = down
+    tl.store(heap_t + pos, t, mask=n > 0)
+    tl.store(heap_r + pos, r, mask=n > 0)
+    tl.debug_barrier()
+    return n
+
+
+@triton.jit
+def store_reversed(src, dst, n, BLOCK: tl.constexpr):
+    """``dst[:n] = src[:n][::-1]``: a request frees its blocks tail first."""
+    offs = tl.arange(0, BLOCK)
+    i = 0
+    while i < n:
+        idx = i + offs
+        m = idx < n
+        tl.store(dst + (n - 1 - idx), tl.load(src + idx, mask=m, other=0), mask=m)
+        i += BLOCK
+
+
+@triton.jit
+def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
+    """Run the replay model (module docstring) for at most ``max_points`` more time points, or to the
+    end (``words[DONE] = 1``). ``group_ids: int32[1]`` the group of the trace's keys, ``bs`` the block
+    size in tokens. Does nothing while the pool's status word holds an error."""
     if status_clear(ps.status):
-        offs = tl.arange(0, pc.BLOCK)
-        num_req = tl.load(sizes + 0)
-        line_cap = tl.load(sizes + 1)
-        ne, ne_ok = checked_count(step.num_events, tl.load(sizes + 2))
-        nfi, nfi_ok = checked_count(step.num_free_ids, tl.load(sizes + 3))
-        nseg = tl.load(sizes + 4)
-        visible = tl.load(step.line_waiting)
-        err = tl.where(ne_ok & nfi_ok & (visible >= 0) & (visible <= line_cap), 0, E_INVALID_ARG)
-        err_val = tl.zeros([], tl.int64)
-        err_i = tl.full([], BIG, tl.int32)
-        # events: segment indices in range, segments inside the free ids, arrivals within the line
-        arrivals = tl.zeros([], tl.int32)
-        i = 0
-        while i < ne:
-            idx = i + offs
-            m = idx < ne
-            e = tl.load(step.events + idx, mask=m, other=-1)
-            s0 = tl.load(step.free_off + e, mask=m & (e >= 0) & (e < nseg), other=0)
-            s1 = tl.load(step.free_off + e + 1, mask=m & (e >= 0) & (e < nseg), other=0)
-            bad = m & ((e < -1) | (e >= nseg) | ((e >= 0) & ((s0 < 0) | (s1 < s0) | (s1 > nfi))))
-            err, err_val, err_i = keep_first(err, err_val, err_i, E_INVALID_ARG, bad, idx, e)
-            arrivals += tl.sum((m & (e == -1)).to(tl.int32), axis=0)
-            i += pc.BLOCK
-        err = tl.where((err == 0) & (visible + arrivals > line_cap), E_INVALID_ARG, err)
-        # line entries: request indices in range; the rows their admissions may write
-        rows = tl.zeros([], tl.int64)
-        i = 0
-        while i < visible + arrivals:
-            idx = i + offs
-            m = idx < tl.minimum(visible + arrivals, line_cap)
-            r = tl.load(step.line + idx, mask=m, other=0)
-            bad = m & ((r < 0) | (r >= num_req))
-            err, err_val, err_i = keep_first(err, err_val, err_i, E_INVALID_ARG, bad, idx, r)
-            ok = m & ~bad
-            rows += tl.sum(tl.where(ok, tl.load(tr.total + r, mask=ok, other=0).to(tl.int64) * pc.MK
-                                    + tl.load(tr.full + r, mask=ok, other=0) + 1, 0), axis=0)
-            i += pc.BLOCK
-        if err == 0:
-            err, err_val, _ = check_ids(step.free_ids, nfi, pc.N, False, pc.BLOCK)
-        if err == 0:
-            count_ids(ps, step.free_ids, nfi, pc.BLOCK)
-            tl.debug_barrier()
-            dfree_i, dfree_v = first_double_free(ps, step.free_ids, nfi, pc.BLOCK)
-            err = tl.where(dfree_i < BIG, E_DOUBLE_FREE, err)
-            err_val = tl.where(dfree_i < BIG, dfree_v, err_val)
-            tl.debug_barrier()
-            reset_ids(ps, step.free_ids, nfi, pc.N, pc.BLOCK)
-            tl.debug_barrier()
-        if pc.EVENTS:  # each admission evicts at most MK keys per new block, stores a header and its items
-            ev_full = (err == 0) & (tl.load(ps.ctrl + EV_COUNT) + rows > pc.EV_CAP)
-            err = tl.where(ev_full, E_BUFFER_FULL, err)
-            err_val = tl.where(ev_full, rows, err_val)
-        if err == 0:
-            head = tl.load(ps.ctrl + HEAD)
-            tail = tl.load(ps.ctrl + TAIL)
-            num_free = tl.load(ps.ctrl + NUM_FREE)
-            lh = tl.zeros([], tl.int32)  # line head: first request not yet admitted or rejected
-            e = 0
-            while e < ne:
-                ev_kind = tl.load(step.events + e)
-                if ev_kind >= 0:
-                    s0 = tl.load(step.free_off + ev_kind)
-                    s1 = tl.load(step.free_off + ev_kind + 1)
-                    head, tail, released = free_checked(ps, pc, step.free_ids + s0, s1 - s0, out.pf, head, tail)
-                    num_free += released
+        R = tl.load(lp.words + W_NUM_REQUESTS)
+        nxt = tl.load(lp.words + W_NEXT_ARRIVAL)
+        lh = tl.load(lp.words + W_LINE_HEAD)
+        running = tl.load(lp.words + W_RUNNING)
+        points = tl.load(lp.words + W_TIME_POINTS)
+        admitted = tl.load(lp.words + W_ADMITTED)
+        rejected = tl.load(lp.words + W_REJECTED)
+        prompt = tl.load(lp.words + W_PROMPT_BLOCKS)
+        hit_blocks = tl.load(lp.words + W_HIT_BLOCKS)
+        waited = tl.load(lp.words + W_WAITED)
+        peak = tl.load(lp.words + W_PEAK_IN_USE)
+        completed = tl.load(lp.words + W_COMPLETED)
+        done = tl.load(lp.words + W_DONE)
+        now = tl.load(lp.now)
+        head = tl.load(ps.ctrl + HEAD)
+        tail = tl.load(ps.ctrl + TAIL)
+        num_free = tl.load(ps.ctrl + NUM_FREE)
+        stop_at = points + max_points
+        go = done == 0
+        while go:
+            ct = tl.load(lp.heap_t, mask=running > 0, other=INF)
+            at = tl.load(tr.ts + nxt, mask=nxt < R, other=INF)
+            admit = tl.full([], 0, tl.int1)
+            if (running > 0) & (ct <= now):  # a completion: free its blocks tail first
+                r = tl.load(lp.heap_r)
+                running = heap_pop(lp.heap_t, lp.heap_r, running)
+                head, tail, released = free_checked(ps, pc, lp.blocks + tl.load(tr.blk_off + r),
+                                                    tl.load(tr.total + r), lp.pf, head, tail)
+                num_free += released
+                completed += 1
+                admit = tl.full([], 1, tl.int1)
+            elif (nxt < R) & (at <= now):  # an arrival joins the line
+                admit = lh == nxt  # a non-empty line is blocked at its head: an arrival changes nothing
+                nxt += 1
+            elif (running == 0) & (nxt >= R):
+                done += 1
+                go = tl.full([], 0, tl.int1)
+            elif points >= stop_at:
+                go = tl.full([], 0, tl.int1)
+            else:  # the next time point: completions before arrivals at equal times
+                now = tl.minimum(ct, at)
+                points += 1
+            # Admission pass: in line order until the first request that does not fit.
+            while admit & (lh < nxt):
+                total = tl.load(tr.total + lh)
+                if total > pc.N - 1:
+                    rejected += 1
+                    lh += 1
                 else:
-                    visible += 1
-                # Admission pass: in line order until the first request that does not fit.
-                blocked = tl.zeros([], tl.int32)
-                while (lh < visible) & (blocked == 0):
-                    r = tl.load(step.line + lh)
-                    total = tl.load(tr.total + r)
-                    if total > pc.N - 1:
-                        tl.store(out.result + lh, RES_REJECTED)
-                        lh += 1
+                    base = tl.load(tr.chain_off + lh)
+                    full = tl.load(tr.full + lh)
+                    hits, zero_ref = find_longest_cache_hit(ps, pc, tr.chain_hi + base, tr.chain_lo + base, 0, 1,
+                                                            group_ids, 1, tl.load(tr.hitcap + lh), lp.adm, 0,
+                                                            pc.BLOCK)
+                    new = total - hits
+                    if (new + zero_ref).to(tl.int64) > num_free:
+                        admit = tl.full([], 0, tl.int1)
                     else:
-                        base = tl.load(tr.chain_off + r)
-                        full = tl.load(tr.full + r)
-                        ob = tl.load(step.out_off + lh)
-                        hits, zero_ref = find_longest_cache_hit(ps, pc, tr.chain_hi + base, tr.chain_lo + base, 0, 1,
-                                                                group_ids, 1, tl.load(tr.hitcap + r),
-                                                                out.blocks + ob, 0, pc.BLOCK)
-                        new = total - hits
-                        if (new + zero_ref).to(tl.int64) > num_free:
-                            blocked = 1
-                        else:
-                            num_free -= touch_checked(ps, pc, out.blocks + ob, hits)
-                            head = pop_and_claim(ps, pc, head, tail, out.blocks, ob + hits, new)
-                            num_free -= new
-                            if pc.CACHING:
-                                pk = base + hits - 1
-                                ev_pos, seq = cache_range(
-                                    ps, pc, out.blocks + ob, out.blocks, hits, full, tr.chain_hi, tr.chain_lo, base, 1,
-                                    tl.load(group_ids), bs, (hits > 0).to(tl.int64),
-                                    tl.load(tr.chain_hi + pk, mask=hits > 0, other=0),
-                                    tl.load(tr.chain_lo + pk, mask=hits > 0, other=0), False)
-                                tl.store(ps.ctrl + KEY_SEQ, seq)
-                                tl.store(ps.ctrl + EV_COUNT, ev_pos)
-                            tl.store(out.result + lh, RES_ADMITTED)
-                            tl.store(out.hits + lh, hits)
-                            tl.store(out.free_after + lh, num_free)
-                            lh += 1
-                e += 1
-            tl.store(ps.ctrl + HEAD, head)
-            tl.store(ps.ctrl + TAIL, tail)
-            tl.store(ps.ctrl + NUM_FREE, num_free)
-        else:
-            set_status(ps.status, err, OP_REPLAY, err_val)
+                        num_free -= touch_checked(ps, pc, lp.adm, hits)
+                        head = pop_and_claim(ps, pc, head, tail, lp.adm, hits, new)
+                        num_free -= new
+                        if pc.CACHING:
+                            pk = base + hits - 1
+                            ev_pos, seq = cache_range(
+                                ps, pc, lp.adm, lp.adm, hits, full, tr.chain_hi, tr.chain_lo, base, 1,
+                                tl.load(group_ids), bs, (hits > 0).to(tl.int64),
+                                tl.load(tr.chain_hi + pk, mask=hits > 0, other=0),
+                                tl.load(tr.chain_lo + pk, mask=hits > 0, other=0), False)
+                            tl.store(ps.ctrl + KEY_SEQ, seq)
+                            tl.store(ps.ctrl + EV_COUNT, ev_pos)
+                        store_reversed(lp.adm, lp.blocks + tl.load(tr.blk_off + lh), total, pc.BLOCK)
+                        tl.debug_barrier()
+                        running = heap_push(lp.heap_t, lp.heap_r, running, now + tl.load(tr.dur + lh),
+                                            lh.to(tl.int32))
+                        admitted += 1
+                        waited += (now > tl.load(tr.ts + lh)).to(tl.int64)
+                        prompt += full
+                        hit_blocks += hits
+                        peak = tl.maximum(peak, pc.N - 1 - num_free)
+                        lh += 1
+        tl.store(ps.ctrl + HEAD, head)
+        tl.store(ps.ctrl + TAIL, tail)
+        tl.store(ps.ctrl + NUM_FREE, num_free)
+        tl.store(lp.now, now)
+        tl.store(lp.words + W_NEXT_ARRIVAL, nxt)
+        tl.store(lp.words + W_LINE_HEAD, lh)
+        tl.store(lp.words + W_RUNNING, running)
+        tl.store(lp.words + W_DONE, done)
+        tl.store(lp.words + W_TIME_POINTS, points)
+        tl.store(lp.words + W_ADMITTED, admitted)
+        tl.store(lp.words + W_REJECTED, rejected)
+        tl.store(lp.words + W_PROMPT_BLOCKS, prompt)
+        tl.store(lp.words + W_HIT_BLOCKS, hit_blocks)
+        tl.store(lp.words + W_WAITED, waited)
+        tl.store(lp.words + W_PEAK_IN_USE, peak)
+        tl.store(lp.words + W_COMPLETED, completed)
 
 
-def launch_admission_step(ps, pc, tr: TraceTensors, step: StepInputs, out: StepOutputs, sizes, group_ids,
-                          block_size: int):
-    """Launch ``admission_step_kernel`` (one program)."""
-    admission_step_kernel[(1,)](ps, pc, tr, step, out, sizes, group_ids, block_size, num_warps=warps_for(pc.BLOCK))
+def launch_replay_loop(ps, pc, tr: TraceTensors, lp: LoopState, group_ids, block_size: int, max_points: int):
+    """Launch ``replay_loop_kernel`` (one program) for at most ``max_points`` time points."""
+    replay_loop_kernel[(1,)](ps, pc, tr, lp, group_ids, block_size, max_points, num_warps=warps_for(pc.BLOCK))

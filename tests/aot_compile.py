@@ -24,7 +24,7 @@ import gpupool  # noqa: E402
 from gpupool.keys import device_key  # noqa: E402
 
 RECORDS = []
-_DT = {torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32", torch.float16: "*fp16",
+_DT = {torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32", torch.float64: "*fp64", torch.float16: "*fp16",
        torch.bfloat16: "*bf16", torch.uint8: "*u8", torch.bool: "*i1"}
 
 
@@ -63,9 +63,10 @@ def drive_pool(num_blocks=64, **kw):  # noqa: C901
     kh = torch.tensor([[[k[0]]]], dtype=torch.int64)
     p.longest_prefix_batched(kh, kh.clone(), torch.tensor([0], dtype=i32), torch.tensor([1], dtype=i32))
     from gpupool.replay import TraceRequest
-    from gpupool.replay.device import replay_batched
-    try:  # nothing runs here, so the replay sees no admission and stops; its launch is recorded
-        replay_batched(p, [TraceRequest(0.0, 40, 4, (1, 2, 3))], block_size=16)
+    from gpupool.replay.device import replay_on_device
+    q = p if not kw.get("enable_kv_cache_events") else gpupool.BlockPool(num_blocks, device="cpu")
+    try:  # nothing runs here, so the loop never reports progress and stops; its launch is recorded
+        replay_on_device(q, [TraceRequest(0.0, 40, 4, (1, 2, 3))], block_size=16)
     except RuntimeError:
         pass
     p.validate()

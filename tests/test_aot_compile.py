@@ -22,7 +22,7 @@ def test_every_kernel_compiles_for_cuda(cc):
     # Each op kernel of the pool is among them.
     for name in ("alloc_kernel", "release_kernel", "touch_kernel", "cache_full_kernel", "cache_partial_kernel",
                  "move_kernel", "evict_kernel", "reset_kernel", "lookup_kernel", "longest_prefix_kernel",
-                 "admission_step_kernel", "validate_kernel", "copy_blocks_kernel", "allocate_slots_kernel",
+                 "replay_loop_kernel", "validate_kernel", "copy_blocks_kernel", "allocate_slots_kernel",
                  "free_requests_kernel", "slot_mapping_kernel", "release_copies_kernel",
                  "allocate_slots_parallel_kernel"):
         assert name in names, f"{name} was not compiled for sm_{cc}"

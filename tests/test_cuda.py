@@ -14,7 +14,7 @@ from gpupool import BlockPool, ReferenceBlockPool
 from gpupool.kernels.common import forced_warps
 from gpupool.errors import OutOfBlocksError
 from gpupool.replay import load_trace, replay
-from gpupool.replay.device import replay_batched
+from gpupool.replay.device import replay_on_device
 from pool_helpers import h, pool_state
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -173,5 +173,5 @@ def test_graph_replay_error_changes_nothing_and_later_replays_work():
 def test_replay_full_trace_matches_reference_on_cuda():
     trace = load_trace()
     ref = replay(ReferenceBlockPool(16384), trace)
-    dev = replay_batched(BlockPool(16384, device=DEV), trace)
+    dev = replay_on_device(BlockPool(16384, device=DEV), trace)
     assert (dev.hit_blocks, dev.free_queue_sha256) == (ref.hit_blocks, ref.free_queue_sha256)

@@ -1,23 +1,29 @@
-"""The batched device replay (one ``admission_step`` launch per time point) equals the
-request-by-request model on the reference pool (SPEC.md section 5), and the CLI's ``--pool both``."""
+"""The device replay loop (``replay_on_device``: the model's event loop in one program, many time
+points per launch) equals the request-by-request model on the reference pool (docs/semantics.md
+section 5), and the CLI's ``--pool both``."""
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from hypothesis import given, settings, strategies as st
 
 from gpupool import BlockPool, ReferenceBlockPool, cli
 from gpupool.replay import TraceRequest, load_trace, replay
-from gpupool.replay.device import replay_batched
+from gpupool.replay.device import replay_on_device
 
 FIELDS = ("requests", "admitted", "rejected", "prompt_blocks", "hit_blocks", "free_queue_sha256", "waited",
           "peak_blocks_in_use")
 
 
-def both(trace, num_blocks, block_size=4, tpot_ms=1.0, **pool_kw):
+def both(trace, num_blocks, block_size=4, tpot_ms=1.0, points=3, launches=2, **pool_kw):
+    """Reference and device replays of ``trace``; the device loop stops every ``points`` time points
+    and syncs every ``launches`` launches, so resuming from saved state is exercised too."""
     ref = replay(ReferenceBlockPool(num_blocks), trace, block_size=block_size, tpot_ms=tpot_ms)
     pool = BlockPool(num_blocks, **pool_kw)
-    dev = replay_batched(pool, trace, block_size=block_size, tpot_ms=tpot_ms)
+    dev = replay_on_device(pool, trace, block_size=block_size, tpot_ms=tpot_ms, time_points_per_launch=points,
+                           launches_per_sync=launches)
     pool.validate()
     return ref, dev
 
@@ -38,7 +44,7 @@ def test_hand_made_trace_with_hits_waits_and_a_rejection():
     ref, dev = both(trace, 10)
     assert ref.rejected == 1 and ref.hit_blocks > 0 and ref.waited > 0
     assert_same(ref, dev)
-    assert dev.pool == "BlockPool (batched)"
+    assert dev.pool == "BlockPool (device loop)" and dev.end_time_ms == ref.end_time_ms
 
 
 @settings(max_examples=25, deadline=None)
@@ -51,11 +57,13 @@ def test_random_traces_match_the_reference(data):
         t += data.draw(st.integers(0, 3))
         inp = data.draw(st.integers(1, 20))
         ids = tuple(data.draw(st.lists(st.integers(0, 5), min_size=-(-inp // 4), max_size=-(-inp // 4))))
-        trace.append(TraceRequest(t, inp, data.draw(st.integers(1, 12)), ids))
+        trace.append(TraceRequest(t, inp, data.draw(st.integers(0, 12)), ids))
     small_ring = data.draw(st.booleans())
     kw = {"ring_capacity": 1 << max(1, (n - 1).bit_length())} if small_ring else {}
-    ref, dev = both(trace, n, **kw)
+    tpot = data.draw(st.sampled_from([0.0, 0.5, 1.0, 0.1]), label="tpot_ms")  # 0.1: inexact float sums
+    ref, dev = both(trace, n, tpot_ms=tpot, points=data.draw(st.integers(1, 8)), **kw)
     assert_same(ref, dev)
+    assert dev.end_time_ms == ref.end_time_ms
 
 
 def test_bundled_trace_prefix_on_a_small_pool_matches():
@@ -65,11 +73,45 @@ def test_bundled_trace_prefix_on_a_small_pool_matches():
     assert_same(ref, dev)
 
 
-def test_zero_output_falls_back_to_the_request_model():
-    trace = [TraceRequest(0, 8, 0, (1, 2)), TraceRequest(0, 8, 3, (1, 2))]
-    ref, dev = both(trace, 8)
+def test_zero_output_and_zero_tpot_finish_at_their_admission_time():
+    # A request that finishes when it is admitted completes before the next arrival at that time.
+    trace = [TraceRequest(0, 8, 0, (1, 2)), TraceRequest(0, 8, 3, (1, 2)), TraceRequest(0, 9, 0, (1, 2, 3))]
+    for tpot in (1.0, 0.0):
+        ref, dev = both(trace, 8, tpot_ms=tpot)
+        assert_same(ref, dev)
+        assert ref.hit_blocks > 0
+
+
+def test_equal_timestamps_and_heavy_eviction():
+    # Many requests at few timestamps through a pool that evicts on nearly every admission.
+    trace = [TraceRequest(t // 5, 4 * (1 + t % 4) + 1, 1 + t % 3, tuple(range(t % 6, t % 6 + 1 + t % 4)))
+             for t in range(40)]
+    ref, dev = both(trace, 9, points=1, launches=1)
+    assert ref.waited > 0 and ref.hit_blocks > 0
     assert_same(ref, dev)
-    assert dev.pool == "BlockPool"  # the fallback drives the single ops
+
+
+def test_one_launch_runs_the_whole_trace():
+    trace = [TraceRequest(t, 9, 2, (t % 3, 7)) for t in range(12)]
+    pool = BlockPool(16)
+    rep = replay_on_device(pool, trace, block_size=4, tpot_ms=1.0, time_points_per_launch=10_000,
+                           launches_per_sync=1)
+    assert rep.admitted == 12
+    assert rep.free_queue_sha256 == replay(ReferenceBlockPool(16), trace, block_size=4, tpot_ms=1.0).free_queue_sha256
+
+
+def test_bad_arguments_and_pools_are_refused():
+    trace = [TraceRequest(0, 8, 1, (1, 2))]
+    for kw in ({"time_points_per_launch": 0}, {"launches_per_sync": 0}, {"block_size": 0},
+               {"tpot_ms": float("nan")}):
+        with pytest.raises(ValueError):
+            replay_on_device(BlockPool(8), trace, **kw)
+    with pytest.raises(ValueError, match="events"):
+        replay_on_device(BlockPool(8, enable_kv_cache_events=True), trace)
+    busy = BlockPool(8)
+    busy.get_new_blocks(1)
+    with pytest.raises(ValueError, match="in use"):
+        replay_on_device(busy, trace)
 
 
 def test_cli_both_on_the_interpreter(tmp_path, capsys):

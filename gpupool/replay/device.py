@@ -1,33 +1,42 @@
-"""Batched trace replay on the device pool: one ``admission_step`` launch per time point.
+"""Trace replay with its event loop on the device (docs/semantics.md section 5; DESIGN-NOTES section 7).
 
-Every completion and arrival that shares a timestamp goes through one ``BlockPool.admission_step``
-call, which applies them exactly as the request-by-request model of docs/semantics.md section 5 does
-(``gpupool.replay``), so the reports are identical. The host waits for the device once per time point
-(to learn who was admitted and with which blocks, i.e. when they finish).
-
-The step assumes that no request finishes at the time it is admitted (``output_length * tpot_ms > 0``
-for all): otherwise a completion would be created inside a step. Such traces fall back to the
-request-by-request model over the same pool (still exact; slower).
+The sorted trace goes to the device once; ``kernels/replay.py`` then runs the whole model (arrivals,
+completions in (finish time, admission order), head-of-line admission, the report's counters) in one
+program, ``time_points_per_launch`` time points per launch. The host only launches and reads the
+progress words once per ``launches_per_sync`` launches (progress bar, sticky errors), and once at the
+end, so the report is the model's, exactly (same hits, admissions and final free-queue digest as
+:func:`gpupool.replay.replay` on the reference pool), every trace included: equal timestamps,
+zero-length outputs, pools that make requests wait or reject them.
 """
 from __future__ import annotations
 
-import heapq
+import math
 import time
 from collections.abc import Mapping
 
 import torch
 
-from ..kernels.replay import StepInputs, StepOutputs, TraceTensors, launch_admission_step
+from ..kernels.replay import NUM_LOOP_WORDS, LoopState, LoopWord, TraceTensors, launch_replay_loop
 from ..keys import trace_block_hash
-from .model import DEFAULT_BLOCK_SIZE, DEFAULT_TPOT_MS, ReplayReport, free_queue_digest, replay
+from .model import (DEFAULT_BLOCK_SIZE, DEFAULT_TPOT_MS, ReplayReport, check_replay_args, free_queue_digest,
+                    progress_bar)
 from .trace import TraceRequest
 
+DEFAULT_TIME_POINTS_PER_LAUNCH = 1024
+DEFAULT_LAUNCHES_PER_SYNC = 4
 
-def _prepare(trace: list[TraceRequest], block_size: int, device, registry) -> tuple[list[int], TraceTensors]:
-    """Arrival order and the per-request device tensors the admission step reads."""
+
+def upload_trace(trace: list[TraceRequest], num_blocks: int, block_size: int, tpot_ms: float, device,
+                 registry) -> tuple[TraceTensors, list[int]]:
+    """The trace's per-request tensors in arrival order (by timestamp, ties in trace order), with the
+    model's numbers: ``full``, ``hitcap``, ``total`` as docs/semantics.md section 5 defines them and
+    ``dur = output_length * tpot_ms`` (Python float, as the model adds it). Each distinct hash id is
+    hashed once and registered with the pool's key ``registry`` (group 0). Returns the tensors and
+    ``total`` as a list."""
     order = sorted(range(len(trace)), key=lambda i: trace[i].timestamp)
-    keys: dict[int, tuple[int, int]] = {}
-    his, los, off, full, hitcap, total = [], [], [], [], [], []
+    keys: dict = {}
+    his, los, off, full, hitcap, total, ts, dur, blk_off = [], [], [], [], [], [], [], [], []
+    blocks = 0
     for i in order:
         tr = trace[i]
         f = min(tr.input_length // block_size, len(tr.hash_ids))
@@ -38,125 +47,98 @@ def _prepare(trace: list[TraceRequest], block_size: int, device, registry) -> tu
                 k = keys[h] = registry.register(trace_block_hash(h), 0)
             his.append(k[0])
             los.append(k[1])
+        t = -(-(tr.input_length + tr.output_length) // block_size)
         full.append(f)
         hitcap.append(min(f, (tr.input_length - 1) // block_size))
-        total.append(-(-(tr.input_length + tr.output_length) // block_size))
-    i64, i32 = torch.int64, torch.int32
-    req = TraceTensors(
-        chain_hi=torch.tensor(his or [0], dtype=i64, device=device),
-        chain_lo=torch.tensor(los or [0], dtype=i64, device=device),
-        chain_off=torch.tensor(off or [0], dtype=i64, device=device),
-        full=torch.tensor(full or [0], dtype=i32, device=device),
-        hitcap=torch.tensor(hitcap or [0], dtype=i32, device=device),
-        total=torch.tensor(total or [0], dtype=i32, device=device),
-    )
-    return order, req
+        total.append(t)
+        ts.append(float(tr.timestamp))
+        dur.append(tr.output_length * tpot_ms)
+        blk_off.append(blocks)
+        blocks += t if t <= num_blocks - 1 else 0  # a rejected request holds no blocks
+    i64, i32, f64 = torch.int64, torch.int32, torch.float64
+
+    def dev(xs, dtype):
+        return torch.tensor(xs or [0], dtype=dtype, device=device)
+
+    return TraceTensors(ts=dev(ts, f64), dur=dev(dur, f64), chain_hi=dev(his, i64), chain_lo=dev(los, i64),
+                        chain_off=dev(off, i64), full=dev(full, i32), hitcap=dev(hitcap, i32),
+                        total=dev(total, i32), blk_off=dev(blk_off, i64)), total
 
 
-def replay_batched(pool, trace: list[TraceRequest], *, block_size: int = DEFAULT_BLOCK_SIZE,
-                   tpot_ms: float = DEFAULT_TPOT_MS, progress: bool | Mapping = False) -> ReplayReport:
-    """Replay ``trace`` on a device ``BlockPool`` with one batched step per time point.
+def new_loop_state(total: list[int], num_blocks: int, device) -> LoopState:
+    """A loop before its first event (every word 0 but ``NUM_REQUESTS``, ``now = -inf``), sized for
+    requests needing ``total`` blocks each (in arrival order) in a pool of ``num_blocks``."""
+    words = torch.zeros(NUM_LOOP_WORDS, dtype=torch.int64)
+    words[LoopWord.NUM_REQUESTS] = len(total)
+    admissible = [t for t in total if t <= num_blocks - 1]
+    blocks, biggest = sum(admissible), max(admissible, default=1)
+    return LoopState(words=words.to(device), now=torch.full((1,), -math.inf, dtype=torch.float64, device=device),
+                     heap_t=torch.zeros(num_blocks, dtype=torch.float64, device=device),
+                     heap_r=torch.zeros(num_blocks, dtype=torch.int32, device=device),
+                     blocks=torch.zeros(max(blocks, 1), dtype=torch.int32, device=device),
+                     adm=torch.zeros(biggest + 1, dtype=torch.int32, device=device),
+                     pf=torch.zeros(biggest + 1, dtype=torch.int32, device=device))
+
+
+def replay_on_device(pool, trace: list[TraceRequest], *, block_size: int = DEFAULT_BLOCK_SIZE,
+                     tpot_ms: float = DEFAULT_TPOT_MS, progress: bool | Mapping = False,
+                     time_points_per_launch: int = DEFAULT_TIME_POINTS_PER_LAUNCH,
+                     launches_per_sync: int = DEFAULT_LAUNCHES_PER_SYNC) -> ReplayReport:
+    """Replay ``trace`` on a device ``BlockPool`` with the event loop on the device (module docstring).
 
     Same model, arguments, checks and report as :func:`gpupool.replay.replay`; the report's ``pool``
-    is ``"BlockPool (batched)"``. Raises what ``replay`` raises, and the pool's errors.
+    is ``"BlockPool (device loop)"``. ``time_points_per_launch`` (>= 1) bounds one launch's work;
+    the host waits for the device once per ``launches_per_sync`` (>= 1) launches. The pool must have
+    KV events off (the loop has no consumer for them). Raises ValueError for bad arguments, a pool
+    with blocks in use or with KV events on; the pool's errors (``check()``) if a kernel recorded one.
     """
-    trace = list(trace)
-    if tpot_ms <= 0 or any(t.output_length == 0 for t in trace):
-        return replay(pool, trace, block_size=block_size, tpot_ms=tpot_ms, progress=progress)
-    n = int(pool.num_blocks)
-    if int(pool.get_num_free_blocks()) != n - 1:
-        raise ValueError("replay needs a pool with no block in use")
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        kw = {"total": len(trace), "desc": "replay BlockPool (batched)", "unit": "req"}
-        if isinstance(progress, Mapping):
-            kw.update(progress)
-        bar = tqdm(**kw)
-    dev = pool.device
-    rep = ReplayReport(pool="BlockPool (batched)", num_blocks=n, block_size=block_size, tpot_ms=float(tpot_ms),
-                       requests=len(trace))
-    start = time.perf_counter()
+    check_replay_args(pool, block_size, tpot_ms)
+    for name, v in (("time_points_per_launch", time_points_per_launch), ("launches_per_sync", launches_per_sync)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     h = pool.handle()
-    order, req = _prepare(trace, block_size, dev, h.registry)
-    totals = req.total.tolist()
-    group_ids = torch.zeros(1, dtype=torch.int32, device=dev)
-    waiting: list[int] = []  # request indices (arrival order)
-    running: list[tuple[float, int, list[int]]] = []
-    seq = 0
-    nxt = 0
-    now = 0.0
-    i32, i64 = torch.int32, torch.int64
+    if h.config.EVENTS:
+        raise ValueError("replay_on_device needs a pool with enable_kv_cache_events=False")
+    trace = list(trace)
+    n = int(pool.num_blocks)
+    rep = ReplayReport(pool="BlockPool (device loop)", num_blocks=n, block_size=block_size, tpot_ms=float(tpot_ms),
+                       requests=len(trace))
+    bar = progress_bar(progress, len(trace), "replay BlockPool (device loop)")
     try:
-        while running or nxt < len(order):
-            c = running[0][0] if running else None
-            a = trace[order[nxt]].timestamp if nxt < len(order) else None
-            now = c if a is None or (c is not None and c <= a) else a
-            comps = []
-            while running and running[0][0] <= now:
-                comps.append(heapq.heappop(running)[2])
-            arrivals = []
-            while nxt < len(order) and trace[order[nxt]].timestamp <= now:
-                arrivals.append(nxt)
-                nxt += 1
-            line = waiting + arrivals
-            free_flat = [b for blocks in comps for b in reversed(blocks)]
-            free_off = [0]
-            for blocks in comps:
-                free_off.append(free_off[-1] + len(blocks))
-            out_off = [0]
-            for r in line:
-                out_off.append(out_off[-1] + totals[r])
-            L = len(line)
-            step = StepInputs(
-                line=torch.tensor(line or [0], dtype=i32, device=dev),
-                line_waiting=torch.tensor([len(waiting)], dtype=i32, device=dev),
-                events=torch.tensor(list(range(len(comps))) + [-1] * len(arrivals) or [0], dtype=i32, device=dev),
-                num_events=torch.tensor([len(comps) + len(arrivals)], dtype=i32, device=dev),
-                free_ids=torch.tensor(free_flat or [0], dtype=i32, device=dev),
-                free_off=torch.tensor(free_off, dtype=i32, device=dev),
-                num_free_ids=torch.tensor([len(free_flat)], dtype=i32, device=dev),
-                out_off=torch.tensor(out_off[:-1] or [0], dtype=i64, device=dev))
-            out = StepOutputs(result=torch.zeros(max(L, 1), dtype=i32, device=dev),
-                              hits=torch.zeros(max(L, 1), dtype=i32, device=dev),
-                              free_after=torch.zeros(max(L, 1), dtype=i64, device=dev),
-                              blocks=torch.zeros(max(out_off[-1], 1), dtype=i32, device=dev),
-                              pf=torch.zeros(len(free_flat) + 1, dtype=i32, device=dev))
-            sizes = torch.tensor([len(order), max(L, 1), max(len(comps) + len(arrivals), 1), max(len(free_flat), 1),
-                                  len(comps)], dtype=i64, device=dev)
-            launch_admission_step(h.state, h.config, req, step, out, sizes, group_ids, block_size)
+        start = time.perf_counter()
+        dev = pool.device
+        tr, total = upload_trace(trace, n, block_size, float(tpot_ms), dev, h.registry)
+        lp = new_loop_state(total, n, dev)
+        group_ids = torch.zeros(1, dtype=torch.int32, device=dev)
+        shown, words = 0, None
+        while True:
+            for _ in range(launches_per_sync):
+                launch_replay_loop(h.state, h.config, tr, lp, group_ids, block_size, time_points_per_launch)
             pool.check()
-            result, hits, free_after = out.result.tolist(), out.hits.tolist(), out.free_after.tolist()
-            blocks_all = out.blocks.tolist()
-            waiting = []
-            for k, r in enumerate(line):
-                if result[k] == 1:
-                    tr = trace[order[r]]
-                    blocks = blocks_all[out_off[k]: out_off[k] + totals[r]]
-                    heapq.heappush(running, (now + tr.output_length * float(tpot_ms), seq, blocks))
-                    seq += 1
-                    rep.admitted += 1
-                    rep.waited += now > tr.timestamp
-                    rep.prompt_blocks += min(tr.input_length // block_size, len(tr.hash_ids))
-                    rep.hit_blocks += hits[k]
-                    rep.peak_blocks_in_use = max(rep.peak_blocks_in_use, n - 1 - free_after[k])
-                elif result[k] == 2:
-                    rep.rejected += 1
-                    if bar is not None:
-                        bar.update(1)
-                else:
-                    waiting.append(r)
-            if bar is not None and comps:
-                bar.update(len(comps))
-        if waiting:
-            raise RuntimeError(f"replay: {len(waiting)} requests still waiting at the end")
+            before, words = words, lp.words.tolist()
+            if words == before:  # every launch advances at least one time point until DONE
+                raise RuntimeError("replay: the device loop made no progress")
+            finished = words[LoopWord.COMPLETED] + words[LoopWord.REJECTED]
+            if bar is not None:
+                bar.update(finished - shown)
+            shown = finished
+            if words[LoopWord.DONE]:
+                break
+        if words[LoopWord.LINE_HEAD] != len(trace):
+            raise RuntimeError(f"replay: {len(trace) - words[LoopWord.LINE_HEAD]} requests still waiting at the end")
         rep.free_queue_sha256 = free_queue_digest(pool.free_queue())
+        rep.wall_s = time.perf_counter() - start
     finally:
         if bar is not None:
             bar.close()
-    rep.wall_s = time.perf_counter() - start
-    rep.end_time_ms = float(now)
+    rep.admitted = words[LoopWord.ADMITTED]
+    rep.rejected = words[LoopWord.REJECTED]
+    rep.prompt_blocks = words[LoopWord.PROMPT_BLOCKS]
+    rep.hit_blocks = words[LoopWord.HIT_BLOCKS]
+    rep.waited = words[LoopWord.WAITED]
+    rep.peak_blocks_in_use = words[LoopWord.PEAK_IN_USE]
+    now = float(lp.now.item())
+    rep.end_time_ms = now if math.isfinite(now) else 0.0
     rep.hit_ratio = rep.hit_blocks / rep.prompt_blocks if rep.prompt_blocks else 0.0
     rep.requests_per_s = rep.requests / rep.wall_s if rep.wall_s > 0 else 0.0
     return rep

@@ -264,15 +264,9 @@ class _Replayer:
         return rep
 
 
-def replay(pool, trace: list[TraceRequest], *, block_size: int = DEFAULT_BLOCK_SIZE,
-           tpot_ms: float = DEFAULT_TPOT_MS, progress: bool | Mapping = False) -> ReplayReport:
-    """Replay ``trace`` on ``pool`` with the model of docs/semantics.md section 5 (see the module docstring).
-
-    ``pool`` must be fresh in the sense that no block is held (all ``num_blocks - 1`` non-null blocks
-    free); it is left with every request finished. ``progress``: a tqdm bar over finished requests
-    (True, or a mapping of extra tqdm arguments). Returns a :class:`ReplayReport`.
-    Raises ValueError for a bad ``block_size`` / ``tpot_ms`` or a pool with blocks in use.
-    """
+def check_replay_args(pool, block_size, tpot_ms) -> None:
+    """The checks every replay makes: ValueError for a ``block_size`` that is not an integer >= 1, a
+    ``tpot_ms`` that is not a finite number >= 0, or a pool with blocks in use."""
     if not _is_int(block_size) or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     if isinstance(tpot_ms, bool) or not isinstance(tpot_ms, (int, float)) or not math.isfinite(tpot_ms) \
@@ -282,14 +276,32 @@ def replay(pool, trace: list[TraceRequest], *, block_size: int = DEFAULT_BLOCK_S
     free = int(pool.get_num_free_blocks())
     if free != n - 1:
         raise ValueError(f"replay needs a pool with no block in use: {free} of {n - 1} blocks are free")
-    bar = None
-    if progress:
-        from tqdm import tqdm
 
-        kw = {"total": len(trace), "desc": f"replay {type(pool).__name__}", "unit": "req"}
-        if isinstance(progress, Mapping):
-            kw.update(progress)
-        bar = tqdm(**kw)
+
+def progress_bar(progress: bool | Mapping, total: int, desc: str):
+    """A tqdm bar over ``total`` finished requests, or None when ``progress`` is falsy (a mapping adds
+    tqdm arguments)."""
+    if not progress:
+        return None
+    from tqdm import tqdm
+
+    kw = {"total": total, "desc": desc, "unit": "req"}
+    if isinstance(progress, Mapping):
+        kw.update(progress)
+    return tqdm(**kw)
+
+
+def replay(pool, trace: list[TraceRequest], *, block_size: int = DEFAULT_BLOCK_SIZE,
+           tpot_ms: float = DEFAULT_TPOT_MS, progress: bool | Mapping = False) -> ReplayReport:
+    """Replay ``trace`` on ``pool`` with the model of docs/semantics.md section 5 (see the module docstring).
+
+    ``pool`` must be fresh in the sense that no block is held (all ``num_blocks - 1`` non-null blocks
+    free); it is left with every request finished. ``progress``: a tqdm bar over finished requests
+    (True, or a mapping of extra tqdm arguments). Returns a :class:`ReplayReport`.
+    Raises ValueError for a bad ``block_size`` / ``tpot_ms`` or a pool with blocks in use.
+    """
+    check_replay_args(pool, block_size, tpot_ms)
+    bar = progress_bar(progress, len(trace), f"replay {type(pool).__name__}")
     try:
         start = time.perf_counter()
         rep = _Replayer(pool, list(trace), block_size, float(tpot_ms), bar).run()
