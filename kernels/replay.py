@@ -192,21 +192,23 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
         num_free = tl.load(ps.ctrl + NUM_FREE)
         stop_at = points + max_points
         go = done == 0
+        ct = tl.load(lp.heap_t, mask=running > 0, other=INF)  # next completion time (kept in step)
+        at = tl.load(tr.ts + nxt, mask=nxt < R, other=INF)  # next arrival time
         while go:
-            ct = tl.load(lp.heap_t, mask=running > 0, other=INF)
-            at = tl.load(tr.ts + nxt, mask=nxt < R, other=INF)
             admit = tl.full([], 0, tl.int1)
-            if (running > 0) & (ct <= now):  # a completion: free its blocks tail first
+            if ct <= now:  # a completion: free its blocks tail first
                 r = tl.load(lp.heap_r)
                 running = heap_pop(lp.heap_t, lp.heap_r, running)
+                ct = tl.load(lp.heap_t, mask=running > 0, other=INF)
                 head, tail, released = free_checked(ps, pc, lp.blocks + tl.load(tr.blk_off + r),
                                                     tl.load(tr.total + r), lp.pf, head, tail)
                 num_free += released
                 completed += 1
                 admit = tl.full([], 1, tl.int1)
-            elif (nxt < R) & (at <= now):  # an arrival joins the line
+            elif at <= now:  # an arrival joins the line
                 admit = lh == nxt  # a non-empty line is blocked at its head: an arrival changes nothing
                 nxt += 1
+                at = tl.load(tr.ts + nxt, mask=nxt < R, other=INF)
             elif (running == 0) & (nxt >= R):
                 done += 1
                 go = tl.full([], 0, tl.int1)
@@ -245,8 +247,9 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
                             tl.store(ps.ctrl + EV_COUNT, ev_pos)
                         store_reversed(lp.adm, lp.blocks + tl.load(tr.blk_off + lh), total, pc.BLOCK)
                         tl.debug_barrier()
-                        running = heap_push(lp.heap_t, lp.heap_r, running, now + tl.load(tr.dur + lh),
-                                            lh.to(tl.int32))
+                        finish = now + tl.load(tr.dur + lh)
+                        running = heap_push(lp.heap_t, lp.heap_r, running, finish, lh.to(tl.int32))
+                        ct = tl.minimum(ct, finish)
                         admitted += 1
                         waited += (now > tl.load(tr.ts + lh)).to(tl.int64)
                         prompt += full

@@ -14,7 +14,7 @@ from gpupool.replay import TraceRequest, load_trace, replay
 from gpupool.replay.device import replay_on_device
 
 FIELDS = ("requests", "admitted", "rejected", "prompt_blocks", "hit_blocks", "free_queue_sha256", "waited",
-          "peak_blocks_in_use")
+          "peak_blocks_in_use", "time_points")
 
 
 def both(trace, num_blocks, block_size=4, tpot_ms=1.0, points=3, launches=2, **pool_kw):

@@ -137,6 +137,7 @@ def replay_on_device(pool, trace: list[TraceRequest], *, block_size: int = DEFAU
     rep.hit_blocks = words[LoopWord.HIT_BLOCKS]
     rep.waited = words[LoopWord.WAITED]
     rep.peak_blocks_in_use = words[LoopWord.PEAK_IN_USE]
+    rep.time_points = words[LoopWord.TIME_POINTS]
     now = float(lp.now.item())
     rep.end_time_ms = now if math.isfinite(now) else 0.0
     rep.hit_ratio = rep.hit_blocks / rep.prompt_blocks if rep.prompt_blocks else 0.0

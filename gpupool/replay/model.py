@@ -88,7 +88,8 @@ class ReplayReport:
     ``free_queue_sha256``. Extras: ``pool`` (class name), ``num_blocks``, ``block_size``, ``tpot_ms``,
     ``wall_s`` and ``requests_per_s`` (replay time only, trace loading excluded), ``waited``
     (admitted requests that were admitted later than they arrived), ``peak_blocks_in_use`` (most non-free blocks
-    right after an admission) and ``end_time_ms`` (the last event's time).
+    right after an admission), ``end_time_ms`` (the last event's time) and ``time_points`` (distinct
+    event times).
     """
 
     pool: str
@@ -107,6 +108,7 @@ class ReplayReport:
     waited: int = 0
     peak_blocks_in_use: int = 0
     end_time_ms: float = 0.0
+    time_points: int = 0
 
     def to_json_dict(self) -> dict:
         return asdict(self)
@@ -254,6 +256,7 @@ class _Replayer:
         now = None
         while (t := self.next_time()) is not None:
             now = t
+            self.report.time_points += 1
             self.process_time(t)
         if self.waiting:  # cannot happen: with nothing running every request of total <= N-1 fits
             raise RuntimeError(f"replay: {len(self.waiting)} requests still waiting at the end")
