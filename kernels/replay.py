@@ -218,17 +218,22 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
                 now = tl.minimum(ct, at)
                 points += 1
             # Admission pass: in line order until the first request that does not fit.
+            grp = tl.load(group_ids)
             while admit & (lh < nxt):
+                # The request's numbers, loaded together (independent loads overlap).
                 total = tl.load(tr.total + lh)
+                base = tl.load(tr.chain_off + lh)
+                full = tl.load(tr.full + lh)
+                hitcap = tl.load(tr.hitcap + lh)
+                boff = tl.load(tr.blk_off + lh)
+                finish = now + tl.load(tr.dur + lh)
+                late = now > tl.load(tr.ts + lh)
                 if total > pc.N - 1:
                     rejected += 1
                     lh += 1
                 else:
-                    base = tl.load(tr.chain_off + lh)
-                    full = tl.load(tr.full + lh)
                     hits, zero_ref = find_longest_cache_hit(ps, pc, tr.chain_hi + base, tr.chain_lo + base, 0, 1,
-                                                            group_ids, 1, tl.load(tr.hitcap + lh), lp.adm, 0,
-                                                            pc.BLOCK)
+                                                            group_ids, 1, hitcap, lp.adm, 0, pc.BLOCK)
                     new = total - hits
                     if (new + zero_ref).to(tl.int64) > num_free:
                         admit = tl.full([], 0, tl.int1)
@@ -239,19 +244,17 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
                         if pc.CACHING:
                             pk = base + hits - 1
                             ev_pos, seq = cache_range(
-                                ps, pc, lp.adm, lp.adm, hits, full, tr.chain_hi, tr.chain_lo, base, 1,
-                                tl.load(group_ids), bs, (hits > 0).to(tl.int64),
-                                tl.load(tr.chain_hi + pk, mask=hits > 0, other=0),
+                                ps, pc, lp.adm, lp.adm, hits, full, tr.chain_hi, tr.chain_lo, base, 1, grp, bs,
+                                (hits > 0).to(tl.int64), tl.load(tr.chain_hi + pk, mask=hits > 0, other=0),
                                 tl.load(tr.chain_lo + pk, mask=hits > 0, other=0), False)
                             tl.store(ps.ctrl + KEY_SEQ, seq)
                             tl.store(ps.ctrl + EV_COUNT, ev_pos)
-                        store_reversed(lp.adm, lp.blocks + tl.load(tr.blk_off + lh), total, pc.BLOCK)
+                        store_reversed(lp.adm, lp.blocks + boff, total, pc.BLOCK)
                         tl.debug_barrier()
-                        finish = now + tl.load(tr.dur + lh)
                         running = heap_push(lp.heap_t, lp.heap_r, running, finish, lh.to(tl.int32))
                         ct = tl.minimum(ct, finish)
                         admitted += 1
-                        waited += (now > tl.load(tr.ts + lh)).to(tl.int64)
+                        waited += late.to(tl.int64)
                         prompt += full
                         hit_blocks += hits
                         peak = tl.maximum(peak, pc.N - 1 - num_free)
