@@ -1,4 +1,4 @@
-"""Bad input, faults and invariants (SPEC.md section 3), on both pools side by side.
+"""Bad input, faults and invariants (docs/semantics.md section 3), on both pools side by side.
 
 Every public op of :class:`gpupool.ReferenceBlockPool` and of the device :class:`gpupool.BlockPool`
 checks its input before changing anything. Here random sequences mix valid ops with invalid ones of

@@ -807,7 +807,7 @@ def test_blockstored_parent_after_leading_null_block():
     p.ref.allocate_slots([0], [9], [9])
     p.dev.allocate_slots([0], [9], [9])
     ref_ev, dev_ev = _raw_events(p)
-    assert ref_ev[0].parent_block_hash is None  # SPEC: parent = block_hashes[num_cached_blocks - 1], none at 0
+    assert ref_ev[0].parent_block_hash is None  # docs/semantics.md: parent = block_hashes[num_cached_blocks - 1], none at 0
     assert dev_ev == ref_ev
 
 

@@ -1,5 +1,5 @@
 """The batched device replay (one ``admission_step`` launch per time point) equals the
-request-by-request model on the reference pool (SPEC.md section 5), and the CLI's ``--pool both``."""
+request-by-request model on the reference pool (docs/semantics.md section 5), and the CLI's ``--pool both``."""
 from __future__ import annotations
 
 import json
