@@ -14,6 +14,14 @@ import pytest
 
 from gpupool.errors import PoolError
 
+
+def sized(full: int, small: int) -> int:
+    """A test's size: ``full`` under the ``ci`` and ``deep`` hypothesis profiles (``.ci/run``),
+    ``small`` under ``dev``, the default, so the README's quick test command stays under 3 minutes."""
+    from hypothesis import settings
+
+    return full if settings().max_examples >= 50 else small
+
 BLOCK_SIZE = 16
 
 

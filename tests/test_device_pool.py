@@ -46,7 +46,7 @@ from gpupool.errors import (  # noqa: E402
 )
 from gpupool.keys import device_key  # noqa: E402
 
-from pool_helpers import ints, pool_state, reuse_callbacks, assert_lookups_agree  # noqa: E402
+from pool_helpers import ints, pool_state, reuse_callbacks, assert_lookups_agree, sized  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CTRL_HEAD, CTRL_TAIL, CTRL_COMPACTIONS = Ctrl.HEAD, Ctrl.TAIL, Ctrl.COMPACTIONS
@@ -826,6 +826,7 @@ def noop(_b):
     pass
 
 
+@pytest.mark.slow
 def test_ring_compaction_many_touch_free_cycles():
     """Ring of the smallest power of two >= N: touch / free cycles leave tombstones and grow the window
     (hashed blocks go to the back, un-hashed to the front) until the kernels compact it; the order stays
@@ -883,7 +884,7 @@ def test_ring_compaction_in_free_batched_and_unpin():
     n = 8
     pair = Pair(n, ring=pow2_at_least(n), events=True)
     rng = random.Random(11)
-    for it in range(25):
+    for it in range(sized(25, 10)):
         free = pair.ref.get_num_free_blocks()
         demands = [rng.randint(0, free // 3) for _ in range(3)]
         pair.batched(f"allocate_batched({demands})", None,
@@ -922,7 +923,8 @@ def test_ring_compaction_in_free_batched_and_unpin():
     assert int(pair.dev.state.ctrl[CTRL_COMPACTIONS]) > 0
 
 
-@pytest.mark.parametrize("chunks,n,mk", [(1, 5, 4), (1, 17, 1), (2, 9, 4), (2, 17, 2)])
+@pytest.mark.parametrize("chunks,n,mk", [(1, 5, 4), pytest.param(1, 17, 1, marks=pytest.mark.slow), (2, 9, 4),
+                                         pytest.param(2, 17, 2, marks=pytest.mark.slow)])
 def test_key_table_near_its_limit(chunks, n, mk):
     """Tables sized so every key slot can be in use at once ((N-1)*MK == 16*chunks): inserts, deletes,
     moves and lookups stay exact, and validate() checks the overflow counts along every probe path."""

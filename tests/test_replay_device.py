@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from gpupool import BlockPool, ReferenceBlockPool, cli
 from gpupool.replay import TraceRequest, load_trace, replay
 from gpupool.replay.device import replay_batched
+from pool_helpers import sized
 
 FIELDS = ("requests", "admitted", "rejected", "prompt_blocks", "hit_blocks", "free_queue_sha256", "waited",
           "peak_blocks_in_use")
@@ -41,7 +43,7 @@ def test_hand_made_trace_with_hits_waits_and_a_rejection():
     assert dev.pool == "BlockPool (batched)"
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=sized(25, 5), deadline=None)
 @given(st.data())
 def test_random_traces_match_the_reference(data):
     n = data.draw(st.integers(4, 24), label="num_blocks")
@@ -72,6 +74,7 @@ def test_zero_output_falls_back_to_the_request_model():
     assert dev.pool == "BlockPool"  # the fallback drives the single ops
 
 
+@pytest.mark.slow
 def test_cli_both_on_the_interpreter(tmp_path, capsys):
     out = tmp_path / "r.json"
     code = cli.main(["replay", "--pool", "both", "--limit", "200", "--json", str(out), "--no-progress"])

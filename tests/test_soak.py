@@ -107,6 +107,7 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,n,mk,events", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_soak_against_reference(name, n, mk, events):
     p, peak = soak(n, mk, events=events, seed=SEED * 1000 + n, ops=SOAK_OPS)
