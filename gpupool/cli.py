@@ -371,6 +371,19 @@ def format_report(rep: ReplayReport, speed: bool = True) -> str:
     return "\n".join(lines)
 
 
+def format_comparison(ref: ReplayReport, dev: ReplayReport) -> str:
+    """The two reports' checked fields side by side (device pool first)."""
+    rows = [("requests", _fmt_int(dev.requests), _fmt_int(ref.requests)),
+            ("admitted", _fmt_int(dev.admitted), _fmt_int(ref.admitted)),
+            ("rejected", _fmt_int(dev.rejected), _fmt_int(ref.rejected)),
+            ("prompt blocks", _fmt_int(dev.prompt_blocks), _fmt_int(ref.prompt_blocks)),
+            ("hit blocks", _fmt_int(dev.hit_blocks), _fmt_int(ref.hit_blocks)),
+            ("free queue", dev.free_queue_sha256[:16], ref.free_queue_sha256[:16])]
+    lines = [f"{'':<16}{'device pool':<20}reference pool"]
+    lines += [f"{name:<16}{d:<20}{r}" + ("" if d == r else "   <- differs") for name, d, r in rows]
+    return "\n".join(lines)
+
+
 def _progress(flag: bool | None, desc: str):
     """The ``progress`` argument of a replay, the same rule for every pool: a bar when stderr is a
     terminal (or ``--progress``), a line every 10 s when forced into a log, none with ``--no-progress``."""
@@ -464,18 +477,20 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
     dev_reqs = trace if not interp or args.device_limit is None else trace[:args.device_limit]
     dev_cut = len(dev_reqs) < len(trace)
     dev_title = f"device pool: gpupool.BlockPool on {_device_label(device)}"
+    ref_title = "reference pool: gpupool.ReferenceBlockPool (pure Python, CPU)"
+    whole = "whole trace" if args.limit is None else f"{len(trace):,} requests"
     code = 0
     if args.pool == "reference":
+        say(f"--- {ref_title}, {whole}")
         rep = run("reference", trace, "reference pool")
-        say("--- reference pool: gpupool.ReferenceBlockPool (pure Python, CPU), whole trace")
         say(format_report(rep))
         result = {**meta, **rep.to_json_dict()}
     elif args.pool == "device":
         if dev_cut:
             say(f"note: the device pool runs in Triton's CPU interpreter: replaying the first {len(dev_reqs)} "
                 f"requests (--device-limit)")
+        say(f"--- {dev_title}" + (f", first {len(dev_reqs):,} requests" if dev_cut else f", {whole}"))
         rep = run("device", dev_reqs, "device pool")
-        say(f"--- {dev_title}" + (f", first {len(dev_reqs):,} requests" if dev_cut else ", whole trace"))
         say(format_report(rep, speed=not interp))
         result = {**meta, **rep.to_json_dict()}
     else:
@@ -487,23 +502,23 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
                 f"{len(dev_reqs)} requests (--device-limit)")
             trace = dev_reqs
             dev_cut = False
-        ref = run("reference", trace, "reference pool")
-        dev = run("device", dev_reqs, "device pool")
-        check_ref = ref if not dev_cut else run("reference", dev_reqs, "reference pool, check")
-        mismatched = _compare(check_ref, dev)
         whole = "whole trace" if args.limit is None else f"{len(trace):,} requests"
         if same:
-            say(f"--- {dev_title}, {whole}")
+            say(f"--- result: {dev_title}, {whole}")
+            dev = run("device", dev_reqs, "device pool")
             say(format_report(dev, speed=not interp))
-            say(f"--- reference pool: gpupool.ReferenceBlockPool (pure Python, CPU), {whole}")
-            say(format_report(ref, speed=not interp))
+            say(f"--- check: the {ref_title}, same requests")
+            ref = check_ref = run("reference", trace, "reference pool")
         else:
-            say(f"--- result: reference pool, gpupool.ReferenceBlockPool (pure Python, CPU), {whole}")
+            say(f"--- result: {ref_title}, {whole}")
+            ref = run("reference", trace, "reference pool")
             say(format_report(ref))
-            say(f"--- check: {dev_title}, first {len(dev_reqs):,} requests, against the reference pool on the same "
-                f"requests")
-            say(format_report(dev, speed=False))
-        say("---")
+            say(f"--- check: {dev_title}, first {len(dev_reqs):,} requests (slow: about 0.15 s per request), "
+                f"against the reference pool on the same requests")
+            dev = run("device", dev_reqs, "device pool")
+            check_ref = ref if not dev_cut else run("reference", dev_reqs, "reference pool, check")
+        mismatched = _compare(check_ref, dev)
+        say(format_comparison(check_ref, dev))
         n_checked = len(dev_reqs)
         if mismatched:
             for f in mismatched:
