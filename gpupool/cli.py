@@ -212,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"tokens per hash id in the trace (default {TRACE_BLOCK_SIZE}, Mooncake's): a line needs "
                         "ceil(input_length / this) hash_ids")
     r.add_argument("--lenient", action="store_true",
-                   help="accept lines whose hash_ids are too short or too long (cut to length; counted in the report)")
+                   help="accept lines whose hash_ids are too short (kept: the blocks without an id are not cached) or "
+                        "too long (cut); the report counts them")
     r.add_argument("--tpot-ms", type=_tpot, default=DEFAULT_TPOT_MS,
                    help=f"time per output token in ms (default {DEFAULT_TPOT_MS:g})")
     r.add_argument("--limit", type=_positive_int, default=None,

@@ -175,8 +175,11 @@ def test_unsorted_timestamps_are_sorted_and_reported(tmp_path, capsys):
     t = read_trace(path)
     assert [r.timestamp for r in t.requests] == [0, 1, 5, 5] and t.out_of_order == 2
     assert [r.hash_ids[0] for r in t.requests] == [3, 7, 1, 5]  # ties keep file order
-    assert cli.main(["replay", path, "--pool", "reference", "--no-progress"]) == 0
+    out = tmp_path / "r.json"
+    assert cli.main(["replay", path, "--pool", "reference", "--no-progress", "--json", str(out)]) == 0
     assert "2 lines were out of timestamp order: sorted" in capsys.readouterr().out
+    check = json.loads(out.read_text())["trace_check"]
+    assert check["reordered_by_timestamp"] is True and check["out_of_order"] == 2
     with pytest.raises(TraceError):
         read_trace(write(tmp_path, "", name="e.jsonl"))
 

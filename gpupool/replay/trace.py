@@ -71,7 +71,7 @@ class Trace:
     def summary(self) -> dict:
         """What the checks found, for a JSON report."""
         return {"name": self.name, "lines": self.lines, "trace_block_size": self.block_size,
-                "sorted_by_timestamp": self.out_of_order > 0, "out_of_order": self.out_of_order,
+                "reordered_by_timestamp": self.out_of_order > 0, "out_of_order": self.out_of_order,
                 "clamped_short_hash_ids": self.short_hash_ids, "clamped_long_hash_ids": self.long_hash_ids}
 
 
