@@ -260,3 +260,16 @@ def test_module_entry_point_runs():
     p = subprocess.run([sys.executable, "-m", "gpupool", "replay", "--device", "foo"], capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 2 and p.stderr.strip().startswith("gpupool: error:") and len(p.stderr.splitlines()) == 1
+
+
+def test_string_hash_ids_on_the_device_pool(tmp_path):
+    """The device loop keys string ids the same way (a few requests, so the interpreter is quick)."""
+    from gpupool import BlockPool, ReferenceBlockPool
+    from gpupool.replay import replay
+
+    path = write(tmp_path, line(ids=["a:0", "a:1"]), line(t=1, ids=["a:0", "b"]), line(t=2, i=1100, ids=["a:0", 7, "x"]))
+    reqs = read_trace(path).requests
+    ref = replay(ReferenceBlockPool(16), reqs)
+    dev = cli._device_replay()(BlockPool(16), reqs, block_size=512, tpot_ms=20.0, progress=False)
+    assert ref.hit_blocks == 2
+    assert cli._compare(ref, dev) == []
