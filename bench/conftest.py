@@ -4,19 +4,19 @@ Not part of the test run (CI runs ``pytest tests``); ``gpupool bench`` runs this
 
 Pools (``kind``), measured side by side in one run, one pytest-benchmark group per op and size:
 
-* ``reference``: ``gpupool.ReferenceBlockPool`` (SPEC.md as plain Python, the vLLM-style host pool);
+* ``reference``: ``gpupool.ReferenceBlockPool`` (docs/semantics.md as plain Python, the vLLM-style host pool);
 * ``vllm``: vLLM's own ``vllm.v1.core.block_pool.BlockPool``, when ``import vllm`` works;
 * ``device-eager``: ``gpupool.BlockPool``'s batched ops (``allocate_batched``, ``free_batched``,
   ``touch_batched``, ``lookup_batched``), launched one by one;
 * ``device-graph``: the same launches captured once in a ``torch.cuda.CUDAGraph`` and replayed (CUDA only);
 * ``device-single``: the vLLM-named single ops (``get_new_blocks``, ``free_blocks``, ``touch``), each of
-  which waits for the device (SPEC.md section 3), for the ops that have one.
+  which waits for the device (docs/semantics.md section 3), for the ops that have one.
 
 Grids come from the environment:
 
 * ``GPUPOOL_BENCH_GRID``: ``full`` (default with CUDA) or ``quick`` (default without). ``full``: batch
   1 .. 4,096 and pools of 4,096, 65,536 and 1,048,576 blocks for every pool (plus 10,000 lookups,
-  the DESIGN.md target). ``quick``: the same for the host pools, without the 10,000 lookups; the
+  the docs/design.md target). ``quick``: the same for the host pools, without the 10,000 lookups; the
   device pool on batch 1 and 64, pool 4,096 only: without CUDA its kernels run in Triton's
   interpreter (milliseconds per launch), so those numbers say nothing about GPU speed.
 * ``GPUPOOL_BENCH_MAX_TIME``: seconds per case (pytest-benchmark's ``max_time``; default 0.1).
@@ -49,7 +49,7 @@ REPLAY_LIMIT = (int(_limit) or None) if _limit else (None if CUDA else 50)
 
 FULL_BATCHES = (1, 16, 64, 256, 1024, 4096)
 FULL_SIZES = (4096, 65536, 1 << 20)
-LOOKUP_EXTRA = (10_000,)  # DESIGN.md: 10,000 prefix lookups
+LOOKUP_EXTRA = (10_000,)  # docs/design.md: 10,000 prefix lookups
 
 HOST_KINDS = ("reference", "vllm")
 DEVICE_KINDS = ("device-eager", "device-graph", "device-single")

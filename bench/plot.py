@@ -1,7 +1,7 @@
 """Render a pytest-benchmark JSON of ``bench/`` as one PNG and a short text table.
 
 ``plot(json_path, png_path)``: one log-log panel per op (median latency in microseconds against the
-batch size; colour = pool, line style = pool size; DESIGN.md targets as red stars) and a bar chart
+batch size; colour = pool, line style = pool size; docs/design.md targets as red stars) and a bar chart
 of trace-replay throughput (requests/s). ``table(json_path)``: one line per (op, N, batch), the pools'
 median microseconds side by side (and the captured graph's CUDA-event GPU time where measured).
 
@@ -25,7 +25,7 @@ POOL_ORDER = ("reference", "vllm", "device-single", "device-eager", "device-grap
 COLORS = {"reference": "tab:blue", "vllm": "tab:orange", "device-single": "tab:gray", "device-eager": "tab:green",
           "device-graph": "tab:purple", "device": "tab:green"}
 SIZE_STYLES = ("-", "--", ":", "-.")
-# DESIGN.md "Performance targets": (op, batch, microseconds, label)
+# docs/design.md "Performance targets": (op, batch, microseconds, label)
 TARGETS = (
     ("alloc_free", 4096, 20.0, "target: 10 us each"),
     ("decode_step", 1024, 25.0, "target: 25 us GPU time (graph)"),
@@ -135,7 +135,7 @@ def plot(json_path, png_path) -> Path:
         handles.append(Line2D([], [], color="tab:red", marker="x", label="device-graph: GPU time (CUDA events)"))
     handles += [Line2D([], [], color="black", linestyle=style_of[n], label=f"pool of {n:,} blocks") for n in sizes]
     handles.append(Line2D([], [], color="red", marker="*", markersize=12, linestyle="none",
-                          label="DESIGN.md target"))
+                          label="docs/design.md target"))
     ax.legend(handles=handles, loc="upper left", fontsize=10, frameon=False)
     dev = device_of(rows)
     mach = meta["machine"]

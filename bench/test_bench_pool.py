@@ -79,7 +79,7 @@ def _vllm_check_api(pool) -> None:
 
 
 class VllmIdPool:
-    """vLLM's ``BlockPool`` behind the integer-id names that ``gpupool.replay`` drives (SPEC.md
+    """vLLM's ``BlockPool`` behind the integer-id names that ``gpupool.replay`` drives (docs/semantics.md
     section 4): a thin translation between block ids and vLLM's ``KVCacheBlock`` objects."""
 
     def __init__(self, pool):
@@ -415,9 +415,9 @@ def test_decode_step(benchmark, pools, kind, num_blocks, batch):
     "device",
 ])
 def test_replay(benchmark, kind):
-    """The bundled Mooncake trace (SPEC.md section 5): the reference pool and vLLM with
-    ``gpupool.replay.replay`` on the whole trace, the device pool with ``replay_batched`` (one
-    launch per time point) on ``GPUPOOL_BENCH_REPLAY_LIMIT`` requests (default: all with CUDA, 50
+    """The bundled Mooncake trace (docs/semantics.md section 5): the reference pool and vLLM with
+    ``gpupool.replay.replay`` on the whole trace, the device pool with ``replay_on_device`` (the
+    event loop on the device) on ``GPUPOOL_BENCH_REPLAY_LIMIT`` requests (default: all with CUDA, 50
     without). Requests per second = requests / median wall time."""
     from gpupool.replay import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS, load_trace, replay
 

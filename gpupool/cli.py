@@ -1,27 +1,41 @@
-"""Command line: ``gpupool replay [TRACE]`` replays a Mooncake-format trace on a block pool.
+"""Command line: ``gpupool replay [TRACE]`` replays a Mooncake-format trace; ``gpupool bench`` benchmarks.
 
 Examples::
 
-    gpupool replay                                  # bundled trace, device pool
-    gpupool replay --pool reference                 # CPU reference pool, whole trace
-    gpupool replay --pool both --json out.json      # both pools; exit 1 unless they agree
+    gpupool replay                                  # bundled trace; see "what runs" below
+    gpupool replay --pool reference                 # CPU reference pool, whole trace (about a second)
+    gpupool replay --pool both --json out.json      # both pools on the same requests; exit 1 unless equal
+    gpupool replay my.jsonl --lenient --json -      # a trace of your own; the JSON report on stdout
     gpupool bench --quick                           # benchmarks (bench/), JSON + PNG under bench/out/
 
-The model is docs/semantics.md section 5 (see :mod:`gpupool.replay`). With ``--pool both`` the two reports
-must agree on every count and on the free-queue digest; the speed ratio is printed.
+What runs by default (``--pool auto``): on a CUDA machine the whole trace on the device pool, checked
+against the reference pool, with the speed ratio. Without a GPU the device pool's kernels run in
+Triton's interpreter on the CPU (correct but about a thousand times slower), so the whole trace runs
+on the reference pool (the result) and the device pool replays the first ``--device-limit`` requests
+(default 200), checked against the reference pool on the same requests; no speed is compared.
+
+The model is docs/semantics.md section 5; the errors docs/errors.md. Every failure of the command is
+one line ``gpupool: error: ...`` with exit status 2; 1 means the device pool and the reference pool
+disagreed (a bug) or benchmarks failed.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 from pathlib import Path
 
-from .replay import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS, DEFAULT_TPOT_MS, ReplayReport, load_trace, replay
+from .replay import (
+    DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS, DEFAULT_TPOT_MS, TRACE_BLOCK_SIZE, ReplayReport, TraceError, read_trace,
+    replay,
+)
 
 CPU_DEVICE_DEFAULT_LIMIT = 200  # requests, when the device pool runs on Triton's CPU interpreter
 MATCH_FIELDS = ("requests", "admitted", "rejected", "prompt_blocks", "hit_blocks", "free_queue_sha256")
+_REEXEC_ENV = "GPUPOOL_CLI_REEXEC"  # set on the one re-exec that switches the kernels' backend
 
 
 class CLIError(Exception):
@@ -32,6 +46,40 @@ class CLIError(Exception):
         self.code = code
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (``gpupool: error: ...``, exit 2) instead of usage + message."""
+
+    def error(self, message):
+        self.exit(2, f"gpupool: error: {message} (see '{self.prog} --help')\n")
+
+
+def _device_replay():
+    """The device pool's replay loop: ``f(pool, trace, *, block_size, tpot_ms, progress) -> ReplayReport``.
+
+    The one place the CLI names it."""
+    from .replay.device import replay_on_device
+
+    return replay_on_device
+
+
+def versions() -> dict:
+    """Versions of gpupool, torch, triton and Python (for ``--version`` and the JSON report)."""
+    import platform
+
+    import torch
+    import triton
+
+    from . import __version__
+
+    return {"gpupool": __version__, "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version()}
+
+
+def _version_text() -> str:
+    v = versions()
+    return f"gpupool {v['gpupool']} (torch {v['torch']}, triton {v['triton']}, python {v['python']})"
+
+
 def default_device() -> str:
     """``"cuda"`` when torch sees a CUDA device, else ``"cpu"``."""
     import torch
@@ -39,12 +87,49 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def resolve_device(requested: str | None) -> str:
+    """The device the device pool runs on: ``requested`` (already ``cpu`` or ``cuda[:N]``) if this
+    machine has it, else CLIError saying what to use instead; None picks :func:`default_device`."""
+    import torch
+
+    if requested is None:
+        return default_device()
+    if requested == "cpu":
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise CLIError(f"--device {requested}: torch {torch.__version__} sees no CUDA device on this machine; "
+                       f"use --device cpu (the device pool in Triton's interpreter, slow) or leave --device out")
+    idx = int(requested.split(":")[1]) if ":" in requested else 0
+    if idx >= torch.cuda.device_count():
+        raise CLIError(f"--device {requested}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+                       f"(cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
+    return requested
+
+
+def _ensure_backend(device: str, argv: list[str] | None) -> None:
+    """Make the kernels run where ``device`` needs them: Triton's interpreter for ``cpu``, compiled for
+    CUDA. Triton fixes that when ``gpupool`` is imported (``TRITON_INTERPRET``), so a command-line run
+    that needs the other backend re-executes itself once with the variable set."""
+    from . import _backend
+
+    want_interp = device == "cpu"
+    if want_interp == _backend.interpreted():
+        return
+    value = "1" if want_interp else "0"
+    if argv is not None or os.environ.get(_REEXEC_ENV):
+        raise CLIError(f"--device {device} needs TRITON_INTERPRET={value}, but gpupool was imported with the "
+                       f"kernels set up for {'the GPU' if want_interp else 'the interpreter'}; "
+                       f"run the command with TRITON_INTERPRET={value}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    env = dict(os.environ, TRITON_INTERPRET=value, **{_REEXEC_ENV: "1"})
+    os.execve(sys.executable, [sys.executable, "-m", "gpupool", *sys.argv[1:]], env)
+
+
 def make_pool(kind: str, num_blocks: int, device: str | None = None):
     """A fresh pool: ``"reference"`` (CPU oracle) or ``"device"`` (``gpupool.BlockPool`` on ``device``).
 
-    The device pool is imported here, lazily; when it cannot be imported this raises CLIError. On
-    ``device="cpu"`` Triton's interpreter is selected (``TRITON_INTERPRET=1``) unless the environment
-    already says otherwise.
+    The device pool is imported here, lazily; when it cannot be imported this raises CLIError.
     """
     if kind == "reference":
         from .reference import ReferenceBlockPool
@@ -53,8 +138,6 @@ def make_pool(kind: str, num_blocks: int, device: str | None = None):
     if kind == "device":
         if device is None:
             device = default_device()
-        if str(device).startswith("cpu"):
-            os.environ.setdefault("TRITON_INTERPRET", "1")
         try:
             from . import BlockPool
         except ImportError as e:
@@ -64,24 +147,32 @@ def make_pool(kind: str, num_blocks: int, device: str | None = None):
     raise CLIError(f"unknown pool kind {kind!r} (expected 'device' or 'reference')")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
+        return v
+
+    parse.__name__ = "integer"
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+_positive_int = _int_at_least(1)
+
+
+def _device_limit(text: str):
+    return None if text.strip().lower() == "all" else _positive_int(text)
+
+
+def _device_arg(text: str) -> str:
+    t = text.strip().lower()
+    if t == "cpu" or t == "cuda" or re.fullmatch(r"cuda:\d+", t):
+        return t
+    raise argparse.ArgumentTypeError(f"unknown device {text!r}: use cpu, cuda or cuda:N")
 
 
 def _tpot(text: str) -> float:
@@ -95,52 +186,87 @@ def _tpot(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpupool", description="A KV-cache block pool whose bookkeeping lives on the GPU.")
+    p = _Parser(prog="gpupool", description="A KV-cache block pool whose bookkeeping lives on the GPU "
+                                            "(docs: docs/semantics.md, docs/design.md, docs/errors.md).")
+    p.add_argument("--version", action="version", version=_version_text())
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    r = sub.add_parser("replay", help="replay a Mooncake-format trace on a block pool (docs/semantics.md section 5)",
-                       description="Replay a Mooncake-format JSON-lines trace on a block pool and report "
-                                   "prefix-cache hits, the final free-queue digest and the speed.")
+    r = sub.add_parser("replay", help="replay a Mooncake-format trace on the block pools (docs/semantics.md section 5)",
+                       description="Replay a Mooncake-format JSON-lines trace on a block pool and report prefix-cache "
+                                   "hits and the final free-queue digest; the device pool is checked against the "
+                                   "reference pool (docs/semantics.md section 5).",
+                       epilog="--pool auto (the default): with a CUDA device, the device pool replays the whole trace "
+                              "and the reference pool checks it (and the speed ratio is printed). Without one, the "
+                              "reference pool replays the whole trace and the device pool, in Triton's CPU "
+                              "interpreter, the first --device-limit requests, checked against the reference pool on "
+                              "those requests; no speed is compared. Errors exit 2 (docs/errors.md).")
     r.add_argument("trace", nargs="?", metavar="TRACE",
                    help="JSON-lines trace (default: the bundled Mooncake conversation trace, 12,031 requests)")
+    r.add_argument("--pool", choices=("auto", "device", "reference", "both"), default="auto",
+                   help="auto (default, see below); device or reference: that pool alone; both: both pools on the "
+                        "same requests, exit 1 unless their reports agree")
     r.add_argument("--num-blocks", type=_positive_int, default=DEFAULT_NUM_BLOCKS,
-                   help=f"pool size N, null block included (default {DEFAULT_NUM_BLOCKS})")
+                   help=f"pool size N, null block included (default {DEFAULT_NUM_BLOCKS:,})")
     r.add_argument("--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE,
-                   help=f"tokens per block (default {DEFAULT_BLOCK_SIZE}, the bundled trace's)")
+                   help=f"tokens per pool block (default {DEFAULT_BLOCK_SIZE}, the bundled trace's)")
+    r.add_argument("--trace-block-size", type=_positive_int, default=TRACE_BLOCK_SIZE,
+                   help=f"tokens per hash id in the trace (default {TRACE_BLOCK_SIZE}, Mooncake's): a line needs "
+                        "ceil(input_length / this) hash_ids")
+    r.add_argument("--lenient", action="store_true",
+                   help="accept lines whose hash_ids are too short (kept: the blocks without an id are not cached) or "
+                        "too long (cut); the report counts them")
     r.add_argument("--tpot-ms", type=_tpot, default=DEFAULT_TPOT_MS,
                    help=f"time per output token in ms (default {DEFAULT_TPOT_MS:g})")
-    r.add_argument("--pool", choices=("device", "reference", "both"), default="device",
-                   help="which pool to drive (default device; 'both' checks that they agree)")
-    r.add_argument("--limit", type=_non_negative_int, default=None,
-                   help="replay only the first LIMIT requests (default: all; "
-                        f"{CPU_DEVICE_DEFAULT_LIMIT} when the device pool runs on the CPU interpreter)")
-    r.add_argument("--json", metavar="PATH", help="write the report(s) as JSON to PATH")
-    r.add_argument("--device", default=None,
-                   help="torch device of the device pool (default: cuda if available, else cpu)")
+    r.add_argument("--limit", type=_positive_int, default=None,
+                   help="replay only the first LIMIT requests (in time order) on every pool (default: all)")
+    r.add_argument("--device-limit", type=_device_limit, default=CPU_DEVICE_DEFAULT_LIMIT, metavar="N",
+                   help=f"requests the device pool replays when it runs in Triton's CPU interpreter (default "
+                        f"{CPU_DEVICE_DEFAULT_LIMIT}; 'all' for every one; ignored on a GPU)")
+    r.add_argument("--device", type=_device_arg, default=None,
+                   help="torch device of the device pool: cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    r.add_argument("--json", metavar="PATH",
+                   help="write the report as JSON to PATH ('-': stdout, and the text report goes to stderr)")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="tqdm progress bar on stderr (default: when stderr is a terminal, "
-                        "or every 10 s for the device pool on the CPU interpreter)")
+                   help="progress bars on stderr (default: when stderr is a terminal)")
     r.set_defaults(func=cmd_replay)
     _add_bench_parser(sub)
     return p
 
 
+# ---- bench ------------------------------------------------------------------------------------------
+
 def _add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="run the benchmark suite (bench/) and plot it",
-                       description="Run the pytest-benchmark suite in the repository's bench/ folder (the "
-                                   "device pool against the reference pool and, when installed, vLLM's "
-                                   "BlockPool), then write PREFIX.json (pytest-benchmark's JSON) and "
-                                   "PREFIX.png (latency against batch size per op, replay throughput).")
+                       description="Run the pytest-benchmark suite in the repository's bench/ folder (the device pool "
+                                   "against the reference pool and, when installed, vLLM's BlockPool), print a "
+                                   "summary table, and write PREFIX.json (pytest-benchmark's JSON), PREFIX.png "
+                                   "(latency against batch size per op, replay throughput) and PREFIX.log (pytest's "
+                                   "full output). The README explains the columns.")
     b.add_argument("--out", metavar="PREFIX", default=None,
                    help="output prefix (default: bench/out/bench in the repository)")
     b.add_argument("--quick", action="store_true",
                    help="the CPU-sized grid (device pool: batch 1 and 64, pool 4096; the default without CUDA)")
     b.add_argument("-k", metavar="EXPR", dest="k", default=None, help="only the benchmarks matching EXPR (pytest -k)")
+    b.add_argument("--verbose", action="store_true", help="show pytest's own output (its tables) as it runs")
     b.set_defaults(func=cmd_bench)
 
 
 def bench_dir() -> Path:
     """The benchmark suite: ``bench/`` next to the package in a source checkout."""
     return Path(__file__).resolve().parents[1] / "bench"
+
+
+_SKIP_LINE = re.compile(r"^SKIPPED \[(\d+)\] [^:]+(?::\d+)?: (.*)$")
+
+
+def skip_reasons(log_text: str) -> list[tuple[int, str]]:
+    """``(count, reason)`` from the ``SKIPPED [n] file:line: reason`` lines of pytest's ``-rs`` summary,
+    merged by reason, most frequent first."""
+    merged: dict[str, int] = {}
+    for line in log_text.splitlines():
+        m = _SKIP_LINE.match(line.strip())
+        if m:
+            merged[m.group(2)] = merged.get(m.group(2), 0) + int(m.group(1))
+    return sorted(((n, r) for r, n in merged.items()), key=lambda x: (-x[0], x[1]))
 
 
 def cmd_bench(args) -> int:
@@ -153,46 +279,60 @@ def cmd_bench(args) -> int:
     prefix = Path(args.out) if args.out else suite / "out" / "bench"
     json_path = prefix.with_name(prefix.name + ".json")
     png_path = prefix.with_name(prefix.name + ".png")
+    log_path = prefix.with_name(prefix.name + ".log")
     try:
         json_path.parent.mkdir(parents=True, exist_ok=True)
+        if json_path.exists():
+            json_path.unlink()
+        log = open(log_path, "w", encoding="utf-8")
     except OSError as e:
-        raise CLIError(f"cannot create {json_path.parent}: {e}") from None
-    if json_path.exists():
-        json_path.unlink()
+        raise CLIError(f"cannot write under {json_path.parent}: {e}") from None
     env = dict(os.environ)
     if args.quick:
         env["GPUPOOL_BENCH_GRID"] = "quick"
-    cmd = [sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", str(suite), "-q", "-rs", "-p", "no:cacheprovider",
            f"--benchmark-json={json_path}", "--benchmark-columns=min,median,max,rounds"]
     if args.k:
         cmd += ["-k", args.k]
-    print("running: " + " ".join(cmd), flush=True)
+    print(f"running the benchmarks in {suite} (pytest's output: {log_path}; this takes minutes)", flush=True)
     interrupted = False
-    proc = subprocess.Popen(cmd, cwd=str(suite.parent), env=env)
-    try:
-        rc = proc.wait()
-    except KeyboardInterrupt:
-        # pytest (same process group) got the interrupt too: it stops and still writes the JSON
-        # of the benchmarks that finished, which is plotted below.
-        interrupted = True
+    with log:
+        proc = subprocess.Popen(cmd, cwd=str(suite.parent), env=env, stdout=None if args.verbose else log,
+                                stderr=subprocess.STDOUT if not args.verbose else None)
         try:
-            rc = proc.wait(timeout=60)
-        except (KeyboardInterrupt, subprocess.TimeoutExpired):
-            proc.kill()
-            proc.wait()
-            raise
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            # pytest (same process group) got the interrupt too: it stops and still writes the JSON
+            # of the benchmarks that finished, which is summarised below.
+            interrupted = True
+            try:
+                rc = proc.wait(timeout=60)
+            except (KeyboardInterrupt, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+                raise
+    log_text = log_path.read_text(encoding="utf-8", errors="replace") if not args.verbose else ""
     if rc == 5:
         raise CLIError("no benchmark was selected" + (f" by -k {args.k!r}" if args.k else ""))
     if not json_path.is_file():
-        raise CLIError(f"the benchmark run wrote no results (pytest exit status {rc})", code=1)
+        tail = "\n".join(log_text.splitlines()[-15:])
+        raise CLIError(f"the benchmark run wrote no results (pytest exit status {rc}); the end of {log_path}:\n{tail}",
+                       code=1)
     plot = _load_bench_plot(suite)
     plot.plot(json_path, png_path)
     print(plot.table(json_path))
-    print(f"wrote {json_path}\nwrote {png_path}")
+    skips = skip_reasons(log_text)
+    if skips:
+        print(f"skipped {sum(n for n, _ in skips)} case(s):")
+        for n, reason in skips:
+            print(f"  {n:>4}  {reason}")
+    size = json_path.stat().st_size / 1e6
+    print(f"wrote {json_path} ({size:.1f} MB, pytest-benchmark's JSON)\nwrote {png_path} (the plot)"
+          + ("" if args.verbose else f"\nwrote {log_path} (pytest's full output)"))
     if interrupted:
         raise CLIError("interrupted: the results above are partial", code=130)
     if rc != 0:
-        raise CLIError(f"some benchmarks failed (pytest exit status {rc}); see the output above", code=1)
+        raise CLIError(f"some benchmarks failed (pytest exit status {rc}); see {log_path}", code=1)
     return 0
 
 
@@ -205,11 +345,14 @@ def _load_bench_plot(suite: Path):
     return mod
 
 
+# ---- replay -----------------------------------------------------------------------------------------
+
 def _fmt_int(x: int) -> str:
     return f"{x:,}"
 
 
-def format_report(rep: ReplayReport) -> str:
+def format_report(rep: ReplayReport, speed: bool = True) -> str:
+    """The text form of a report; ``speed=False`` leaves out the timing lines (interpreter runs)."""
     lines = [
         f"pool            {rep.pool}: {_fmt_int(rep.num_blocks)} blocks x {rep.block_size} tokens, "
         f"tpot {rep.tpot_ms:g} ms",
@@ -221,99 +364,222 @@ def format_report(rep: ReplayReport) -> str:
         f"hit ratio       {rep.hit_ratio:.4f}",
         f"peak in use     {_fmt_int(rep.peak_blocks_in_use)} blocks",
         f"free queue      sha256 {rep.free_queue_sha256}",
-        f"wall time       {rep.wall_s:.3f} s",
-        f"requests/s      {rep.requests_per_s:,.0f}",
     ]
+    if speed:
+        lines += [f"wall time       {rep.wall_s:.3f} s", f"requests/s      {rep.requests_per_s:,.0f}"]
+    else:
+        lines += [f"wall time       {rep.wall_s:.3f} s (Triton interpreter: not a speed measurement)"]
     return "\n".join(lines)
 
 
-def _progress_setting(flag: bool | None, device_on_cpu: bool):
-    if flag is False:
+def format_comparison(ref: ReplayReport, dev: ReplayReport) -> str:
+    """The two reports' checked fields side by side (device pool first)."""
+    rows = [("requests", _fmt_int(dev.requests), _fmt_int(ref.requests)),
+            ("admitted", _fmt_int(dev.admitted), _fmt_int(ref.admitted)),
+            ("rejected", _fmt_int(dev.rejected), _fmt_int(ref.rejected)),
+            ("prompt blocks", _fmt_int(dev.prompt_blocks), _fmt_int(ref.prompt_blocks)),
+            ("hit blocks", _fmt_int(dev.hit_blocks), _fmt_int(ref.hit_blocks)),
+            ("free queue", dev.free_queue_sha256[:16], ref.free_queue_sha256[:16])]
+    lines = [f"{'':<16}{'device pool':<20}reference pool"]
+    lines += [f"{name:<16}{d:<20}{r}" + ("" if d == r else "   <- differs") for name, d, r in rows]
+    return "\n".join(lines)
+
+
+def _progress(flag: bool | None, desc: str):
+    """The ``progress`` argument of a replay, the same rule for every pool: a bar when stderr is a
+    terminal (or ``--progress``), a line every 10 s when forced into a log, none with ``--no-progress``."""
+    if flag is False or (flag is None and not sys.stderr.isatty()):
         return False
-    if flag is True or sys.stderr.isatty():
-        return True
-    if device_on_cpu:  # a long run writing to a log: one line every 10 s
-        return {"mininterval": 10.0, "maxinterval": 60.0}
-    return False
+    kw = {"desc": desc, "unit": "req", "leave": True}
+    if not sys.stderr.isatty():
+        kw.update(mininterval=10.0, maxinterval=60.0)
+    return kw
 
 
-def cmd_replay(args) -> int:
-    kinds = ["reference", "device"] if args.pool == "both" else [args.pool]
-    device = None
-    if "device" in kinds:
-        device = args.device or default_device()
-    device_on_cpu = device is not None and str(device).startswith("cpu")
-    limit, note = args.limit, None
-    if limit is None and device_on_cpu:
-        limit = CPU_DEVICE_DEFAULT_LIMIT
-        note = (f"note: the device pool runs on the CPU (Triton interpreter): replaying the first {limit} "
-                f"requests; pass --limit to change that")
-    # Build the pools first, so a missing device pool fails before any work.
-    pools = {k: make_pool(k, args.num_blocks, device) for k in kinds}
+def _check_json_path(path: str | None) -> None:
+    """Fail before any work when the report could not be written."""
+    if path is None or path == "-":
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise CLIError(f"--json {path}: is a directory; give a file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise CLIError(f"--json {path}: the folder {parent} does not exist")
+    if (p.exists() and not os.access(p, os.W_OK)) or (not p.exists() and not os.access(parent, os.W_OK)):
+        raise CLIError(f"--json {path}: not writable (permission denied); choose another path or '-' for stdout")
+
+
+def _device_label(device: str | None) -> str | None:
+    if device is None:
+        return None
+    if device == "cpu":
+        return "cpu (Triton interpreter)"
+    import torch
+
+    idx = int(device.split(":")[1]) if ":" in device else 0
+    return f"{device} ({torch.cuda.get_device_name(idx)})"
+
+
+def _compare(ref: ReplayReport, dev: ReplayReport) -> list[str]:
+    return [f for f in MATCH_FIELDS if getattr(ref, f) != getattr(dev, f)]
+
+
+def _blocks_needed(r, block_size: int) -> int:
+    return -(-(r.input_length + r.output_length) // block_size)
+
+
+def cmd_replay(args, argv: list[str] | None = None) -> int:
+    _check_json_path(args.json)
+    out = sys.stderr if args.json == "-" else sys.stdout
+
+    def say(text: str = "") -> None:
+        print(text, file=out, flush=True)
+
+    uses_device = args.pool != "reference"
+    device = resolve_device(args.device) if uses_device else None
+    if device is not None:
+        _ensure_backend(device, argv)
+    interp = device == "cpu"
     try:
-        trace = load_trace(args.trace, limit)
+        tr = read_trace(args.trace, limit=args.limit, block_size=args.trace_block_size, lenient=args.lenient)
     except FileNotFoundError:
         raise CLIError(f"trace file not found: {args.trace}") from None
+    except TraceError as e:
+        raise CLIError(f"bad trace: {e}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise CLIError(f"cannot read trace {args.trace}: {e}") from None
-    except ValueError as e:
-        raise CLIError(f"bad trace: {e}") from None
+    trace = tr.requests
+    usable = args.num_blocks - 1
+    needs = [_blocks_needed(r, args.block_size) for r in trace]
+    if min(needs) > usable:
+        raise CLIError(f"the pool is too small for any request: {args.num_blocks:,} blocks ({usable:,} usable) but the "
+                       f"smallest request needs {min(needs):,} blocks of {args.block_size} tokens; use --num-blocks "
+                       f">= {min(needs) + 1:,} (every request fits from {max(needs) + 1:,})")
     label = args.trace or "bundled Mooncake conversation trace"
-    print(f"trace           {label}: {_fmt_int(len(trace))} requests"
-          + (f" (--limit {limit})" if limit is not None and note is None else ""))
-    if note:
-        print(note)
-    progress = _progress_setting(args.progress, device_on_cpu)
-    reports: dict[str, ReplayReport] = {}
-    for k in kinds:
+    say(f"trace           {label}: {_fmt_int(len(trace))} requests"
+        + (f" (--limit {args.limit} of {tr.lines:,})" if args.limit is not None and args.limit < tr.lines else ""))
+    for note in tr.notes:
+        say(f"note: {note}")
+    too_big = sum(1 for n in needs if n > usable)
+    if too_big:
+        say(f"note: {too_big:,} requests need more than the pool's {usable:,} usable blocks and are rejected "
+            f"(--num-blocks {max(needs) + 1:,} admits all)")
+    env = {"device": _device_label(device), "interpreter": interp, **versions()}
+    meta = {"trace": label, "limit": args.limit, "mode": args.pool, "trace_check": tr.summary(), "environment": env}
+
+    def run(kind: str, reqs, desc: str) -> ReplayReport:
         from .pool import BlockPool
 
-        if isinstance(pools[k], BlockPool):
-            from .replay.device import replay_on_device as run  # the device loop
-        else:
-            run = replay
-        rep = run(pools[k], trace, block_size=args.block_size, tpot_ms=args.tpot_ms, progress=progress)
-        reports[k] = rep
-        print(f"--- {k} pool" + (f" on {device}" if k == "device" else ""))
-        print(format_report(rep))
-    meta = {"trace": label, "limit": limit}
+        pool = make_pool(kind, args.num_blocks, device)
+        fn = _device_replay() if isinstance(pool, BlockPool) else replay  # tests may stand a pool in
+        return fn(pool, reqs, block_size=args.block_size, tpot_ms=args.tpot_ms, progress=_progress(args.progress, desc))
+
+    dev_reqs = trace if not interp or args.device_limit is None else trace[:args.device_limit]
+    dev_cut = len(dev_reqs) < len(trace)
+    dev_title = f"device pool: gpupool.BlockPool on {_device_label(device)}"
+    ref_title = "reference pool: gpupool.ReferenceBlockPool (pure Python, CPU)"
+    whole = "whole trace" if args.limit is None else f"{len(trace):,} requests"
     code = 0
-    if args.pool == "both":
-        ref, dev = reports["reference"], reports["device"]
-        mismatched = [f for f in MATCH_FIELDS if getattr(ref, f) != getattr(dev, f)]
-        speedup = ref.wall_s / dev.wall_s if dev.wall_s > 0 else float("inf")
-        out = {**meta, "reference": ref.to_json_dict(), "device": dev.to_json_dict(), "match": not mismatched,
-               "mismatched": mismatched, "speedup": speedup}
-        print("---")
+    if args.pool == "reference":
+        say(f"--- {ref_title}, {whole}")
+        rep = run("reference", trace, "reference pool")
+        say(format_report(rep))
+        result = {**meta, **rep.to_json_dict()}
+    elif args.pool == "device":
+        if dev_cut:
+            say(f"note: the device pool runs in Triton's CPU interpreter: replaying the first {len(dev_reqs)} "
+                f"requests (--device-limit)")
+        say(f"--- {dev_title}" + (f", first {len(dev_reqs):,} requests" if dev_cut else f", {whole}"))
+        rep = run("device", dev_reqs, "device pool")
+        say(format_report(rep, speed=not interp))
+        result = {**meta, **rep.to_json_dict()}
+    else:
+        # auto on a GPU and both: the same requests on both pools. auto on the interpreter: the whole
+        # trace on the reference pool, and the device pool on a prefix checked against it.
+        same = args.pool == "both" or not interp
+        if args.pool == "both" and dev_cut:
+            say(f"note: the device pool runs in Triton's CPU interpreter: both pools replay the first "
+                f"{len(dev_reqs)} requests (--device-limit)")
+            trace = dev_reqs
+            dev_cut = False
+        whole = "whole trace" if args.limit is None else f"{len(trace):,} requests"
+        if same:
+            say(f"--- result: {dev_title}, {whole}")
+            dev = run("device", dev_reqs, "device pool")
+            say(format_report(dev, speed=not interp))
+            say(f"--- check: the {ref_title}, same requests")
+            ref = check_ref = run("reference", trace, "reference pool")
+        else:
+            say(f"--- result: {ref_title}, {whole}")
+            ref = run("reference", trace, "reference pool")
+            say(format_report(ref))
+            say(f"--- check: {dev_title}, first {len(dev_reqs):,} requests (slow: about 0.15 s per request), "
+                f"against the reference pool on the same requests")
+            dev = run("device", dev_reqs, "device pool")
+            check_ref = ref if not dev_cut else run("reference", dev_reqs, "reference pool, check")
+        mismatched = _compare(check_ref, dev)
+        say(format_comparison(check_ref, dev))
+        n_checked = len(dev_reqs)
         if mismatched:
             for f in mismatched:
-                print(f"MISMATCH {f}: reference {getattr(ref, f)!r} != device {getattr(dev, f)!r}", file=sys.stderr)
-            print("gpupool: error: the device pool and the reference pool disagree", file=sys.stderr)
+                print(f"MISMATCH {f}: reference {getattr(check_ref, f)!r} != device {getattr(dev, f)!r}", file=sys.stderr)
+            print("gpupool: error: the device pool and the reference pool disagree (a bug; please report it with "
+                  "the command line)", file=sys.stderr)
             code = 1
         else:
-            print("match           yes: hit counts and free-queue digests are identical")
-        print(f"speed           device {speedup:.2f}x the reference pool "
-              f"({dev.requests_per_s:,.0f} vs {ref.requests_per_s:,.0f} requests/s)")
-    else:
-        out = {**meta, **reports[kinds[0]].to_json_dict()}
-    if args.json:
-        try:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(out, f, indent=2)
-                f.write("\n")
-        except OSError as e:
-            raise CLIError(f"cannot write {args.json}: {e}") from None
+            say(f"identical       yes: the device pool's counts and free-queue digest equal the reference pool's "
+                f"on {'the same' if same else 'the first'} {n_checked:,} requests")
+        speedup = None
+        if interp:
+            say("speed           not compared: the device pool ran in Triton's CPU interpreter, which says nothing "
+                "about its speed on a GPU")
+        else:
+            speedup = ref.wall_s / dev.wall_s if dev.wall_s > 0 else None
+            say(f"speed           device {speedup or float('inf'):.2f}x the reference pool "
+                f"({dev.requests_per_s:,.0f} vs {ref.requests_per_s:,.0f} requests/s)")
+        result = {**meta, "reference": ref.to_json_dict(), "device": dev.to_json_dict(), "checked_requests": n_checked,
+                  "match": not mismatched, "mismatched": mismatched, "speedup": speedup}
+        if check_ref is not ref:
+            result["reference_on_checked_requests"] = check_ref.to_json_dict()
+    _write_json(args.json, result)
     return code
+
+
+def _write_json(path: str | None, data: dict) -> None:
+    if path is None:
+        return
+    text = json.dumps(data, indent=2, allow_nan=False, default=_json_default) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise CLIError(f"cannot write {path}: {e}") from None
+
+
+def _json_default(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    raise TypeError(f"not JSON serialisable: {x!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gpupool`` command; returns the exit status (argparse errors exit 2)."""
     args = build_parser().parse_args(argv)
     try:
+        if args.func is cmd_replay:
+            return cmd_replay(args, argv)
         return args.func(args)
     except CLIError as e:
         print(f"gpupool: error: {e}", file=sys.stderr)
         return e.code
+    except KeyboardInterrupt:
+        print("gpupool: error: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

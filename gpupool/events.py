@@ -1,4 +1,4 @@
-"""KV cache events (SPEC.md section 2, `take_events`), as vLLM publishes them for external KV indexes.
+"""KV cache events (docs/semantics.md section 2, `take_events`), as vLLM publishes them for external KV indexes.
 
 Both pools emit the same event objects; hashes are ``bytes``.
 """

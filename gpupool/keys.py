@@ -1,14 +1,14 @@
 """Block hashing (chained, vLLM-compatible) and 128-bit device keys.
 
-This is the *keys* layer of DESIGN.md: it knows nothing about pools. It provides
+This is the *keys* layer of docs/design.md: it knows nothing about pools. It provides
 
 * the prefix-cache identity of a block of tokens, computed exactly as vLLM V1 does it with its
   ``sha256`` hash function (``vllm/v1/core/kv_cache_utils.py``: ``hash_block_tokens``,
   ``generate_block_hash_extra_keys``, ``hash_request_tokens``), with a *fixed* seed (:data:`NONE_HASH`)
   so that hashes are reproducible across processes and runs;
-* the 128-bit key under which the device pool stores a SPEC.md key ``(block_hash, group_id)``
+* the 128-bit key under which the device pool stores a docs/semantics.md key ``(block_hash, group_id)``
   (:func:`device_key`, :func:`device_keys`);
-* the block hash of a Mooncake trace ``hash_id`` (:func:`trace_block_hash`, SPEC.md section 5).
+* the block hash of a Mooncake trace ``hash_id`` (:func:`trace_block_hash`, docs/semantics.md section 5).
 
 Hashes are ``bytes`` (32 bytes for every hash made here; the pools accept any ``bytes``).
 Token ids are Python ``int`` (anything with ``__index__``, e.g. numpy or 0-d integer torch
@@ -203,7 +203,7 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def device_key(block_hash: bytes, group_id: int) -> tuple[int, int]:
-    """128-bit device key of the SPEC.md key ``(block_hash, group_id)``, as signed int64 ``(hi, lo)``.
+    """128-bit device key of the docs/semantics.md key ``(block_hash, group_id)``, as signed int64 ``(hi, lo)``.
 
     ``d = sha256(b"gpupool.device_key.v1\\x00" + len(block_hash).to_bytes(8, "little")
     + block_hash + group_id.to_bytes(8, "little", signed=True)).digest()``;
@@ -212,7 +212,7 @@ def device_key(block_hash: bytes, group_id: int) -> tuple[int, int]:
 
     The digest covers the whole key (the length prefix keeps ``b"a"`` and ``b"a\\x00"`` apart), so
     short or structured hashes never collide by truncation; distinct keys collide only with
-    probability about 2**-128 per pair. The device table (DESIGN.md) identifies an entry by
+    probability about 2**-128 per pair. The device table (docs/design.md) identifies an entry by
     ``(key_hi, key_lo, key_group)``, so the group is also stored in the clear next to this pair.
     ``(0, 0)`` is not excluded; the table marks empty slots by ``num_keys``, not by a zero key.
 
@@ -258,9 +258,14 @@ def device_keys(block_hashes: Sequence[bytes], group_id: int, device=None):
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
-def trace_block_hash(hash_id: int) -> bytes:
-    """Block hash of a Mooncake trace ``hash_id`` (SPEC.md section 5).
+def trace_block_hash(hash_id: int | str) -> bytes:
+    """Block hash of a trace ``hash_id`` (docs/semantics.md section 5), an integer or a string.
 
-    ``sha256(str(hash_id).encode()).digest()`` (32 bytes); trace blocks use group 0.
+    ``sha256(str(hash_id).encode()).digest()`` (32 bytes; ``7`` and ``"7"`` are the same block); trace
+    blocks use group 0. Raises TypeError for anything else (a float, bytes, a bool).
     """
+    if isinstance(hash_id, str):
+        return hashlib.sha256(hash_id.encode()).digest()
+    if isinstance(hash_id, bool):
+        raise TypeError(f"a trace hash id is an integer or a string, got {hash_id!r}")
     return hashlib.sha256(str(int(operator.index(hash_id))).encode()).digest()

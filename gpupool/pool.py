@@ -212,7 +212,7 @@ class BlockPool:
         if n > self.num_blocks:
             raise OutOfBlocksError(op, f"cannot get {n} free blocks from a pool of {self.num_blocks}", n)
         blocks, _ = k_alloc.launch_alloc(self.state, self.config, self._tensor([n]), self._count(op, None, 1),
-                                         op=Op.GET_NEW_BLOCKS, max_total=n)
+                                         op=Op.GET_NEW_BLOCKS, max_total=n, fill_tail=False)
         self.check()
         return blocks[:n].clone()
 
@@ -373,8 +373,9 @@ class BlockPool:
 
         ``demands: int32[B]`` on the device (``num_demands: int32[1]`` may say only the first k count).
         Returns ``(blocks: int32[N + 1], offsets: int32[B + 1])``: demand k got
-        ``blocks[offsets[k]:offsets[k+1]]``; entries of ``blocks`` past ``offsets[num_demands]`` are
-        unspecified. Errors go to the status word (raised by :meth:`check`).
+        ``blocks[offsets[k]:offsets[k+1]]``; every entry of ``blocks`` past ``offsets[num_demands]`` is -1
+        (all of ``blocks`` when the op fails or is skipped). Entries of ``offsets`` past
+        ``num_demands + 1`` are unspecified. Errors go to the status word (raised by :meth:`check`).
         """
         op = "allocate_batched"
         demands = self._device_i32(op, demands, "demands")

@@ -79,17 +79,20 @@ def pop_and_claim(ps, pc: tl.constexpr, head, tail, out, base, total):
 
 
 @triton.jit
-def alloc_kernel(ps, pc: tl.constexpr, demands, num_demands, cap, out_blocks, out_offsets, OP: tl.constexpr):
+def alloc_kernel(ps, pc: tl.constexpr, demands, num_demands, cap, out_blocks, out_offsets, OP: tl.constexpr,
+                 FILL_TAIL: tl.constexpr):
     """Batched ``get_new_blocks``.
 
     Reads the first ``num_demands[0]`` (at most ``cap``; else E_INVALID_ARG) of ``demands: int32[cap]``
     (blocks per demand, in batch order). Writes ``out_offsets: int32[num_demands + 1]`` (demand k's
-    blocks are ``out_blocks[off[k]:off[k+1]]``) and ``out_blocks: int32[N + 1]`` (entries past the last
-    offset are unspecified); on success also the ring head, num_free, ref counts, evicted keys, events
-    and the reuse log. All or nothing: a negative demand (E_INVALID_COUNT), a running sum above
-    num_free (E_OUT_OF_BLOCKS, the first demand that fails, as the sequence of calls) or events that
-    would not fit (E_BUFFER_FULL) set the status word instead.
+    blocks are ``out_blocks[off[k]:off[k+1]]``) and ``out_blocks: int32[N + 1]``; with ``FILL_TAIL``
+    every entry of ``out_blocks`` past the last offset is -1 (all of it when the op does nothing). On
+    success also the ring head, num_free, ref counts, evicted keys, events and the reuse log. All or
+    nothing: a negative demand (E_INVALID_COUNT), a running sum above num_free (E_OUT_OF_BLOCKS, the
+    first demand that fails, as the sequence of calls) or events that would not fit (E_BUFFER_FULL)
+    set the status word instead.
     """
+    used = tl.zeros([], tl.int64)  # out_blocks entries written with block ids
     if status_clear(ps.status):
         offs = tl.arange(0, pc.BLOCK)
         nd, nd_ok = checked_count(num_demands, cap)
@@ -129,13 +132,21 @@ def alloc_kernel(ps, pc: tl.constexpr, demands, num_demands, cap, out_blocks, ou
                 tl.store(ps.ctrl + REUSE_COUNT, reuse_pos)
                 tl.store(ps.ctrl + HEAD, new_head)
                 tl.store(ps.ctrl + NUM_FREE, free - total)
+                used = total
         if err != 0:
             set_status(ps.status, err, OP, err_val)
+    if FILL_TAIL:  # here, not a torch fill: no extra launch, and the tail starts where the pop ended
+        offs = tl.arange(0, pc.BLOCK)
+        i = used
+        while i < pc.N + 1:
+            tl.store(out_blocks + i + offs, tl.full([pc.BLOCK], -1, tl.int32), mask=(i + offs) < pc.N + 1)
+            i += pc.BLOCK
 
 
-def launch_alloc(ps, pc, demands, num_demands, *, op: int, max_total: int | None = None):
+def launch_alloc(ps, pc, demands, num_demands, *, op: int, max_total: int | None = None, fill_tail: bool = True):
     """Launch ``alloc_kernel`` (one program). ``demands: int32[B]``, ``num_demands: int32[1]``.
     ``max_total``: an upper bound of the demands' sum when the host knows it (sizes the tiles).
+    ``fill_tail``: write -1 past the last offset of ``blocks`` (off for callers that slice it).
     Returns ``(blocks: int32[N + 1], offsets: int32[B + 1])``."""
     import torch
 
@@ -143,5 +154,5 @@ def launch_alloc(ps, pc, demands, num_demands, *, op: int, max_total: int | None
     out = torch.empty(pc.N + 1, dtype=torch.int32, device=demands.device)
     pc = batch_config(pc, pc.N if max_total is None else max_total)  # tiles as wide as the blocks it may pop
     alloc_kernel[(1,)](ps, pc, demands, num_demands, demands.numel(), out, offsets, OP=op,
-                       num_warps=warps_for(pc.BLOCK))
+                       FILL_TAIL=fill_tail, num_warps=warps_for(pc.BLOCK))
     return out, offsets

@@ -1,4 +1,10 @@
-"""Hypothesis profiles: "fast" (default) and "deep" (GPUPOOL_HYPOTHESIS_PROFILE=deep)."""
+"""Test setup: Triton's interpreter without a GPU, and the hypothesis profiles.
+
+Profiles (``GPUPOOL_HYPOTHESIS_PROFILE``): ``dev`` (the default: few examples per property, so
+``pytest -m "not slow" tests`` stays under 3 minutes on 2 cores), ``ci`` (what ``.ci/run`` uses with
+every test, slow ones included), ``deep`` (1,000 examples, a long hunt). Tests that scale their own
+example counts read ``settings().max_examples``. Long runs are marked ``slow``.
+"""
 import os
 
 import torch
@@ -6,8 +12,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before gpupool defines its kernels
 
-from hypothesis import settings
+from hypothesis import settings  # noqa: E402
 
-settings.register_profile("fast", max_examples=50, deadline=None)
+settings.register_profile("dev", max_examples=5, deadline=None)
+settings.register_profile("ci", max_examples=50, deadline=None)
+settings.register_profile("fast", max_examples=50, deadline=None)  # the old name of "ci"
 settings.register_profile("deep", max_examples=1000, deadline=None)
-settings.load_profile(os.environ.get("GPUPOOL_HYPOTHESIS_PROFILE", "fast"))
+settings.load_profile(os.environ.get("GPUPOOL_HYPOTHESIS_PROFILE", "dev"))

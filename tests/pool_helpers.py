@@ -1,6 +1,6 @@
 """Helpers shared by the pool tests (reference pool now, device pool later).
 
-Everything here drives a pool only through the SPEC.md section 4 conformance surface, plus
+Everything here drives a pool only through the docs/semantics.md section 4 conformance surface, plus
 ``num_blocks``, ``block_hash_num_tokens(b)`` and ``num_watchers()``, which both pools expose,
 so the same helpers work for :class:`gpupool.ReferenceBlockPool` and the device ``BlockPool``
 (ids may come back as Python ints or integer tensors; they are normalised to ints).
@@ -14,13 +14,21 @@ import pytest
 
 from gpupool.errors import PoolError
 
+
+def sized(full: int, small: int) -> int:
+    """A test's size: ``full`` under the ``ci`` and ``deep`` hypothesis profiles (``.ci/run``),
+    ``small`` under ``dev``, the default, so the README's quick test command stays under 3 minutes."""
+    from hypothesis import settings
+
+    return full if settings().max_examples >= 50 else small
+
 BLOCK_SIZE = 16
 
 
 # ---- keys ------------------------------------------------------------------------------------
 
 def h(i) -> bytes:
-    """The 32-byte block hash of test key ``i``: ``sha256(str(i))`` (the SPEC.md section 5 trace hash)."""
+    """The 32-byte block hash of test key ``i``: ``sha256(str(i))`` (the docs/semantics.md section 5 trace hash)."""
     return hashlib.sha256(str(i).encode()).digest()
 
 
@@ -95,7 +103,7 @@ def assert_consistent(pool) -> None:
     assert st["blocks"][0] == ([], None)
 
 
-# ---- request-level scenarios (SPEC.md section 5 admission) ---------------------------------------
+# ---- request-level scenarios (docs/semantics.md section 5 admission) ---------------------------------------
 
 def find_hits(pool, req_hashes: Sequence[bytes], num_tokens: int, block_size: int = BLOCK_SIZE,
               group: int = 0) -> list[int]:
@@ -112,7 +120,7 @@ def find_hits(pool, req_hashes: Sequence[bytes], num_tokens: int, block_size: in
 
 def admit(pool, prefix_ids: Sequence, num_tokens: int, block_size: int = BLOCK_SIZE, group: int = 0,
           total_tokens: int | None = None) -> tuple[list[int], list[int]]:
-    """Admit a request the way SPEC.md section 5 does: look up hits, ``touch`` them, get the rest,
+    """Admit a request the way docs/semantics.md section 5 does: look up hits, ``touch`` them, get the rest,
     cache the full blocks. ``prefix_ids`` names one test key per full block (see :func:`request_hashes`).
 
     Returns ``(hits, new_blocks)``; the request's block table is ``hits + new_blocks``.

@@ -1,4 +1,4 @@
-"""Every kernel the pools launch compiles ahead of time for sm_90 and sm_80 (DESIGN.md: interpreter-only
+"""Every kernel the pools launch compiles ahead of time for sm_90 and sm_80 (docs/design.md: interpreter-only
 code is a bug). Runs ``tests/aot_compile.py`` in a subprocess with TRITON_INTERPRET=0; no GPU needed."""
 import os
 import subprocess

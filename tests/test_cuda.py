@@ -1,6 +1,6 @@
 """CUDA-only checks (skipped without a GPU; run by bench/gpu_check.sh on a lent machine).
 
-What the interpreter cannot show (DESIGN-NOTES.md section 5): races between warps, same-address
+What the interpreter cannot show (docs/algorithms.md section 5): races between warps, same-address
 atomics in hardware order, host synchronisation in the batched ops, and CUDA-graph capture.
 """
 from __future__ import annotations

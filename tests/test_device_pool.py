@@ -1,4 +1,4 @@
-"""Differential tests: the device ``BlockPool`` against the reference pool, op by op (SPEC.md).
+"""Differential tests: the device ``BlockPool`` against the reference pool, op by op (docs/semantics.md).
 
 Every single op and every batched op of :class:`gpupool.BlockPool` is run side by side with
 :class:`gpupool.ReferenceBlockPool` on hypothesis-generated op sequences (small pools, caching and
@@ -10,7 +10,7 @@ device's, a kernel, every few ops; every op under the deep profile) and a host-s
 device layout (ring, key table, overflow counts, idle scratch). Errors must have the same class on
 both sides; a batched device op raises at ``check()``.
 
-A batched op is checked against the sequence of single reference calls it replaces (SPEC.md,
+A batched op is checked against the sequence of single reference calls it replaces (docs/semantics.md,
 "Batched forms"): applied as a whole when none of them fails, else nothing, and the error is that
 of the first failing call.
 
@@ -46,7 +46,7 @@ from gpupool.errors import (  # noqa: E402
 )
 from gpupool.keys import device_key  # noqa: E402
 
-from pool_helpers import ints, pool_state, reuse_callbacks, assert_lookups_agree  # noqa: E402
+from pool_helpers import ints, pool_state, reuse_callbacks, assert_lookups_agree, sized  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CTRL_HEAD, CTRL_TAIL, CTRL_COMPACTIONS = Ctrl.HEAD, Ctrl.TAIL, Ctrl.COMPACTIONS
@@ -92,7 +92,7 @@ BIG = 2**31 - 1
 
 
 def host_check_layout(pool) -> None:
-    """An independent host-side check of the device layout (DESIGN-NOTES.md sections 1 and 4), read
+    """An independent host-side check of the device layout (docs/algorithms.md sections 1 and 4), read
     from the tensors: ring R1-R5, key rows against table words, overflow counts along every probe
     path, the kernels' scratch back at its idle values, the status word clear and the event /
     reuse buffers drained (the caller has called an inspection method first)."""
@@ -647,7 +647,7 @@ def op_longest_prefix(data, pair):
     check_longest_prefix(pair, chains, groups, lengths)
 
 
-# ---- request-level ops: the way a scheduler drives the pool (SPEC.md section 5) ------------------
+# ---- request-level ops: the way a scheduler drives the pool (docs/semantics.md section 5) ------------------
 
 TEMPLATES = [[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 7, 8, 9, 3], [5, 6, 7, 8, 9, 0, 1]]
 
@@ -727,7 +727,7 @@ def op_cow(data, pair):
 
 def op_shadow_move(data, pair):
     """Cache a key that block A holds on a second block B (a duplicate: lookups keep returning A),
-    then move A's keys to a fresh block C: B becomes the earliest holder (SPEC.md move_block_hashes)."""
+    then move A's keys to a fresh block C: B becomes the earliest holder (docs/semantics.md move_block_hashes)."""
     keyed = [b for b in range(1, pair.n) if pair.ref.block_keys(b)]
     if not keyed or pair.ref.get_num_free_blocks() < 2:
         return
@@ -826,6 +826,7 @@ def noop(_b):
     pass
 
 
+@pytest.mark.slow
 def test_ring_compaction_many_touch_free_cycles():
     """Ring of the smallest power of two >= N: touch / free cycles leave tombstones and grow the window
     (hashed blocks go to the back, un-hashed to the front) until the kernels compact it; the order stays
@@ -883,7 +884,7 @@ def test_ring_compaction_in_free_batched_and_unpin():
     n = 8
     pair = Pair(n, ring=pow2_at_least(n), events=True)
     rng = random.Random(11)
-    for it in range(25):
+    for it in range(sized(25, 10)):
         free = pair.ref.get_num_free_blocks()
         demands = [rng.randint(0, free // 3) for _ in range(3)]
         pair.batched(f"allocate_batched({demands})", None,
@@ -922,7 +923,8 @@ def test_ring_compaction_in_free_batched_and_unpin():
     assert int(pair.dev.state.ctrl[CTRL_COMPACTIONS]) > 0
 
 
-@pytest.mark.parametrize("chunks,n,mk", [(1, 5, 4), (1, 17, 1), (2, 9, 4), (2, 17, 2)])
+@pytest.mark.parametrize("chunks,n,mk", [(1, 5, 4), pytest.param(1, 17, 1, marks=pytest.mark.slow), (2, 9, 4),
+                                         pytest.param(2, 17, 2, marks=pytest.mark.slow)])
 def test_key_table_near_its_limit(chunks, n, mk):
     """Tables sized so every key slot can be in use at once ((N-1)*MK == 16*chunks): inserts, deletes,
     moves and lookups stay exact, and validate() checks the overflow counts along every probe path."""
@@ -968,7 +970,7 @@ def test_key_table_near_its_limit(chunks, n, mk):
 
 
 def test_free_batched_a_then_b_puts_b_ahead_of_a():
-    """SPEC.md, batched forms: freeing A then B in one call puts B's un-hashed blocks ahead of A's;
+    """docs/semantics.md, batched forms: freeing A then B in one call puts B's un-hashed blocks ahead of A's;
     hashed blocks go to the back in the order they reach zero."""
     pair = Pair(12)
     a = ints(pair.dev.get_new_blocks(4))
@@ -1142,3 +1144,31 @@ def test_key_table_too_small_is_refused():
     with pytest.raises(InvalidArgumentError):
         BlockPool(6, max_keys_per_block=4, num_chunks=1, device=DEVICE)  # 20 keys, 16 slots
     BlockPool(5, max_keys_per_block=4, num_chunks=1, device=DEVICE)  # 16 keys, 16 slots
+
+
+def test_allocate_batched_fills_the_unused_tail_with_minus_one():
+    """``blocks`` is ``int32[N + 1]``: past the last offset every entry is -1 (the kernel writes it, no
+    extra launch); a failed or skipped batch leaves all of it -1."""
+    n = 9
+    dev = BlockPool(n, device=DEVICE)
+    blocks, offsets = dev.allocate_batched(i32([2, 0, 3]))
+    dev.check()
+    assert blocks.shape == (n + 1,) and ints(offsets) == [0, 2, 2, 5]
+    assert ints(blocks)[:5] == list(range(1, 6))
+    assert ints(blocks)[5:] == [-1] * (n + 1 - 5)
+    # A padded batch: only the first num_demands count; the tail starts at their sum.
+    blocks, offsets = dev.allocate_batched(i32([1, 7]), torch.tensor([1], dtype=torch.int32, device=DEVICE))
+    dev.check()
+    assert ints(offsets)[:2] == [0, 1] and ints(blocks)[1:] == [-1] * n
+    # Too many: nothing is allocated, every entry is -1, and so is a batch skipped by the sticky status.
+    blocks, _ = dev.allocate_batched(i32([2, 9]))
+    skipped, _ = dev.allocate_batched(i32([1]))
+    assert ints(blocks) == [-1] * (n + 1) and ints(skipped) == [-1] * (n + 1)
+    with pytest.raises(OutOfBlocksError):
+        dev.check()
+    # A pool wider than one tile: the tail loop covers several tiles.
+    big = BlockPool(5000, device=DEVICE)
+    blocks, _ = big.allocate_batched(i32([3]))
+    big.check()
+    got = ints(blocks)
+    assert got[:3] == [1, 2, 3] and got[3:] == [-1] * (5001 - 3)

@@ -1,4 +1,4 @@
-"""Bad input, faults and invariants (SPEC.md section 3), on both pools side by side.
+"""Bad input, faults and invariants (docs/semantics.md section 3), on both pools side by side.
 
 Every public op of :class:`gpupool.ReferenceBlockPool` and of the device :class:`gpupool.BlockPool`
 checks its input before changing anything. Here random sequences mix valid ops with invalid ones of
@@ -1022,7 +1022,7 @@ def step(p: Pair, c, fault_pct: int) -> None:
 # Hypothesis fuzz
 # =================================================================================================
 
-EXAMPLES = max(6, settings().max_examples // 2)  # "fast" profile: 25; "deep": 500
+EXAMPLES = max(3, settings().max_examples // 2)  # "dev" profile: 3; "ci": 25; "deep": 500
 # Shrinking re-runs whole interpreted op sequences (minutes); the failing example's op log is printed
 # either way (hypothesis notes). GPUPOOL_FAULTS_SHRINK=1 turns it back on.
 PHASES = tuple(Phase) if os.environ.get("GPUPOOL_FAULTS_SHRINK") else tuple(p for p in Phase if p != Phase.shrink)

@@ -12,7 +12,7 @@ from gpupool.errors import InvalidArgumentError
 from gpupool.graph import DecodeStep
 from gpupool.manager import KVCacheManager
 from gpupool.reference import ReferenceKVCacheManager
-from pool_helpers import h, pool_state
+from pool_helpers import h, pool_state, sized
 
 BS = 4
 
@@ -93,7 +93,7 @@ def test_eager_decode_step_equals_reference(groups):
         fill(step, decoding, ntok, finished)
         step.run()
 
-    drive(run, ref, step, steps=40, seed=5, dev_manager=dev_m)
+    drive(run, ref, step, steps=sized(40, 12), seed=5, dev_manager=dev_m)
 
 
 def test_decode_step_error_changes_nothing_and_is_raised_at_check():

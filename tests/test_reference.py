@@ -1,4 +1,4 @@
-"""Tests of the CPU reference pool (gpupool.reference.ReferenceBlockPool) against SPEC.md.
+"""Tests of the CPU reference pool (gpupool.reference.ReferenceBlockPool) against docs/semantics.md.
 
 Block size 16 throughout the scenarios; free queues are written head to tail.
 """
@@ -352,7 +352,7 @@ def test_reset_single_block_pool():
 
 
 # =================================================================================================
-# Issue 8: errors (SPEC.md section 3) leave the pool exactly as it was
+# Issue 8: errors (docs/semantics.md section 3) leave the pool exactly as it was
 # =================================================================================================
 
 def _busy_pool(**kw) -> ReferenceBlockPool:
@@ -460,7 +460,7 @@ ERROR_CASES = [
     ("full-hash-not-bytes", InvalidArgumentError, "cache_full_blocks",
      lambda p: p.cache_full_blocks([3], ["e0"], 0, 1, BS, 0)),
     # a non-null, unmasked block listed twice in one cache_full_blocks call: vLLM asserts; both pools
-    # reject the call (SPEC.md's per-i wording would read it as a promotion; see the report)
+    # reject the call (docs/semantics.md's per-i wording would read it as a promotion; see the report)
     ("full-block-listed-twice", InvalidArgumentError, "cache_full_blocks",
      lambda p: p.cache_full_blocks([3, 3], _h("z"), 0, 2, BS, 0)),
 ]
@@ -875,11 +875,11 @@ def test_helpers_request_hashes_and_digest():
 
 
 # =================================================================================================
-# Issue 9: property tests. An independent model written from SPEC.md section 2, checked op for op.
+# Issue 9: property tests. An independent model written from docs/semantics.md section 2, checked op for op.
 # =================================================================================================
 
 class SpecModel:
-    """SPEC.md section 2 as the simplest possible Python (lists, no links). Watchers are tags."""
+    """docs/semantics.md section 2 as the simplest possible Python (lists, no links). Watchers are tags."""
 
     def __init__(self, n: int, caching: bool, max_keys: int):
         self.n, self.caching, self.max_keys = n, caching, max_keys
@@ -981,7 +981,7 @@ class SpecModel:
             b = ids[i]
             if b == 0 or (mask is not None and not mask[i - nc]):
                 continue
-            # Not in SPEC.md's text (which would read a repeat as a promotion): the pools reject a
+            # Not in docs/semantics.md's text (which would read a repeat as a promotion): the pools reject a
             # non-null unmasked block listed twice, where vLLM asserts.
             if b in seen:
                 raise InvalidArgumentError("cache_full_blocks", "listed twice", b)

@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from gpupool import BlockPool, ReferenceBlockPool, cli
 from gpupool.replay import TraceRequest, load_trace, replay
 from gpupool.replay.device import replay_on_device
+from pool_helpers import sized
 
 FIELDS = ("requests", "admitted", "rejected", "prompt_blocks", "hit_blocks", "free_queue_sha256", "waited",
           "peak_blocks_in_use", "time_points")
@@ -47,7 +48,7 @@ def test_hand_made_trace_with_hits_waits_and_a_rejection():
     assert dev.pool == "BlockPool (device loop)" and dev.end_time_ms == ref.end_time_ms
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=sized(25, 5), deadline=None)
 @given(st.data())
 def test_random_traces_match_the_reference(data):
     n = data.draw(st.integers(4, 24), label="num_blocks")
@@ -114,6 +115,7 @@ def test_bad_arguments_and_pools_are_refused():
         replay_on_device(busy, trace)
 
 
+@pytest.mark.slow
 def test_cli_both_on_the_interpreter(tmp_path, capsys):
     out = tmp_path / "r.json"
     code = cli.main(["replay", "--pool", "both", "--limit", "200", "--json", str(out), "--no-progress"])

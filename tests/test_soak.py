@@ -1,4 +1,4 @@
-"""Long-run soak of the device pool against the reference pool (SPEC.md sections 1-3).
+"""Long-run soak of the device pool against the reference pool (docs/semantics.md sections 1-3).
 
 A seeded random run of thousands of ops, valid and invalid mixed (every fault kind of
 ``tests/test_faults.py``, single and batched, with the sticky status word), on small device pools
@@ -107,6 +107,7 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,n,mk,events", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_soak_against_reference(name, n, mk, events):
     p, peak = soak(n, mk, events=events, seed=SEED * 1000 + n, ops=SOAK_OPS)

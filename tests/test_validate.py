@@ -1,5 +1,5 @@
-"""``validate()`` of the device pool reports each kind of corruption (SPEC.md section 1 invariants,
-DESIGN-NOTES.md ring and key-table invariants); a healthy pool passes."""
+"""``validate()`` of the device pool reports each kind of corruption (docs/semantics.md section 1 invariants,
+docs/algorithms.md ring and key-table invariants); a healthy pool passes."""
 from __future__ import annotations
 
 import pytest

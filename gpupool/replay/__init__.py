@@ -4,9 +4,12 @@
 from .model import (
     DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS, DEFAULT_TPOT_MS, ReplayReport, free_queue_digest, replay,
 )
-from .trace import BUNDLED_TRACE, TraceRequest, bundled_trace_path, load_trace
+from .trace import (
+    BUNDLED_TRACE, TRACE_BLOCK_SIZE, Trace, TraceError, TraceRequest, bundled_trace_path, load_trace, read_trace,
+)
 
 __all__ = [
-    "DEFAULT_BLOCK_SIZE", "DEFAULT_NUM_BLOCKS", "DEFAULT_TPOT_MS", "BUNDLED_TRACE", "ReplayReport",
-    "TraceRequest", "bundled_trace_path", "free_queue_digest", "load_trace", "replay",
+    "DEFAULT_BLOCK_SIZE", "DEFAULT_NUM_BLOCKS", "DEFAULT_TPOT_MS", "BUNDLED_TRACE", "TRACE_BLOCK_SIZE", "ReplayReport",
+    "Trace", "TraceError", "TraceRequest", "bundled_trace_path", "free_queue_digest", "load_trace", "read_trace",
+    "replay",
 ]

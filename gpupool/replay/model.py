@@ -83,7 +83,7 @@ def free_queue_digest(free_queue: Iterable[int]) -> str:
 class ReplayReport:
     """What a replay measured. ``to_json_dict()`` gives the docs/semantics.md section 5 names (and the extras).
 
-    SPEC fields: ``requests``, ``admitted``, ``rejected``, ``prompt_blocks`` (sum of ``full`` over
+    Contract fields: ``requests``, ``admitted``, ``rejected``, ``prompt_blocks`` (sum of ``full`` over
     admitted requests), ``hit_blocks``, ``hit_ratio`` (hit / prompt blocks; 0 when there are none),
     ``free_queue_sha256``. Extras: ``pool`` (class name), ``num_blocks``, ``block_size``, ``tpot_ms``,
     ``wall_s`` and ``requests_per_s`` (replay time only, trace loading excluded), ``waited``

@@ -2,32 +2,77 @@
 
     {"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [id, ...]}
 
-``hash_ids`` holds one prefix-hash id per ``block_size``-token block of the prompt (the last one may
-cover a partial block); block ``i``'s hash is ``trace_block_hash(hash_ids[i])``, i.e.
+``hash_ids`` holds one prefix-hash id per ``trace_block_size``-token block of the prompt (512 for
+Mooncake's traces; the last id may cover a partial block), so a well-formed line has exactly
+``ceil(input_length / trace_block_size)`` ids. Ids are integers or strings (other public traces use
+ids such as ``"conv_17:3"``); block ``i``'s hash is ``trace_block_hash(hash_ids[i])``, i.e.
 ``sha256(str(id).encode()).digest()``, in group 0. The bundled trace (12,031 requests of a chat
 service, released with the Mooncake paper; see ``gpupool/data/mooncake/README.md``) has ids per
 512-token block.
+
+:func:`read_trace` checks every line and returns a :class:`Trace` that says what it had to fix
+(lines out of time order, which it sorts; ``hash_ids`` of the wrong length, which it accepts only
+when ``lenient``); :func:`load_trace` returns just the requests.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from os import PathLike
 from pathlib import Path
 
 BUNDLED_TRACE = "data/mooncake/conversation_trace.jsonl"  # package data of gpupool
+TRACE_BLOCK_SIZE = 512  # tokens per hash id in Mooncake's traces
+
+
+class TraceError(ValueError):
+    """A trace that cannot be replayed: a malformed line (the message names the file, the line and the
+    field), or no request at all."""
 
 
 @dataclass(frozen=True)
 class TraceRequest:
-    """One trace line: arrival ``timestamp`` (ms), prompt and output token counts, prefix-hash ids."""
+    """One trace line: arrival ``timestamp`` (ms), prompt and output token counts, prefix-hash ids
+    (ints or strs)."""
 
     timestamp: float
     input_length: int
     output_length: int
-    hash_ids: tuple[int, ...]
+    hash_ids: tuple[int | str, ...]
+
+
+@dataclass
+class Trace:
+    """A checked trace. ``requests`` in time order (stable: ties keep file order), at most ``limit``.
+
+    ``name``: the file (or the bundled trace's name); ``lines``: requests in the file;
+    ``out_of_order``: lines whose timestamp is below the previous line's (the file was sorted when 0);
+    ``short_hash_ids`` / ``long_hash_ids``: lines with fewer / more ids than
+    ``ceil(input_length / block_size)``, accepted only with ``lenient`` (long lists are cut, short ones
+    kept: blocks without an id are not cached); ``block_size``: the trace's tokens per id.
+    """
+
+    requests: list[TraceRequest]
+    name: str
+    block_size: int = TRACE_BLOCK_SIZE
+    lines: int = 0
+    out_of_order: int = 0
+    short_hash_ids: int = 0
+    long_hash_ids: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def clamped(self) -> int:
+        """Lines whose ``hash_ids`` did not match the prompt (lenient mode only)."""
+        return self.short_hash_ids + self.long_hash_ids
+
+    def summary(self) -> dict:
+        """What the checks found, for a JSON report."""
+        return {"name": self.name, "lines": self.lines, "trace_block_size": self.block_size,
+                "reordered_by_timestamp": self.out_of_order > 0, "out_of_order": self.out_of_order,
+                "clamped_short_hash_ids": self.short_hash_ids, "clamped_long_hash_ids": self.long_hash_ids}
 
 
 def bundled_trace_path():
@@ -39,51 +84,98 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _parse_line(text: str, where: str) -> TraceRequest:
+def _parse_line(text: str, where: str, block_size: int, lenient: bool, counts: list[int]) -> TraceRequest:
+    """One line as a TraceRequest; ``counts`` = [short, long] hash-id lists seen (lenient)."""
     try:
         row = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+        raise TraceError(f"{where}: not valid JSON ({e.msg})") from None
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        raise TraceError(f"{where}: expected a JSON object, got {type(row).__name__}")
     missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in row]
     if missing:
-        raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
+        raise TraceError(f"{where}: missing field(s) {', '.join(missing)}")
     ts, inp, out, ids = row["timestamp"], row["input_length"], row["output_length"], row["hash_ids"]
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
-        raise ValueError(f"{where}: timestamp must be a finite number >= 0, got {ts!r}")
+        raise TraceError(f"{where}: field timestamp must be a finite number >= 0, got {ts!r}")
     if not _is_int(inp) or inp < 1:
-        raise ValueError(f"{where}: input_length must be an integer >= 1, got {inp!r}")
+        raise TraceError(f"{where}: field input_length must be an integer >= 1, got {inp!r}")
     if not _is_int(out) or out < 0:
-        raise ValueError(f"{where}: output_length must be an integer >= 0, got {out!r}")
-    if not isinstance(ids, list) or not all(_is_int(h) for h in ids):
-        raise ValueError(f"{where}: hash_ids must be a list of integers")
+        raise TraceError(f"{where}: field output_length must be an integer >= 0, got {out!r}")
+    if not isinstance(ids, list):
+        raise TraceError(f"{where}: field hash_ids must be a list of integers or strings, got {type(ids).__name__}")
+    for k, h in enumerate(ids):
+        if not (_is_int(h) or isinstance(h, str)):
+            raise TraceError(f"{where}: field hash_ids[{k}] must be an integer or a string, got {h!r}")
+    expect = -(-inp // block_size)
+    if len(ids) != expect:
+        if not lenient:
+            what = "empty" if not ids else f"{len(ids)} ids"
+            raise TraceError(f"{where}: field hash_ids has {what} but input_length {inp} needs {expect} "
+                             f"(one per {block_size}-token block); pass --trace-block-size if the trace's "
+                             f"blocks are not {block_size} tokens, or --lenient to accept it")
+        if len(ids) < expect:
+            counts[0] += 1
+        else:
+            counts[1] += 1
+            ids = ids[:expect]
     return TraceRequest(ts, inp, out, tuple(ids))
 
 
-def load_trace(path: str | PathLike | None = None, limit: int | None = None) -> list[TraceRequest]:
-    """Read a Mooncake-format JSON-lines trace (default: the bundled conversation trace).
+def read_trace(path: str | PathLike | None = None, *, limit: int | None = None,
+               block_size: int = TRACE_BLOCK_SIZE, lenient: bool = False) -> Trace:
+    """Read and check a Mooncake-format JSON-lines trace (default: the bundled conversation trace).
 
-    Blank lines are skipped; ``limit`` keeps the first ``limit`` requests (in file order).
-    Raises ValueError naming the file and line for a malformed line (bad JSON, a missing field, a
-    negative or non-integer length, non-integer hash ids), FileNotFoundError for a missing file.
+    Every line is checked (docs/semantics.md section 5): a JSON object with a finite ``timestamp >= 0``,
+    an integer ``input_length >= 1``, an integer ``output_length >= 0`` and ``hash_ids``, a list of
+    integers or strings with ``ceil(input_length / block_size)`` entries (with ``lenient``, a longer
+    list is cut and a shorter one kept, and both are counted). Blank lines are skipped. Requests are
+    sorted by timestamp (stable) and then cut to the first ``limit``.
+    Raises TraceError (a ValueError) naming the file, line and field of the first bad line, or for a
+    trace without any request; ValueError for a bad ``limit`` or ``block_size``; FileNotFoundError,
+    OSError or UnicodeDecodeError when the file cannot be read.
     """
     if limit is not None and (not _is_int(limit) or limit < 0):
         raise ValueError(f"limit must be an integer >= 0, got {limit!r}")
+    if not _is_int(block_size) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     if path is None:
         source, name = bundled_trace_path(), "bundled trace " + BUNDLED_TRACE
     else:
         source, name = Path(path), str(path)
-    out: list[TraceRequest] = []
-    if limit == 0:
-        return out
+        if source.is_dir():
+            raise TraceError(f"{name} is a directory, not a trace file")
+    reqs: list[TraceRequest] = []
+    counts = [0, 0]
+    out_of_order = 0
     with source.open("r", encoding="utf-8") as f:
         for lineno, text in enumerate(f, 1):
             if not text.strip():
                 continue
-            out.append(_parse_line(text, f"{name}, line {lineno}"))
-            if limit is not None and len(out) >= limit:
-                break
-    return out
+            r = _parse_line(text, f"{name}, line {lineno}", block_size, lenient, counts)
+            if reqs and r.timestamp < reqs[-1].timestamp:
+                out_of_order += 1
+            reqs.append(r)
+    if not reqs:
+        raise TraceError(f"{name}: no requests (the file is empty or blank)")
+    lines = len(reqs)
+    if out_of_order:
+        reqs.sort(key=lambda r: r.timestamp)  # stable: ties keep file order, as the replay's own order
+    if limit is not None:
+        reqs = reqs[:limit]
+    t = Trace(reqs, name, block_size, lines, out_of_order, counts[0], counts[1])
+    if out_of_order:
+        t.notes.append(f"{out_of_order:,} lines were out of timestamp order: sorted by timestamp (ties in file order)")
+    if t.clamped:
+        t.notes.append(f"--lenient: {t.clamped:,} of {lines:,} lines had hash_ids of the wrong length "
+                       f"({counts[0]:,} short: their last blocks are not cached; {counts[1]:,} long: cut)")
+    return t
 
 
+def load_trace(path: str | PathLike | None = None, limit: int | None = None, *,
+               block_size: int = TRACE_BLOCK_SIZE, lenient: bool = False) -> list[TraceRequest]:
+    """The requests of :func:`read_trace` (same checks and errors), in time order; ``limit=0`` gives []
+    without reading the file."""
+    if limit == 0:
+        return []
+    return read_trace(path, limit=limit, block_size=block_size, lenient=lenient).requests
