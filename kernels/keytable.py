@@ -134,12 +134,12 @@ def drop_keys(ps, pc: tl.constexpr, b, active, ev_pos):
     for j in tl.static_range(pc.MK):
         has = active & (j < nk)
         e = b.to(tl.int64) * pc.MK + j
-        hi = tl.load(ps.keys + e * KW + K_HI, mask=has, other=0)
         lo = tl.load(ps.keys + e * KW + K_LO, mask=has, other=0)
         grp = tl.load(ps.keys + e * KW + K_GROUP, mask=has, other=0)
         slot = tl.load(ps.keys + e * KW + K_SLOT, mask=has, other=0)
         table_delete(ps.table, ps.overflow, lo, grp, slot, has, pc.NCHUNK)
-        if pc.EVENTS:
+        if pc.EVENTS:  # only an event row needs the key's high word
+            hi = tl.load(ps.keys + e * KW + K_HI, mask=has, other=0)
             write_removed(ps.ev, ev_pos + before + j, b, hi, lo, grp, has)
     tl.store(ps.num_keys + b, tl.zeros_like(nk), mask=active & (nk > 0))
     tl.store(ps.hash_ntok + b, tl.full(nk.shape, -1, tl.int32), mask=active & (nk > 0))
