@@ -79,21 +79,47 @@ def pop_and_claim(ps, pc: tl.constexpr, head, tail, out, base, total):
 
 
 @triton.jit
+def demand_sum(num_demands, cap, demands, BLOCK: tl.constexpr):
+    """Sum of the non-negative demands among the first ``num_demands[0]`` (0 for a bad count)."""
+    offs = tl.arange(0, BLOCK)
+    nd, _ = checked_count(num_demands, cap)
+    total = tl.zeros([], tl.int64)
+    i = 0
+    while i < nd:
+        d = tl.load(demands + i + offs, mask=(i + offs) < nd, other=0)
+        total += tl.sum(tl.maximum(d, 0).to(tl.int64), axis=0)
+        i += BLOCK
+    return total
+
+
+@triton.jit
+def fill_minus_one(out, lo, hi, start, FILL: tl.constexpr):
+    """``out[i] = -1`` for ``i`` in ``[start, start + FILL)`` and in ``[lo, hi)``."""
+    idx = start + tl.arange(0, FILL)
+    tl.store(out + idx, tl.full([FILL], -1, tl.int32), mask=(idx >= lo) & (idx < hi))
+
+
+@triton.jit
 def alloc_kernel(ps, pc: tl.constexpr, demands, num_demands, cap, out_blocks, out_offsets, OP: tl.constexpr,
-                 FILL_TAIL: tl.constexpr):
+                 FILL: tl.constexpr):
     """Batched ``get_new_blocks``.
 
     Reads the first ``num_demands[0]`` (at most ``cap``; else E_INVALID_ARG) of ``demands: int32[cap]``
-    (blocks per demand, in batch order). Writes ``out_offsets: int32[num_demands + 1]`` (demand k's
-    blocks are ``out_blocks[off[k]:off[k+1]]``) and ``out_blocks: int32[N + 1]``; with ``FILL_TAIL``
-    every entry of ``out_blocks`` past the last offset is -1 (all of it when the op does nothing). On
-    success also the ring head, num_free, ref counts, evicted keys, events and the reuse log. All or
-    nothing: a negative demand (E_INVALID_COUNT), a running sum above num_free (E_OUT_OF_BLOCKS, the
-    first demand that fails, as the sequence of calls) or events that would not fit (E_BUFFER_FULL)
-    set the status word instead.
+    (blocks per demand, in batch order). Program 0 writes ``out_offsets: int32[num_demands + 1]``
+    (demand k's blocks are ``out_blocks[off[k]:off[k+1]]``) and the blocks; on success also the ring
+    head, num_free, ref counts, evicted keys, events and the reuse log. All or nothing: a negative
+    demand (E_INVALID_COUNT), a running sum above num_free (E_OUT_OF_BLOCKS, the first demand that
+    fails, as the sequence of calls) or events that would not fit (E_BUFFER_FULL) set the status word
+    instead. With ``FILL > 0`` every entry of ``out_blocks: int32[N + 1]`` past the last offset is -1
+    (all of it when the op does nothing): programs 1.. fill ``FILL`` entries each past the demands'
+    sum, in parallel with program 0, which fills the rest itself when the op fails.
     """
-    used = tl.zeros([], tl.int64)  # out_blocks entries written with block ids
-    if status_clear(ps.status):
+    pid = tl.program_id(0)
+    if pid > 0:
+        if FILL > 0:
+            used = tl.where(status_clear(ps.status), demand_sum(num_demands, cap, demands, 1024), 0)
+            fill_minus_one(out_blocks, used, pc.N + 1, (pid - 1).to(tl.int64) * FILL, FILL)
+    elif status_clear(ps.status):
         offs = tl.arange(0, pc.BLOCK)
         nd, nd_ok = checked_count(num_demands, cap)
         free = tl.load(ps.ctrl + NUM_FREE)
@@ -132,27 +158,30 @@ def alloc_kernel(ps, pc: tl.constexpr, demands, num_demands, cap, out_blocks, ou
                 tl.store(ps.ctrl + REUSE_COUNT, reuse_pos)
                 tl.store(ps.ctrl + HEAD, new_head)
                 tl.store(ps.ctrl + NUM_FREE, free - total)
-                used = total
         if err != 0:
             set_status(ps.status, err, OP, err_val)
-    if FILL_TAIL:  # here, not a torch fill: no extra launch, and the tail starts where the pop ended
-        offs = tl.arange(0, pc.BLOCK)
-        i = used
-        while i < pc.N + 1:
-            tl.store(out_blocks + i + offs, tl.full([pc.BLOCK], -1, tl.int32), mask=(i + offs) < pc.N + 1)
-            i += pc.BLOCK
+            if FILL > 0:  # the other programs filled from the demands' sum on
+                i = 0
+                while i < tl.minimum(total, pc.N + 1):
+                    fill_minus_one(out_blocks, 0, tl.minimum(total, pc.N + 1), i, pc.BLOCK)
+                    i += pc.BLOCK
+
+
+FILL_PER_PROGRAM = 1024
 
 
 def launch_alloc(ps, pc, demands, num_demands, *, op: int, max_total: int | None = None, fill_tail: bool = True):
-    """Launch ``alloc_kernel`` (one program). ``demands: int32[B]``, ``num_demands: int32[1]``.
-    ``max_total``: an upper bound of the demands' sum when the host knows it (sizes the tiles).
-    ``fill_tail``: write -1 past the last offset of ``blocks`` (off for callers that slice it).
-    Returns ``(blocks: int32[N + 1], offsets: int32[B + 1])``."""
+    """Launch ``alloc_kernel``: one program, plus ``ceil((N + 1) / FILL_PER_PROGRAM)`` that fill the
+    unused tail of ``blocks`` with -1 when ``fill_tail`` (off for callers that slice it).
+    ``demands: int32[B]``, ``num_demands: int32[1]``. ``max_total``: an upper bound of the demands'
+    sum when the host knows it (sizes the tiles). Returns ``(blocks: int32[N + 1], offsets: int32[B + 1])``."""
     import torch
 
     offsets = torch.empty(demands.numel() + 1, dtype=torch.int32, device=demands.device)
     out = torch.empty(pc.N + 1, dtype=torch.int32, device=demands.device)
+    fill = FILL_PER_PROGRAM if fill_tail else 0
+    grid = 1 + (triton.cdiv(pc.N + 1, fill) if fill else 0)
     pc = batch_config(pc, pc.N if max_total is None else max_total)  # tiles as wide as the blocks it may pop
-    alloc_kernel[(1,)](ps, pc, demands, num_demands, demands.numel(), out, offsets, OP=op,
-                       FILL_TAIL=fill_tail, num_warps=warps_for(pc.BLOCK))
+    alloc_kernel[(grid,)](ps, pc, demands, num_demands, demands.numel(), out, offsets, OP=op, FILL=fill,
+                          num_warps=warps_for(pc.BLOCK))
     return out, offsets

@@ -1166,7 +1166,11 @@ def test_allocate_batched_fills_the_unused_tail_with_minus_one():
     assert ints(blocks) == [-1] * (n + 1) and ints(skipped) == [-1] * (n + 1)
     with pytest.raises(OutOfBlocksError):
         dev.check()
-    # A pool wider than one tile: the tail loop covers several tiles.
+    blocks, _ = dev.allocate_batched(i32([2, -1]))  # a negative demand: nothing popped, all -1
+    assert ints(blocks) == [-1] * (n + 1)
+    with pytest.raises(InvalidCountError):
+        dev.check()
+    # A pool wider than one tile: the fill programs cover several tiles.
     big = BlockPool(5000, device=DEVICE)
     blocks, _ = big.allocate_batched(i32([3]))
     big.check()
