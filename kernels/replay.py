@@ -36,7 +36,8 @@ from .release import free_checked, touch_checked
 
 
 class LoopWord(IntEnum):
-    """Slots of ``LoopState.words: int64[NUM_LOOP_WORDS]``."""
+    """Slots of ``LoopState.words: int64[NUM_LOOP_WORDS]``: the loop's position, then the report's
+    counters (slots COUNTERS.., one vector in the kernel)."""
 
     NUM_REQUESTS = 0  # R, set by the host
     NEXT_ARRIVAL = 1  # arrivals [0, NEXT_ARRIVAL) have joined the line
@@ -44,16 +45,18 @@ class LoopWord(IntEnum):
     RUNNING = 3  # entries in the heap
     DONE = 4  # 1 when no event is left
     TIME_POINTS = 5  # distinct event times processed
-    ADMITTED = 6
-    REJECTED = 7
-    PROMPT_BLOCKS = 8
-    HIT_BLOCKS = 9
-    WAITED = 10
-    PEAK_IN_USE = 11
-    COMPLETED = 12
+    ADMITTED = 8
+    REJECTED = 9
+    PROMPT_BLOCKS = 10
+    HIT_BLOCKS = 11
+    WAITED = 12
+    PEAK_IN_USE = 13
+    COMPLETED = 14
 
 
 NUM_LOOP_WORDS = 16
+COUNTERS = tl.constexpr(8)  # words[COUNTERS:COUNTERS + NUM_COUNTERS] are the counters
+NUM_COUNTERS = tl.constexpr(8)
 W_NUM_REQUESTS = tl.constexpr(LoopWord.NUM_REQUESTS)
 W_NEXT_ARRIVAL = tl.constexpr(LoopWord.NEXT_ARRIVAL)
 W_LINE_HEAD = tl.constexpr(LoopWord.LINE_HEAD)
@@ -178,14 +181,9 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
         lh = tl.load(lp.words + W_LINE_HEAD)
         running = tl.load(lp.words + W_RUNNING)
         points = tl.load(lp.words + W_TIME_POINTS)
-        admitted = tl.load(lp.words + W_ADMITTED)
-        rejected = tl.load(lp.words + W_REJECTED)
-        prompt = tl.load(lp.words + W_PROMPT_BLOCKS)
-        hit_blocks = tl.load(lp.words + W_HIT_BLOCKS)
-        waited = tl.load(lp.words + W_WAITED)
-        peak = tl.load(lp.words + W_PEAK_IN_USE)
-        completed = tl.load(lp.words + W_COMPLETED)
         done = tl.load(lp.words + W_DONE)
+        slot = COUNTERS + tl.arange(0, NUM_COUNTERS)
+        counts = tl.load(lp.words + slot)  # the report's counters, one vector
         now = tl.load(lp.now)
         head = tl.load(ps.ctrl + HEAD)
         tail = tl.load(ps.ctrl + TAIL)
@@ -203,7 +201,7 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
                 head, tail, released = free_checked(ps, pc, lp.blocks + tl.load(tr.blk_off + r),
                                                     tl.load(tr.total + r), lp.pf, head, tail)
                 num_free += released
-                completed += 1
+                counts += (slot == W_COMPLETED).to(tl.int64)
                 admit = tl.full([], 1, tl.int1)
             elif at <= now:  # an arrival joins the line
                 admit = lh == nxt  # a non-empty line is blocked at its head: an arrival changes nothing
@@ -229,7 +227,7 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
                 finish = now + tl.load(tr.dur + lh)
                 late = now > tl.load(tr.ts + lh)
                 if total > pc.N - 1:
-                    rejected += 1
+                    counts += (slot == W_REJECTED).to(tl.int64)
                     lh += 1
                 else:
                     hits, zero_ref = find_longest_cache_hit(ps, pc, tr.chain_hi + base, tr.chain_lo + base, 0, 1,
@@ -253,11 +251,10 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
                         tl.debug_barrier()
                         running = heap_push(lp.heap_t, lp.heap_r, running, finish, lh.to(tl.int32))
                         ct = tl.minimum(ct, finish)
-                        admitted += 1
-                        waited += late.to(tl.int64)
-                        prompt += full
-                        hit_blocks += hits
-                        peak = tl.maximum(peak, pc.N - 1 - num_free)
+                        counts += (tl.where(slot == W_ADMITTED, 1, 0) + tl.where(slot == W_WAITED, late, 0)
+                                   + tl.where(slot == W_PROMPT_BLOCKS, full, 0)
+                                   + tl.where(slot == W_HIT_BLOCKS, hits, 0)).to(tl.int64)
+                        counts = tl.where(slot == W_PEAK_IN_USE, tl.maximum(counts, pc.N - 1 - num_free), counts)
                         lh += 1
         tl.store(ps.ctrl + HEAD, head)
         tl.store(ps.ctrl + TAIL, tail)
@@ -268,14 +265,7 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
         tl.store(lp.words + W_RUNNING, running)
         tl.store(lp.words + W_DONE, done)
         tl.store(lp.words + W_TIME_POINTS, points)
-        tl.store(lp.words + W_ADMITTED, admitted)
-        tl.store(lp.words + W_REJECTED, rejected)
-        tl.store(lp.words + W_PROMPT_BLOCKS, prompt)
-        tl.store(lp.words + W_HIT_BLOCKS, hit_blocks)
-        tl.store(lp.words + W_WAITED, waited)
-        tl.store(lp.words + W_PEAK_IN_USE, peak)
-        tl.store(lp.words + W_COMPLETED, completed)
-
+        tl.store(lp.words + slot, counts)
 
 def launch_replay_loop(ps, pc, tr: TraceTensors, lp: LoopState, group_ids, block_size: int, max_points: int):
     """Launch ``replay_loop_kernel`` (one program) for at most ``max_points`` time points."""
