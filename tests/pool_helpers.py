@@ -215,3 +215,31 @@ def assert_lookups_agree(ref, dev, hashes, where: str = "") -> None:
         r = ref.get_cached_block(hh, [g])
         want.append(-1 if r is None else r[0])
     assert got == want, f"lookups differ: device {got} != reference {want}; {where}"
+
+
+def call_both(ref_fn: Callable, dev_fn: Callable, dev_check: Callable | None = None):
+    """Run the reference op, then the device op (and ``dev_check``, e.g. the status word's ``check()``),
+    each catching a PoolError. Returns (reference value, reference error, device value, device error)."""
+    r_val = r_err = d_val = d_err = None
+    try:
+        r_val = ref_fn()
+    except PoolError as e:
+        r_err = e
+    try:
+        d_val = dev_fn()
+        if dev_check is not None:
+            dev_check()
+    except PoolError as e:
+        d_err = e
+    return r_val, r_err, d_val, d_err
+
+
+def assert_pools_agree(ref, dev, fired: dict, where: str) -> None:
+    """Both pools' observable state (``pool_state``), drained events and watcher firings are equal."""
+    rs, ds = pool_state(ref), pool_state(dev)
+    for k in rs:
+        assert ds[k] == rs[k], f"{k} differs: device {ds[k]} != reference {rs[k]}; {where}"
+    rev, dev_ev = ref.take_events(), dev.take_events()
+    assert dev_ev == rev, f"events differ: device {dev_ev} != reference {rev}; {where}"
+    assert fired["dev"] == fired["ref"], (
+        f"watcher firings differ: device {fired['dev']} != reference {fired['ref']}; {where}")

@@ -46,7 +46,9 @@ from gpupool.errors import (  # noqa: E402
 )
 from gpupool.keys import device_key  # noqa: E402
 
-from pool_helpers import ints, pool_state, reuse_callbacks, assert_lookups_agree, sized  # noqa: E402
+from pool_helpers import (  # noqa: E402
+    assert_lookups_agree, assert_pools_agree, call_both, ints, pool_state, reuse_callbacks, sized,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CTRL_HEAD, CTRL_TAIL, CTRL_COMPACTIONS = Ctrl.HEAD, Ctrl.TAIL, Ctrl.COMPACTIONS
@@ -175,13 +177,7 @@ class Pair:
 
     def compare(self) -> None:
         ref, dev = self.ref, self.dev
-        rs, ds = pool_state(ref), pool_state(dev)
-        for k in rs:
-            assert ds[k] == rs[k], f"{k} differs: device {ds[k]} != reference {rs[k]}; {self.where()}"
-        rev, dev_ev = ref.take_events(), dev.take_events()
-        assert dev_ev == rev, f"events differ: device {dev_ev} != reference {rev}; {self.where()}"
-        assert self.fired["dev"] == self.fired["ref"], (
-            f"watcher firings differ: device {self.fired['dev']} != reference {self.fired['ref']}; {self.where()}")
+        assert_pools_agree(ref, dev, self.fired, self.where())
         ref.validate()
         host_check_layout(dev)
         self.compares += 1
@@ -200,16 +196,7 @@ class Pair:
         (normalised) values; then the whole state is compared. Returns the reference's result."""
         self.ops.append(desc)
         note(desc)
-        r_err = d_err = None
-        r_val = d_val = None
-        try:
-            r_val = ref_fn()
-        except PoolError as e:
-            r_err = e
-        try:
-            d_val = dev_fn()
-        except PoolError as e:
-            d_err = e
+        r_val, r_err, d_val, d_err = call_both(ref_fn, dev_fn)
         assert type(d_err) is type(r_err), (
             f"{desc}: device raised {d_err!r}, reference {r_err!r}; {self.where()}")
         event(desc, r_err)

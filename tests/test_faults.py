@@ -66,7 +66,7 @@ from gpupool.errors import (  # noqa: E402
 )
 from gpupool.keys import device_key  # noqa: E402
 
-from pool_helpers import h, ints, pool_state, reuse_callbacks, assert_lookups_agree  # noqa: E402
+from pool_helpers import assert_lookups_agree, assert_pools_agree, h, ints, pool_state, reuse_callbacks  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CTRL_COMPACTIONS = Ctrl.COMPACTIONS
@@ -229,13 +229,7 @@ class Pair:
         """Observable state, events and watcher firings equal; with ``full`` also ``validate()`` of
         both, usage and a lookup of every hash used so far in groups 0 and 1."""
         ref, dev = self.ref, self.dev
-        rs, ds = pool_state(ref), pool_state(dev)
-        for k in rs:
-            assert ds[k] == rs[k], f"{k} differs: device {ds[k]} != reference {rs[k]}; {self.where()}"
-        rev, dev_ev = ref.take_events(), dev.take_events()
-        assert dev_ev == rev, f"events differ: device {dev_ev} != reference {rev}; {self.where()}"
-        assert self.fired["dev"] == self.fired["ref"], (
-            f"watcher firings differ: device {self.fired['dev']} != reference {self.fired['ref']}; {self.where()}")
+        assert_pools_agree(ref, dev, self.fired, self.where())
         if not full:
             return
         ref.validate()

@@ -51,11 +51,11 @@ from hypothesis.control import currently_in_test_context  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from gpupool.errors import (  # noqa: E402
-    InvalidArgumentError, InvalidCountError, PoolError,
+    InvalidArgumentError, InvalidCountError,
 )
 from gpupool.manager import KVCacheManager  # noqa: E402
 from gpupool.reference import ReferenceKVCacheManager  # noqa: E402
-from pool_helpers import ints, pool_state  # noqa: E402
+from pool_helpers import call_both, ints, pool_state  # noqa: E402
 
 
 # =================================================================================================
@@ -179,16 +179,7 @@ class Pair:
         self.ops.append(desc)
         note(desc)
         before_ref, before_dev = manager_state(self.ref), manager_state(self.dev)
-        r_err = d_err = r_val = d_val = None
-        try:
-            r_val = ref_fn()
-        except PoolError as e:
-            r_err = e
-        try:
-            d_val = dev_fn()
-            self.dev.pool.check()
-        except PoolError as e:
-            d_err = e
+        r_val, r_err, d_val, d_err = call_both(ref_fn, dev_fn, self.dev.pool.check)
         assert type(d_err) is type(r_err), f"{desc}: device raised {d_err!r}, reference {r_err!r}; {self.where()}"
         event(desc, r_err, r_val)
         if r_err is not None:
