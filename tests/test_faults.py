@@ -636,13 +636,18 @@ def f_ids_dtype(p, c):
                   (lambda pool: call(pool, cr)) if ref_rejects else None, lambda pool: call(pool, cd))
 
 
-def f_touch_bad_id(p, c):
-    ids = [c.int(0, p.n - 1, "t_id") for _ in range(c.int(0, 3, "t_len"))]
+def bad_id_in_list(p, c, method: str, label: str):
+    """``method(ids)`` with one bad id among valid ones fails with InvalidBlockIdError on both pools."""
+    ids = [c.int(0, p.n - 1, label) for _ in range(c.int(0, 3, f"{label}_len"))]
     x = bad_id(p, c)
     ids = insert(c, ids, x)
     a, b = ids_args(c, ids)
-    p.expect_fail(f"touch({ids})", "touch", InvalidBlockIdError, lambda pool: pool.touch(a),
-                  lambda pool: pool.touch(b), x)
+    p.expect_fail(f"{method}({ids})", method, InvalidBlockIdError, lambda pool: getattr(pool, method)(a),
+                  lambda pool: getattr(pool, method)(b), x)
+
+
+def f_touch_bad_id(p, c):
+    bad_id_in_list(p, c, "touch", "t_id")
 
 
 def f_unpin_null(p, c):
@@ -863,12 +868,7 @@ def f_move(p, c):
 
 
 def f_evict_bad(p, c):
-    ids = [c.int(0, p.n - 1, "ev") for _ in range(c.int(0, 3, "ev_len"))]
-    x = bad_id(p, c)
-    ids = insert(c, ids, x)
-    a, b = ids_args(c, ids)
-    p.expect_fail(f"evict_blocks({ids})", "evict_blocks", InvalidBlockIdError, lambda pool: pool.evict_blocks(a),
-                  lambda pool: pool.evict_blocks(b), x)
+    bad_id_in_list(p, c, "evict_blocks", "ev")
 
 
 def f_queries(p, c):
