@@ -511,8 +511,8 @@ class KVCacheManager:
         self.pool.validate()
         s = self.state
         n = torch.where(s.active != 0, s.num_blocks, 0)
-        in_row = torch.arange(self.max_blocks_per_req, device=self.device)[None, None, :] < n[None, :, None]
-        held = s.block_table[in_row].long()
+        in_row = torch.arange(self.max_blocks_per_req, device=self.device)[None, :] < n[:, None]  # [R, M]
+        held = s.block_table[:, in_row].reshape(-1).long()  # every group's rows
         held = torch.cat([held, s.copy_release[: self._pending()].long()])
         expect = torch.bincount(held, minlength=self.pool.num_blocks)
         expect[NULL_BLOCK] = 0

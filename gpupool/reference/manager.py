@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..args import NULL_BLOCK, ManagerShape, as_hash_bytes_list, as_id_list, as_int
-from ..errors import InvalidArgumentError, InvalidCountError, OutOfBlocksError
+from ..errors import InvalidArgumentError, InvalidCountError, InvariantError, OutOfBlocksError
 from ..locking import Locked, locked
 from .pool import ReferenceBlockPool
 
@@ -236,6 +236,26 @@ class ReferenceKVCacheManager(Locked):
     @locked
     def block_table(self, group: int = 0) -> list[list[int]]:
         return [list(row) for row in self.tables[group]]
+
+    @locked
+    def validate(self) -> None:
+        """The pool's invariants, then the manager's: every block's ref count equals its references
+        from the active requests' block tables plus the pending copies' held blocks (so a leaked
+        reference shows), when only the manager takes references. Raises InvariantError."""
+        self.pool.validate()
+        expect = [0] * self.pool.num_blocks
+        for table in self.tables:
+            for r, row in enumerate(table):
+                if row and not self.active[r]:
+                    raise InvariantError("validate", f"free slot {r} still holds blocks", r)
+                for b in row:
+                    expect[b] += 1
+        for c in self.pending_copies:
+            expect[c[2]] += 1
+        for b in range(1, self.pool.num_blocks):
+            if self.pool.ref_cnt[b] != expect[b]:
+                raise InvariantError("validate", f"block {b} has ref_cnt {self.pool.ref_cnt[b]} but {expect[b]} "
+                                                 "references from block tables and pending copies", b)
 
     # ---- copy-on-write ----------------------------------------------------------------------
     @locked
