@@ -127,6 +127,36 @@ def test_decode_step_bad_input_changes_nothing(field, values):
     m.validate()
 
 
+@pytest.mark.parametrize("finished,slots,ntok", [
+    ([1], [0], [0]),  # token count 0: the new token's position would be -1 (after the free and allocation)
+    ([1], [4], [6]),  # a bad running slot after a valid finished one
+    ([0], [0], [6]),  # a slot both finished and running
+    ([1, 1], [0], [6]),  # finished twice
+    ([1], [0], [10**6]),
+], ids=["ntok0", "bad-slot", "finished-and-running", "finished-twice", "too-many-tokens"])
+def test_decode_step_is_all_or_nothing(finished, slots, ntok):
+    """A step whose free would succeed but whose allocation or slot mapping would fail changes nothing
+    (its inputs are checked before any op)."""
+    m = make(groups=("full", SW))
+    for r in (0, 1):
+        m.add_request(r, [h(r)])
+    m.allocate_slots([0, 1], [5, 5], [5, 5], [1, 1])
+    m.pool.check()
+    step = DecodeStep(m, max_batch=2)
+    fill(step, slots, ntok, finished)
+    before, raw = mstate(m), raw_state(m.pool, m)
+    step.run()
+    assert same_raw_state(raw, raw_state(m.pool, m)) == []
+    with pytest.raises(PoolError):
+        m.pool.check()
+    assert mstate(m) == before
+    fill(step, [0], [6], [1])
+    step.run()
+    m.pool.check()
+    assert step.admitted[0].item() == 1
+    m.validate()
+
+
 @pytest.mark.parametrize("slot,pos", [(4, 0), (-1, 0), (2**31 - 1, 0), (0, -1), (0, 8), (0, 2**31 - 1), (1, 0)])
 def test_slot_mapping_bad_slot_or_position_is_a_pool_error(slot, pos):
     m = make()
