@@ -195,7 +195,10 @@ class BlockPool:
         kernel then takes its length: no glue kernel, no H2D copy)."""
         if count is None:
             return None
-        return self._device_i32(op, count, "the count")[:1]
+        c = self._device_i32(op, count, "the count")
+        if c.numel() < 1:
+            raise InvalidArgumentError(op, "the count tensor is empty (it needs one int32 entry)")
+        return c[:1]
 
     # ---- docs/semantics.md section 2: single ops ----------------------------------------------------
     @locked

@@ -317,3 +317,18 @@ def test_distinct_keys_soak_host_memory_flat(monkeypatch):
     assert settled[-1][2] - min(s[2] for s in settled) <= 4 * floor + 200, samples  # live objects
     assert settled[-1][3] - min(s[3] for s in settled) < 64 * 2**20, samples  # resident set (loose)
     assert_consistent(p)
+
+
+def test_empty_count_tensors_are_refused():
+    """A device count must have its one entry (the kernel reads ``count[0]``)."""
+    p = BlockPool(8)
+    empty = torch.zeros(0, dtype=torch.int32)
+    before = pool_state(p)
+    for fn in (lambda: p.allocate_batched(i32([1]), empty), lambda: p.free_batched(i32([1]), i32([0, 1]), empty),
+               lambda: p.touch_batched(i32([1]), empty),
+               lambda: p.lookup_batched(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                                        i32([0]), empty)):
+        with pytest.raises(InvalidArgumentError):
+            fn()
+    p.check()
+    assert pool_state(p) == before

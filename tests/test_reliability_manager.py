@@ -336,3 +336,46 @@ def test_two_threads_share_a_managers_pool():
     m.validate()
     assert_consistent(m.pool)
     assert m.pool.get_num_free_blocks() == 47
+
+
+# ---- 2. (same pattern) host-side shape checks of device inputs and outputs ------------------------
+
+def test_manager_rejects_short_buffers_and_empty_counts():
+    """An empty count tensor, an ``admitted`` / ``out`` buffer shorter than the batch and a release
+    list of another dtype are refused on the host (the kernel would read or write past them, or the
+    ids would be narrowed), changing nothing."""
+    m = make()
+    m.add_request(0, [h(1)])
+    m.allocate_slots([0], [5], [5], [1])
+    m.pool.check()
+    before = mstate(m)
+    empty = torch.zeros(0, dtype=torch.int32)
+    cases = [
+        lambda: m.allocate_slots(i32([0]), i32([6]), i32([6]), num_reqs=empty),
+        lambda: m.allocate_slots(i32([0, 1]), i32([6, 6]), i32([6, 6]), admitted=torch.zeros(1, dtype=torch.int32)),
+        lambda: m.allocate_slots(i32([0]), i32([6]), i32([6]), admitted=torch.zeros(1, dtype=torch.int64)),
+        lambda: m.allocate_slots(i32([0]), i32([6]), i32([6]), admitted=torch.zeros(4, dtype=torch.int32)[::2]),
+        lambda: m.free(i32([0]), num_reqs=empty),
+        lambda: m.slot_mapping(i32([0, 0]), i32([1, 2]), out=torch.zeros(1, dtype=torch.int64)),
+        lambda: m.slot_mapping(i32([0, 0]), i32([1, 2]), out=torch.zeros(2, dtype=torch.int32)),
+        lambda: m.slot_mapping(i32([0, 0]), i32([1, 2]), admitted=i32([1])),
+        lambda: m.slot_mapping(i32([0]), i32([1]), num=empty),
+        lambda: m.release_copied(torch.tensor([2**32 + 1], dtype=torch.int64)),
+        lambda: m.release_copied(torch.tensor([1.0])),
+    ]
+    for i, fn in enumerate(cases):
+        with pytest.raises(InvalidArgumentError):
+            fn()
+        assert mstate(m) == before, i
+
+
+def test_lookup_flags_are_not_narrowed():
+    """A lookup flag of 256 in an int32 tensor means "look up" (not 256 -> int8 0)."""
+    m = make()
+    m.add_request(0, [h(1), h(2)])
+    m.allocate_slots([0], [9], [9], [1])
+    m.add_request(1, [h(1), h(2)])
+    m.allocate_slots(i32([1]), i32([9]), i32([9]), i32([256]))
+    m.pool.check()
+    assert m.rows(0)[1][:2] == m.rows(0)[0][:2]
+    m.validate()
