@@ -332,3 +332,20 @@ def test_empty_count_tensors_are_refused():
             fn()
     p.check()
     assert pool_state(p) == before
+
+
+def test_unchecked_copy_blocks_never_touches_memory_outside_the_caches():
+    """``copy_blocks(check=False)`` (the captured step's path) skips a pair with an id outside the
+    caches instead of reading or writing past them; the valid pairs are copied."""
+    from gpupool.kernels.copy_blocks import copy_blocks
+
+    big = torch.arange(12 * 8, dtype=torch.float32).reshape(12, 8)
+    layer, guard = big[:4], big[4:].clone()
+    src, dst = i32([1, 2, -1, 3]), i32([6, 3, 0, 0])  # 1 -> 6 and -1 -> 0: out of range; 3 -> 0 valid
+    want = layer.clone()
+    want[0] = layer[3]
+    copy_blocks([layer], src[[0, 2, 3]].contiguous(), dst[[0, 2, 3]].contiguous(), check=False)
+    assert torch.equal(big[4:], guard)
+    assert torch.equal(layer, want)
+    copy_blocks([layer], i32([2**31 - 1]), i32([1]), num_copies=i32([1]), check=False)
+    assert torch.equal(big[4:], guard) and torch.equal(layer, want)
