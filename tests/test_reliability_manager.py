@@ -25,6 +25,7 @@ BS = 4
 SW = ("sliding_window", 8)
 GROUPS = [("full",), ("full", "full"), ("full", SW)]
 GROUP_IDS = ["full", "full+full", "full+sw"]
+M_TOKENS = 8 * BS  # max_blocks_per_req * block_size of make()
 
 
 def make(cls=KVCacheManager, groups=("full",), n=32, **kw):
@@ -273,8 +274,12 @@ def test_validate_sees_a_leaked_reference(groups, cls):
 
 # ---- 4. counters: events through decode steps past an int32 key sequence ---------------------
 
+@pytest.mark.parametrize("mode", ["eager", pytest.param("graph", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device"))])
 @pytest.mark.parametrize("groups", [("full",), ("full", SW)], ids=["full", "full+sw"])
-def test_decode_step_events_past_int32_key_sequence(groups):
+def test_decode_step_events_past_int32_key_sequence(groups, mode):
+    """Decode steps (eager, or one captured graph replayed) past an int32 key sequence: every
+    BlockStored carries the reference's hashes, parent, block size and group."""
     ref = make(ReferenceKVCacheManager, groups=groups, enable_kv_cache_events=True)
     dev = make(groups=groups, enable_kv_cache_events=True)
     dev.pool.state.ctrl[Ctrl.KEY_SEQ] = 2**31 - 3
@@ -283,8 +288,12 @@ def test_decode_step_events_past_int32_key_sequence(groups):
         m.add_request(0, [h(1)])
         m.add_request(1, [h(1), h(2)])
         m.allocate_slots([0, 1], [5, 9], [5, 9], [1, 1])
+    if mode == "graph":
+        step.capture()
+    run = step.run if mode == "eager" else step.replay
     ntok = {0: 5, 1: 9}
-    for i in range(10):
+    steps = 25 if mode == "eager" else 200
+    for i in range(steps):
         for r in (0, 1):
             ntok[r] += 1
             if ntok[r] % BS == 0:
@@ -292,9 +301,17 @@ def test_decode_step_events_past_int32_key_sequence(groups):
                     m.append_block_hashes(r, [h(100 * r + i)])
         ref.allocate_slots([0, 1], [ntok[0], ntok[1]], [ntok[0], ntok[1]], stop_on_failure=False)
         fill(step, [0, 1], [ntok[0], ntok[1]])
-        step.run()
+        run()
         dev.pool.check()
         assert dev.pool.take_events() == ref.pool.take_events(), i
+        if ntok[1] >= M_TOKENS - 1:  # rows full: restart both requests
+            for m in (ref, dev):
+                m.free([0, 1])
+                m.add_request(0, [h(1)])
+                m.add_request(1, [h(1), h(2)])
+                m.allocate_slots([0, 1], [5, 9], [5, 9], [1, 1])
+            ntok = {0: 5, 1: 9}
+            assert dev.pool.take_events() == ref.pool.take_events(), i
     assert int(dev.pool.state.ctrl[Ctrl.KEY_SEQ]) > 2**31
     dev.validate()
 
