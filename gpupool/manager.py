@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from .args import NULL_BLOCK, ManagerShape, as_hash_bytes_list, as_id_list, as_int
+from .args import NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_id_list, as_int
 from .errors import ArgumentTypeError, InvalidArgumentError, InvariantError, OutOfBlocksError
 from .kernels import manager as k_manager
 from .kernels import parallel_alloc as k_parallel
@@ -322,7 +322,7 @@ class KVCacheManager:
             lk = lookup.reshape(-1)
             lk = lk.to(torch.int8) if lk.dtype in (torch.int8, torch.bool) else (lk != 0).to(torch.int8)  # no narrowing
         else:
-            lk = torch.tensor([bool(x) for x in lookup], dtype=torch.int8, device=self.device)
+            lk = torch.tensor(as_flag_list(op, lookup), dtype=torch.int8, device=self.device)
         if not nt.numel() == tg.numel() == lk.numel() == b:
             raise InvalidArgumentError(op, "slots, num_tokens, target_tokens and lookup differ in length")
         if admitted is None:

@@ -396,3 +396,35 @@ def test_lookup_flags_are_not_narrowed():
     m.pool.check()
     assert m.rows(0)[1][:2] == m.rows(0)[0][:2]
     m.validate()
+
+
+# ---- 6. typed errors: both managers -------------------------------------------------------------
+
+@pytest.mark.parametrize("cls", [ReferenceKVCacheManager, KVCacheManager], ids=["reference", "device"])
+def test_manager_typed_errors(cls):
+    """Bad Python arguments raise a PoolError subclass (ArgumentTypeError, also a TypeError, for a
+    wrong type) on both managers, changing nothing; a group or length the other rejects too."""
+    m = make(cls, groups=("full", "full"))
+    m.add_request(0, [h(1)])
+    m.allocate_slots([0], [5], [5], [1])
+    rows = [m.block_table(g) if cls is ReferenceKVCacheManager else m.rows(g) for g in range(2)]
+    cases = [
+        lambda: m.add_request(1, None), lambda: m.add_request(1, [None]), lambda: m.add_request(None, []),
+        lambda: m.append_block_hashes(0, None), lambda: m.allocate_slots(None, [1], [1]),
+        lambda: m.allocate_slots([0], None, [6]), lambda: m.allocate_slots([0], [6], None),
+        lambda: m.allocate_slots([0], [6], [6], 5), lambda: m.allocate_slots([0], [6], [6], [None]),
+        lambda: m.free(None), lambda: m.free([1.5]), lambda: m.slot_mapping(None, [0]),
+        lambda: m.slot_mapping([0], [0], None), lambda: m.cow_append(0, None), lambda: m.cow_move(0, None),
+        lambda: m.get_computed_blocks(None, [1]), lambda: m.get_computed_blocks([0], None),
+        lambda: m.release_copied(None),
+    ]
+    for i, fn in enumerate(cases):
+        with pytest.raises(PoolError) as info:
+            fn()
+        assert isinstance(info.value, TypeError), (i, info.value)
+    for fn in (lambda: m.slot_mapping([0], [1], 2), lambda: m.slot_mapping([0], [1], -1),
+               lambda: m.slot_mapping([0, 0], [1])):
+        with pytest.raises(InvalidArgumentError):
+            fn()
+    assert rows == [m.block_table(g) if cls is ReferenceKVCacheManager else m.rows(g) for g in range(2)]
+    m.validate()
