@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from .args import as_int
 from .errors import InvalidArgumentError
 from .kernels import manager as k_manager
 from .manager import KVCacheManager
@@ -40,6 +41,7 @@ class DecodeStep:
     """
 
     def __init__(self, manager: KVCacheManager, max_batch: int, kv_caches: list[torch.Tensor] | None = None):
+        max_batch = as_int("DecodeStep", max_batch, "max_batch")
         if max_batch < 1:
             raise InvalidArgumentError("DecodeStep", f"max_batch must be >= 1, got {max_batch}", max_batch)
         self.m = manager

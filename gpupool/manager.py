@@ -494,6 +494,7 @@ class KVCacheManager:
         r = self._i32("release_copied", release, "release")
         self.pool.free_batched(r, torch.tensor([0, r.numel()], dtype=torch.int32, device=self.device))
 
+    @locked
     def copy_and_release(self, kv_caches: list[torch.Tensor]) -> None:
         """The pending copies of every layer in one launch, then the release of the references they
         held and an empty queue, both only if the status word is clear (else the copies stay pending,

@@ -515,6 +515,7 @@ class BlockPool:
         """Bytes of device memory by kind (``gpupool.state.metadata_bytes``)."""
         return metadata_bytes(self.state)
 
+    @locked
     def statistics(self) -> dict[str, int]:
         """Counters kept on the device: ring compactions, ``allocate_slots`` batches by path and the
         fallback reasons (``kernels/manager.py``). Waits for the device."""
