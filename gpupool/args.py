@@ -77,6 +77,21 @@ def as_id_list(op: str, ids) -> list[int]:
     return [as_int(op, b, "block id") for b in ids]
 
 
+def as_flag_list(op: str, values) -> list[bool]:
+    """A sequence (or tensor) of lookup flags as bools; ArgumentTypeError for anything else."""
+    if hasattr(values, "tolist") and not isinstance(values, list):
+        values = values.tolist()
+        values = [values] if isinstance(values, (int, bool)) else values
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise ArgumentTypeError(op, f"lookup must be a sequence of flags, got {type(values).__name__}")
+    out = []
+    for x in values:
+        if not isinstance(x, (bool, int)) and not hasattr(x, "__index__"):
+            raise ArgumentTypeError(op, f"a lookup flag must be a bool or int, got {type(x).__name__}")
+        out.append(bool(x))
+    return out
+
+
 def check_block_id(op: str, b: int, num_blocks: int) -> int:
     if not 0 <= b < num_blocks:
         raise InvalidBlockIdError(op, f"block id {b} out of range 0..{num_blocks - 1}", b)

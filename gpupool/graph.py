@@ -3,6 +3,10 @@ CUDA graph and replayed every step with new device inputs.
 
 Per step, in order (vLLM's scheduler order: finished requests leave before the next allocation):
 
+0. check every input first (``kernels/manager.py`` check_step_kernel: both counts, every slot of both
+   lists in range, in use and listed once, token counts in ``1 .. max_blocks_per_req * block_size``,
+   room for the events), so that a bad input changes nothing: no op below runs on a failed check,
+   and none of them can fail after an earlier one committed;
 1. ``free`` the finished requests (``finished[:num_finished]``);
 2. ``allocate_slots`` for the running requests (``slots[:num_reqs]``, ``target = num_tokens``, no
    lookup, ``stop_on_failure=False``): a request crossing a block boundary gets a block per group,
@@ -21,7 +25,9 @@ from __future__ import annotations
 
 import torch
 
+from .args import as_int
 from .errors import InvalidArgumentError
+from .kernels import manager as k_manager
 from .manager import KVCacheManager
 
 
@@ -35,6 +41,7 @@ class DecodeStep:
     """
 
     def __init__(self, manager: KVCacheManager, max_batch: int, kv_caches: list[torch.Tensor] | None = None):
+        max_batch = as_int("DecodeStep", max_batch, "max_batch")
         if max_batch < 1:
             raise InvalidArgumentError("DecodeStep", f"max_batch must be >= 1, got {max_batch}", max_batch)
         self.m = manager
@@ -53,6 +60,9 @@ class DecodeStep:
 
     def _body(self) -> None:
         m = self.m
+        batch = m.batch(self.slots, self.num_tokens, self.num_tokens, self._no_lookup, self.num_reqs, self.admitted)
+        k_manager.launch_check_step(m.pool.state, m.pool.config, m.state, m.config, batch, self.finished,
+                                    self.num_finished)
         m.free(self.finished, num_reqs=self.num_finished)
         m.allocate_slots(self.slots, self.num_tokens, self.num_tokens, self._no_lookup, num_reqs=self.num_reqs,
                          stop_on_failure=False, admitted=self.admitted)
@@ -61,8 +71,9 @@ class DecodeStep:
         m.copy_and_release(self.kv_caches)
 
     def run(self) -> None:
-        """One step, eagerly (any device)."""
-        self._body()
+        """One step, eagerly (any device), holding the pool's lock."""
+        with self.m._lock:
+            self._body()
 
     def capture(self) -> None:
         """Record the step in a CUDA graph (after one eager warm-up run with empty inputs, which
@@ -89,4 +100,5 @@ class DecodeStep:
         """One step through the captured graph."""
         if self.graph is None:
             raise InvalidArgumentError("DecodeStep.replay", "capture() first")
-        self.graph.replay()
+        with self.m._lock:
+            self.graph.replay()

@@ -37,8 +37,8 @@ from typing import NamedTuple
 
 import torch
 
-from .args import NULL_BLOCK, ManagerShape, as_hash_bytes_list, as_id_list, as_int
-from .errors import InvalidArgumentError, InvariantError, OutOfBlocksError
+from .args import NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_id_list, as_int
+from .errors import ArgumentTypeError, InvalidArgumentError, InvariantError, OutOfBlocksError
 from .kernels import manager as k_manager
 from .kernels import parallel_alloc as k_parallel
 from .kernels.parallel_alloc import NKG, NMAP, NPAR
@@ -269,7 +269,20 @@ class KVCacheManager:
     def _count(self, op: str, count, n: int) -> torch.Tensor:
         if count is None:
             return torch.full((1,), n, dtype=torch.int32, device=self.device)
-        return self._i32(op, count, "the count")[:1]
+        c = self._i32(op, count, "the count")
+        if c.numel() < 1:
+            raise InvalidArgumentError(op, "the count tensor is empty (it needs one int32 entry)")
+        return c[:1]
+
+    def _out(self, op: str, t, dtype, n: int, what: str) -> torch.Tensor:
+        """An output buffer the kernel writes in place: ``dtype``, on the device, contiguous, with room
+        for ``n`` entries (checked on the host from its shape: no out-of-bounds write, no lost copy)."""
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentTypeError(op, f"{what} must be a torch.Tensor")
+        if t.dtype != dtype or t.device != self.device or not t.is_contiguous() or t.numel() < n:
+            raise InvalidArgumentError(op, f"{what} must be a contiguous {dtype} tensor on {self.device} with at "
+                                           f"least {n} entries, got {tuple(t.shape)} {t.dtype} on {t.device}")
+        return t.reshape(-1)
 
     @locked
     def get_computed_blocks(self, slots, num_tokens):
@@ -306,13 +319,16 @@ class KVCacheManager:
         elif isinstance(lookup, torch.Tensor):
             if lookup.device != self.device:
                 raise InvalidArgumentError(op, f"lookup must be on {self.device}")
-            lk = lookup.reshape(-1).to(torch.int8)
+            lk = lookup.reshape(-1)
+            lk = lk.to(torch.int8) if lk.dtype in (torch.int8, torch.bool) else (lk != 0).to(torch.int8)  # no narrowing
         else:
-            lk = torch.tensor([bool(x) for x in lookup], dtype=torch.int8, device=self.device)
+            lk = torch.tensor(as_flag_list(op, lookup), dtype=torch.int8, device=self.device)
         if not nt.numel() == tg.numel() == lk.numel() == b:
             raise InvalidArgumentError(op, "slots, num_tokens, target_tokens and lookup differ in length")
         if admitted is None:
             admitted = torch.zeros(max(b, 1), dtype=torch.int32, device=self.device)
+        else:
+            admitted = self._out(op, admitted, torch.int32, b, "admitted")
         return AllocateBatch(s, nt, tg, lk, self._count(op, num_reqs, b), admitted)
 
     @locked
@@ -365,7 +381,11 @@ class KVCacheManager:
             raise InvalidArgumentError(op, "slots and positions differ in length")
         if out is None:
             out = torch.empty(s.numel(), dtype=torch.int64, device=self.device)
+        else:
+            out = self._out(op, out, torch.int64, s.numel(), "out")
         adm = None if admitted is None else self._i32(op, admitted, "admitted")
+        if adm is not None and adm.numel() < s.numel():
+            raise InvalidArgumentError(op, f"admitted has {adm.numel()} entries for {s.numel()} slots")
         k_manager.launch_slot_mapping(self._pool.state, self.state, self.config, s, p,
                                       self._count(op, num, s.numel()), out, g, as_int(op, position_offset), adm)
         return out
@@ -468,10 +488,13 @@ class KVCacheManager:
 
     @locked
     def release_copied(self, release: torch.Tensor) -> None:
-        """Drop the references the copies held (one ``free_blocks`` of ``release``, in order)."""
-        r = release.to(device=self.device, dtype=torch.int32).reshape(-1).contiguous()
+        """Drop the references the copies held (one ``free_blocks`` of ``release``, in order).
+        ``release``: the int32 tensor (on the device) :meth:`take_pending_copies` returned, or a list;
+        another dtype or device raises InvalidArgumentError (no silent narrowing of int64 ids)."""
+        r = self._i32("release_copied", release, "release")
         self.pool.free_batched(r, torch.tensor([0, r.numel()], dtype=torch.int32, device=self.device))
 
+    @locked
     def copy_and_release(self, kv_caches: list[torch.Tensor]) -> None:
         """The pending copies of every layer in one launch, then the release of the references they
         held and an empty queue, both only if the status word is clear (else the copies stay pending,
@@ -511,8 +534,8 @@ class KVCacheManager:
         self.pool.validate()
         s = self.state
         n = torch.where(s.active != 0, s.num_blocks, 0)
-        in_row = torch.arange(self.max_blocks_per_req, device=self.device)[None, None, :] < n[None, :, None]
-        held = s.block_table[in_row].long()
+        in_row = torch.arange(self.max_blocks_per_req, device=self.device)[None, :] < n[:, None]  # [R, M]
+        held = s.block_table[:, in_row].reshape(-1).long()  # every group's rows
         held = torch.cat([held, s.copy_release[: self._pending()].long()])
         expect = torch.bincount(held, minlength=self.pool.num_blocks)
         expect[NULL_BLOCK] = 0

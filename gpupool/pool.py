@@ -195,7 +195,10 @@ class BlockPool:
         kernel then takes its length: no glue kernel, no H2D copy)."""
         if count is None:
             return None
-        return self._device_i32(op, count, "the count")[:1]
+        c = self._device_i32(op, count, "the count")
+        if c.numel() < 1:
+            raise InvalidArgumentError(op, "the count tensor is empty (it needs one int32 entry)")
+        return c[:1]
 
     # ---- docs/semantics.md section 2: single ops ----------------------------------------------------
     @locked
@@ -513,6 +516,7 @@ class BlockPool:
         """Bytes of device memory by kind (``gpupool.state.metadata_bytes``)."""
         return metadata_bytes(self.state)
 
+    @locked
     def statistics(self) -> dict[str, int]:
         """Counters kept on the device: ring compactions, ``allocate_slots`` batches by path and the
         fallback reasons (``kernels/manager.py``). Waits for the device."""

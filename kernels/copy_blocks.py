@@ -53,7 +53,7 @@ _OFFSET_CACHE: dict[tuple, torch.Tensor] = {}  # never evicted: captured graphs 
 
 
 @triton.jit
-def copy_blocks_kernel(base, layer_off, src, dst, num_copies, num_pairs, block_units,
+def copy_blocks_kernel(base, layer_off, src, dst, num_copies, num_pairs, block_units, num_blocks,
                        HAS_COUNT: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
     """Copy block ``src[i]`` to block ``dst[i]`` of layer ``l`` (bitwise, in units of ``base``'s dtype).
 
@@ -61,7 +61,9 @@ def copy_blocks_kernel(base, layer_off, src, dst, num_copies, num_pairs, block_u
     ``BLOCK`` units of pair ``i`` in layer ``l``. Reads ``num_copies[0]`` (if ``HAS_COUNT``; else the
     count is ``num_pairs``), ``src[i]``, ``dst[i]``, ``layer_off[l]`` and block ``src[i]`` of layer ``l``
     (``block_units * VEC`` units at ``base + layer_off[l] * VEC + src[i] * block_units * VEC``); writes
-    only block ``dst[i]`` of layer ``l``. Programs with ``i >= count`` do nothing.
+    only block ``dst[i]`` of layer ``l``. Programs with ``i >= count`` do nothing, and so does a pair
+    with an id outside ``0 .. num_blocks - 1`` (the launch group's fewest blocks): with ``check=False``
+    (a captured step) a bad id is never a read or write outside the caches.
 
     Race-free: every program writes a range no other program writes (pairs have distinct ``dst``,
     layers occupy disjoint memory, tiles of one block are disjoint), and no program reads what another
@@ -78,6 +80,10 @@ def copy_blocks_kernel(base, layer_off, src, dst, num_copies, num_pairs, block_u
     if i < n:
         s = tl.load(src + i).to(tl.int64)
         d = tl.load(dst + i).to(tl.int64)
+    else:
+        s = tl.full([], -1, tl.int64)
+        d = tl.full([], -1, tl.int64)
+    if (s >= 0) & (s < num_blocks) & (d >= 0) & (d < num_blocks):
         lo = tl.load(layer_off + layer)
         limit = block_units * VEC  # units per block, a multiple of VEC the compiler can see
         src_start = (lo + s * block_units) * VEC
@@ -180,7 +186,7 @@ def _launch(layers, block_bytes: int, src, dst, num_copies, device) -> None:
     off = _offset_table(layers, unit, vec, device)
     count = num_copies if num_copies is not None else src
     copy_blocks_kernel[(len(src), len(layers), nz)](
-        base, off, src, dst, count, len(src), units // vec,
+        base, off, src, dst, count, len(src), units // vec, min(t.shape[0] for t in layers),
         HAS_COUNT=num_copies is not None, VEC=vec, BLOCK=block, num_warps=warps)
 
 

@@ -77,6 +77,7 @@ class Op(IntEnum):
     SLOT_MAPPING = 17
     RELEASE_COPIES = 18
     REPLAY = 19
+    DECODE_STEP = 20
 
 
 def op_name(code: int) -> str:
@@ -105,6 +106,7 @@ OP_FREE = tl.constexpr(Op.FREE)
 OP_SLOT_MAPPING = tl.constexpr(Op.SLOT_MAPPING)
 OP_RELEASE_COPIES = tl.constexpr(Op.RELEASE_COPIES)
 OP_REPLAY = tl.constexpr(Op.REPLAY)
+OP_DECODE_STEP = tl.constexpr(Op.DECODE_STEP)
 
 # Error codes (gpupool.errors.ErrorCode; the messages live with the error classes).
 E_OUT_OF_BLOCKS = tl.constexpr(ErrorCode.OUT_OF_BLOCKS)

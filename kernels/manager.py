@@ -18,8 +18,8 @@ from .alloc import pop_and_claim
 from .cache import add_key, cache_range
 from .common import checked_count, keep_first, segment_ids, set_status, status_clear, tile_of, no_error, warps_for
 from .layout import (
-    ALLOC_SPLIT, BIG, E_BUFFER_FULL, E_DOUBLE_FREE, E_INVALID_ARG, E_INVALID_COUNT, EV_COUNT, HEAD, KEY_SEQ, NUM_FREE, OP_ALLOCATE_SLOTS, OP_FREE,
-    OP_RELEASE_COPIES, OP_SLOT_MAPPING, TAIL,
+    ALLOC_SPLIT, BIG, E_BUFFER_FULL, E_DOUBLE_FREE, E_INVALID_ARG, E_INVALID_COUNT, EV_COUNT, HEAD, KEY_SEQ, NUM_FREE, OP_ALLOCATE_SLOTS,
+    OP_DECODE_STEP, OP_FREE, OP_RELEASE_COPIES, OP_SLOT_MAPPING, TAIL,
 )
 from .lookup import find_longest_cache_hit
 from .release import (
@@ -41,31 +41,54 @@ def keys_of(mc: tl.constexpr, g, r):
 
 
 @triton.jit
-def check_slots(ms, mc: tl.constexpr, slots, nb):
-    """(error, value): a slot out of range, listed twice or not in use; ``s_req`` scratch left zeroed."""
+def mark_slots(ms, mc: tl.constexpr, slots, nb, err, val, err_i, base):
+    """Count each in-range slot of ``slots[:nb]`` in ``s_req``; fold a slot out of range into the
+    running (error, value, index) (list entry i has index ``base + i``)."""
     offs = tl.arange(0, mc.BLOCK)
-    err, val, err_i = no_error()
     i = 0
     while i < nb:
         r, m = tile_of(slots, i + offs, nb)
         bad = m & ((r < 0) | (r >= mc.R))
-        err, val, err_i = keep_first(err, val, err_i, E_INVALID_ARG, bad, i + offs, r)
+        err, val, err_i = keep_first(err, val, err_i, E_INVALID_ARG, bad, base + i + offs, r)
         tl.atomic_add(ms.s_req + r, 1, mask=m & ~bad)
         i += mc.BLOCK
-    tl.debug_barrier()
+    return err, val, err_i
+
+
+@triton.jit
+def check_marked(ms, mc: tl.constexpr, slots, nb, err, val, err_i, base):
+    """After :func:`mark_slots` of every list: fold a slot counted twice or not in use."""
+    offs = tl.arange(0, mc.BLOCK)
     i = 0
     while i < nb:
         r, m = tile_of(slots, i + offs, nb)
         ok = m & (r >= 0) & (r < mc.R)
         bad = ok & ((tl.load(ms.s_req + r, mask=ok, other=0) > 1) | (tl.load(ms.active + r, mask=ok, other=1) == 0))
-        err, val, err_i = keep_first(err, val, err_i, E_INVALID_ARG, bad, i + offs, r)
+        err, val, err_i = keep_first(err, val, err_i, E_INVALID_ARG, bad, base + i + offs, r)
         i += mc.BLOCK
-    tl.debug_barrier()
+    return err, val, err_i
+
+
+@triton.jit
+def unmark_slots(ms, mc: tl.constexpr, slots, nb):
+    """Zero the ``s_req`` counts :func:`mark_slots` left (the scratch is idle at 0 between launches)."""
+    offs = tl.arange(0, mc.BLOCK)
     i = 0
     while i < nb:
         r, m = tile_of(slots, i + offs, nb)
         tl.store(ms.s_req + r, tl.zeros([mc.BLOCK], tl.int32), mask=m & (r >= 0) & (r < mc.R))
         i += mc.BLOCK
+
+
+@triton.jit
+def check_slots(ms, mc: tl.constexpr, slots, nb):
+    """(error, value): a slot out of range, listed twice or not in use; ``s_req`` scratch left zeroed."""
+    err, val, err_i = no_error()
+    err, val, err_i = mark_slots(ms, mc, slots, nb, err, val, err_i, 0)
+    tl.debug_barrier()
+    err, val, err_i = check_marked(ms, mc, slots, nb, err, val, err_i, 0)
+    tl.debug_barrier()
+    unmark_slots(ms, mc, slots, nb)
     return err, val
 
 
@@ -170,10 +193,10 @@ def cache_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, known, hits, nro
 
 
 @triton.jit
-def check_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb):
+def check_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, MIN_TOKENS: tl.constexpr):
     """(error, value, event rows the batch may write) of an ``allocate_slots`` batch: slots (range,
-    repeats, in use), token counts in ``0 .. M * BS``; the rows bound each request's evictions, keys
-    and headers. Also zeroes ``admitted``."""
+    repeats, in use), token counts in ``MIN_TOKENS .. M * BS`` (targets from 0); the rows bound each
+    request's evictions, keys and headers. Also zeroes ``admitted``."""
     offs = tl.arange(0, mc.BLOCK)
     err, err_val = check_slots(ms, mc, batch.slots, nb)
     err_i = tl.full([], BIG, tl.int32)
@@ -184,7 +207,7 @@ def check_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb):
         m = idx < nb
         nt = tl.load(batch.num_tokens + idx, mask=m, other=0)
         tg = tl.load(batch.target + idx, mask=m, other=0)
-        bad_nt = (nt < 0) | (nt > mc.M * mc.BS)
+        bad_nt = (nt < MIN_TOKENS) | (nt > mc.M * mc.BS)
         bad = m & (bad_nt | (tg < 0) | (tg > mc.M * mc.BS))
         if err == 0:
             err, err_val, err_i = keep_first(err, err_val, err_i, E_INVALID_COUNT, bad, idx, tl.where(bad_nt, nt, tg))
@@ -207,7 +230,7 @@ def check_allocate_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap)
     nb, nb_ok = checked_count(batch.num_reqs, cap)
     err = tl.full([], E_INVALID_ARG, tl.int32)
     if status_clear(ps.status):
-        err, err_val, rows = check_batch(ps, pc, ms, mc, batch, nb)
+        err, err_val, rows = check_batch(ps, pc, ms, mc, batch, nb, 0)
         err = tl.where(nb_ok, err, E_INVALID_ARG)
         err_val = tl.where(nb_ok, err_val, tl.load(batch.num_reqs).to(tl.int64))
         if pc.EVENTS:
@@ -286,6 +309,48 @@ def launch_allocate_slots(ps, pc, ms, mc, batch, *, stop_on_failure: bool):
     """Launch ``allocate_slots_kernel`` (one program), after ``launch_allocate_slots_parallel``."""
     allocate_slots_kernel[(1,)](ps, pc, ms, mc, batch, batch.slots.numel(), STOP_ON_FAILURE=bool(stop_on_failure),
                                 num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))
+
+
+@triton.jit
+def check_step_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished, num_finished, fcap):
+    """A decode step's inputs, checked before any of its ops runs, so that a bad one changes nothing
+    (gpupool/graph.py): both counts within their arrays (``batch.num_reqs`` of ``cap``, ``num_finished``
+    of ``fcap``); every slot of ``finished[:num_finished]`` and ``batch.slots[:num_reqs]`` in range, in
+    use and listed once across both lists; and the allocation batch as ``allocate_slots`` checks it,
+    with token counts from 1 (the new token's position is ``num_tokens - 1``) and its event rows.
+    The first bad input sets the status word (op DECODE_STEP); nothing else is written but
+    ``admitted`` (zeroed) and idle scratch. One program."""
+    nb, nb_ok = checked_count(batch.num_reqs, cap)
+    nf, nf_ok = checked_count(num_finished, fcap)
+    if status_clear(ps.status):
+        err, val, err_i = no_error()
+        err, val, err_i = mark_slots(ms, mc, finished, nf, err, val, err_i, 0)
+        err, val, err_i = mark_slots(ms, mc, batch.slots, nb, err, val, err_i, fcap)
+        tl.debug_barrier()
+        err, val, err_i = check_marked(ms, mc, finished, nf, err, val, err_i, 0)
+        err, val, err_i = check_marked(ms, mc, batch.slots, nb, err, val, err_i, fcap)
+        tl.debug_barrier()
+        unmark_slots(ms, mc, finished, nf)
+        unmark_slots(ms, mc, batch.slots, nb)
+        tl.debug_barrier()
+        if err == 0:
+            err, val, rows = check_batch(ps, pc, ms, mc, batch, nb, 1)
+            if pc.EVENTS:
+                full = (err == 0) & (tl.load(ps.ctrl + EV_COUNT) + rows > pc.EV_CAP)
+                err = tl.where(full, E_BUFFER_FULL, err)
+                val = tl.where(full, rows, val)
+        err = tl.where(nf_ok, err, E_INVALID_ARG)
+        val = tl.where(nf_ok, val, tl.load(num_finished).to(tl.int64))
+        err = tl.where(nb_ok, err, E_INVALID_ARG)
+        val = tl.where(nb_ok, val, tl.load(batch.num_reqs).to(tl.int64))
+        if err != 0:
+            set_status(ps.status, err, OP_DECODE_STEP, val)
+
+
+def launch_check_step(ps, pc, ms, mc, batch, finished, num_finished):
+    """Launch ``check_step_kernel`` (one program): the first launch of a decode step."""
+    check_step_kernel[(1,)](ps, pc, ms, mc, batch, batch.slots.numel(), finished, num_finished, finished.numel(),
+                            num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""The trace replay's event loop on the device (docs/semantics.md section 5; DESIGN-NOTES section 7).
+"""The trace replay's event loop on the device (docs/semantics.md section 5; docs/algorithms.md section 7).
 
 ``replay_loop_kernel`` is one program that runs the replay model itself, event by event, for up to
 ``max_points`` time points per launch, so the host only launches and, now and then, reads the

@@ -90,6 +90,9 @@ def drive_manager(**kw):
     m.add_request(1)
     m.allocate_slots(s, torch.tensor([20, 30], dtype=i32), torch.tensor([20, 30], dtype=i32), [1, 0])
     m.slot_mapping(s, torch.tensor([3, 4], dtype=i32))
+    from gpupool.graph import DecodeStep
+
+    DecodeStep(m, 2).run()  # its input check (check_step_kernel) and the step's ops
     m.free(s)
     m.run_pending_copies([])
 

@@ -243,3 +243,33 @@ def assert_pools_agree(ref, dev, fired: dict, where: str) -> None:
     assert dev_ev == rev, f"events differ: device {dev_ev} != reference {rev}; {where}"
     assert fired["dev"] == fired["ref"], (
         f"watcher firings differ: device {fired['dev']} != reference {fired['ref']}; {where}")
+
+
+def raw_state(pool, manager=None) -> dict:
+    """Every device tensor of a device pool (and of its manager), as host copies, read without waiting
+    on or draining the device (no ``check()``): comparable while an error sits in the status word.
+    Left out: the status word itself, the statistics and scratch slots of ``ctrl`` (from
+    ``Ctrl.COMPACTIONS`` on), the manager's kernel scratch (``s_*``). The host's pending events and
+    watcher table are included."""
+    from gpupool.kernels.layout import Ctrl
+
+    out = {}
+    for name, t in pool.state._asdict().items():
+        if name == "status":
+            continue
+        if name == "ctrl":
+            t = t[: Ctrl.COMPACTIONS]
+        out[name] = t.detach().to("cpu").clone()
+    if manager is not None:
+        for name, t in manager.state._asdict().items():
+            if not name.startswith("s_"):
+                out["m." + name] = t.detach().to("cpu").clone()
+    out["host"] = repr(([(b, id(cb)) for b, cb in pool._watchers.items()], pool._events))
+    return out
+
+
+def same_raw_state(a: dict, b: dict) -> list[str]:
+    """Names of the entries where two :func:`raw_state` snapshots differ (empty: the same)."""
+    import torch
+
+    return [k for k in a if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..args import NULL_BLOCK, ManagerShape, as_hash_bytes_list, as_id_list, as_int
-from ..errors import InvalidArgumentError, InvalidCountError, OutOfBlocksError
+from ..args import NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_id_list, as_int
+from ..errors import ArgumentTypeError, InvalidArgumentError, InvalidCountError, InvariantError, OutOfBlocksError
 from ..locking import Locked, locked
 from .pool import ReferenceBlockPool
 
@@ -109,7 +109,7 @@ class ReferenceKVCacheManager(Locked):
         hashes, at most ``(num_tokens - 1) // block_size`` blocks, all groups hitting. Pure."""
         op = "get_computed_blocks"
         rs = self._slots(op, slots)
-        nts = [as_int(op, x, "num_tokens") for x in num_tokens]
+        nts = as_id_list(op, num_tokens)
         if len(nts) != len(rs):
             raise InvalidArgumentError(op, "slots and num_tokens differ in length")
         out = []
@@ -153,9 +153,9 @@ class ReferenceKVCacheManager(Locked):
         """
         op = "allocate_slots"
         rs = self._slots(op, slots)
-        nts = [as_int(op, x, "num_tokens") for x in num_tokens]
-        tgt = [as_int(op, x, "target_tokens") for x in target_tokens]
-        lk = [bool(x) for x in (lookup if lookup is not None else [False] * len(rs))]
+        nts = as_id_list(op, num_tokens)
+        tgt = as_id_list(op, target_tokens)
+        lk = as_flag_list(op, lookup) if lookup is not None else [False] * len(rs)
         if not len(nts) == len(tgt) == len(lk) == len(rs):
             raise InvalidArgumentError(op, "slots, num_tokens, target_tokens and lookup differ in length")
         bs, G = self.block_size, len(self.groups)
@@ -224,10 +224,15 @@ class ReferenceKVCacheManager(Locked):
         """KV slot of each (request, token position): ``block_id * block_size + position % block_size``."""
         op = "slot_mapping"
         rs = [self._slot(op, s) for s in as_id_list(op, slots)]
-        ps = [as_int(op, p, "position") for p in positions]
+        ps = as_id_list(op, positions)
+        g = as_int(op, group, "group")
+        if not 0 <= g < len(self.groups):
+            raise InvalidArgumentError(op, f"group {g} out of range 0..{len(self.groups) - 1}", g)
+        if len(ps) != len(rs):
+            raise InvalidArgumentError(op, "slots and positions differ in length")
         out = []
         for r, p in zip(rs, ps):
-            row = self.tables[group][r]
+            row = self.tables[g][r]
             if not 0 <= p < len(row) * self.block_size:
                 raise InvalidArgumentError(op, f"position {p} of slot {r} has no block", p)
             out.append(row[p // self.block_size] * self.block_size + p % self.block_size)
@@ -236,6 +241,26 @@ class ReferenceKVCacheManager(Locked):
     @locked
     def block_table(self, group: int = 0) -> list[list[int]]:
         return [list(row) for row in self.tables[group]]
+
+    @locked
+    def validate(self) -> None:
+        """The pool's invariants, then the manager's: every block's ref count equals its references
+        from the active requests' block tables plus the pending copies' held blocks (so a leaked
+        reference shows), when only the manager takes references. Raises InvariantError."""
+        self.pool.validate()
+        expect = [0] * self.pool.num_blocks
+        for table in self.tables:
+            for r, row in enumerate(table):
+                if row and not self.active[r]:
+                    raise InvariantError("validate", f"free slot {r} still holds blocks", r)
+                for b in row:
+                    expect[b] += 1
+        for c in self.pending_copies:
+            expect[c[2]] += 1
+        for b in range(1, self.pool.num_blocks):
+            if self.pool.ref_cnt[b] != expect[b]:
+                raise InvariantError("validate", f"block {b} has ref_cnt {self.pool.ref_cnt[b]} but {expect[b]} "
+                                                 "references from block tables and pending copies", b)
 
     # ---- copy-on-write ----------------------------------------------------------------------
     @locked
@@ -311,4 +336,11 @@ class ReferenceKVCacheManager(Locked):
     @locked
     def release_copied(self, copies: Sequence[tuple[int, int, int]]) -> None:
         """Drop the references the copies held: ``free_blocks`` of the released endpoints, in order."""
-        self.pool.free_blocks([c[2] for c in copies])
+        op = "release_copied"
+        if isinstance(copies, (str, bytes)) or not isinstance(copies, Sequence):
+            raise ArgumentTypeError(op, f"copies must be a sequence of (src, dst, release), got {type(copies).__name__}")
+        try:
+            release = [c[2] for c in copies]
+        except (TypeError, IndexError, KeyError):
+            raise ArgumentTypeError(op, "copies must be (src, dst, release) triples") from None
+        self.pool.free_blocks(release)

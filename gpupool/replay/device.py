@@ -1,4 +1,4 @@
-"""Trace replay with its event loop on the device (docs/semantics.md section 5; DESIGN-NOTES section 7).
+"""Trace replay with its event loop on the device (docs/semantics.md section 5; docs/algorithms.md section 7).
 
 The sorted trace goes to the device once; ``kernels/replay.py`` then runs the whole model (arrivals,
 completions in (finish time, admission order), head-of-line admission, the report's counters) in one
