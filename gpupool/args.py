@@ -28,6 +28,19 @@ def as_int(op: str, x, what: str = "value") -> int:
         raise ArgumentTypeError(op, f"{what} must be an integer, got {type(x).__name__} {x!r}") from None
 
 
+MAX_NUM_BLOCKS = 2**31 - 1  # block ids are int32 on the device
+
+
+def num_blocks_arg(op: str, num_blocks) -> int:
+    """A pool size: an integer in ``1 .. 2**31 - 1`` (block ids are int32; docs/semantics.md section 1).
+    ArgumentTypeError for a non-integer, InvalidArgumentError out of range."""
+    num_blocks = as_int(op, num_blocks, "num_blocks")
+    if not 1 <= num_blocks <= MAX_NUM_BLOCKS:
+        raise InvalidArgumentError(op, f"num_blocks must be in 1..{MAX_NUM_BLOCKS} (int32 block ids), got {num_blocks}",
+                                   num_blocks)
+    return num_blocks
+
+
 def as_group(op: str, g) -> int:
     """A KV-cache group id: an int in ``0 .. MAX_GROUP_ID``, else InvalidArgumentError."""
     g = as_int(op, g, "group_id")

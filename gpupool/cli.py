@@ -28,6 +28,7 @@ import re
 import sys
 from pathlib import Path
 
+from .errors import PoolError
 from .replay import (
     DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS, DEFAULT_TPOT_MS, TRACE_BLOCK_SIZE, ReplayReport, TraceError, read_trace,
     replay,
@@ -132,10 +133,8 @@ def make_pool(kind: str, num_blocks: int, device: str | None = None):
     The device pool is imported here, lazily; when it cannot be imported this raises CLIError.
     """
     if kind == "reference":
-        from .reference import ReferenceBlockPool
-
-        return ReferenceBlockPool(num_blocks)
-    if kind == "device":
+        from .reference import ReferenceBlockPool as make
+    elif kind == "device":
         if device is None:
             device = default_device()
         try:
@@ -143,8 +142,18 @@ def make_pool(kind: str, num_blocks: int, device: str | None = None):
         except ImportError as e:
             raise CLIError(f"the device pool gpupool.BlockPool is not available ({e}); "
                            f"use --pool reference for the CPU reference pool") from None
-        return BlockPool(num_blocks, device=device)
-    raise CLIError(f"unknown pool kind {kind!r} (expected 'device' or 'reference')")
+
+        def make(n):
+            return BlockPool(n, device=device)
+    else:
+        raise CLIError(f"unknown pool kind {kind!r} (expected 'device' or 'reference')")
+    try:
+        return make(num_blocks)
+    except PoolError as e:
+        raise CLIError(f"--num-blocks {num_blocks:,}: {e}") from None
+    except (MemoryError, RuntimeError) as e:  # torch reports an allocation failure as RuntimeError
+        raise CLIError(f"--num-blocks {num_blocks:,}: cannot allocate the {kind} pool ({str(e).splitlines()[0][:120]}); "
+                       "choose a smaller pool") from None
 
 
 def _int_at_least(low: int):

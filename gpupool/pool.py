@@ -24,7 +24,7 @@ import torch
 
 from . import _backend
 from .args import (
-    NULL_BLOCK, as_groups, as_id_list, as_int, cache_full_args, check_block_id, check_hash,
+    NULL_BLOCK, as_groups, as_id_list, as_int, cache_full_args, check_block_id, check_hash, num_blocks_arg,
     partial_block_args,
 )
 from .errors import ArgumentTypeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError, PoolError
@@ -79,10 +79,8 @@ class BlockPool:
                  max_keys_per_block: int = 4, device: str | torch.device | None = None,
                  event_capacity: int | None = None, ring_capacity: int | None = None, num_chunks: int | None = None):
         op = "BlockPool"
-        num_blocks = as_int(op, num_blocks, "num_blocks")
+        num_blocks = num_blocks_arg(op, num_blocks)
         max_keys_per_block = as_int(op, max_keys_per_block, "max_keys_per_block")
-        if num_blocks < 1:
-            raise InvalidArgumentError(op, f"num_blocks must be >= 1, got {num_blocks}", num_blocks)
         if not 1 <= max_keys_per_block <= 64:
             raise InvalidArgumentError(op, f"max_keys_per_block must be in 1..64, got {max_keys_per_block}",
                                        max_keys_per_block)

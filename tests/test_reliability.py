@@ -351,3 +351,14 @@ def test_unchecked_copy_blocks_never_touches_memory_outside_the_caches():
     assert torch.equal(layer, want)
     copy_blocks([layer], i32([2**31 - 1]), i32([1]), num_copies=i32([1]), check=False)
     assert torch.equal(big[4:], guard) and torch.equal(layer, want)
+
+
+@pytest.mark.parametrize("cls", [ReferenceBlockPool, BlockPool])
+def test_pool_size_is_bounded_by_int32_ids(cls):
+    """Block ids are int32 on the device: both pools refuse more than 2**31 - 1 blocks before
+    allocating anything (a typed error, not a MemoryError or an overflow later)."""
+    for n in (2**31, 10**11, 0, -1):
+        with pytest.raises(InvalidArgumentError, match="num_blocks"):
+            cls(n)
+    with pytest.raises(ArgumentTypeError):
+        cls(16.0)

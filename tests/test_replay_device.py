@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from gpupool import BlockPool, ReferenceBlockPool, cli
 from gpupool.replay import TraceRequest, load_trace, replay
+from gpupool.replay.trace import TraceError
 from gpupool.replay.device import replay_on_device
 from pool_helpers import sized
 
@@ -124,3 +125,25 @@ def test_cli_both_on_the_interpreter(tmp_path, capsys):
     assert data["match"] is True and data["mismatched"] == []
     assert data["device"]["requests"] == 200 and data["device"]["hit_blocks"] == data["reference"]["hit_blocks"]
     assert data["device"]["free_queue_sha256"] == data["reference"]["free_queue_sha256"]
+
+
+@pytest.mark.parametrize("bad", [TraceRequest(float("nan"), 8, 1, (1,)), TraceRequest(float("inf"), 8, 1, (1,)),
+                                 TraceRequest(0.0, -5, 1, (1,)), TraceRequest(0.0, 8, -1, (1,)),
+                                 TraceRequest(0.0, 8, 1, (1.5,))])
+def test_requests_are_checked_like_trace_lines(bad):
+    """A TraceRequest the trace loader would refuse is a TraceError (a ValueError) on both replays,
+    naming its index: no endless loop on a NaN time, no negative lengths."""
+    trace = [TraceRequest(0.0, 8, 1, (1, 2)), bad]
+    with pytest.raises(TraceError, match=r"trace\[1\]"):
+        replay(ReferenceBlockPool(8), trace, block_size=4)
+    with pytest.raises(TraceError, match=r"trace\[1\]"):
+        replay_on_device(BlockPool(8), trace, block_size=4)
+    with pytest.raises(TypeError):
+        replay_on_device(ReferenceBlockPool(8), trace[:1], block_size=4)
+
+
+def test_a_request_too_large_for_int32_is_rejected_on_both():
+    trace = [TraceRequest(0.0, 2**40, 0, ()), TraceRequest(1.0, 8, 1, (1, 2))]
+    ref, dev = both(trace, 8)
+    assert ref.rejected == dev.rejected == 1
+    assert_same(ref, dev)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ..args import (
-    NULL_BLOCK, as_groups, as_id_list, as_int, cache_full_args, check_block_id, check_hash,
+    NULL_BLOCK, as_groups, as_id_list, as_int, cache_full_args, check_block_id, check_hash, num_blocks_arg,
     partial_block_args,
 )
 from ..errors import (
@@ -105,10 +105,8 @@ class ReferenceBlockPool(Locked):
 
     def __init__(self, num_blocks: int, *, enable_caching: bool = True, enable_kv_cache_events: bool = False,
                  max_keys_per_block: int = 4):
-        num_blocks = as_int("BlockPool", num_blocks, "num_blocks")
+        num_blocks = num_blocks_arg("BlockPool", num_blocks)
         max_keys_per_block = as_int("BlockPool", max_keys_per_block, "max_keys_per_block")
-        if num_blocks < 1:
-            raise InvalidArgumentError("BlockPool", f"num_blocks must be >= 1, got {num_blocks}", num_blocks)
         if max_keys_per_block < 1:
             raise InvalidArgumentError("BlockPool", f"max_keys_per_block must be >= 1, got {max_keys_per_block}",
                                        max_keys_per_block)

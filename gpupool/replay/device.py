@@ -18,6 +18,7 @@ import torch
 
 from ..kernels.replay import NUM_LOOP_WORDS, LoopState, LoopWord, TraceTensors, launch_replay_loop
 from ..keys import trace_block_hash
+from ..pool import BlockPool
 from .model import (DEFAULT_BLOCK_SIZE, DEFAULT_TPOT_MS, ReplayReport, check_replay_args, free_queue_digest,
                     progress_bar)
 from .trace import TraceRequest
@@ -48,6 +49,7 @@ def upload_trace(trace: list[TraceRequest], num_blocks: int, block_size: int, tp
             his.append(k[0])
             los.append(k[1])
         t = -(-(tr.input_length + tr.output_length) // block_size)
+        t = min(t, num_blocks)  # any total above N - 1 is rejected; int32 on the device
         full.append(f)
         hitcap.append(min(f, (tr.input_length - 1) // block_size))
         total.append(t)
@@ -89,17 +91,19 @@ def replay_on_device(pool, trace: list[TraceRequest], *, block_size: int = DEFAU
     Same model, arguments, checks and report as :func:`gpupool.replay.replay`; the report's ``pool``
     is ``"BlockPool (device loop)"``. ``time_points_per_launch`` (>= 1) bounds one launch's work;
     the host waits for the device once per ``launches_per_sync`` (>= 1) launches. The pool must have
-    KV events off (the loop has no consumer for them). Raises ValueError for bad arguments, a pool
-    with blocks in use or with KV events on; the pool's errors (``check()``) if a kernel recorded one.
+    KV events off (the loop has no consumer for them). Raises TypeError for a pool that is not a
+    ``BlockPool``; ValueError (TraceError) for bad arguments or requests, a pool with blocks in use or
+    with KV events on; the pool's errors (``check()``) if a kernel recorded one.
     """
-    check_replay_args(pool, block_size, tpot_ms)
+    if not isinstance(pool, BlockPool):
+        raise TypeError(f"replay_on_device needs a gpupool.BlockPool, got {type(pool).__name__}")
+    trace = check_replay_args(pool, trace, block_size, tpot_ms)
     for name, v in (("time_points_per_launch", time_points_per_launch), ("launches_per_sync", launches_per_sync)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     h = pool.handle()
     if h.config.EVENTS:
         raise ValueError("replay_on_device needs a pool with enable_kv_cache_events=False")
-    trace = list(trace)
     n = int(pool.num_blocks)
     rep = ReplayReport(pool="BlockPool (device loop)", num_blocks=n, block_size=block_size, tpot_ms=float(tpot_ms),
                        requests=len(trace))

@@ -62,7 +62,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 
 from ..keys import trace_block_hash
-from .trace import BUNDLED_TRACE, TraceRequest, _is_int, bundled_trace_path, load_trace
+from .trace import BUNDLED_TRACE, TraceRequest, _is_int, bundled_trace_path, check_requests, load_trace
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE", "DEFAULT_NUM_BLOCKS", "DEFAULT_TPOT_MS", "BUNDLED_TRACE", "ReplayReport",
@@ -267,9 +267,12 @@ class _Replayer:
         return rep
 
 
-def check_replay_args(pool, block_size, tpot_ms) -> None:
-    """The checks every replay makes: ValueError for a ``block_size`` that is not an integer >= 1, a
-    ``tpot_ms`` that is not a finite number >= 0, or a pool with blocks in use."""
+def check_replay_args(pool, trace, block_size, tpot_ms) -> list[TraceRequest]:
+    """The checks every replay makes; returns the trace as a checked list. ValueError for a
+    ``block_size`` that is not an integer >= 1, a ``tpot_ms`` that is not a finite number >= 0, or a
+    pool with blocks in use; TraceError (a ValueError) for a request with a bad field (as
+    :func:`gpupool.replay.trace.check_requests`)."""
+    trace = check_requests(trace)
     if not _is_int(block_size) or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     if isinstance(tpot_ms, bool) or not isinstance(tpot_ms, (int, float)) or not math.isfinite(tpot_ms) \
@@ -279,6 +282,7 @@ def check_replay_args(pool, block_size, tpot_ms) -> None:
     free = int(pool.get_num_free_blocks())
     if free != n - 1:
         raise ValueError(f"replay needs a pool with no block in use: {free} of {n - 1} blocks are free")
+    return trace
 
 
 def progress_bar(progress: bool | Mapping, total: int, desc: str):
@@ -301,13 +305,14 @@ def replay(pool, trace: list[TraceRequest], *, block_size: int = DEFAULT_BLOCK_S
     ``pool`` must be fresh in the sense that no block is held (all ``num_blocks - 1`` non-null blocks
     free); it is left with every request finished. ``progress``: a tqdm bar over finished requests
     (True, or a mapping of extra tqdm arguments). Returns a :class:`ReplayReport`.
-    Raises ValueError for a bad ``block_size`` / ``tpot_ms`` or a pool with blocks in use.
+    Raises ValueError for a bad ``block_size`` / ``tpot_ms`` or a pool with blocks in use, TraceError
+    (a ValueError) for a request with a bad field, TypeError for an entry that is not a TraceRequest.
     """
-    check_replay_args(pool, block_size, tpot_ms)
+    trace = check_replay_args(pool, trace, block_size, tpot_ms)
     bar = progress_bar(progress, len(trace), f"replay {type(pool).__name__}")
     try:
         start = time.perf_counter()
-        rep = _Replayer(pool, list(trace), block_size, float(tpot_ms), bar).run()
+        rep = _Replayer(pool, trace, block_size, float(tpot_ms), bar).run()
         rep.wall_s = time.perf_counter() - start
     finally:
         if bar is not None:

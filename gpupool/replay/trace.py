@@ -84,6 +84,35 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def check_fields(where: str, ts, inp, out, ids, ids_type=(list, tuple)) -> None:
+    """One request's fields as docs/semantics.md section 5 allows them: a finite ``timestamp >= 0``,
+    integers ``input_length >= 1`` and ``output_length >= 0``, ``hash_ids`` a list (tuple) of integers
+    or strings. Raises TraceError naming ``where`` and the field."""
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+        raise TraceError(f"{where}: field timestamp must be a finite number >= 0, got {ts!r}")
+    if not _is_int(inp) or inp < 1:
+        raise TraceError(f"{where}: field input_length must be an integer >= 1, got {inp!r}")
+    if not _is_int(out) or out < 0:
+        raise TraceError(f"{where}: field output_length must be an integer >= 0, got {out!r}")
+    if not isinstance(ids, ids_type):
+        raise TraceError(f"{where}: field hash_ids must be a list of integers or strings, got {type(ids).__name__}")
+    for k, h in enumerate(ids):
+        if not (_is_int(h) or isinstance(h, str)):
+            raise TraceError(f"{where}: field hash_ids[{k}] must be an integer or a string, got {h!r}")
+
+
+def check_requests(trace) -> list[TraceRequest]:
+    """``trace`` (an iterable of :class:`TraceRequest`) as a list, every request checked as a trace
+    line is (:func:`check_fields`). Raises TraceError naming ``trace[i]`` and the field, TypeError for
+    an entry that is not a TraceRequest."""
+    out = list(trace)
+    for i, tr in enumerate(out):
+        if not isinstance(tr, TraceRequest):
+            raise TypeError(f"trace[{i}] must be a TraceRequest, got {type(tr).__name__}")
+        check_fields(f"trace[{i}]", tr.timestamp, tr.input_length, tr.output_length, tr.hash_ids)
+    return out
+
+
 def _parse_line(text: str, where: str, block_size: int, lenient: bool, counts: list[int]) -> TraceRequest:
     """One line as a TraceRequest; ``counts`` = [short, long] hash-id lists seen (lenient)."""
     try:
@@ -96,17 +125,7 @@ def _parse_line(text: str, where: str, block_size: int, lenient: bool, counts: l
     if missing:
         raise TraceError(f"{where}: missing field(s) {', '.join(missing)}")
     ts, inp, out, ids = row["timestamp"], row["input_length"], row["output_length"], row["hash_ids"]
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
-        raise TraceError(f"{where}: field timestamp must be a finite number >= 0, got {ts!r}")
-    if not _is_int(inp) or inp < 1:
-        raise TraceError(f"{where}: field input_length must be an integer >= 1, got {inp!r}")
-    if not _is_int(out) or out < 0:
-        raise TraceError(f"{where}: field output_length must be an integer >= 0, got {out!r}")
-    if not isinstance(ids, list):
-        raise TraceError(f"{where}: field hash_ids must be a list of integers or strings, got {type(ids).__name__}")
-    for k, h in enumerate(ids):
-        if not (_is_int(h) or isinstance(h, str)):
-            raise TraceError(f"{where}: field hash_ids[{k}] must be an integer or a string, got {h!r}")
+    check_fields(where, ts, inp, out, ids, list)
     expect = -(-inp // block_size)
     if len(ids) != expect:
         if not lenient:
