@@ -36,7 +36,7 @@ from test_faults import (  # noqa: E402
     CTRL_COMPACTIONS, UNIVERSE, Pair, RandChooser, VALID, pow2_at_least, step, total_keys,
 )
 
-DEFAULT_OPS = 1500  # per configuration; the two configurations take about a minute on two cores
+DEFAULT_OPS = 800  # per configuration; the two configurations take about 50 s on two cores
 SOAK_OPS = int(os.environ.get("GPUPOOL_SOAK_OPS") or DEFAULT_OPS)
 SEED = int(os.environ.get("GPUPOOL_SOAK_SEED") or 0)
 CHECK_EVERY = 25
