@@ -33,6 +33,7 @@ def i32(v):
 
 # ---- 1. host memory grows with every key ever cached -----------------------------------------
 
+@pytest.mark.slow
 def test_registry_empty_after_reset_prefix_cache():
     """The issue's repro (100 distinct keys here, 300 there: the registry sweeps only past
     ``MIN_SWEEP`` entries, so either count tests the reset alone): cached and freed, then reset: no
@@ -46,6 +47,7 @@ def test_registry_empty_after_reset_prefix_cache():
     assert len(p.registry) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("events", [False, True], ids=["no-events", "events"])
 def test_registry_bounded_by_live_keys(monkeypatch, events):
     """Without a reset: the registry stays O(live keys) (swept past twice its size at the last sweep),
@@ -126,6 +128,7 @@ def test_event_rows_past_int32_key_sequence():
     assert_consistent(p)
 
 
+@pytest.mark.slow
 def test_unpin_many_watchers():
     """Watchers are flags, not counted ids: many unpin calls keep working."""
     p = BlockPool(4)
@@ -139,6 +142,7 @@ def test_unpin_many_watchers():
 
 # ---- 5. threads ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", POOLS, ids=POOL_IDS)
 def test_two_threads_share_a_pool(cls):
     """A scheduler thread (allocate / cache / free) and a transfer thread (lookups, touch / free of

@@ -274,6 +274,7 @@ def test_validate_sees_a_leaked_reference(groups, cls):
 
 # ---- 4. counters: events through decode steps past an int32 key sequence ---------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eager", pytest.param("graph", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device"))])
 @pytest.mark.parametrize("groups", [("full",), ("full", SW)], ids=["full", "full+sw"])
@@ -318,6 +319,7 @@ def test_decode_step_events_past_int32_key_sequence(groups, mode):
 
 # ---- 5. threads -----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_two_threads_share_a_managers_pool():
     """The scheduler (manager ops) and a transfer thread (pool lookups, touch and free of hits)."""
     m = make(n=48)

@@ -68,6 +68,7 @@ def test_random_traces_match_the_reference(data):
     assert dev.end_time_ms == ref.end_time_ms
 
 
+@pytest.mark.slow
 def test_bundled_trace_prefix_on_a_small_pool_matches():
     trace = load_trace(limit=60)
     ref, dev = both(trace, 300, block_size=512, tpot_ms=20.0)
