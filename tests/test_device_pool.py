@@ -846,6 +846,7 @@ def test_ring_compaction_many_touch_free_cycles():
     assert min(heads) < 0
 
 
+@pytest.mark.slow
 def test_ring_wraparound_negative_head_caching_off():
     """Caching off: every free prepends, so touch / free of a block in the middle pushes the head
     further below zero (several times around the ring) and compacts when the window is full."""
@@ -866,6 +867,7 @@ def test_ring_wraparound_negative_head_caching_off():
     pair.do("free", lambda: pair.ref.free_blocks([5, 1, 3, 2, 4]), lambda: pair.dev.free_blocks([5, 1, 3, 2, 4]))
 
 
+@pytest.mark.slow
 def test_ring_compaction_in_free_batched_and_unpin():
     """Compaction triggered from inside the batched free and from unpin (appends), smallest ring."""
     n = 8
@@ -910,7 +912,8 @@ def test_ring_compaction_in_free_batched_and_unpin():
     assert int(pair.dev.state.ctrl[CTRL_COMPACTIONS]) > 0
 
 
-@pytest.mark.parametrize("chunks,n,mk", [(1, 5, 4), pytest.param(1, 17, 1, marks=pytest.mark.slow), (2, 9, 4),
+@pytest.mark.parametrize("chunks,n,mk", [(1, 5, 4), pytest.param(1, 17, 1, marks=pytest.mark.slow),
+                                         pytest.param(2, 9, 4, marks=pytest.mark.slow),
                                          pytest.param(2, 17, 2, marks=pytest.mark.slow)])
 def test_key_table_near_its_limit(chunks, n, mk):
     """Tables sized so every key slot can be in use at once ((N-1)*MK == 16*chunks): inserts, deletes,

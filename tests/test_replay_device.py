@@ -85,6 +85,7 @@ def test_zero_output_and_zero_tpot_finish_at_their_admission_time():
         assert ref.hit_blocks > 0
 
 
+@pytest.mark.slow
 def test_equal_timestamps_and_heavy_eviction():
     # Many requests at few timestamps through a pool that evicts on nearly every admission.
     trace = [TraceRequest(t // 5, 4 * (1 + t % 4) + 1, 1 + t % 3, tuple(range(t % 6, t % 6 + 1 + t % 4)))
