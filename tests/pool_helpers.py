@@ -217,6 +217,19 @@ def assert_lookups_agree(ref, dev, hashes, where: str = "") -> None:
     assert got == want, f"lookups differ: device {got} != reference {want}; {where}"
 
 
+def run_in_threads(errors: list, *targets: Callable) -> None:
+    """Run each target in its own thread and wait for all; the targets append what they caught to
+    ``errors``, which must stay empty."""
+    import threading
+
+    threads = [threading.Thread(target=t) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
 def call_both(ref_fn: Callable, dev_fn: Callable, dev_check: Callable | None = None):
     """Run the reference op, then the device op (and ``dev_check``, e.g. the status word's ``check()``),
     each catching a PoolError. Returns (reference value, reference error, device value, device error)."""

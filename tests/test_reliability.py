@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 import time
 
 import pytest
@@ -21,7 +20,7 @@ from gpupool import BlockPool, ReferenceBlockPool
 from gpupool.errors import ArgumentTypeError, BufferFullError, InvalidArgumentError, PoolError
 from gpupool.events import BlockStored
 from gpupool.kernels.layout import Ctrl
-from pool_helpers import assert_consistent, h, pool_state
+from pool_helpers import assert_consistent, h, pool_state, run_in_threads
 
 POOLS = [ReferenceBlockPool, BlockPool]
 POOL_IDS = ["reference", "device"]
@@ -174,12 +173,7 @@ def test_two_threads_share_a_pool(cls):
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
-    threads = [threading.Thread(target=scheduler), threading.Thread(target=transfer)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_in_threads(errors, scheduler, transfer)
     assert_consistent(p)
     assert p.get_num_free_blocks() == 23
 

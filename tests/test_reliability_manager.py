@@ -8,7 +8,6 @@ decode steps, 5. two threads on one manager's pool.
 """
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from gpupool.graph import DecodeStep
 from gpupool.kernels.layout import Ctrl
 from gpupool.manager import KVCacheManager
 from gpupool.reference import ReferenceKVCacheManager
-from pool_helpers import assert_consistent, h, pool_state, raw_state, same_raw_state
+from pool_helpers import assert_consistent, h, pool_state, raw_state, run_in_threads, same_raw_state
 
 BS = 4
 SW = ("sliding_window", 8)
@@ -119,14 +118,20 @@ def test_decode_step_bad_input_changes_nothing(field, values):
         step.num_reqs.fill_(len(values))
         if field == "num_tokens":
             step.slots[: len(values)] = i32([0, 0][: len(values)])
+    assert_step_changes_nothing(m, step)
+    m.validate()
+
+
+
+def assert_step_changes_nothing(m, step):
+    """``step.run()`` leaves every device tensor and the host state as they were, with an error
+    waiting in the status word."""
     before, raw = mstate(m), raw_state(m.pool, m)
     step.run()
     assert same_raw_state(raw, raw_state(m.pool, m)) == []
     with pytest.raises(PoolError):
         m.pool.check()
     assert mstate(m) == before
-    m.validate()
-
 
 @pytest.mark.parametrize("finished,slots,ntok", [
     ([1], [0], [0]),  # token count 0: the new token's position would be -1 (after the free and allocation)
@@ -145,12 +150,7 @@ def test_decode_step_is_all_or_nothing(finished, slots, ntok):
     m.pool.check()
     step = DecodeStep(m, max_batch=2)
     fill(step, slots, ntok, finished)
-    before, raw = mstate(m), raw_state(m.pool, m)
-    step.run()
-    assert same_raw_state(raw, raw_state(m.pool, m)) == []
-    with pytest.raises(PoolError):
-        m.pool.check()
-    assert mstate(m) == before
+    assert_step_changes_nothing(m, step)
     fill(step, [0], [6], [1])
     step.run()
     m.pool.check()
@@ -346,12 +346,7 @@ def test_two_threads_share_a_managers_pool():
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
-    threads = [threading.Thread(target=scheduler), threading.Thread(target=transfer)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_in_threads(errors, scheduler, transfer)
     m.validate()
     assert_consistent(m.pool)
     assert m.pool.get_num_free_blocks() == 47
