@@ -387,8 +387,9 @@ class BlockPool:
     def free_batched(self, ids: torch.Tensor, seg_offsets: torch.Tensor, num_ids: torch.Tensor | None = None) -> None:
         """Many ``free_blocks`` calls in one op: segment j (``ids[seg_offsets[j]:seg_offsets[j+1]]``) is
         the j-th call, in order (a request's blocks reversed, typically). ``ids: int32[M]``,
-        ``seg_offsets: int32[S + 1]`` from 0, nondecreasing, reaching ``num_ids`` (default M);
-        segments are found in the kernel. Errors go to the status word."""
+        ``seg_offsets: int32[S + 1]`` from 0, nondecreasing, with ``seg_offsets[S] >= num_ids`` (default
+        M): a fixed-capacity graph input may pad past the count, and segments are cut at ``num_ids``.
+        Segments are found in the kernel. Errors go to the status word."""
         op = "free_batched"
         ids = self._device_i32(op, ids, "ids")
         seg_offsets = self._device_i32(op, seg_offsets, "seg_offsets")
