@@ -28,16 +28,17 @@ DEFAULT_LAUNCHES_PER_SYNC = 4
 
 
 def upload_trace(trace: list[TraceRequest], num_blocks: int, block_size: int, tpot_ms: float, device,
-                 registry) -> tuple[TraceTensors, list[int]]:
+                 registry) -> tuple[TraceTensors, int, int]:
     """The trace's per-request tensors in arrival order (by timestamp, ties in trace order), with the
     model's numbers: ``full``, ``hitcap``, ``total`` as docs/semantics.md section 5 defines them and
     ``dur = output_length * tpot_ms`` (Python float, as the model adds it). Each distinct hash id is
-    hashed once and registered with the pool's key ``registry`` (group 0). Returns the tensors and
-    ``total`` as a list."""
+    hashed once and registered with the pool's key ``registry`` (group 0). Returns the tensors, the
+    blocks all admissible requests hold together (``blk_off`` are their running sums) and the largest
+    admissible request's blocks (at least 1)."""
     order = sorted(range(len(trace)), key=lambda i: trace[i].timestamp)
     keys: dict = {}
     his, los, off, full, hitcap, total, ts, dur, blk_off = [], [], [], [], [], [], [], [], []
-    blocks = 0
+    blocks, biggest = 0, 1
     for i in order:
         tr = trace[i]
         f = min(tr.input_length // block_size, len(tr.hash_ids))
@@ -56,7 +57,9 @@ def upload_trace(trace: list[TraceRequest], num_blocks: int, block_size: int, tp
         ts.append(float(tr.timestamp))
         dur.append(tr.output_length * tpot_ms)
         blk_off.append(blocks)
-        blocks += t if t <= num_blocks - 1 else 0  # a rejected request holds no blocks
+        if t <= num_blocks - 1:  # a rejected request holds no blocks
+            blocks += t
+            biggest = max(biggest, t)
     i64, i32, f64 = torch.int64, torch.int32, torch.float64
 
     def dev(xs, dtype):
@@ -64,16 +67,15 @@ def upload_trace(trace: list[TraceRequest], num_blocks: int, block_size: int, tp
 
     return TraceTensors(ts=dev(ts, f64), dur=dev(dur, f64), chain_hi=dev(his, i64), chain_lo=dev(los, i64),
                         chain_off=dev(off, i64), full=dev(full, i32), hitcap=dev(hitcap, i32),
-                        total=dev(total, i32), blk_off=dev(blk_off, i64)), total
+                        total=dev(total, i32), blk_off=dev(blk_off, i64)), blocks, biggest
 
 
-def new_loop_state(total: list[int], num_blocks: int, device) -> LoopState:
-    """A loop before its first event (every word 0 but ``NUM_REQUESTS``, ``now = -inf``), sized for
-    requests needing ``total`` blocks each (in arrival order) in a pool of ``num_blocks``."""
+def new_loop_state(num_requests: int, num_blocks: int, blocks: int, biggest: int, device) -> LoopState:
+    """A loop before its first event (every word 0 but ``NUM_REQUESTS``, ``now = -inf``) for a pool of
+    ``num_blocks``: room for ``blocks`` stored blocks and scratch for a request of ``biggest`` blocks
+    (both from :func:`upload_trace`)."""
     words = torch.zeros(NUM_LOOP_WORDS, dtype=torch.int64)
-    words[LoopWord.NUM_REQUESTS] = len(total)
-    admissible = [t for t in total if t <= num_blocks - 1]
-    blocks, biggest = sum(admissible), max(admissible, default=1)
+    words[LoopWord.NUM_REQUESTS] = num_requests
     return LoopState(words=words.to(device), now=torch.full((1,), -math.inf, dtype=torch.float64, device=device),
                      heap_t=torch.zeros(num_blocks, dtype=torch.float64, device=device),
                      heap_r=torch.zeros(num_blocks, dtype=torch.int32, device=device),
@@ -111,8 +113,8 @@ def replay_on_device(pool, trace: list[TraceRequest], *, block_size: int = DEFAU
     try:
         start = time.perf_counter()
         dev = pool.device
-        tr, total = upload_trace(trace, n, block_size, float(tpot_ms), dev, h.registry)
-        lp = new_loop_state(total, n, dev)
+        tr, blocks, biggest = upload_trace(trace, n, block_size, float(tpot_ms), dev, h.registry)
+        lp = new_loop_state(len(trace), n, blocks, biggest, dev)
         group_ids = torch.zeros(1, dtype=torch.int32, device=dev)
         shown, words = 0, None
         while True:
