@@ -452,9 +452,9 @@ class KVCacheManager:
             raise InvalidArgumentError(op, f"slot {r} has no block at index {i}", i)
         srcs = self.state.block_table[:, r, i].tolist()
         real = [x for x in srcs if x != NULL_BLOCK]
+        self._check_not_pending_dst(op, real)  # before the free count, as the reference checks
         if len(real) > self.pool.get_num_free_blocks():
             raise OutOfBlocksError(op, f"copy-on-write needs {len(real)} free blocks", len(real))
-        self._check_not_pending_dst(op, real)
         if self._pending() + len(real) > self.config.Q:
             raise InvalidArgumentError(op, "the pending-copy queue is full; run_pending_copies first")
         dsts, triples = [], []
