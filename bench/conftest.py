@@ -55,11 +55,12 @@ HOST_KINDS = ("reference", "vllm")
 DEVICE_KINDS = ("device-eager", "device-graph", "device-single")
 KINDS = HOST_KINDS + DEVICE_KINDS
 # ops each kind implements (device-single: the vLLM-named single ops that exist)
+OPS = ("alloc_free", "touch", "lookup", "decode_step")
 KIND_OPS = {
-    "reference": ("alloc_free", "touch", "lookup", "decode_step"),
-    "vllm": ("alloc_free", "touch", "lookup", "decode_step"),
-    "device-eager": ("alloc_free", "touch", "lookup", "decode_step"),
-    "device-graph": ("alloc_free", "touch", "lookup", "decode_step"),
+    "reference": OPS,
+    "vllm": OPS,
+    "device-eager": OPS,
+    "device-graph": OPS,
     "device-single": ("alloc_free", "touch"),
 }
 
@@ -122,7 +123,7 @@ def _kind_marks(kind: str) -> list:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "bench_op(name): a pool-op benchmark, parametrized over kinds and the grid")
+    config.addinivalue_line("markers", "bench_op: a pool-op benchmark, parametrized over ops, kinds and the grid")
 
 
 def pytest_report_header(config):
@@ -132,18 +133,17 @@ def pytest_report_header(config):
 
 
 def pytest_generate_tests(metafunc):
-    """Parametrize ``kind, num_blocks, batch`` of every ``@pytest.mark.bench_op(op)`` test."""
-    marker = metafunc.definition.get_closest_marker("bench_op")
-    if marker is None:
+    """Parametrize ``op, kind, num_blocks, batch`` of the ``@pytest.mark.bench_op`` test."""
+    if metafunc.definition.get_closest_marker("bench_op") is None:
         return
-    op = marker.args[0]
     params = []
-    for kind in KINDS:
-        if op not in KIND_OPS[kind]:
-            continue
-        for n, b in grid(kind, op):
-            params.append(pytest.param(kind, n, b, id=f"{kind}-N{n}-B{b}", marks=_kind_marks(kind)))
-    metafunc.parametrize(("kind", "num_blocks", "batch"), params)
+    for op in OPS:
+        for kind in KINDS:
+            if op not in KIND_OPS[kind]:
+                continue
+            for n, b in grid(kind, op):
+                params.append(pytest.param(op, kind, n, b, id=f"{op}-{kind}-N{n}-B{b}", marks=_kind_marks(kind)))
+    metafunc.parametrize(("op", "kind", "num_blocks", "batch"), params)
 
 
 class PoolCache:

@@ -387,24 +387,9 @@ def _cuda_event_us(step: Callable[[], object], iters: int = 50) -> float:
     return start.elapsed_time(end) * 1000.0 / iters
 
 
-@pytest.mark.bench_op("alloc_free")
-def test_alloc_free(benchmark, pools, kind, num_blocks, batch):
-    run_case(benchmark, pools, "alloc_free", kind, num_blocks, batch)
-
-
-@pytest.mark.bench_op("touch")
-def test_touch(benchmark, pools, kind, num_blocks, batch):
-    run_case(benchmark, pools, "touch", kind, num_blocks, batch)
-
-
-@pytest.mark.bench_op("lookup")
-def test_lookup(benchmark, pools, kind, num_blocks, batch):
-    run_case(benchmark, pools, "lookup", kind, num_blocks, batch)
-
-
-@pytest.mark.bench_op("decode_step")
-def test_decode_step(benchmark, pools, kind, num_blocks, batch):
-    run_case(benchmark, pools, "decode_step", kind, num_blocks, batch)
+@pytest.mark.bench_op
+def test_pool_op(benchmark, pools, op, kind, num_blocks, batch):
+    run_case(benchmark, pools, op, kind, num_blocks, batch)
 
 
 # ---- trace replay ----------------------------------------------------------------------------

@@ -7,22 +7,23 @@ import torch
 
 from .errors import InvariantError
 from .kernels import validate as k_validate
+from .kernels.validate import Check
 
 CHECKS = {
-    1: "the ring's live window [head, tail) is negative or longer than the ring (R1); length",
-    2: "a ring slot in the live window holds a bad id or one whose qslot points elsewhere (R2); slot",
-    3: "num_free differs from the live ring slots (R4); num_free",
-    4: "the null block is queued or has keys; block 0",
-    5: "a ref count is below zero; block",
-    6: "a block is queued but held, or free but not queued (R3); block",
-    7: "a queued block's qslot is outside the live window or its slot holds another id (R3, R5); block",
-    8: "a block has more keys than max_keys_per_block; block",
-    9: "a block's keys and hash_num_tokens disagree; block",
-    10: "a key row's table slot does not point back to it; block",
-    11: "a block has the same key twice; block",
-    12: "the table holds a different number of entries than the key rows; entries",
-    13: "a chunk's overflow count differs from the probe paths through it; chunk",
-    14: "a block has keys while caching is disabled; block",
+    Check.WINDOW: "the ring's live window [head, tail) is negative or longer than the ring (R1); length",
+    Check.RING_SLOT: "a ring slot in the live window holds a bad id or one whose qslot points elsewhere (R2); slot",
+    Check.NUM_FREE: "num_free differs from the live ring slots (R4); num_free",
+    Check.NULL: "the null block is queued or has keys; block 0",
+    Check.REF_NEG: "a ref count is below zero; block",
+    Check.QUEUED_IFF_FREE: "a block is queued but held, or free but not queued (R3); block",
+    Check.QSLOT: "a queued block's qslot is outside the live window or its slot holds another id (R3, R5); block",
+    Check.NUM_KEYS: "a block has more keys than max_keys_per_block; block",
+    Check.NTOK: "a block's keys and hash_num_tokens disagree; block",
+    Check.KEY_SLOT: "a key row's table slot does not point back to it; block",
+    Check.DUP_KEY: "a block has the same key twice; block",
+    Check.TABLE_COUNT: "the table holds a different number of entries than the key rows; entries",
+    Check.OVERFLOW: "a chunk's overflow count differs from the probe paths through it; chunk",
+    Check.CACHING_OFF: "a block has keys while caching is disabled; block",
 }
 
 

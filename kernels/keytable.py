@@ -18,13 +18,9 @@ import triton.language as tl
 from .events import write_removed
 
 CHUNK = tl.constexpr(16)
-# columns of the key rows
+# columns of the key rows: key (hi, lo, group), insertion sequence number, table slot
 KW = tl.constexpr(5)
-K_HI = tl.constexpr(0)
-K_LO = tl.constexpr(1)
-K_GROUP = tl.constexpr(2)
-K_SEQ = tl.constexpr(3)
-K_SLOT = tl.constexpr(4)
+K_HI, K_LO, K_GROUP, K_SEQ, K_SLOT = (tl.constexpr(c) for c in range(5))
 SEQ_NONE = tl.constexpr(9223372036854775807)
 
 

@@ -2,13 +2,19 @@
 word, op codes, error codes, event kinds and row layout, sentinels.
 
 Each group is an ``IntEnum`` for the host; kernels read the ``tl.constexpr`` mirrors below it (a
-kernel cannot read an enum member). ``tests/test_layout.py`` checks that every mirror equals its member.
+kernel cannot read an enum member), unpacked from :func:`constexprs` into names that repeat the
+members' (with a prefix). ``tests/test_layout.py`` checks that every mirror equals its member.
 """
 from enum import IntEnum
 
 import triton.language as tl
 
 from ..errors import ErrorCode
+
+
+def constexprs(enum: type[IntEnum]) -> tuple:
+    """``enum``'s members as ``tl.constexpr`` values, in definition order."""
+    return tuple(tl.constexpr(int(m)) for m in enum)
 
 
 class Ctrl(IntEnum):
@@ -29,17 +35,8 @@ class Ctrl(IntEnum):
 
 CTRL_SIZE = 16
 
-HEAD = tl.constexpr(Ctrl.HEAD)
-TAIL = tl.constexpr(Ctrl.TAIL)
-NUM_FREE = tl.constexpr(Ctrl.NUM_FREE)
-KEY_SEQ = tl.constexpr(Ctrl.KEY_SEQ)
-EV_COUNT = tl.constexpr(Ctrl.EV_COUNT)
-REUSE_COUNT = tl.constexpr(Ctrl.REUSE_COUNT)
-COMPACTIONS = tl.constexpr(Ctrl.COMPACTIONS)
-ALLOC_PARALLEL = tl.constexpr(Ctrl.ALLOC_PARALLEL)
-ALLOC_FALLBACK = tl.constexpr(Ctrl.ALLOC_FALLBACK)
-ALLOC_SPLIT = tl.constexpr(Ctrl.ALLOC_SPLIT)
-FALLBACK_REASONS = tl.constexpr(Ctrl.FALLBACK_REASONS)
+(HEAD, TAIL, NUM_FREE, KEY_SEQ, EV_COUNT, REUSE_COUNT, COMPACTIONS, ALLOC_PARALLEL, ALLOC_FALLBACK, ALLOC_SPLIT,
+ FALLBACK_REASONS) = constexprs(Ctrl)
 
 
 class Status(IntEnum):
@@ -50,9 +47,7 @@ class Status(IntEnum):
     VALUE = 2
 
 
-ST_CODE = tl.constexpr(Status.CODE)
-ST_OP = tl.constexpr(Status.OP)
-ST_VALUE = tl.constexpr(Status.VALUE)
+ST_CODE, ST_OP, ST_VALUE = constexprs(Status)
 
 
 class Op(IntEnum):
@@ -87,38 +82,14 @@ def op_name(code: int) -> str:
         return f"op {code}"
 
 
-OP_GET_NEW_BLOCKS = tl.constexpr(Op.GET_NEW_BLOCKS)
-OP_FREE_BLOCKS = tl.constexpr(Op.FREE_BLOCKS)
-OP_TOUCH = tl.constexpr(Op.TOUCH)
-OP_UNPIN_BLOCKS = tl.constexpr(Op.UNPIN_BLOCKS)
-OP_CACHE_FULL_BLOCKS = tl.constexpr(Op.CACHE_FULL_BLOCKS)
-OP_CACHE_PARTIAL_BLOCK = tl.constexpr(Op.CACHE_PARTIAL_BLOCK)
-OP_MOVE_BLOCK_HASHES = tl.constexpr(Op.MOVE_BLOCK_HASHES)
-OP_EVICT_BLOCKS = tl.constexpr(Op.EVICT_BLOCKS)
-OP_RESET_PREFIX_CACHE = tl.constexpr(Op.RESET_PREFIX_CACHE)
-OP_ALLOCATE_BATCHED = tl.constexpr(Op.ALLOCATE_BATCHED)
-OP_FREE_BATCHED = tl.constexpr(Op.FREE_BATCHED)
-OP_TOUCH_BATCHED = tl.constexpr(Op.TOUCH_BATCHED)
-OP_LOOKUP_BATCHED = tl.constexpr(Op.LOOKUP_BATCHED)
-OP_LONGEST_PREFIX_BATCHED = tl.constexpr(Op.LONGEST_PREFIX_BATCHED)
-OP_ALLOCATE_SLOTS = tl.constexpr(Op.ALLOCATE_SLOTS)
-OP_FREE = tl.constexpr(Op.FREE)
-OP_SLOT_MAPPING = tl.constexpr(Op.SLOT_MAPPING)
-OP_RELEASE_COPIES = tl.constexpr(Op.RELEASE_COPIES)
-OP_REPLAY = tl.constexpr(Op.REPLAY)
-OP_DECODE_STEP = tl.constexpr(Op.DECODE_STEP)
+(OP_GET_NEW_BLOCKS, OP_FREE_BLOCKS, OP_TOUCH, OP_UNPIN_BLOCKS, OP_CACHE_FULL_BLOCKS, OP_CACHE_PARTIAL_BLOCK,
+ OP_MOVE_BLOCK_HASHES, OP_EVICT_BLOCKS, OP_RESET_PREFIX_CACHE, OP_ALLOCATE_BATCHED, OP_FREE_BATCHED,
+ OP_TOUCH_BATCHED, OP_LOOKUP_BATCHED, OP_LONGEST_PREFIX_BATCHED, OP_ALLOCATE_SLOTS, OP_FREE, OP_SLOT_MAPPING,
+ OP_RELEASE_COPIES, OP_REPLAY, OP_DECODE_STEP) = constexprs(Op)
 
 # Error codes (gpupool.errors.ErrorCode; the messages live with the error classes).
-E_OUT_OF_BLOCKS = tl.constexpr(ErrorCode.OUT_OF_BLOCKS)
-E_INVALID_COUNT = tl.constexpr(ErrorCode.INVALID_COUNT)
-E_INVALID_ID = tl.constexpr(ErrorCode.INVALID_ID)
-E_NULL_BLOCK = tl.constexpr(ErrorCode.NULL_BLOCK)
-E_DOUBLE_FREE = tl.constexpr(ErrorCode.DOUBLE_FREE)
-E_HASH_CONFLICT = tl.constexpr(ErrorCode.HASH_CONFLICT)
-E_KEY_CAPACITY = tl.constexpr(ErrorCode.KEY_CAPACITY)
-E_INVALID_ARG = tl.constexpr(ErrorCode.INVALID_ARG)
-E_INVARIANT = tl.constexpr(ErrorCode.INVARIANT)
-E_BUFFER_FULL = tl.constexpr(ErrorCode.BUFFER_FULL)
+(E_NONE, E_UNKNOWN, E_OUT_OF_BLOCKS, E_INVALID_COUNT, E_INVALID_ID, E_NULL_BLOCK, E_DOUBLE_FREE,
+ E_HASH_CONFLICT, E_KEY_CAPACITY, E_INVALID_ARG, E_INVARIANT, E_BUFFER_FULL) = constexprs(ErrorCode)
 
 
 class Event(IntEnum):
@@ -136,10 +107,7 @@ class Event(IntEnum):
 
 
 EVW = tl.constexpr(6)
-EV_REMOVED = tl.constexpr(Event.REMOVED)
-EV_STORED = tl.constexpr(Event.STORED)
-EV_STORED_ITEM = tl.constexpr(Event.STORED_ITEM)
-EV_CLEARED = tl.constexpr(Event.CLEARED)
+EV_REMOVED, EV_STORED, EV_STORED_ITEM, EV_CLEARED = constexprs(Event)
 
 # Sentinels.
 BIG = tl.constexpr(2147483647)  # "no index" in min-reductions; int32 maximum

@@ -23,7 +23,7 @@ from .layout import (
 )
 from .lookup import find_longest_cache_hit
 from .release import (
-    check_ids, count_ids, first_double_free, free_checked, release_place, release_scan, reset_ids, touch_checked,
+    check_ids, count_ids, free_checked, release_place, release_scan, reset_ids, touch_checked,
 )
 from .queue import ring_make_room
 
@@ -121,7 +121,7 @@ def remove_skipped_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, head, t
                 tl.store(ms.s_ids + pos, tl.load(row + nskip - 1 - pos, mask=pos < n, other=0), mask=pos < n)
                 t += pc.BLOCK
             tl.debug_barrier()
-            head, tail, rel = free_checked(ps, pc, ms.s_ids, n, ms.s_pf, head, tail)
+            head, tail, rel, _, _ = free_checked(ps, pc, ms.s_ids, n, ms.s_pf, head, tail)
             released += rel
             t = last_null + 1
             while t < nskip:
@@ -490,18 +490,14 @@ def release_copies_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr):
         err, err_val, _ = check_ids(ms.copy_release, n, pc.N, False, pc.BLOCK)
         err = tl.where(n_ok, err, E_INVALID_ARG)
         err_val = tl.where(n_ok, err_val, tl.load(ms.num_copies).to(tl.int64))
+        head = tl.load(ps.ctrl + HEAD)
+        tail = tl.load(ps.ctrl + TAIL)
+        released = tl.zeros([], tl.int32)
         if err == 0:
-            count_ids(ps, ms.copy_release, n, pc.BLOCK)
-            tl.debug_barrier()
-            dfree_i, dfree_v = first_double_free(ps, ms.copy_release, n, pc.BLOCK)
-            tl.debug_barrier()
-            reset_ids(ps, ms.copy_release, n, pc.N, pc.BLOCK)
-            tl.debug_barrier()
+            head, tail, released, dfree_i, dfree_v = free_checked(ps, pc, ms.copy_release, n, ms.s_pf, head, tail)
             err = tl.where(dfree_i < BIG, E_DOUBLE_FREE, err)
             err_val = tl.where(dfree_i < BIG, dfree_v, err_val)
         if err == 0:
-            head, tail, released = free_checked(ps, pc, ms.copy_release, n, ms.s_pf, tl.load(ps.ctrl + HEAD),
-                                                tl.load(ps.ctrl + TAIL))
             tl.store(ps.ctrl + HEAD, head)
             tl.store(ps.ctrl + TAIL, tail)
             tl.store(ps.ctrl + NUM_FREE, tl.load(ps.ctrl + NUM_FREE) + released)

@@ -37,7 +37,7 @@ from .events import write_stored_header, write_stored_item
 from .keytable import drop_keys, key_home, lookup_blocks, put_key
 from .layout import (
     ALLOC_FALLBACK, ALLOC_PARALLEL, ALLOC_SPLIT, BIG, EV_COUNT, FALLBACK_REASONS, HEAD, KEY_SEQ, NO_SLOT, NUM_FREE,
-    REUSE_COUNT, TAIL,
+    REUSE_COUNT, TAIL, constexprs,
 )
 from .manager import check_allocate_batch, keys_of, row_of
 from .queue import ring_make_room, ring_scan_pop
@@ -54,11 +54,7 @@ class Fallback(IntEnum):
     FORCED = 4
 
 
-R_OUT_OF_BLOCKS = tl.constexpr(Fallback.OUT_OF_BLOCKS)
-R_SLIDING_WINDOW = tl.constexpr(Fallback.SLIDING_WINDOW)
-R_PREFIX = tl.constexpr(Fallback.PREFIX)
-R_PARTIAL_KEY = tl.constexpr(Fallback.PARTIAL_KEY)
-R_FORCED = tl.constexpr(Fallback.FORCED)
+R_OUT_OF_BLOCKS, R_SLIDING_WINDOW, R_PREFIX, R_PARTIAL_KEY, R_FORCED = constexprs(Fallback)
 
 # per-request fields of s_par
 P_SLOT = tl.constexpr(0)

@@ -83,23 +83,6 @@ def reset_ids(ps, ids, n, N: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def first_double_free(ps, ids, n, BLOCK: tl.constexpr):
-    """(index, block) of the first non-null id of ``ids[:n]`` whose count exceeds its ref count
-    (index BIG when none). Needs ``count_ids`` first."""
-    offs = tl.arange(0, BLOCK)
-    err, val, bad_i = no_error()
-    i = 0
-    while i < n:
-        idx = i + offs
-        b, m = tile_of(ids, idx, n)
-        m = m & (b != 0)
-        over = m & (tl.load(ps.s_cnt + b, mask=m, other=0) > tl.load(ps.ref_cnt + b, mask=m, other=0))
-        err, val, bad_i = keep_first(err, val, bad_i, E_DOUBLE_FREE, over, idx, b)
-        i += BLOCK
-    return bad_i, val
-
-
-@triton.jit
 def release_flags(ps, pc: tl.constexpr, b, idx, m, TO_FRONT: tl.constexpr):
     """Per lane: (releases its block, to the front). A lane releases at its block's last occurrence
     when the count equals the ref count; to the front when the block has no key (or caching is off),
@@ -207,18 +190,24 @@ def release_place(ps, pc: tl.constexpr, ids, n, pf, code, seg_off, seg_of, head,
 
 @triton.jit
 def free_checked(ps, pc: tl.constexpr, ids, n, pf, head, tail):
-    """``free_blocks(ids[:n])`` of an already validated list (one segment): counts, placement, scratch
-    reset. Returns (new head, new tail, blocks released); the caller stores them."""
+    """``free_blocks(ids[:n])`` of a list of in-range ids (one segment): counts, placement, scratch
+    reset. Returns (new head, new tail, blocks released, first double-free index or BIG, its block);
+    the caller stores head and tail. A double free changes nothing (head, tail as given, 0 released)."""
     count_ids(ps, ids, n, pc.BLOCK)
     tl.debug_barrier()
-    nf, nl, _, _ = release_scan(ps, pc, ids, n, pf, None, True)
+    nf, nl, dfree_i, dfree_v = release_scan(ps, pc, ids, n, pf, None, True)
     tl.debug_barrier()
-    tail = ring_make_room(ps, pc, head, tail, nf + nl)
-    tail = release_place(ps, pc, ids, n, pf, None, pf, pf, head, tail, nf, True, False)
+    if dfree_i == BIG:
+        tail = ring_make_room(ps, pc, head, tail, nf + nl)
+        tail = release_place(ps, pc, ids, n, pf, None, pf, pf, head, tail, nf, True, False)
+        head -= nf
+    else:
+        nf = tl.zeros([], tl.int32)
+        nl = tl.zeros([], tl.int32)
     tl.debug_barrier()
     reset_ids(ps, ids, n, pc.N, pc.BLOCK)
     tl.debug_barrier()
-    return head - nf, tail, nf + nl
+    return head, tail, nf + nl, dfree_i, dfree_v
 
 
 @triton.jit

@@ -30,7 +30,7 @@ import triton.language as tl
 from .alloc import pop_and_claim
 from .cache import cache_range
 from .common import status_clear, warps_for
-from .layout import BIG, HEAD, KEY_SEQ, EV_COUNT, NUM_FREE, TAIL
+from .layout import BIG, EV_COUNT, HEAD, KEY_SEQ, NUM_FREE, TAIL, constexprs
 from .lookup import find_longest_cache_hit
 from .release import free_checked, touch_checked
 
@@ -57,19 +57,8 @@ class LoopWord(IntEnum):
 NUM_LOOP_WORDS = 16
 COUNTERS = tl.constexpr(8)  # words[COUNTERS:COUNTERS + NUM_COUNTERS] are the counters
 NUM_COUNTERS = tl.constexpr(8)
-W_NUM_REQUESTS = tl.constexpr(LoopWord.NUM_REQUESTS)
-W_NEXT_ARRIVAL = tl.constexpr(LoopWord.NEXT_ARRIVAL)
-W_LINE_HEAD = tl.constexpr(LoopWord.LINE_HEAD)
-W_RUNNING = tl.constexpr(LoopWord.RUNNING)
-W_DONE = tl.constexpr(LoopWord.DONE)
-W_TIME_POINTS = tl.constexpr(LoopWord.TIME_POINTS)
-W_ADMITTED = tl.constexpr(LoopWord.ADMITTED)
-W_REJECTED = tl.constexpr(LoopWord.REJECTED)
-W_PROMPT_BLOCKS = tl.constexpr(LoopWord.PROMPT_BLOCKS)
-W_HIT_BLOCKS = tl.constexpr(LoopWord.HIT_BLOCKS)
-W_WAITED = tl.constexpr(LoopWord.WAITED)
-W_PEAK_IN_USE = tl.constexpr(LoopWord.PEAK_IN_USE)
-W_COMPLETED = tl.constexpr(LoopWord.COMPLETED)
+(W_NUM_REQUESTS, W_NEXT_ARRIVAL, W_LINE_HEAD, W_RUNNING, W_DONE, W_TIME_POINTS, W_ADMITTED, W_REJECTED,
+ W_PROMPT_BLOCKS, W_HIT_BLOCKS, W_WAITED, W_PEAK_IN_USE, W_COMPLETED) = constexprs(LoopWord)
 
 HEAP_D = tl.constexpr(32)  # children per heap node
 INF = tl.constexpr(float("inf"))
@@ -198,8 +187,8 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
                 r = tl.load(lp.heap_r)
                 running = heap_pop(lp.heap_t, lp.heap_r, running)
                 ct = tl.load(lp.heap_t, mask=running > 0, other=INF)
-                head, tail, released = free_checked(ps, pc, lp.blocks + tl.load(tr.blk_off + r),
-                                                    tl.load(tr.total + r), lp.pf, head, tail)
+                head, tail, released, _, _ = free_checked(ps, pc, lp.blocks + tl.load(tr.blk_off + r),
+                                                          tl.load(tr.total + r), lp.pf, head, tail)
                 num_free += released
                 counts += (slot == W_COMPLETED).to(tl.int64)
                 admit = tl.full([], 1, tl.int1)

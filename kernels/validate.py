@@ -5,29 +5,37 @@ Grid (1,). Reads the whole state, writes only ``out: int64[2]`` = (first failed 
 value; 0 = all hold) and the scratch ``s_ovf: int32[NCHUNK]`` (expected overflow counts), which it
 zeroes again. Checks run in a fixed order; the first failing one is reported.
 """
+from enum import IntEnum
+
 import triton
 import triton.language as tl
 
 from .common import warps_for
-
 from .keytable import CHUNK, K_GROUP, K_HI, K_LO, K_SLOT, KW, key_home, key_tag
-from .layout import BIG, HEAD, NUM_FREE, TAIL
+from .layout import BIG, HEAD, NUM_FREE, TAIL, constexprs
 
-# Check ids (gpupool.validate.CHECKS has their messages).
-V_WINDOW = tl.constexpr(1)
-V_RING_SLOT = tl.constexpr(2)
-V_NUM_FREE = tl.constexpr(3)
-V_NULL = tl.constexpr(4)
-V_REF_NEG = tl.constexpr(5)
-V_QUEUED_IFF_FREE = tl.constexpr(6)
-V_QSLOT = tl.constexpr(7)
-V_NUM_KEYS = tl.constexpr(8)
-V_NTOK = tl.constexpr(9)
-V_KEY_SLOT = tl.constexpr(10)
-V_DUP_KEY = tl.constexpr(11)
-V_TABLE_COUNT = tl.constexpr(12)
-V_OVERFLOW = tl.constexpr(13)
-V_CACHING_OFF = tl.constexpr(14)
+
+class Check(IntEnum):
+    """The checks, in the order they run (``gpupool.validate.CHECKS`` has their messages)."""
+
+    WINDOW = 1
+    RING_SLOT = 2
+    NUM_FREE = 3
+    NULL = 4
+    REF_NEG = 5
+    QUEUED_IFF_FREE = 6
+    QSLOT = 7
+    NUM_KEYS = 8
+    NTOK = 9
+    KEY_SLOT = 10
+    DUP_KEY = 11
+    TABLE_COUNT = 12
+    OVERFLOW = 13
+    CACHING_OFF = 14
+
+
+(V_WINDOW, V_RING_SLOT, V_NUM_FREE, V_NULL, V_REF_NEG, V_QUEUED_IFF_FREE, V_QSLOT, V_NUM_KEYS, V_NTOK,
+ V_KEY_SLOT, V_DUP_KEY, V_TABLE_COUNT, V_OVERFLOW, V_CACHING_OFF) = constexprs(Check)
 
 
 @triton.jit

@@ -48,3 +48,21 @@ def test_device_path_does_not_import_the_reference(rel):
     mods = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     mods += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert not [m for m in mods if "reference" in m], f"{rel} imports the reference: {mods}"
+
+
+def _mirrors():
+    from gpupool.errors import ErrorCode
+    from gpupool.kernels import layout, parallel_alloc, replay, validate
+
+    return [(layout, layout.Ctrl, ""), (layout, layout.Status, "ST_"), (layout, layout.Op, "OP_"),
+            (layout, ErrorCode, "E_"), (layout, layout.Event, "EV_"),
+            (parallel_alloc, parallel_alloc.Fallback, "R_"), (replay, replay.LoopWord, "W_"),
+            (validate, validate.Check, "V_")]
+
+
+@pytest.mark.parametrize("module, enum, prefix", _mirrors(), ids=lambda v: getattr(v, "__name__", v))
+def test_every_constexpr_mirror_equals_its_member(module, enum, prefix):
+    """The names unpacked from ``layout.constexprs(enum)`` must follow the members' order."""
+    wrong = {prefix + m.name: getattr(module, prefix + m.name, None) for m in enum
+             if getattr(getattr(module, prefix + m.name, None), "value", None) != int(m)}
+    assert not wrong, f"{module.__name__}: mirrors that differ from {enum.__name__}: {wrong}"
