@@ -112,7 +112,7 @@ def cache_full_kernel(ps, pc: tl.constexpr, ids, key_hi, key_lo, mask, p, OP: tl
         nf = tl.load(p + CF_NF).to(tl.int32)
         bs = tl.load(p + CF_BS)
         offs = tl.arange(0, pc.BLOCK)
-        err, err_val, _ = check_ids(ids, nids, pc.N, False, pc.BLOCK)
+        err, err_val, _ = check_ids(ps, ids, nids, pc.N, False, False, pc.BLOCK)
         if err == 0:
             i = nc
             while i < nf:  # first active occurrence of each block (masked ones are no duplicates)
@@ -252,7 +252,7 @@ def evict_kernel(ps, pc: tl.constexpr, ids, n, OP: tl.constexpr):
     occurrence order, one BlockRemoved row per key). Ref counts and the ring never change."""
     if status_clear(ps.status):
         offs = tl.arange(0, pc.BLOCK)
-        err, err_val, _ = check_ids(ids, n, pc.N, False, pc.BLOCK)
+        err, err_val, _ = check_ids(ps, ids, n, pc.N, False, False, pc.BLOCK)
         if err == 0:
             # first occurrences only
             i = 0

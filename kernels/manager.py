@@ -487,7 +487,7 @@ def release_copies_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr):
     failed step. A count outside ``0..Q`` or a bad id sets E_INVALID_ARG / E_INVALID_ID instead."""
     n, n_ok = checked_count(ms.num_copies, mc.Q)
     if status_clear(ps.status):
-        err, err_val, _ = check_ids(ms.copy_release, n, pc.N, False, pc.BLOCK)
+        err, err_val, _ = check_ids(ps, ms.copy_release, n, pc.N, False, False, pc.BLOCK)
         err = tl.where(n_ok, err, E_INVALID_ARG)
         err_val = tl.where(n_ok, err_val, tl.load(ms.num_copies).to(tl.int64))
         head = tl.load(ps.ctrl + HEAD)

@@ -29,9 +29,10 @@ from .queue import ring_make_room, ring_put, ring_unlink
 
 
 @triton.jit
-def check_ids(ids, n, N: tl.constexpr, NULL_IS_ERROR: tl.constexpr, BLOCK: tl.constexpr):
-    """(error code, offending id) over ``ids[:n]``: the first out-of-range id, else the first null id
-    when NULL_IS_ERROR, else (0, 0)."""
+def check_ids(ps, ids, n, N: tl.constexpr, NULL_IS_ERROR: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+    """(error code, offending id, its index) over ``ids[:n]``: the first out-of-range id, else the
+    first null id when NULL_IS_ERROR, else (0, 0, BIG). With COUNT, also ``count_ids`` of the
+    in-range ids in the same pass (the common case has no bad id; one read of the list, not two)."""
     offs = tl.arange(0, BLOCK)
     bad_i = tl.full([], BIG, tl.int32)
     bad_v = tl.zeros([], tl.int64)
@@ -40,16 +41,27 @@ def check_ids(ids, n, N: tl.constexpr, NULL_IS_ERROR: tl.constexpr, BLOCK: tl.co
     while i < n:
         m = (i + offs) < n
         b = tl.load(ids + i + offs, mask=m, other=0)
-        anyb, bi, bv = first_bad(m & ((b < 0) | (b >= N)), i + offs, b)
+        out = (b < 0) | (b >= N)
+        anyb, bi, bv = first_bad(m & out, i + offs, b)
         bad_v = tl.where(anyb & (bi < bad_i), bv, bad_v)
         bad_i = tl.where(anyb & (bi < bad_i), bi, bad_i)
         anyn, ni, _ = first_bad(m & (b == 0), i + offs, b)
         null_i = tl.minimum(null_i, tl.where(anyn, ni, BIG))
+        if COUNT:
+            count_tile(ps, b, i + offs, m & (b > 0) & (b < N))
         i += BLOCK
     code = tl.where(bad_i < BIG, E_INVALID_ID, 0)
     if NULL_IS_ERROR:
         code = tl.where((code == 0) & (null_i < BIG), E_NULL_BLOCK, code)
     return code, bad_v, bad_i
+
+
+@triton.jit
+def count_tile(ps, b, idx, m):
+    """Occurrence count and last / first index of block ``b`` at lanes ``m`` (order-free atomics)."""
+    tl.atomic_add(ps.s_cnt + b, 1, mask=m)
+    tl.atomic_max(ps.s_last + b, idx, mask=m)
+    tl.atomic_min(ps.s_first + b, idx, mask=m)
 
 
 @triton.jit
@@ -60,10 +72,7 @@ def count_ids(ps, ids, n, BLOCK: tl.constexpr):
     while i < n:
         m = (i + offs) < n
         b = tl.load(ids + i + offs, mask=m, other=0)
-        m = m & (b != 0)
-        tl.atomic_add(ps.s_cnt + b, 1, mask=m)
-        tl.atomic_max(ps.s_last + b, i + offs, mask=m)
-        tl.atomic_min(ps.s_first + b, i + offs, mask=m)
+        count_tile(ps, b, i + offs, m & (b != 0))
         i += BLOCK
 
 
@@ -242,16 +251,20 @@ def release_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, seg_off, nseg, pf, s
     if status_clear(ps.status):
         seg_ok = n_ok & check_segments(seg_off, nseg, n, pc.BLOCK)
         n = tl.where(seg_ok, n, 0)
-        err, err_val, bad_i = check_ids(ids, n, pc.N, UNPIN, pc.BLOCK)
+        err, err_val, bad_i = check_ids(ps, ids, n, pc.N, UNPIN, True, pc.BLOCK)
         err_val = tl.where(seg_ok, err_val, raw_count(num_ids, cap).to(tl.int64))
         err = tl.where(seg_ok, err, E_INVALID_ARG)
-        # Count up to the first bad id's segment (a double free there or before comes first).
         p_end = n
-        if (err != 0) & seg_ok & (not UNPIN):
-            p_end = tl.minimum(tl.load(seg_off + segment_of(seg_off, nseg, bad_i)), n)
-        if (err == 0) | (p_end < n):
-            count_ids(ps, ids, p_end, pc.BLOCK)
+        if err != 0:  # recount up to the first bad id's segment (a double free there or before comes first)
+            if seg_ok & (not UNPIN):
+                p_end = tl.minimum(tl.load(seg_off + segment_of(seg_off, nseg, bad_i)), n)
+            p_end = tl.where(p_end < n, p_end, 0)
             tl.debug_barrier()
+            reset_ids(ps, ids, n, pc.N, pc.BLOCK)
+            tl.debug_barrier()
+            count_ids(ps, ids, p_end, pc.BLOCK)
+        tl.debug_barrier()
+        if (err == 0) | (p_end > 0):
             nf, nl, dfree_i, dfree_v = release_scan(ps, pc, ids, p_end, pf, code, not UNPIN)
             err = tl.where(dfree_i < BIG, E_DOUBLE_FREE, err)
             err_val = tl.where(dfree_i < BIG, dfree_v, err_val)
@@ -322,7 +335,7 @@ def touch_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, OP: tl.constexpr):
     changes nothing; the other blocks keep their queue order (tombstones)."""
     n, n_ok = checked_count(num_ids, cap)
     if status_clear(ps.status):
-        err, err_val, _ = check_ids(ids, n, pc.N, False, pc.BLOCK)
+        err, err_val, _ = check_ids(ps, ids, n, pc.N, False, False, pc.BLOCK)
         err_val = tl.where(n_ok, err_val, raw_count(num_ids, cap).to(tl.int64))
         err = tl.where(n_ok, err, E_INVALID_ARG)
         if err == 0:
