@@ -3,11 +3,11 @@ CUDA graph and replayed every step with new device inputs.
 
 Per step, in order (vLLM's scheduler order: finished requests leave before the next allocation):
 
-0. check every input first (``kernels/manager.py`` check_step_kernel: both counts, every slot of both
+0. check every input first (``kernels/manager.py`` check_step: both counts, every slot of both
    lists in range, in use and listed once, token counts in ``1 .. max_blocks_per_req * block_size``,
    room for the events), so that a bad input changes nothing: no op below runs on a failed check,
    and none of them can fail after an earlier one committed;
-1. ``free`` the finished requests (``finished[:num_finished]``);
+1. ``free`` the finished requests (``finished[:num_finished]``), in the same launch as step 0;
 2. ``allocate_slots`` for the running requests (``slots[:num_reqs]``, ``target = num_tokens``, no
    lookup, ``stop_on_failure=False``): a request crossing a block boundary gets a block per group,
    blocks that became full are cached; ``admitted`` says which fitted (the others are the
@@ -27,7 +27,6 @@ import torch
 
 from .args import as_int
 from .errors import InvalidArgumentError
-from .kernels import manager as k_manager
 from .manager import KVCacheManager
 
 
@@ -61,14 +60,7 @@ class DecodeStep:
     def _body(self) -> None:
         m = self.m
         batch = m.batch(self.slots, self.num_tokens, self.num_tokens, self._no_lookup, self.num_reqs, self.admitted)
-        k_manager.launch_check_step(m.pool.state, m.pool.config, m.state, m.config, batch, self.finished,
-                                    self.num_finished)
-        m.free(self.finished, num_reqs=self.num_finished)
-        m.allocate_slots(self.slots, self.num_tokens, self.num_tokens, self._no_lookup, num_reqs=self.num_reqs,
-                         stop_on_failure=False, admitted=self.admitted)
-        m.slot_mapping(self.slots, self.num_tokens, 0, self.num_reqs, out=self.slot_mapping, position_offset=-1,
-                       admitted=self.admitted)
-        m.copy_and_release(self.kv_caches)
+        m.decode_step(batch, self.finished, self.num_finished, self.slot_mapping, self.kv_caches)
 
     def run(self) -> None:
         """One step, eagerly (any device), holding the pool's lock."""

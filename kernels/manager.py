@@ -312,14 +312,14 @@ def launch_allocate_slots(ps, pc, ms, mc, batch, *, stop_on_failure: bool):
 
 
 @triton.jit
-def check_step_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished, num_finished, fcap):
+def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished, num_finished, fcap):
     """A decode step's inputs, checked before any of its ops runs, so that a bad one changes nothing
     (gpupool/graph.py): both counts within their arrays (``batch.num_reqs`` of ``cap``, ``num_finished``
     of ``fcap``); every slot of ``finished[:num_finished]`` and ``batch.slots[:num_reqs]`` in range, in
     use and listed once across both lists; and the allocation batch as ``allocate_slots`` checks it,
     with token counts from 1 (the new token's position is ``num_tokens - 1``) and its event rows.
     The first bad input sets the status word (op DECODE_STEP); nothing else is written but
-    ``admitted`` (zeroed) and idle scratch. One program."""
+    ``admitted`` (zeroed) and idle scratch. The first part of ``free_requests_kernel`` in a step."""
     nb, nb_ok = checked_count(batch.num_reqs, cap)
     nf, nf_ok = checked_count(num_finished, fcap)
     if status_clear(ps.status):
@@ -345,12 +345,6 @@ def check_step_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, fi
         val = tl.where(nb_ok, val, tl.load(batch.num_reqs).to(tl.int64))
         if err != 0:
             set_status(ps.status, err, OP_DECODE_STEP, val)
-
-
-def launch_check_step(ps, pc, ms, mc, batch, finished, num_finished):
-    """Launch ``check_step_kernel`` (one program): the first launch of a decode step."""
-    check_step_kernel[(1,)](ps, pc, ms, mc, batch, batch.slots.numel(), finished, num_finished, finished.numel(),
-                            num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))
 
 
 @triton.jit
@@ -391,16 +385,24 @@ def gather_rows(ms, mc: tl.constexpr, slots, nb):
 
 
 @triton.jit
-def free_requests_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_reqs, cap):
+def free_requests_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_reqs, cap, step, step_cap):
     """``free`` of ``num_reqs[0]`` requests as ONE batched free (docs/algorithms.md section 2): every
     group's row of each request, tail first, segments in request order, then the requests' counts
     reset. A count outside ``0..cap``, a slot out of range, listed twice or not in use sets the status
-    word before anything changes."""
+    word before anything changes. ``step`` (an AllocateBatch of capacity ``step_cap``, or None): the
+    first launch of a decode step, which checks every input of the step first (``check_step``) and
+    then frees without checking again."""
     nb, nb_ok = checked_count(num_reqs, cap)
+    if step is not None:
+        check_step(ps, pc, ms, mc, step, step_cap, slots, num_reqs, cap)
+        tl.debug_barrier()
     if status_clear(ps.status):
-        err, err_val = check_slots(ms, mc, slots, nb)
-        err_val = tl.where(nb_ok, err_val, tl.load(num_reqs).to(tl.int64))
-        err = tl.where(nb_ok, err, E_INVALID_ARG)
+        if step is not None:
+            err, err_val, _ = no_error()
+        else:
+            err, err_val = check_slots(ms, mc, slots, nb)
+            err_val = tl.where(nb_ok, err_val, tl.load(num_reqs).to(tl.int64))
+            err = tl.where(nb_ok, err, E_INVALID_ARG)
         if err == 0:
             n = gather_rows(ms, mc, slots, nb)
             count_ids(ps, ms.s_ids, n, pc.BLOCK)
@@ -436,10 +438,10 @@ def free_requests_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_
             set_status(ps.status, err, OP_FREE, err_val)
 
 
-def launch_free_requests(ps, pc, ms, mc, slots, num_reqs):
-    """Launch ``free_requests_kernel`` (one program)."""
-    free_requests_kernel[(1,)](ps, pc, ms, mc, slots, num_reqs, slots.numel(),
-                               num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))
+def launch_free_requests(ps, pc, ms, mc, slots, num_reqs, step=None):
+    """Launch ``free_requests_kernel`` (one program); ``step``: a decode step's AllocateBatch."""
+    free_requests_kernel[(1,)](ps, pc, ms, mc, slots, num_reqs, slots.numel(), step,
+                               0 if step is None else step.slots.numel(), num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))
 
 
 @triton.jit

@@ -32,12 +32,12 @@ import triton
 import triton.language as tl
 
 from .alloc import claim_tile
-from .common import segment_ids, warps_for
+from .common import checked_count, segment_ids, status_clear, warps_for
 from .events import write_stored_header, write_stored_item
 from .keytable import drop_keys, key_home, lookup_blocks, put_key
 from .layout import (
-    ALLOC_FALLBACK, ALLOC_PARALLEL, ALLOC_SPLIT, BIG, EV_COUNT, FALLBACK_REASONS, HEAD, KEY_SEQ, NO_SLOT, NUM_FREE,
-    REUSE_COUNT, TAIL, constexprs,
+    ALLOC_FALLBACK, ALLOC_PARALLEL, ALLOC_SPLIT, BIG, E_INVALID_ARG, EV_COUNT, FALLBACK_REASONS, HEAD, KEY_SEQ,
+    NO_SLOT, NUM_FREE, REUSE_COUNT, TAIL, constexprs,
 )
 from .manager import check_allocate_batch, keys_of, row_of
 from .queue import ring_make_room, ring_scan_pop
@@ -692,12 +692,18 @@ def finish_requests(ms, mc: tl.constexpr, batch, split, CACHING: tl.constexpr):
 
 
 @triton.jit
-def allocate_slots_parallel_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, FORCE_EXACT: tl.constexpr):
+def allocate_slots_parallel_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, FORCE_EXACT: tl.constexpr,
+                                   CHECKED: tl.constexpr):
     """``allocate_slots`` of ``batch.num_reqs[0]`` requests (AllocateBatch, see kernels/manager.py):
     validate the whole batch (errors set the status word and change nothing), analyse every request
     in parallel, commit requests ``[0, split)`` and leave ``ctrl[ALLOC_SPLIT] = split`` for the exact
-    path (module docstring). ``FORCE_EXACT``: split 0 (tests)."""
-    nb, err = check_allocate_batch(ps, pc, ms, mc, batch, cap)
+    path (module docstring). ``FORCE_EXACT``: split 0 (tests). ``CHECKED``: a decode step's batch,
+    already checked (and ``admitted`` zeroed) by its first launch (``check_step``)."""
+    if CHECKED:
+        nb, _ = checked_count(batch.num_reqs, cap)
+        err = tl.where(status_clear(ps.status), 0, E_INVALID_ARG)
+    else:
+        nb, err = check_allocate_batch(ps, pc, ms, mc, batch, cap)
     if err == 0:
         num_free = tl.load(ps.ctrl + NUM_FREE)
         num_lookups, rel_total, sw, pre_first = scan_requests(ps, pc, ms, mc, batch, nb)
@@ -761,7 +767,7 @@ def allocate_slots_parallel_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, b
             tl.store(ps.ctrl + EV_COUNT, tl.load(par(ms, mc, P_EVBASE, split)))
 
 
-def launch_allocate_slots_parallel(ps, pc, ms, mc, batch, *, force_exact: bool = False):
-    """Launch ``allocate_slots_parallel_kernel`` (one program)."""
+def launch_allocate_slots_parallel(ps, pc, ms, mc, batch, *, force_exact: bool = False, checked: bool = False):
+    """Launch ``allocate_slots_parallel_kernel`` (one program); ``checked``: a decode step's batch."""
     allocate_slots_parallel_kernel[(1,)](ps, pc, ms, mc, batch, batch.slots.numel(), FORCE_EXACT=bool(force_exact),
-                                         num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))
+                                         CHECKED=bool(checked), num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))

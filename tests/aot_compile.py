@@ -92,7 +92,7 @@ def drive_manager(**kw):
     m.slot_mapping(s, torch.tensor([3, 4], dtype=i32))
     from gpupool.graph import DecodeStep
 
-    DecodeStep(m, 2).run()  # its input check (check_step_kernel) and the step's ops
+    DecodeStep(m, 2).run()  # the step's variants: free with its input check, allocate without
     m.free(s)
     m.run_pending_copies([])
 
