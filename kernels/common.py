@@ -54,10 +54,11 @@ def raw_count(count_ptr, cap):
 
 @triton.jit
 def first_bad(bad, idx, val):
-    """(any, index, value) of the lowest-index lane where ``bad`` holds; index BIG when none."""
+    """(any, index, value) of the lowest-index lane where ``bad`` holds; index BIG when none. Lanes
+    may share an index if they share its value (a repeat reported at its first occurrence)."""
     i = tl.min(tl.where(bad, idx, BIG), axis=0)
-    v = tl.sum(tl.where(bad & (idx == i), val.to(tl.int64), 0), axis=0)
-    return i < BIG, i, v
+    v = tl.max(tl.where(bad & (idx == i), val.to(tl.int64), -9223372036854775807), axis=0)
+    return i < BIG, i, tl.where(i < BIG, v, 0)
 
 
 @triton.jit

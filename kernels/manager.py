@@ -42,36 +42,30 @@ def keys_of(mc: tl.constexpr, g, r):
 
 @triton.jit
 def mark_slots(ms, mc: tl.constexpr, slots, nb, err, val, err_i, base):
-    """Count each in-range slot of ``slots[:nb]`` in ``s_req``; fold a slot out of range into the
-    running (error, value, index) (list entry i has index ``base + i``)."""
+    """Mark each in-range slot of ``slots[:nb]`` in ``s_req`` (BIG minus its earliest index, by atomic
+    max) and fold the first bad entry into the running (error, value, index): a slot out of range or
+    not in use at its index, a slot listed twice at its first index (entry i has index ``base + i``).
+    Of two entries of a slot, the one marked second sees the other's index, so one pass finds every
+    repeat, across lists too; :func:`unmark_slots` after a barrier."""
     offs = tl.arange(0, mc.BLOCK)
     i = 0
     while i < nb:
+        idx = base + i + offs
         r, m = tile_of(slots, i + offs, nb)
-        bad = m & ((r < 0) | (r >= mc.R))
-        err, val, err_i = keep_first(err, val, err_i, E_INVALID_ARG, bad, base + i + offs, r)
-        tl.atomic_add(ms.s_req + r, 1, mask=m & ~bad)
-        i += mc.BLOCK
-    return err, val, err_i
-
-
-@triton.jit
-def check_marked(ms, mc: tl.constexpr, slots, nb, err, val, err_i, base):
-    """After :func:`mark_slots` of every list: fold a slot counted twice or not in use."""
-    offs = tl.arange(0, mc.BLOCK)
-    i = 0
-    while i < nb:
-        r, m = tile_of(slots, i + offs, nb)
-        ok = m & (r >= 0) & (r < mc.R)
-        bad = ok & ((tl.load(ms.s_req + r, mask=ok, other=0) > 1) | (tl.load(ms.active + r, mask=ok, other=1) == 0))
-        err, val, err_i = keep_first(err, val, err_i, E_INVALID_ARG, bad, base + i + offs, r)
+        out = m & ((r < 0) | (r >= mc.R))
+        ok = m & ~out
+        seen = tl.atomic_max(ms.s_req + r, -idx + BIG, mask=ok)
+        rep = ok & (seen > 0)
+        idle = ok & (tl.load(ms.active + r, mask=ok, other=1) == 0)
+        at = tl.where(rep, tl.minimum(idx, -seen + BIG), idx)
+        err, val, err_i = keep_first(err, val, err_i, E_INVALID_ARG, out | idle | rep, at, r)
         i += mc.BLOCK
     return err, val, err_i
 
 
 @triton.jit
 def unmark_slots(ms, mc: tl.constexpr, slots, nb):
-    """Zero the ``s_req`` counts :func:`mark_slots` left (the scratch is idle at 0 between launches)."""
+    """Zero the ``s_req`` marks :func:`mark_slots` left (the scratch is idle at 0 between launches)."""
     offs = tl.arange(0, mc.BLOCK)
     i = 0
     while i < nb:
@@ -85,8 +79,6 @@ def check_slots(ms, mc: tl.constexpr, slots, nb):
     """(error, value): a slot out of range, listed twice or not in use; ``s_req`` scratch left zeroed."""
     err, val, err_i = no_error()
     err, val, err_i = mark_slots(ms, mc, slots, nb, err, val, err_i, 0)
-    tl.debug_barrier()
-    err, val, err_i = check_marked(ms, mc, slots, nb, err, val, err_i, 0)
     tl.debug_barrier()
     unmark_slots(ms, mc, slots, nb)
     return err, val
@@ -193,12 +185,16 @@ def cache_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, known, hits, nro
 
 
 @triton.jit
-def check_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, MIN_TOKENS: tl.constexpr):
+def check_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, MIN_TOKENS: tl.constexpr,
+                CHECK_SLOTS: tl.constexpr):
     """(error, value, event rows the batch may write) of an ``allocate_slots`` batch: slots (range,
     repeats, in use), token counts in ``MIN_TOKENS .. M * BS`` (targets from 0); the rows bound each
     request's evictions, keys and headers. Also zeroes ``admitted``."""
     offs = tl.arange(0, mc.BLOCK)
-    err, err_val = check_slots(ms, mc, batch.slots, nb)
+    if CHECK_SLOTS:
+        err, err_val = check_slots(ms, mc, batch.slots, nb)
+    else:  # the caller checked them
+        err, err_val, _ = no_error()
     err_i = tl.full([], BIG, tl.int32)
     rows = tl.zeros([], tl.int64)
     i = 0
@@ -230,7 +226,7 @@ def check_allocate_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap)
     nb, nb_ok = checked_count(batch.num_reqs, cap)
     err = tl.full([], E_INVALID_ARG, tl.int32)
     if status_clear(ps.status):
-        err, err_val, rows = check_batch(ps, pc, ms, mc, batch, nb, 0)
+        err, err_val, rows = check_batch(ps, pc, ms, mc, batch, nb, 0, True)
         err = tl.where(nb_ok, err, E_INVALID_ARG)
         err_val = tl.where(nb_ok, err_val, tl.load(batch.num_reqs).to(tl.int64))
         if pc.EVENTS:
@@ -327,14 +323,11 @@ def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished,
         err, val, err_i = mark_slots(ms, mc, finished, nf, err, val, err_i, 0)
         err, val, err_i = mark_slots(ms, mc, batch.slots, nb, err, val, err_i, fcap)
         tl.debug_barrier()
-        err, val, err_i = check_marked(ms, mc, finished, nf, err, val, err_i, 0)
-        err, val, err_i = check_marked(ms, mc, batch.slots, nb, err, val, err_i, fcap)
-        tl.debug_barrier()
         unmark_slots(ms, mc, finished, nf)
         unmark_slots(ms, mc, batch.slots, nb)
         tl.debug_barrier()
         if err == 0:
-            err, val, rows = check_batch(ps, pc, ms, mc, batch, nb, 1)
+            err, val, rows = check_batch(ps, pc, ms, mc, batch, nb, 1, False)
             if pc.EVENTS:
                 full = (err == 0) & (tl.load(ps.ctrl + EV_COUNT) + rows > pc.EV_CAP)
                 err = tl.where(full, E_BUFFER_FULL, err)

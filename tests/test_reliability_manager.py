@@ -158,6 +158,28 @@ def test_decode_step_is_all_or_nothing(finished, slots, ntok):
     m.validate()
 
 
+@pytest.mark.parametrize("finished,slots,bad", [
+    ([1], [0, 1], 1),  # finished and running: found by the running entry, marked second
+    ([1, 1], [0], 1),
+    ([2], [0, 3, 3, 1], 3),  # slot 3 is not in use and repeated
+    ([1], [3, 1], 1),  # slot 1's first entry (finished) comes before the idle slot 3
+], ids=["across-lists", "finished-twice", "idle-and-repeated", "repeat-before-idle"])
+def test_decode_step_names_the_first_bad_slot(finished, slots, bad):
+    """The step's one-pass slot check (kernels/manager.py mark_slots) reports the slot of the earliest
+    bad entry, a repeat at its first occurrence, as the separate checks did."""
+    m = make()
+    for r in (0, 1, 2):
+        m.add_request(r, [h(r)])
+    m.allocate_slots([0, 1, 2], [5, 5, 5], [5, 5, 5], [1, 1, 1])
+    m.pool.check()
+    step = DecodeStep(m, max_batch=4)
+    fill(step, slots, [6] * len(slots), finished)
+    step.run()
+    with pytest.raises(InvalidArgumentError) as e:
+        m.pool.check()
+    assert e.value.op == "decode_step" and e.value.value == bad
+
+
 @pytest.mark.parametrize("slot,pos", [(4, 0), (-1, 0), (2**31 - 1, 0), (0, -1), (0, 8), (0, 2**31 - 1), (1, 0)])
 def test_slot_mapping_bad_slot_or_position_is_a_pool_error(slot, pos):
     m = make()
