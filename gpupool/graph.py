@@ -12,7 +12,8 @@ Per step, in order (vLLM's scheduler order: finished requests leave before the n
    lookup, ``stop_on_failure=False``): a request crossing a block boundary gets a block per group,
    blocks that became full are cached; ``admitted`` says which fitted (the others are the
    scheduler's to preempt);
-3. ``slot_mapping`` of each request's new token (position ``num_tokens - 1``) into ``slot_mapping``;
+3. ``slot_mapping`` of each request's new token (position ``num_tokens - 1``) into ``slot_mapping``,
+   in the last launch of step 2;
 4. the pending copy-on-write copies of all layers (``kv_caches``), then the release of the
    references they held.
 

@@ -365,20 +365,22 @@ class KVCacheManager:
     @locked
     def decode_step(self, batch: AllocateBatch, finished: torch.Tensor, num_finished: torch.Tensor,
                     slot_mapping: torch.Tensor, kv_caches: list[torch.Tensor]) -> None:
-        """One decode step as five launches with no host sync (gpupool/graph.py has the order and the
-        rules): every input checked, then ``free(finished[:num_finished])``, in one launch;
-        ``allocate_slots`` of ``batch`` (``stop_on_failure=False``; no second check); the slot of each
-        request's newest token into ``slot_mapping: int64[B]``; the pending copies of ``kv_caches`` and
-        their release. A bad input sets the status word (op ``decode_step``) and changes nothing."""
-        finished = self._i32("decode_step", finished, "finished")
-        num_finished = self._count("decode_step", num_finished, finished.numel())
+        """One decode step as four launches and the copies, with no host sync (gpupool/graph.py has the
+        order and the rules): every input checked, then ``free(finished[:num_finished])``, in one launch;
+        ``allocate_slots`` of ``batch`` (``stop_on_failure=False``; no second check) in two (the
+        request-parallel path, then the exact one), the second also writing the slot of each request's
+        newest token into ``slot_mapping: int64[B]``; the pending copies of ``kv_caches`` and their
+        release. A bad input sets the status word (op ``decode_step``) and changes nothing."""
+        op = "decode_step"
+        finished = self._i32(op, finished, "finished")
+        num_finished = self._count(op, num_finished, finished.numel())
+        slot_mapping = self._out(op, slot_mapping, torch.int64, batch.slots.numel(), "slot_mapping")
         ps, pc = self._pool.state, self._pool.config
         k_manager.launch_free_requests(ps, pc, self.state, self.config, finished, num_finished, step=batch)
         k_parallel.launch_allocate_slots_parallel(ps, pc, self.state, self.config, batch, force_exact=not self.parallel,
                                                   checked=True)
-        k_manager.launch_allocate_slots(ps, pc, self.state, self.config, batch, stop_on_failure=False)
-        self.slot_mapping(batch.slots, batch.num_tokens, 0, batch.num_reqs, out=slot_mapping, position_offset=-1,
-                          admitted=batch.admitted)
+        k_manager.launch_allocate_slots(ps, pc, self.state, self.config, batch, stop_on_failure=False,
+                                        step_out=slot_mapping)
         self.copy_and_release(kv_caches)
 
     @locked

@@ -240,7 +240,8 @@ def check_allocate_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap)
 
 
 @triton.jit
-def allocate_slots_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, STOP_ON_FAILURE: tl.constexpr):
+def allocate_slots_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, STOP_ON_FAILURE: tl.constexpr,
+                          step_out):
     """``allocate_slots``, the exact sequential path (``ReferenceKVCacheManager.allocate_slots``), from
     request ``ctrl[ALLOC_SPLIT]`` of a batch the request-parallel kernel (``kernels/parallel_alloc.py``)
     validated and committed up to there; returns at once when that is the whole batch. Per request:
@@ -249,7 +250,9 @@ def allocate_slots_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap
     cache the full ones; else skip it (or stop, ``STOP_ON_FAILURE``).
 
     ``batch`` (AllocateBatch): ``slots, num_tokens, target: int32[cap]``, ``lookup: int8[cap]``,
-    ``num_reqs: int32[1]`` (at most ``cap``), output ``admitted: int32[cap]``.
+    ``num_reqs: int32[1]`` (at most ``cap``), output ``admitted: int32[cap]``. ``step_out`` (a decode
+    step's ``int64[cap]``, or None): then also the slot of each request's newest token, as
+    ``slot_mapping`` of group 0 at ``num_tokens - 1`` (-1 where not admitted), in the same launch.
     """
     nb, _ = checked_count(batch.num_reqs, cap)
     k = tl.load(ps.ctrl + ALLOC_SPLIT).to(tl.int32)
@@ -299,12 +302,17 @@ def allocate_slots_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap
         tl.store(ps.ctrl + HEAD, head)
         tl.store(ps.ctrl + TAIL, tail)
         tl.store(ps.ctrl + NUM_FREE, num_free)
+    if step_out is not None:
+        tl.debug_barrier()
+        slot_mapping(ps, ms, mc, batch.slots, batch.num_tokens, batch.num_reqs, cap, step_out, 0, -1, batch.admitted,
+                     True)
 
 
-def launch_allocate_slots(ps, pc, ms, mc, batch, *, stop_on_failure: bool):
-    """Launch ``allocate_slots_kernel`` (one program), after ``launch_allocate_slots_parallel``."""
+def launch_allocate_slots(ps, pc, ms, mc, batch, *, stop_on_failure: bool, step_out=None):
+    """Launch ``allocate_slots_kernel`` (one program), after ``launch_allocate_slots_parallel``;
+    ``step_out``: a decode step's slot mapping output (``int64[B]``)."""
     allocate_slots_kernel[(1,)](ps, pc, ms, mc, batch, batch.slots.numel(), STOP_ON_FAILURE=bool(stop_on_failure),
-                                num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))
+                                step_out=step_out, num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))
 
 
 @triton.jit
@@ -440,10 +448,17 @@ def launch_free_requests(ps, pc, ms, mc, slots, num_reqs, step=None):
 @triton.jit
 def slot_mapping_kernel(ps, ms, mc: tl.constexpr, slots, positions, num, cap, out, group, offset, admitted,
                         HAS_ADMITTED: tl.constexpr):
+    """Grid (1,): :func:`slot_mapping`."""
+    slot_mapping(ps, ms, mc, slots, positions, num, cap, out, group, offset, admitted, HAS_ADMITTED)
+
+
+@triton.jit
+def slot_mapping(ps, ms, mc: tl.constexpr, slots, positions, num, cap, out, group, offset, admitted,
+                 HAS_ADMITTED: tl.constexpr):
     """``out[t] = block_table[group, slots[t], p // BS] * BS + p % BS`` with ``p = positions[t] + offset``
     for ``t < num[0]`` (at most ``cap``): each slot in use and each position inside its row; else -1
     there and E_INVALID_ARG in the status word (the first bad entry). With ``HAS_ADMITTED``, entries
-    whose ``admitted[t]`` is 0 give -1 and are no error. Grid (1,)."""
+    whose ``admitted[t]`` is 0 give -1 and are no error."""
     n, n_ok = checked_count(num, cap)
     offs = tl.arange(0, mc.BLOCK)
     err = tl.where(n_ok, 0, E_INVALID_ARG)
