@@ -179,6 +179,8 @@ def _device_limit(text: str):
 
 def _device_arg(text: str) -> str:
     t = text.strip().lower()
+    if t == "cpu:0":  # torch's name for the one CPU device
+        t = "cpu"
     if t == "cpu" or t == "cuda" or re.fullmatch(r"cuda:\d+", t):
         return t
     raise argparse.ArgumentTypeError(f"unknown device {text!r}: use cpu, cuda or cuda:N")
@@ -409,14 +411,22 @@ def _check_json_path(path: str | None) -> None:
     """Fail before any work when the report could not be written."""
     if path is None or path == "-":
         return
+    if not path.strip():
+        raise CLIError("--json needs a file name (or '-' for stdout)")
     p = Path(path)
     if p.is_dir():
         raise CLIError(f"--json {path}: is a directory; give a file name")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise CLIError(f"--json {path}: the folder {parent} does not exist")
-    if (p.exists() and not os.access(p, os.W_OK)) or (not p.exists() and not os.access(parent, os.W_OK)):
-        raise CLIError(f"--json {path}: not writable (permission denied); choose another path or '-' for stdout")
+    existed = p.exists()
+    try:  # open it for appending: the only test that /proc, a read-only mount or ACLs cannot fool
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        raise CLIError(f"--json {path}: not writable ({e.strerror}); choose another path or '-' for stdout") from None
+    if not existed:
+        p.unlink()
 
 
 def _device_label(device: str | None) -> str | None:
@@ -446,6 +456,9 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
         print(text, file=out, flush=True)
 
     uses_device = args.pool != "reference"
+    if args.device is not None and not uses_device:
+        raise CLIError(f"--device {args.device}: --pool reference runs on the host only; drop --device or use "
+                       f"--pool device / both")
     device = resolve_device(args.device) if uses_device else None
     if device is not None:
         _ensure_backend(device, argv)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 import subprocess
 import sys
 
@@ -203,7 +204,24 @@ def test_unwritable_json_is_found_before_the_replay(tmp_path, capsys, monkeypatc
         ro.mkdir()
         ro.chmod(0o500)
         fails(capsys, ["replay", "--json", str(ro / "r.json")], "not writable")
+    fails(capsys, ["replay", "--json", ""], "needs a file name")
+    if Path("/proc/self").is_dir():  # a folder that passes os.access but takes no new file, even as root
+        fails(capsys, ["replay", "--json", "/proc/gpupool-report.json"], "not writable")
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+    cli._check_json_path(str(kept))  # an existing file is only tested, not emptied
+    assert kept.read_text() == "old"
+    cli._check_json_path(str(tmp_path / "new.json"))  # nor is a trial file left behind
+    assert not (tmp_path / "new.json").exists()
     assert calls == []
+
+
+def test_device_with_the_reference_pool_is_an_error(capsys):
+    fails(capsys, ["replay", "--pool", "reference", "--device", "cpu"], "--pool reference", "drop --device")
+
+
+def test_cpu_0_is_cpu():
+    assert cli._device_arg("cpu:0") == "cpu"
 
 
 def test_json_to_stdout(tmp_path, capsys):
