@@ -23,7 +23,7 @@ from .layout import (
 )
 from .lookup import find_longest_cache_hit
 from .release import (
-    check_ids, count_ids, free_checked, release_place, release_scan, reset_ids, touch_checked,
+    check_ids, count_tile, free_checked, release_place, release_scan, reset_ids, touch_checked,
 )
 from .queue import ring_make_room
 
@@ -349,10 +349,11 @@ def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished,
 
 
 @triton.jit
-def gather_rows(ms, mc: tl.constexpr, slots, nb):
+def gather_rows(ps, ms, mc: tl.constexpr, slots, nb):
     """The ids of a ``free`` of requests ``slots[:nb]``, flattened into ``s_ids``: segment (k, g) is
     request k's group-g row reversed (``free_blocks`` of it), segments request-major; offsets in
-    ``s_seg: int32[nb * G + 1]``, the segment of each id in ``s_map[0]``. Returns the number of ids."""
+    ``s_seg: int32[nb * G + 1]``, the segment of each id in ``s_map[0]``; each id counted as
+    ``count_ids`` does, in the same pass. Returns the number of ids."""
     offs = tl.arange(0, mc.BLOCK)
     total = tl.zeros([], tl.int32)
     i = 0
@@ -380,6 +381,7 @@ def gather_rows(ms, mc: tl.constexpr, slots, nb):
         r = tl.load(slots + k, mask=m, other=0)
         b = tl.load(ms.block_table + (g * mc.R + r).to(tl.int64) * mc.M + (s1 - 1 - idx), mask=m, other=0)
         tl.store(ms.s_ids + idx, b, mask=m)
+        count_tile(ps, b, idx, m & (b != 0))
         i += mc.BLOCK
     tl.debug_barrier()
     return total
@@ -405,9 +407,7 @@ def free_requests_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_
             err_val = tl.where(nb_ok, err_val, tl.load(num_reqs).to(tl.int64))
             err = tl.where(nb_ok, err, E_INVALID_ARG)
         if err == 0:
-            n = gather_rows(ms, mc, slots, nb)
-            count_ids(ps, ms.s_ids, n, pc.BLOCK)
-            tl.debug_barrier()
+            n = gather_rows(ps, ms, mc, slots, nb)
             nf, nl, dfree_i, dfree_v = release_scan(ps, pc, ms.s_ids, n, ms.s_pf, ms.s_map + mc.MAPS, True)
             tl.debug_barrier()
             if dfree_i == BIG:  # always, unless the state is corrupt
