@@ -7,13 +7,13 @@ Per step, in order (vLLM's scheduler order: finished requests leave before the n
    lists in range, in use and listed once, token counts in ``1 .. max_blocks_per_req * block_size``,
    room for the events), so that a bad input changes nothing: no op below runs on a failed check,
    and none of them can fail after an earlier one committed;
-1. ``free`` the finished requests (``finished[:num_finished]``), in the same launch as step 0;
+1. ``free`` the finished requests (``finished[:num_finished]``);
 2. ``allocate_slots`` for the running requests (``slots[:num_reqs]``, ``target = num_tokens``, no
    lookup, ``stop_on_failure=False``): a request crossing a block boundary gets a block per group,
    blocks that became full are cached; ``admitted`` says which fitted (the others are the
    scheduler's to preempt);
-3. ``slot_mapping`` of each request's new token (position ``num_tokens - 1``) into ``slot_mapping``,
-   in the last launch of step 2;
+3. ``slot_mapping`` of each request's new token (position ``num_tokens - 1``) into ``slot_mapping``
+   (steps 0 to 3 are one launch, ``kernels/step.py``);
 4. the pending copy-on-write copies of all layers (``kv_caches``), then the release of the
    references they held.
 

@@ -41,6 +41,7 @@ from .args import NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as
 from .errors import ArgumentTypeError, InvalidArgumentError, InvariantError, OutOfBlocksError
 from .kernels import manager as k_manager
 from .kernels import parallel_alloc as k_parallel
+from .kernels import step as k_step
 from .kernels.parallel_alloc import NKG, NMAP, NPAR
 from .kernels.copy_blocks import copy_blocks
 from .locking import locked
@@ -365,22 +366,18 @@ class KVCacheManager:
     @locked
     def decode_step(self, batch: AllocateBatch, finished: torch.Tensor, num_finished: torch.Tensor,
                     slot_mapping: torch.Tensor, kv_caches: list[torch.Tensor]) -> None:
-        """One decode step as four launches and the copies, with no host sync (gpupool/graph.py has the
-        order and the rules): every input checked, then ``free(finished[:num_finished])``, in one launch;
-        ``allocate_slots`` of ``batch`` (``stop_on_failure=False``; no second check) in two (the
-        request-parallel path, then the exact one), the second also writing the slot of each request's
-        newest token into ``slot_mapping: int64[B]``; the pending copies of ``kv_caches`` and their
-        release. A bad input sets the status word (op ``decode_step``) and changes nothing."""
+        """One decode step as two launches and the copies, with no host sync (gpupool/graph.py has
+        the order and the rules): in one launch (``kernels/step.py``) every input checked, then
+        ``free(finished[:num_finished])``, ``allocate_slots`` of ``batch`` (``stop_on_failure=False``)
+        and the slot of each request's newest token into ``slot_mapping: int64[B]``; then the pending
+        copies of ``kv_caches`` and their release. A bad input sets the status word (op
+        ``decode_step``) and changes nothing."""
         op = "decode_step"
         finished = self._i32(op, finished, "finished")
         num_finished = self._count(op, num_finished, finished.numel())
         slot_mapping = self._out(op, slot_mapping, torch.int64, batch.slots.numel(), "slot_mapping")
-        ps, pc = self._pool.state, self._pool.config
-        k_manager.launch_free_requests(ps, pc, self.state, self.config, finished, num_finished, step=batch)
-        k_parallel.launch_allocate_slots_parallel(ps, pc, self.state, self.config, batch, force_exact=not self.parallel,
-                                                  checked=True)
-        k_manager.launch_allocate_slots(ps, pc, self.state, self.config, batch, stop_on_failure=False,
-                                        step_out=slot_mapping)
+        k_step.launch_decode_step(self._pool.state, self._pool.config, self.state, self.config, batch, finished,
+                                  num_finished, slot_mapping, force_exact=not self.parallel)
         self.copy_and_release(kv_caches)
 
     @locked

@@ -240,7 +240,12 @@ def check_allocate_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap)
 
 
 @triton.jit
-def allocate_slots_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, STOP_ON_FAILURE: tl.constexpr,
+def allocate_slots_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, STOP_ON_FAILURE: tl.constexpr):
+    """Grid (1,): :func:`allocate_slots_exact`, after ``allocate_slots_parallel_kernel``."""
+    allocate_slots_exact(ps, pc, ms, mc, batch, cap, STOP_ON_FAILURE, None)
+
+@triton.jit
+def allocate_slots_exact(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, STOP_ON_FAILURE: tl.constexpr,
                           step_out):
     """``allocate_slots``, the exact sequential path (``ReferenceKVCacheManager.allocate_slots``), from
     request ``ctrl[ALLOC_SPLIT]`` of a batch the request-parallel kernel (``kernels/parallel_alloc.py``)
@@ -308,11 +313,10 @@ def allocate_slots_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap
                      True)
 
 
-def launch_allocate_slots(ps, pc, ms, mc, batch, *, stop_on_failure: bool, step_out=None):
-    """Launch ``allocate_slots_kernel`` (one program), after ``launch_allocate_slots_parallel``;
-    ``step_out``: a decode step's slot mapping output (``int64[B]``)."""
+def launch_allocate_slots(ps, pc, ms, mc, batch, *, stop_on_failure: bool):
+    """Launch ``allocate_slots_kernel`` (one program), after ``launch_allocate_slots_parallel``."""
     allocate_slots_kernel[(1,)](ps, pc, ms, mc, batch, batch.slots.numel(), STOP_ON_FAILURE=bool(stop_on_failure),
-                                step_out=step_out, num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))
+                                num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))
 
 
 @triton.jit
@@ -388,7 +392,12 @@ def gather_rows(ps, ms, mc: tl.constexpr, slots, nb):
 
 
 @triton.jit
-def free_requests_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_reqs, cap, step, step_cap):
+def free_requests_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_reqs, cap):
+    """Grid (1,): :func:`free_requests` alone."""
+    free_requests(ps, pc, ms, mc, slots, num_reqs, cap, None, 0)
+
+@triton.jit
+def free_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_reqs, cap, step, step_cap):
     """``free`` of ``num_reqs[0]`` requests as ONE batched free (docs/algorithms.md section 2): every
     group's row of each request, tail first, segments in request order, then the requests' counts
     reset. A count outside ``0..cap``, a slot out of range, listed twice or not in use sets the status
@@ -439,10 +448,10 @@ def free_requests_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_
             set_status(ps.status, err, OP_FREE, err_val)
 
 
-def launch_free_requests(ps, pc, ms, mc, slots, num_reqs, step=None):
-    """Launch ``free_requests_kernel`` (one program); ``step``: a decode step's AllocateBatch."""
-    free_requests_kernel[(1,)](ps, pc, ms, mc, slots, num_reqs, slots.numel(), step,
-                               0 if step is None else step.slots.numel(), num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))
+def launch_free_requests(ps, pc, ms, mc, slots, num_reqs):
+    """Launch ``free_requests_kernel`` (one program)."""
+    free_requests_kernel[(1,)](ps, pc, ms, mc, slots, num_reqs, slots.numel(),
+                               num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))
 
 
 @triton.jit

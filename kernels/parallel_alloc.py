@@ -692,7 +692,12 @@ def finish_requests(ms, mc: tl.constexpr, batch, split, CACHING: tl.constexpr):
 
 
 @triton.jit
-def allocate_slots_parallel_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, FORCE_EXACT: tl.constexpr,
+def allocate_slots_parallel_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, FORCE_EXACT: tl.constexpr):
+    """Grid (1,): :func:`allocate_slots_parallel` of a batch it checks itself."""
+    allocate_slots_parallel(ps, pc, ms, mc, batch, cap, FORCE_EXACT, False)
+
+@triton.jit
+def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, FORCE_EXACT: tl.constexpr,
                                    CHECKED: tl.constexpr):
     """``allocate_slots`` of ``batch.num_reqs[0]`` requests (AllocateBatch, see kernels/manager.py):
     validate the whole batch (errors set the status word and change nothing), analyse every request
@@ -767,7 +772,7 @@ def allocate_slots_parallel_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, b
             tl.store(ps.ctrl + EV_COUNT, tl.load(par(ms, mc, P_EVBASE, split)))
 
 
-def launch_allocate_slots_parallel(ps, pc, ms, mc, batch, *, force_exact: bool = False, checked: bool = False):
-    """Launch ``allocate_slots_parallel_kernel`` (one program); ``checked``: a decode step's batch."""
+def launch_allocate_slots_parallel(ps, pc, ms, mc, batch, *, force_exact: bool = False):
+    """Launch ``allocate_slots_parallel_kernel`` (one program)."""
     allocate_slots_parallel_kernel[(1,)](ps, pc, ms, mc, batch, batch.slots.numel(), FORCE_EXACT=bool(force_exact),
-                                         CHECKED=bool(checked), num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))
+                                         num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))

@@ -24,5 +24,5 @@ def test_every_kernel_compiles_for_cuda(cc):
                  "move_kernel", "evict_kernel", "reset_kernel", "lookup_kernel", "longest_prefix_kernel",
                  "replay_loop_kernel", "validate_kernel", "copy_blocks_kernel", "allocate_slots_kernel",
                  "free_requests_kernel", "slot_mapping_kernel", "release_copies_kernel",
-                 "allocate_slots_parallel_kernel"):
+                 "allocate_slots_parallel_kernel", "decode_step_kernel"):
         assert name in names, f"{name} was not compiled for sm_{cc}"
