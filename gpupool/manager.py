@@ -371,8 +371,12 @@ class KVCacheManager:
         ``free(finished[:num_finished])``, ``allocate_slots`` of ``batch`` (``stop_on_failure=False``)
         and the slot of each request's newest token into ``slot_mapping: int64[B]``; then the pending
         copies of ``kv_caches`` and their release. A bad input sets the status word (op
-        ``decode_step``) and changes nothing."""
+        ``decode_step``) and changes nothing. ``batch``: from :meth:`batch` (else ArgumentTypeError).
+        :class:`gpupool.graph.DecodeStep` owns the fixed buffers and calls this."""
         op = "decode_step"
+        if not isinstance(batch, AllocateBatch):
+            raise ArgumentTypeError(op, f"batch must be an AllocateBatch from KVCacheManager.batch(), got "
+                                        f"{type(batch).__name__}")
         finished = self._i32(op, finished, "finished")
         num_finished = self._count(op, num_finished, finished.numel())
         slot_mapping = self._out(op, slot_mapping, torch.int64, batch.slots.numel(), "slot_mapping")
