@@ -45,7 +45,9 @@ class DecodeStep:
         if max_batch < 1:
             raise InvalidArgumentError("DecodeStep", f"max_batch must be >= 1, got {max_batch}", max_batch)
         self.m = manager
-        self.kv_caches = list(kv_caches or [])
+        kv_caches = [] if kv_caches is None else kv_caches
+        manager._check_kv_caches("DecodeStep", kv_caches)
+        self.kv_caches = list(kv_caches)
         dev = manager.device
         i32 = torch.int32
         self.slots = torch.zeros(max_batch, dtype=i32, device=dev)

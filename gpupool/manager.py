@@ -43,7 +43,7 @@ from .kernels import manager as k_manager
 from .kernels import parallel_alloc as k_parallel
 from .kernels import step as k_step
 from .kernels.parallel_alloc import NKG, NMAP, NPAR
-from .kernels.copy_blocks import copy_blocks
+from .kernels.copy_blocks import check_layers, copy_blocks
 from .locking import locked
 from .pool import BlockPool
 from .state import pow2_at_least
@@ -363,6 +363,39 @@ class KVCacheManager:
         if host_list:
             self._pool.finish()
 
+    def _check_batch(self, op: str, batch) -> None:
+        """A batch from :meth:`batch`, unchanged: every tensor of the dtype it made, on the device,
+        contiguous, of matching lengths (the kernels trust these; a hand-built one could write past
+        ``admitted``)."""
+        if not isinstance(batch, AllocateBatch):
+            raise ArgumentTypeError(op, f"batch must be an AllocateBatch from KVCacheManager.batch(), got "
+                                        f"{type(batch).__name__}")
+        b = batch.slots.numel() if isinstance(batch.slots, torch.Tensor) else -1
+        for name, dtype, ok in (("slots", torch.int32, b >= 0), ("num_tokens", torch.int32, None),
+                                ("target", torch.int32, None), ("lookup", torch.int8, None),
+                                ("num_reqs", torch.int32, None), ("admitted", torch.int32, None)):
+            t = getattr(batch, name)
+            if not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.device == self.device and t.is_contiguous()):
+                raise InvalidArgumentError(op, f"batch.{name} must be a contiguous {dtype} tensor on {self.device} "
+                                               f"(build the batch with KVCacheManager.batch())")
+        if not (batch.num_tokens.numel() == batch.target.numel() == batch.lookup.numel() == b
+                and batch.admitted.numel() >= b and batch.num_reqs.numel() >= 1):
+            raise InvalidArgumentError(op, "the batch's tensors differ in length (build it with KVCacheManager.batch())")
+
+    def _check_kv_caches(self, op: str, kv_caches) -> None:
+        """``kv_caches`` as ``copy_blocks`` takes them, on this device, each holding every block of the
+        pool (a copy past a smaller cache would be dropped unseen). Host-only checks: no device read."""
+        if not isinstance(kv_caches, (list, tuple)):
+            raise ArgumentTypeError(op, f"kv_caches must be a list of tensors [num_blocks, ...], one per layer, "
+                                        f"got {type(kv_caches).__name__}")
+        check_layers(kv_caches)
+        for j, t in enumerate(kv_caches):
+            if t.device != self.device:
+                raise InvalidArgumentError(op, f"kv_caches[{j}] is on {t.device}, the pool on {self.device}", j)
+            if t.shape[0] < self.pool.num_blocks:
+                raise InvalidArgumentError(op, f"kv_caches[{j}] holds {t.shape[0]} blocks, the pool "
+                                               f"{self.pool.num_blocks}", t.shape[0])
+
     @locked
     def decode_step(self, batch: AllocateBatch, finished: torch.Tensor, num_finished: torch.Tensor,
                     slot_mapping: torch.Tensor, kv_caches: list[torch.Tensor]) -> None:
@@ -371,12 +404,12 @@ class KVCacheManager:
         ``free(finished[:num_finished])``, ``allocate_slots`` of ``batch`` (``stop_on_failure=False``)
         and the slot of each request's newest token into ``slot_mapping: int64[B]``; then the pending
         copies of ``kv_caches`` and their release. A bad input sets the status word (op
-        ``decode_step``) and changes nothing. ``batch``: from :meth:`batch` (else ArgumentTypeError).
+        ``decode_step``) and changes nothing. ``batch``: from :meth:`batch` (else ArgumentTypeError or
+        InvalidArgumentError); ``kv_caches`` are checked before anything runs.
         :class:`gpupool.graph.DecodeStep` owns the fixed buffers and calls this."""
         op = "decode_step"
-        if not isinstance(batch, AllocateBatch):
-            raise ArgumentTypeError(op, f"batch must be an AllocateBatch from KVCacheManager.batch(), got "
-                                        f"{type(batch).__name__}")
+        self._check_batch(op, batch)
+        self._check_kv_caches(op, kv_caches)
         finished = self._i32(op, finished, "finished")
         num_finished = self._count(op, num_finished, finished.numel())
         slot_mapping = self._out(op, slot_mapping, torch.int64, batch.slots.numel(), "slot_mapping")
@@ -520,7 +553,10 @@ class KVCacheManager:
     def copy_and_release(self, kv_caches: list[torch.Tensor]) -> None:
         """The pending copies of every layer in one launch, then the release of the references they
         held and an empty queue, both only if the status word is clear (else the copies stay pending,
-        so no block is lost to an earlier error). No host sync: a captured step's tail."""
+        so no block is lost to an earlier error). No host sync: a captured step's tail. ``kv_caches``:
+        a list of contiguous ``[num_blocks, ...]`` tensors on the pool's device, each with at least the
+        pool's blocks (InvalidArgumentError / ArgumentTypeError before anything runs)."""
+        self._check_kv_caches("copy_and_release", kv_caches)
         s = self.state
         if kv_caches:
             copy_blocks(kv_caches, s.copy_src, s.copy_dst, num_copies=s.num_copies, check=False)

@@ -99,7 +99,10 @@ def _fail(message: str, value: int | None = None):
     raise InvalidArgumentError(OP, message, value)
 
 
-def _check_layers(kv_caches) -> torch.device | None:
+def check_layers(kv_caches) -> torch.device | None:
+    """The checks of ``copy_blocks`` on the caches alone (no device read): a list of contiguous
+    tensors ``[num_blocks, ...]`` on one device, in disjoint memory. Returns that device (None: empty
+    list); raises InvalidArgumentError."""
     if not isinstance(kv_caches, (list, tuple)):
         _fail(f"kv_caches must be a list of tensors, got {type(kv_caches).__name__}")
     device = None
@@ -206,7 +209,7 @@ def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Ten
     ``0 .. num_blocks - 1``, two copies to one block, or a block that is both a source and a destination.
     Use ``check=False`` inside CUDA graph capture, after one eager call with the same caches.
     """
-    device = _check_layers(kv_caches)
+    device = check_layers(kv_caches)
     _check_ids("src", src, device)
     _check_ids("dst", dst, device)
     if len(src) != len(dst):

@@ -327,7 +327,7 @@ def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished,
     use and listed once across both lists; and the allocation batch as ``allocate_slots`` checks it,
     with token counts from 1 (the new token's position is ``num_tokens - 1``) and its event rows.
     The first bad input sets the status word (op DECODE_STEP); nothing else is written but
-    ``admitted`` (zeroed) and idle scratch. The first part of ``free_requests_kernel`` in a step."""
+    ``admitted`` (all ``cap`` entries zeroed on an error) and idle scratch. The first part of ``free_requests_kernel`` in a step."""
     nb, nb_ok = checked_count(batch.num_reqs, cap)
     nf, nf_ok = checked_count(num_finished, fcap)
     if status_clear(ps.status):
@@ -350,6 +350,11 @@ def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished,
         val = tl.where(nb_ok, val, tl.load(batch.num_reqs).to(tl.int64))
         if err != 0:
             set_status(ps.status, err, OP_DECODE_STEP, val)
+            offs = tl.arange(0, mc.BLOCK)
+            i = 0
+            while i < cap:  # no request admitted (check_batch, which zeroes them, may not have run)
+                tl.store(batch.admitted + i + offs, tl.zeros([mc.BLOCK], tl.int32), mask=(i + offs) < cap)
+                i += mc.BLOCK
 
 
 @triton.jit

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import gpupool.registry as registry_mod
-from gpupool.errors import InvalidArgumentError, InvariantError, PoolError
+from gpupool.errors import ArgumentTypeError, InvalidArgumentError, InvariantError, PoolError
 from gpupool.graph import DecodeStep
 from gpupool.kernels.layout import Ctrl
 from gpupool.manager import KVCacheManager
@@ -178,6 +178,70 @@ def test_decode_step_names_the_first_bad_slot(finished, slots, bad):
     with pytest.raises(InvalidArgumentError) as e:
         m.pool.check()
     assert e.value.op == "decode_step" and e.value.value == bad
+
+
+def _decoding_manager():
+    m = make()
+    for r in (0, 1):
+        m.add_request(r, [h(r)])
+    m.allocate_slots([0, 1], [5, 5], [5, 5], [1, 1])
+    m.pool.check()
+    return m
+
+
+@pytest.mark.parametrize("kv, exc, needle", [
+    (lambda n: torch.zeros(n, 4), ArgumentTypeError, "list of tensors"),  # a bare tensor, not a list
+    (lambda n: [torch.zeros(4, n).t()], InvalidArgumentError, "contiguous"),
+    (lambda n: [torch.zeros(n - 1, 4)], InvalidArgumentError, "blocks"),  # a copy past it would be dropped
+    (lambda n: [1], InvalidArgumentError, "not a tensor"),
+], ids=["bare-tensor", "non-contiguous", "too-few-blocks", "not-a-tensor"])
+def test_bad_kv_caches_fail_before_the_step_runs(kv, exc, needle):
+    m = _decoding_manager()
+    with pytest.raises(exc, match=needle):
+        DecodeStep(m, 2, kv_caches=kv(m.pool.num_blocks))
+    step = DecodeStep(m, 2)
+    fill(step, [0], [6], [1])
+    batch = m.batch(step.slots, step.num_tokens, step.num_tokens, None, step.num_reqs, step.admitted)
+    before, raw = mstate(m), raw_state(m.pool, m)
+    with pytest.raises(exc, match=needle):
+        m.decode_step(batch, step.finished, step.num_finished, step.slot_mapping, kv(m.pool.num_blocks))
+    with pytest.raises(exc, match=needle):
+        m.copy_and_release(kv(m.pool.num_blocks))
+    m.pool.check()
+    assert same_raw_state(raw, raw_state(m.pool, m)) == [] and mstate(m) == before
+
+
+def test_hand_built_batch_is_checked_on_the_host():
+    """A batch whose ``admitted`` is shorter than its slots (the kernel would write past it) or whose
+    slots are int64 is refused before any launch."""
+    m = _decoding_manager()
+    good = m.batch([0], [6], [6])
+    before = mstate(m)
+    fin, nf, out = i32([0]), torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
+    for bad in (good._replace(admitted=torch.zeros(0, dtype=torch.int32)),
+                good._replace(slots=good.slots.to(torch.int64))):
+        with pytest.raises(InvalidArgumentError, match="batch"):
+            m.decode_step(bad, fin, nf, out, [])
+    with pytest.raises(ArgumentTypeError, match="AllocateBatch"):
+        m.decode_step(tuple(good), fin, nf, out, [])
+    m.pool.check()
+    assert mstate(m) == before
+
+
+def test_failed_step_admits_nobody():
+    """After a step that fails its slot check, ``admitted`` is all 0 (no stale flag from the step
+    before) and the slot mapping -1."""
+    m = _decoding_manager()
+    step = DecodeStep(m, 2)
+    fill(step, [0], [6])
+    step.run()
+    m.pool.check()
+    assert step.admitted.tolist() == [1, 0]
+    fill(step, [0, 3], [7, 6])  # slot 3 is not in use
+    step.run()
+    with pytest.raises(InvalidArgumentError):
+        m.pool.check()
+    assert step.admitted.tolist() == [0, 0] and step.slot_mapping.tolist() == [-1, -1]
 
 
 @pytest.mark.parametrize("slot,pos", [(4, 0), (-1, 0), (2**31 - 1, 0), (0, -1), (0, 8), (0, 2**31 - 1), (1, 0)])
