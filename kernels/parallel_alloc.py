@@ -470,7 +470,8 @@ def touch_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_lookups):
 @triton.jit
 def event_layout(ms, mc: tl.constexpr, split, ev0, EVENTS: tl.constexpr):
     """Event rows in request order: request k's evictions (its pops), then per group the caching's
-    removed keys, one BlockStored header and its items. Writes the offsets; returns the end row."""
+    removed keys, one BlockStored header and its items. Writes the offsets; returns (the end row,
+    the old keys the caching removes)."""
     offs = tl.arange(0, mc.BLOCK)
     ecarry = ev0
     qcarry = tl.zeros([], tl.int32)
@@ -519,7 +520,7 @@ def event_layout(ms, mc: tl.constexpr, split, ev0, EVENTS: tl.constexpr):
         i += mc.BLOCK
     tl.store(par(ms, mc, P_EVBASE, split), ecarry)
     tl.debug_barrier()
-    return ecarry
+    return ecarry, rmcarry
 
 
 @triton.jit
@@ -535,7 +536,8 @@ def pop_item(ms, mc: tl.constexpr, split, f, m):
 @triton.jit
 def allocate_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, num_pops, head, tail):
     """vLLM's ``allocate_new_blocks`` for requests [0, split): one popleft of all their blocks, the
-    evictions' rows per request, claims, and the blocks scattered into the rows. Returns the head."""
+    evictions' rows per request, claims, and the blocks scattered into the rows. Returns (the head,
+    the old keys ``cache_all`` will remove)."""
     offs = tl.arange(0, pc.BLOCK)
     new_head = ring_scan_pop(ps, pc, head, tail, ms.s_ids, 0, num_pops)
     segment_ids(par(ms, mc, P_POPOFF, 0), split, num_pops, ms.s_map + MAP_POP * mc.MAPS, pc.BLOCK)
@@ -549,7 +551,7 @@ def allocate_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, num_pops, he
             tl.atomic_add(par(ms, mc, P_EVICT, k), ld(ps.num_keys + b, m), mask=m)
             i += pc.BLOCK
         tl.debug_barrier()
-    event_layout(ms, mc, split, tl.load(ps.ctrl + EV_COUNT).to(tl.int32), pc.EVENTS)
+    _, removed = event_layout(ms, mc, split, tl.load(ps.ctrl + EV_COUNT).to(tl.int32), pc.EVENTS)
     carry = tl.zeros([], tl.int32)
     reuse_pos = tl.load(ps.ctrl + REUSE_COUNT)
     i = 0
@@ -565,7 +567,7 @@ def allocate_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, num_pops, he
         i += pc.BLOCK
     tl.store(ps.ctrl + REUSE_COUNT, reuse_pos)
     tl.debug_barrier()
-    return new_head
+    return new_head, removed
 
 
 @triton.jit
@@ -614,10 +616,11 @@ def remove_skipped_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, head, 
 
 
 @triton.jit
-def cache_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, seq0):
+def cache_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, seq0, removed):
     """vLLM's ``cache_blocks`` for requests [0, split), flattened over (request, group, block): old
     keys removed, one BlockStored header per range, keys with sequence numbers in request order.
-    Returns the keys stored."""
+    ``removed``: the old keys (``event_layout``); with none, as in a decode step whose newly full
+    blocks were never keyed, the removal pass is skipped. Returns the keys stored."""
     offs = tl.arange(0, pc.BLOCK)
     nseg = split * mc.G
     n = tl.load(pkg(ms, mc, G_COFF, nseg))
@@ -639,8 +642,11 @@ def cache_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, seq0):
     stored = tl.zeros([], tl.int32)
     for phase in tl.static_range(2):  # old keys out, then new keys in
         carry = tl.zeros([], tl.int32)
+        n_phase = n
+        if phase == 0:
+            n_phase = tl.where(removed > 0, n, 0)
         i = 0
-        while i < n:
+        while i < n_phase:
             f = i + offs
             m = f < n
             j, k, g, r, pos = cache_item(ms, mc, nseg, f, m)
@@ -757,13 +763,13 @@ def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, c
             if num_lookups > 0:
                 unlinked = touch_hits(ps, pc, ms, mc, split, tl.load(par(ms, mc, P_LOFF, split)))
             pops = tl.load(par(ms, mc, P_POPOFF, split))
-            head = allocate_all(ps, pc, ms, mc, split, pops, head, tail)
+            head, removed = allocate_all(ps, pc, ms, mc, split, pops, head, tail)
             released = tl.zeros([], tl.int32)
             if tl.load(pkg(ms, mc, G_RELOFF, split * mc.G)) > 0:
                 head, tail, released = remove_skipped_all(ps, pc, ms, mc, split, head, tail)
             stored = tl.zeros([], tl.int32)
             if pc.CACHING:
-                stored = cache_all(ps, pc, ms, mc, split, tl.load(ps.ctrl + KEY_SEQ))
+                stored = cache_all(ps, pc, ms, mc, split, tl.load(ps.ctrl + KEY_SEQ), removed)
             finish_requests(ms, mc, batch, split, pc.CACHING)
             tl.store(ps.ctrl + HEAD, head)
             tl.store(ps.ctrl + TAIL, tail)
