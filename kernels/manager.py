@@ -310,7 +310,7 @@ def allocate_slots_exact(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap,
     if step_out is not None:
         tl.debug_barrier()
         slot_mapping(ps, ms, mc, batch.slots, batch.num_tokens, batch.num_reqs, cap, step_out, 0, -1, batch.admitted,
-                     True)
+                     True, True)
 
 
 def launch_allocate_slots(ps, pc, ms, mc, batch, *, stop_on_failure: bool):
@@ -463,16 +463,18 @@ def launch_free_requests(ps, pc, ms, mc, slots, num_reqs):
 def slot_mapping_kernel(ps, ms, mc: tl.constexpr, slots, positions, num, cap, out, group, offset, admitted,
                         HAS_ADMITTED: tl.constexpr):
     """Grid (1,): :func:`slot_mapping`."""
-    slot_mapping(ps, ms, mc, slots, positions, num, cap, out, group, offset, admitted, HAS_ADMITTED)
+    slot_mapping(ps, ms, mc, slots, positions, num, cap, out, group, offset, admitted, HAS_ADMITTED, False)
 
 
 @triton.jit
 def slot_mapping(ps, ms, mc: tl.constexpr, slots, positions, num, cap, out, group, offset, admitted,
-                 HAS_ADMITTED: tl.constexpr):
+                 HAS_ADMITTED: tl.constexpr, TRUSTED: tl.constexpr):
     """``out[t] = block_table[group, slots[t], p // BS] * BS + p % BS`` with ``p = positions[t] + offset``
     for ``t < num[0]`` (at most ``cap``): each slot in use and each position inside its row; else -1
     there and E_INVALID_ARG in the status word (the first bad entry). With ``HAS_ADMITTED``, entries
-    whose ``admitted[t]`` is 0 give -1 and are no error."""
+    whose ``admitted[t]`` is 0 give -1 and are no error. ``TRUSTED`` (a decode step, with
+    ``HAS_ADMITTED``): an admitted entry's slot is in use and its position inside its row, as the
+    step checked and allocated them, so neither is read again."""
     n, n_ok = checked_count(num, cap)
     offs = tl.arange(0, mc.BLOCK)
     err = tl.where(n_ok, 0, E_INVALID_ARG)
@@ -481,17 +483,22 @@ def slot_mapping(ps, ms, mc: tl.constexpr, slots, positions, num, cap, out, grou
     i = 0
     while i < n:
         idx = i + offs
-        m = idx < n
+        inb = idx < n
+        m = inb
         if HAS_ADMITTED:
-            m = m & (tl.load(admitted + idx, mask=m, other=0) != 0)
-        r = tl.load(slots + idx, mask=m, other=0)
-        p = tl.load(positions + idx, mask=m, other=0).to(tl.int64) + offset
-        okr = m & (r >= 0) & (r < mc.R)
-        okr = okr & (tl.load(ms.active + r, mask=okr, other=0) != 0)
-        nblk = tl.load(ms.num_blocks + r, mask=okr, other=0)
-        ok = okr & (p >= 0) & (p < nblk.to(tl.int64) * mc.BS)
+            m = m & (tl.load(admitted + idx, mask=inb, other=0) != 0)
+        r = tl.load(slots + idx, mask=inb, other=0)  # not masked by ``admitted``: one wait, not two
+        p = tl.load(positions + idx, mask=inb, other=0).to(tl.int64) + offset
+        if TRUSTED:
+            okr = m
+            ok = m
+        else:
+            okr = m & (r >= 0) & (r < mc.R)
+            okr = okr & (tl.load(ms.active + r, mask=okr, other=0) != 0)
+            nblk = tl.load(ms.num_blocks + r, mask=okr, other=0)
+            ok = okr & (p >= 0) & (p < nblk.to(tl.int64) * mc.BS)
         blk = tl.load(ms.block_table + (group * mc.R + r).to(tl.int64) * mc.M + p // mc.BS, mask=ok, other=0)
-        tl.store(out + idx, tl.where(ok, blk.to(tl.int64) * mc.BS + p % mc.BS, -1), mask=idx < n)
+        tl.store(out + idx, tl.where(ok, blk.to(tl.int64) * mc.BS + p % mc.BS, -1), mask=inb)
         err, err_val, err_i = keep_first(err, err_val, err_i, E_INVALID_ARG, m & ~ok, idx, tl.where(okr, p, r))
         i += mc.BLOCK
     if err != 0:
