@@ -57,13 +57,14 @@ class DecodeStep:
         self.num_finished = torch.zeros(1, dtype=i32, device=dev)
         self.admitted = torch.zeros(max_batch, dtype=i32, device=dev)
         self.slot_mapping = torch.zeros(max_batch, dtype=torch.int64, device=dev)
-        self._no_lookup = torch.zeros(max_batch, dtype=torch.int8, device=dev)
+        no_lookup = torch.zeros(max_batch, dtype=torch.int8, device=dev)
+        # views of the buffers above, built once: every step reads them in place
+        self._batch = manager.batch(self.slots, self.num_tokens, self.num_tokens, no_lookup, self.num_reqs,
+                                    self.admitted)
         self.graph = None
 
     def _body(self) -> None:
-        m = self.m
-        batch = m.batch(self.slots, self.num_tokens, self.num_tokens, self._no_lookup, self.num_reqs, self.admitted)
-        m.decode_step(batch, self.finished, self.num_finished, self.slot_mapping, self.kv_caches)
+        self.m.decode_step(self._batch, self.finished, self.num_finished, self.slot_mapping, self.kv_caches)
 
     def run(self) -> None:
         """One step, eagerly (any device), holding the pool's lock."""

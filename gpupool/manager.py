@@ -370,14 +370,13 @@ class KVCacheManager:
         if not isinstance(batch, AllocateBatch):
             raise ArgumentTypeError(op, f"batch must be an AllocateBatch from KVCacheManager.batch(), got "
                                         f"{type(batch).__name__}")
-        b = batch.slots.numel() if isinstance(batch.slots, torch.Tensor) else -1
-        for name, dtype, ok in (("slots", torch.int32, b >= 0), ("num_tokens", torch.int32, None),
-                                ("target", torch.int32, None), ("lookup", torch.int8, None),
-                                ("num_reqs", torch.int32, None), ("admitted", torch.int32, None)):
+        for name, dtype in (("slots", torch.int32), ("num_tokens", torch.int32), ("target", torch.int32),
+                            ("lookup", torch.int8), ("num_reqs", torch.int32), ("admitted", torch.int32)):
             t = getattr(batch, name)
             if not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.device == self.device and t.is_contiguous()):
                 raise InvalidArgumentError(op, f"batch.{name} must be a contiguous {dtype} tensor on {self.device} "
                                                f"(build the batch with KVCacheManager.batch())")
+        b = batch.slots.numel()
         if not (batch.num_tokens.numel() == batch.target.numel() == batch.lookup.numel() == b
                 and batch.admitted.numel() >= b and batch.num_reqs.numel() >= 1):
             raise InvalidArgumentError(op, "the batch's tensors differ in length (build it with KVCacheManager.batch())")
@@ -415,7 +414,7 @@ class KVCacheManager:
         slot_mapping = self._out(op, slot_mapping, torch.int64, batch.slots.numel(), "slot_mapping")
         k_step.launch_decode_step(self._pool.state, self._pool.config, self.state, self.config, batch, finished,
                                   num_finished, slot_mapping, force_exact=not self.parallel)
-        self.copy_and_release(kv_caches)
+        self._copy_and_release(kv_caches)
 
     @locked
     def slot_mapping(self, slots: torch.Tensor, positions: torch.Tensor, group: int = 0,
@@ -557,6 +556,10 @@ class KVCacheManager:
         a list of contiguous ``[num_blocks, ...]`` tensors on the pool's device, each with at least the
         pool's blocks (InvalidArgumentError / ArgumentTypeError before anything runs)."""
         self._check_kv_caches("copy_and_release", kv_caches)
+        self._copy_and_release(kv_caches)
+
+    def _copy_and_release(self, kv_caches: list[torch.Tensor]) -> None:
+        """:meth:`copy_and_release` of caches already checked by ``_check_kv_caches``."""
         s = self.state
         if kv_caches:
             copy_blocks(kv_caches, s.copy_src, s.copy_dst, num_copies=s.num_copies, check=False)

@@ -244,6 +244,7 @@ def allocate_slots_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap
     """Grid (1,): :func:`allocate_slots_exact`, after ``allocate_slots_parallel_kernel``."""
     allocate_slots_exact(ps, pc, ms, mc, batch, cap, STOP_ON_FAILURE, None)
 
+
 @triton.jit
 def allocate_slots_exact(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, STOP_ON_FAILURE: tl.constexpr,
                           step_out):
@@ -327,7 +328,8 @@ def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished,
     use and listed once across both lists; and the allocation batch as ``allocate_slots`` checks it,
     with token counts from 1 (the new token's position is ``num_tokens - 1``) and its event rows.
     The first bad input sets the status word (op DECODE_STEP); nothing else is written but
-    ``admitted`` (all ``cap`` entries zeroed on an error) and idle scratch. The first part of ``free_requests_kernel`` in a step."""
+    ``admitted`` (all ``cap`` entries zeroed on an error) and idle scratch. Run first by
+    ``free_requests`` in a decode step (``kernels/step.py``)."""
     nb, nb_ok = checked_count(batch.num_reqs, cap)
     nf, nf_ok = checked_count(num_finished, fcap)
     if status_clear(ps.status):
@@ -401,14 +403,15 @@ def free_requests_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_
     """Grid (1,): :func:`free_requests` alone."""
     free_requests(ps, pc, ms, mc, slots, num_reqs, cap, None, 0)
 
+
 @triton.jit
 def free_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_reqs, cap, step, step_cap):
     """``free`` of ``num_reqs[0]`` requests as ONE batched free (docs/algorithms.md section 2): every
     group's row of each request, tail first, segments in request order, then the requests' counts
     reset. A count outside ``0..cap``, a slot out of range, listed twice or not in use sets the status
     word before anything changes. ``step`` (an AllocateBatch of capacity ``step_cap``, or None): the
-    first launch of a decode step, which checks every input of the step first (``check_step``) and
-    then frees without checking again."""
+    start of a decode step, which checks every input of the step first (``check_step``) and then
+    frees without checking again."""
     nb, nb_ok = checked_count(num_reqs, cap)
     if step is not None:
         check_step(ps, pc, ms, mc, step, step_cap, slots, num_reqs, cap)

@@ -702,14 +702,15 @@ def allocate_slots_parallel_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, b
     """Grid (1,): :func:`allocate_slots_parallel` of a batch it checks itself."""
     allocate_slots_parallel(ps, pc, ms, mc, batch, cap, FORCE_EXACT, False)
 
+
 @triton.jit
 def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, FORCE_EXACT: tl.constexpr,
-                                   CHECKED: tl.constexpr):
+                            CHECKED: tl.constexpr):
     """``allocate_slots`` of ``batch.num_reqs[0]`` requests (AllocateBatch, see kernels/manager.py):
     validate the whole batch (errors set the status word and change nothing), analyse every request
     in parallel, commit requests ``[0, split)`` and leave ``ctrl[ALLOC_SPLIT] = split`` for the exact
     path (module docstring). ``FORCE_EXACT``: split 0 (tests). ``CHECKED``: a decode step's batch,
-    already checked (and ``admitted`` zeroed) by its first launch (``check_step``)."""
+    already checked (and ``admitted`` zeroed) by ``check_step`` earlier in the same program."""
     if CHECKED:
         nb, _ = checked_count(batch.num_reqs, cap)
         err = tl.where(status_clear(ps.status), 0, E_INVALID_ARG)
