@@ -80,7 +80,8 @@ class ManagerConfig(NamedTuple):
     """The manager's sizes, a ``tl.constexpr`` argument: G groups, R request slots, M blocks per row,
     K hash blocks per block, BS tokens per block, Q pending-copy capacity, BLOCK lanes per request tile,
     FS entries of the request-parallel path's key filter, MAPS = G * R * M entries per item map
-    (kernels/parallel_alloc.py)."""
+    (kernels/parallel_alloc.py), SW whether any group has a sliding window (else the kernels skip the
+    window's passes)."""
 
     G: int
     R: int
@@ -91,6 +92,7 @@ class ManagerConfig(NamedTuple):
     BLOCK: int
     FS: int
     MAPS: int
+    SW: bool
 
 
 class AllocateBatch(NamedTuple):
@@ -173,7 +175,8 @@ class KVCacheManager:
                                     K=sh.hashes_per_block, BS=sh.block_size, Q=q,
                                     BLOCK=min(1024, max(16, pow2_at_least(sh.max_num_reqs))),
                                     FS=filter_size(sh.max_num_reqs),
-                                    MAPS=len(sh.groups) * sh.max_num_reqs * sh.max_blocks_per_req)
+                                    MAPS=len(sh.groups) * sh.max_num_reqs * sh.max_blocks_per_req,
+                                    SW=any(w > 0 for _, w in sh.groups))
         self.parallel = True  # False: every batch takes the exact sequential path (tests, debugging)
         self._pool.registry.add_pin_source(self._active_keys)
 

@@ -41,46 +41,45 @@ def keys_of(mc: tl.constexpr, g, r):
 
 
 @triton.jit
-def mark_slots(ms, mc: tl.constexpr, slots, nb, err, val, err_i, base):
-    """Mark each in-range slot of ``slots[:nb]`` in ``s_req`` (BIG minus its earliest index, by atomic
-    max) and fold the first bad entry into the running (error, value, index): a slot out of range or
-    not in use at its index, a slot listed twice at its first index (entry i has index ``base + i``).
-    Of two entries of a slot, the one marked second sees the other's index, so one pass finds every
-    repeat, across lists too; :func:`unmark_slots` after a barrier."""
+def mark_tile(ms, mc: tl.constexpr, slots, i, n, err, val, err_i, base):
+    """Mark each in-range slot of tile ``slots[i:i + BLOCK]`` (of ``n``) in ``s_req`` (BIG minus its
+    earliest index, by atomic max) and fold the first bad entry into the running (error, value,
+    index): a slot out of range or not in use at its index, a slot listed twice at its first index
+    (entry i has index ``base + i``). Of two entries of a slot, the one marked second sees the
+    other's index, so one pass finds every repeat, across lists too; :func:`unmark_tile` after a
+    barrier."""
     offs = tl.arange(0, mc.BLOCK)
-    i = 0
-    while i < nb:
-        idx = base + i + offs
-        r, m = tile_of(slots, i + offs, nb)
-        out = m & ((r < 0) | (r >= mc.R))
-        ok = m & ~out
-        seen = tl.atomic_max(ms.s_req + r, -idx + BIG, mask=ok)
-        rep = ok & (seen > 0)
-        idle = ok & (tl.load(ms.active + r, mask=ok, other=1) == 0)
-        at = tl.where(rep, tl.minimum(idx, -seen + BIG), idx)
-        err, val, err_i = keep_first(err, val, err_i, E_INVALID_ARG, out | idle | rep, at, r)
-        i += mc.BLOCK
-    return err, val, err_i
+    idx = base + i + offs
+    r, m = tile_of(slots, i + offs, n)
+    out = m & ((r < 0) | (r >= mc.R))
+    ok = m & ~out
+    seen = tl.atomic_max(ms.s_req + r, -idx + BIG, mask=ok)
+    rep = ok & (seen > 0)
+    idle = ok & (tl.load(ms.active + r, mask=ok, other=1) == 0)
+    at = tl.where(rep, tl.minimum(idx, -seen + BIG), idx)
+    return keep_first(err, val, err_i, E_INVALID_ARG, out | idle | rep, at, r)
 
 
 @triton.jit
-def unmark_slots(ms, mc: tl.constexpr, slots, nb):
-    """Zero the ``s_req`` marks :func:`mark_slots` left (the scratch is idle at 0 between launches)."""
-    offs = tl.arange(0, mc.BLOCK)
-    i = 0
-    while i < nb:
-        r, m = tile_of(slots, i + offs, nb)
-        tl.store(ms.s_req + r, tl.zeros([mc.BLOCK], tl.int32), mask=m & (r >= 0) & (r < mc.R))
-        i += mc.BLOCK
+def unmark_tile(ms, mc: tl.constexpr, slots, i, n):
+    """Zero the ``s_req`` marks :func:`mark_tile` left (the scratch is idle at 0 between launches)."""
+    r, m = tile_of(slots, i + tl.arange(0, mc.BLOCK), n)
+    tl.store(ms.s_req + r, tl.zeros([mc.BLOCK], tl.int32), mask=m & (r >= 0) & (r < mc.R))
 
 
 @triton.jit
 def check_slots(ms, mc: tl.constexpr, slots, nb):
     """(error, value): a slot out of range, listed twice or not in use; ``s_req`` scratch left zeroed."""
     err, val, err_i = no_error()
-    err, val, err_i = mark_slots(ms, mc, slots, nb, err, val, err_i, 0)
+    i = 0
+    while i < nb:
+        err, val, err_i = mark_tile(ms, mc, slots, i, nb, err, val, err_i, 0)
+        i += mc.BLOCK
     tl.debug_barrier()
-    unmark_slots(ms, mc, slots, nb)
+    i = 0
+    while i < nb:
+        unmark_tile(ms, mc, slots, i, nb)
+        i += mc.BLOCK
     return err, val
 
 
@@ -189,7 +188,7 @@ def check_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, MIN_TOKEN
                 CHECK_SLOTS: tl.constexpr):
     """(error, value, event rows the batch may write) of an ``allocate_slots`` batch: slots (range,
     repeats, in use), token counts in ``MIN_TOKENS .. M * BS`` (targets from 0); the rows bound each
-    request's evictions, keys and headers. Also zeroes ``admitted``."""
+    request's evictions, keys and headers (0 with events off). Also zeroes ``admitted``."""
     offs = tl.arange(0, mc.BLOCK)
     if CHECK_SLOTS:
         err, err_val = check_slots(ms, mc, batch.slots, nb)
@@ -207,12 +206,13 @@ def check_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, MIN_TOKEN
         bad = m & (bad_nt | (tg < 0) | (tg > mc.M * mc.BS))
         if err == 0:
             err, err_val, err_i = keep_first(err, err_val, err_i, E_INVALID_COUNT, bad, idx, tl.where(bad_nt, nt, tg))
-        r = tl.load(batch.slots + idx, mask=m, other=0)
-        ok = m & ~bad & (r >= 0) & (r < mc.R)
-        nblk = tl.load(ms.num_blocks + r, mask=ok, other=0)
-        need = tl.maximum((tg + mc.BS - 1) // mc.BS - nblk, 0)
-        per = need.to(tl.int64) * pc.MK + (nt // mc.BS).to(tl.int64) * (pc.MK + 1) + pc.MK + 3
-        rows += tl.sum(tl.where(ok, per * mc.G, 0), axis=0)
+        if pc.EVENTS:
+            r = tl.load(batch.slots + idx, mask=m, other=0)
+            ok = m & ~bad & (r >= 0) & (r < mc.R)
+            nblk = tl.load(ms.num_blocks + r, mask=ok, other=0)
+            need = tl.maximum((tg + mc.BS - 1) // mc.BS - nblk, 0)
+            per = need.to(tl.int64) * pc.MK + (nt // mc.BS).to(tl.int64) * (pc.MK + 1) + pc.MK + 3
+            rows += tl.sum(tl.where(ok, per * mc.G, 0), axis=0)
         tl.store(batch.admitted + idx, tl.zeros([mc.BLOCK], tl.int32), mask=m)
         i += mc.BLOCK
     return err, err_val, rows
@@ -242,12 +242,12 @@ def check_allocate_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap)
 @triton.jit
 def allocate_slots_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, STOP_ON_FAILURE: tl.constexpr):
     """Grid (1,): :func:`allocate_slots_exact`, after ``allocate_slots_parallel_kernel``."""
-    allocate_slots_exact(ps, pc, ms, mc, batch, cap, STOP_ON_FAILURE, None)
+    allocate_slots_exact(ps, pc, ms, mc, batch, cap, STOP_ON_FAILURE, None, None, None, None)
 
 
 @triton.jit
 def allocate_slots_exact(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, STOP_ON_FAILURE: tl.constexpr,
-                          step_out):
+                          step_out, step_ok, step_split, step_num):
     """``allocate_slots``, the exact sequential path (``ReferenceKVCacheManager.allocate_slots``), from
     request ``ctrl[ALLOC_SPLIT]`` of a batch the request-parallel kernel (``kernels/parallel_alloc.py``)
     validated and committed up to there; returns at once when that is the whole batch. Per request:
@@ -258,11 +258,19 @@ def allocate_slots_exact(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap,
     ``batch`` (AllocateBatch): ``slots, num_tokens, target: int32[cap]``, ``lookup: int8[cap]``,
     ``num_reqs: int32[1]`` (at most ``cap``), output ``admitted: int32[cap]``. ``step_out`` (a decode
     step's ``int64[cap]``, or None): then also the slot of each request's newest token, as
-    ``slot_mapping`` of group 0 at ``num_tokens - 1`` (-1 where not admitted), in the same launch.
+    ``slot_mapping`` of group 0 at ``num_tokens - 1`` (-1 where not admitted), in the same launch;
+    ``step_ok``, ``step_split`` and ``step_num`` are then the step's flag, split and request count,
+    passed in registers instead of read back from the status word, ``ctrl`` and ``num_reqs``.
     """
-    nb, _ = checked_count(batch.num_reqs, cap)
-    k = tl.load(ps.ctrl + ALLOC_SPLIT).to(tl.int32)
-    if status_clear(ps.status) & (k < nb):
+    if step_out is None:
+        nb, _ = checked_count(batch.num_reqs, cap)
+        k = tl.load(ps.ctrl + ALLOC_SPLIT).to(tl.int32)
+        go = status_clear(ps.status)
+    else:
+        nb = step_num
+        k = step_split
+        go = step_ok
+    if go & (k < nb):
         head = tl.load(ps.ctrl + HEAD)
         tail = tl.load(ps.ctrl + TAIL)
         num_free = tl.load(ps.ctrl + NUM_FREE)
@@ -310,8 +318,7 @@ def allocate_slots_exact(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap,
         tl.store(ps.ctrl + NUM_FREE, num_free)
     if step_out is not None:
         tl.debug_barrier()
-        slot_mapping(ps, ms, mc, batch.slots, batch.num_tokens, batch.num_reqs, cap, step_out, 0, -1, batch.admitted,
-                     True, True)
+        slot_mapping(ps, ms, mc, batch.slots, batch.num_tokens, nb, cap, step_out, 0, -1, batch.admitted, True, True)
 
 
 def launch_allocate_slots(ps, pc, ms, mc, batch, *, stop_on_failure: bool):
@@ -329,34 +336,45 @@ def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished,
     with token counts from 1 (the new token's position is ``num_tokens - 1``) and its event rows.
     The first bad input sets the status word (op DECODE_STEP); nothing else is written but
     ``admitted`` (all ``cap`` entries zeroed on an error) and idle scratch. Run first by
-    ``free_requests`` in a decode step (``kernels/step.py``)."""
+    ``decode_step_kernel`` (``kernels/step.py``). Returns (whether the step may go on: the status word
+    was clear and every input is good, requests, finished requests), a count 0 when it is bad."""
     nb, nb_ok = checked_count(batch.num_reqs, cap)
     nf, nf_ok = checked_count(num_finished, fcap)
-    if status_clear(ps.status):
+    ok = status_clear(ps.status)
+    if ok:
         err, val, err_i = no_error()
-        err, val, err_i = mark_slots(ms, mc, finished, nf, err, val, err_i, 0)
-        err, val, err_i = mark_slots(ms, mc, batch.slots, nb, err, val, err_i, fcap)
+        i = 0
+        while i < tl.maximum(nf, nb):  # both lists in one walk: their marks are order-free
+            err, val, err_i = mark_tile(ms, mc, finished, i, nf, err, val, err_i, 0)
+            err, val, err_i = mark_tile(ms, mc, batch.slots, i, nb, err, val, err_i, fcap)
+            i += mc.BLOCK
         tl.debug_barrier()
-        unmark_slots(ms, mc, finished, nf)
-        unmark_slots(ms, mc, batch.slots, nb)
-        tl.debug_barrier()
-        if err == 0:
-            err, val, rows = check_batch(ps, pc, ms, mc, batch, nb, 1, False)
-            if pc.EVENTS:
-                full = (err == 0) & (tl.load(ps.ctrl + EV_COUNT) + rows > pc.EV_CAP)
-                err = tl.where(full, E_BUFFER_FULL, err)
-                val = tl.where(full, rows, val)
+        # the batch's own checks read no marks: issued beside the unmarking, kept if the slots pass
+        b_err, b_val, rows = check_batch(ps, pc, ms, mc, batch, nb, 1, False)
+        i = 0
+        while i < tl.maximum(nf, nb):
+            unmark_tile(ms, mc, finished, i, nf)
+            unmark_tile(ms, mc, batch.slots, i, nb)
+            i += mc.BLOCK
+        if pc.EVENTS:
+            full = (b_err == 0) & (tl.load(ps.ctrl + EV_COUNT) + rows > pc.EV_CAP)
+            b_err = tl.where(full, E_BUFFER_FULL, b_err)
+            b_val = tl.where(full, rows, b_val)
+        val = tl.where(err == 0, b_val, val)
+        err = tl.where(err == 0, b_err, err)
         err = tl.where(nf_ok, err, E_INVALID_ARG)
         val = tl.where(nf_ok, val, tl.load(num_finished).to(tl.int64))
         err = tl.where(nb_ok, err, E_INVALID_ARG)
         val = tl.where(nb_ok, val, tl.load(batch.num_reqs).to(tl.int64))
+        ok = err == 0
         if err != 0:
             set_status(ps.status, err, OP_DECODE_STEP, val)
             offs = tl.arange(0, mc.BLOCK)
             i = 0
-            while i < cap:  # no request admitted (check_batch, which zeroes them, may not have run)
+            while i < cap:  # no request admitted
                 tl.store(batch.admitted + i + offs, tl.zeros([mc.BLOCK], tl.int32), mask=(i + offs) < cap)
                 i += mc.BLOCK
+    return ok, nb, nf
 
 
 @triton.jit
@@ -405,36 +423,44 @@ def free_requests_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_
 
 
 @triton.jit
-def free_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_reqs, cap, step, step_cap):
+def free_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_reqs, cap, checked, num):
     """``free`` of ``num_reqs[0]`` requests as ONE batched free (docs/algorithms.md section 2): every
     group's row of each request, tail first, segments in request order, then the requests' counts
     reset. A count outside ``0..cap``, a slot out of range, listed twice or not in use sets the status
-    word before anything changes. ``step`` (an AllocateBatch of capacity ``step_cap``, or None): the
-    start of a decode step, which checks every input of the step first (``check_step``) and then
-    frees without checking again."""
-    nb, nb_ok = checked_count(num_reqs, cap)
-    if step is not None:
-        check_step(ps, pc, ms, mc, step, step_cap, slots, num_reqs, cap)
-        tl.debug_barrier()
-    if status_clear(ps.status):
-        if step is not None:
-            err, err_val, _ = no_error()
-        else:
+    word before anything changes. ``checked`` (None, or a scalar flag): a decode step, whose
+    ``check_step`` checked every input first and passes its flag and the count ``num``, so nothing is
+    read or checked again. Returns whether the status word is clear after the free (what a decode
+    step's later ops would read)."""
+    if checked is None:
+        nb, nb_ok = checked_count(num_reqs, cap)
+        clear = status_clear(ps.status)
+    else:
+        nb = num
+        clear = checked
+    ok = clear
+    if clear:
+        if checked is None:
             err, err_val = check_slots(ms, mc, slots, nb)
             err_val = tl.where(nb_ok, err_val, tl.load(num_reqs).to(tl.int64))
             err = tl.where(nb_ok, err, E_INVALID_ARG)
+        else:
+            err, err_val, _ = no_error()
+        ok = err == 0
         if err == 0:
+            head = tl.load(ps.ctrl + HEAD)
+            tail = tl.load(ps.ctrl + TAIL)
+            num_free = tl.load(ps.ctrl + NUM_FREE)
             n = gather_rows(ps, ms, mc, slots, nb)
             nf, nl, dfree_i, dfree_v = release_scan(ps, pc, ms.s_ids, n, ms.s_pf, ms.s_map + mc.MAPS, True)
+            ok = dfree_i == BIG
             tl.debug_barrier()
             if dfree_i == BIG:  # always, unless the state is corrupt
-                head = tl.load(ps.ctrl + HEAD)
-                tail = ring_make_room(ps, pc, head, tl.load(ps.ctrl + TAIL), nf + nl)
+                tail = ring_make_room(ps, pc, head, tail, nf + nl)
                 tail = release_place(ps, pc, ms.s_ids, n, ms.s_pf, ms.s_map + mc.MAPS, ms.s_seg, ms.s_map, head,
                                      tail, nf, True, True)
                 tl.store(ps.ctrl + HEAD, head - nf)
                 tl.store(ps.ctrl + TAIL, tail)
-                tl.store(ps.ctrl + NUM_FREE, tl.load(ps.ctrl + NUM_FREE) + nf + nl)
+                tl.store(ps.ctrl + NUM_FREE, num_free + nf + nl)
                 offs = tl.arange(0, mc.BLOCK)
                 i = 0
                 while i < nb:
@@ -454,6 +480,7 @@ def free_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_reqs, c
             reset_ids(ps, ms.s_ids, n, pc.N, pc.BLOCK)
         else:
             set_status(ps.status, err, OP_FREE, err_val)
+    return ok
 
 
 def launch_free_requests(ps, pc, ms, mc, slots, num_reqs):
@@ -476,12 +503,18 @@ def slot_mapping(ps, ms, mc: tl.constexpr, slots, positions, num, cap, out, grou
     for ``t < num[0]`` (at most ``cap``): each slot in use and each position inside its row; else -1
     there and E_INVALID_ARG in the status word (the first bad entry). With ``HAS_ADMITTED``, entries
     whose ``admitted[t]`` is 0 give -1 and are no error. ``TRUSTED`` (a decode step, with
-    ``HAS_ADMITTED``): an admitted entry's slot is in use and its position inside its row, as the
-    step checked and allocated them, so neither is read again."""
-    n, n_ok = checked_count(num, cap)
+    ``HAS_ADMITTED``): ``num`` is the step's checked count (a value, not a pointer), and an admitted
+    entry's slot is in use and its position inside its row, as the step checked and allocated them,
+    so neither is read again."""
+    if TRUSTED:
+        n = num
+        err = tl.zeros([], tl.int32)
+        err_val = tl.zeros([], tl.int64)
+    else:
+        n, n_ok = checked_count(num, cap)
+        err = tl.where(n_ok, 0, E_INVALID_ARG)
+        err_val = tl.where(n_ok, 0, tl.load(num)).to(tl.int64)
     offs = tl.arange(0, mc.BLOCK)
-    err = tl.where(n_ok, 0, E_INVALID_ARG)
-    err_val = tl.where(n_ok, 0, tl.load(num)).to(tl.int64)
     err_i = tl.full([], BIG, tl.int32)
     i = 0
     while i < n:
@@ -520,7 +553,7 @@ def release_copies_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr):
     queue, only when the status word is clear, so copies stay pending (and their blocks held) past a
     failed step. A count outside ``0..Q`` or a bad id sets E_INVALID_ARG / E_INVALID_ID instead."""
     n, n_ok = checked_count(ms.num_copies, mc.Q)
-    if status_clear(ps.status):
+    if status_clear(ps.status) & ((n > 0) | ~n_ok):  # nothing pending (the usual step): nothing to do
         err, err_val, _ = check_ids(ps, ms.copy_release, n, pc.N, False, False, pc.BLOCK)
         err = tl.where(n_ok, err, E_INVALID_ARG)
         err_val = tl.where(n_ok, err_val, tl.load(ms.num_copies).to(tl.int64))

@@ -134,38 +134,28 @@ def leading_nulls(row, n, m, M: tl.constexpr):
 # ---- analysis: nothing below changes pool or manager state until ``commit`` ------------------------
 
 @triton.jit
-def scan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb):
-    """Per request: slot, row length, lookup cap and offsets, sliding-window releases and their flags.
-    Returns (lookups, released, first SW conflict, any prepend, first prepend request)."""
-    offs = tl.arange(0, mc.BLOCK)
-    lcarry = tl.zeros([], tl.int32)
-    rel_total = tl.zeros([], tl.int32)
-    sw_bad = tl.full([], BIG, tl.int32)
-    pre_first = tl.full([], BIG, tl.int32)
-    i = 0
-    while i < nb:
-        k = i + offs
-        m = k < nb
-        r = ld(batch.slots + k, m)
-        nt = ld(batch.num_tokens + k, m)
-        nblk = ld(ms.num_blocks + r, m)
+def scan_tile(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, k, m, LOOKUP: tl.constexpr):
+    """One tile of requests ``k`` (lanes ``m``), read: slot, token count and target, row length, known
+    hashes, lookup cap and the sliding-window releases (their fields into scratch). Every load comes
+    before any store, so no load waits behind a store of a loaded value (:func:`scan_store` writes
+    the rest). Returns (slot, num_tokens, target, row length, hashes, cap, released, SW conflict
+    flags, prepend flags)."""
+    r = ld(batch.slots + k, m)
+    nt = ld(batch.num_tokens + k, m)
+    tg = ld(batch.target + k, m)
+    look = m
+    if LOOKUP:
+        look = m & (ld(batch.lookup + k, m) != 0)
+    nblk = ld(ms.num_blocks + r, m)
+    nhash = ld(ms.num_hashes + r, m)
+    cap = tl.zeros_like(k)
+    if LOOKUP and pc.CACHING:
+        cap = tl.where(look & (nblk == 0), tl.minimum(tl.maximum(nt - 1, 0) // mc.BS, nhash // mc.K), 0)
+    rel = tl.zeros_like(k)
+    bad = m & False
+    pre = m & False
+    if mc.SW:
         ncomp = ld(ms.num_computed + r, m)
-        cap = tl.zeros_like(k)
-        if pc.CACHING:
-            look = m & (ld(batch.lookup + k, m) != 0) & (nblk == 0)
-            cap = tl.where(look, tl.minimum(tl.maximum(nt - 1, 0) // mc.BS, ld(ms.num_hashes + r, m) // mc.K), 0)
-        tl.store(par(ms, mc, P_SLOT, k), r, mask=m)
-        tl.store(par(ms, mc, P_NBLK, k), nblk, mask=m)
-        tl.store(par(ms, mc, P_CAP, k), cap, mask=m)
-        tl.store(par(ms, mc, P_LOFF, k), lcarry + tl.cumsum(cap, axis=0) - cap, mask=m)
-        tl.store(par(ms, mc, P_MISS, k), tl.full([mc.BLOCK], BIG, tl.int32), mask=m)
-        zero = tl.zeros([mc.BLOCK], tl.int32)
-        tl.store(par(ms, mc, P_ZREF, k), zero, mask=m)
-        tl.store(par(ms, mc, P_EVICT, k), zero, mask=m)
-        lcarry += tl.sum(cap, axis=0)
-        rel = tl.zeros_like(k)
-        bad = m & False
-        pre = m & False
         for g in tl.static_range(mc.G):
             w = tl.load(ms.windows + g)
             row = row_of(ms, mc, g, r)
@@ -185,7 +175,43 @@ def scan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb):
                 else:
                     pre = pre | a
                 t += 1
-        tl.store(par(ms, mc, P_REL, k), rel, mask=m)
+    return r, nt, tg, nblk, nhash, cap, rel, bad, pre
+
+
+@triton.jit
+def scan_store(ms, mc: tl.constexpr, k, m, r, nblk, cap, rel):
+    """The per-request fields of :func:`scan_tile` into scratch; the lookup's fields reset."""
+    zero = tl.zeros([mc.BLOCK], tl.int32)
+    tl.store(par(ms, mc, P_SLOT, k), r, mask=m)
+    tl.store(par(ms, mc, P_NBLK, k), nblk, mask=m)
+    tl.store(par(ms, mc, P_CAP, k), cap, mask=m)
+    tl.store(par(ms, mc, P_MISS, k), tl.full([mc.BLOCK], BIG, tl.int32), mask=m)
+    tl.store(par(ms, mc, P_ZREF, k), zero, mask=m)
+    tl.store(par(ms, mc, P_EVICT, k), zero, mask=m)
+    tl.store(par(ms, mc, P_REL, k), rel, mask=m)
+    if not mc.SW:
+        for g in tl.static_range(mc.G):
+            tl.store(pkg(ms, mc, G_NSKIP, k * mc.G + g), zero, mask=m)
+            tl.store(pkg(ms, mc, G_LEAD, k * mc.G + g), zero, mask=m)
+
+
+@triton.jit
+def scan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb):
+    """:func:`scan_tile` of every request, and the lookups' offsets. Returns (lookups, released, first
+    SW conflict, first prepend request)."""
+    offs = tl.arange(0, mc.BLOCK)
+    lcarry = tl.zeros([], tl.int32)
+    rel_total = tl.zeros([], tl.int32)
+    sw_bad = tl.full([], BIG, tl.int32)
+    pre_first = tl.full([], BIG, tl.int32)
+    i = 0
+    while i < nb:
+        k = i + offs
+        m = k < nb
+        r, _, _, nblk, _, cap, rel, bad, pre = scan_tile(ps, pc, ms, mc, batch, k, m, True)
+        scan_store(ms, mc, k, m, r, nblk, cap, rel)
+        tl.store(par(ms, mc, P_LOFF, k), lcarry + tl.cumsum(cap, axis=0) - cap, mask=m)
+        lcarry += tl.sum(cap, axis=0)
         rel_total += tl.sum(rel, axis=0)
         sw_bad = first_index(sw_bad, bad, k)
         pre_first = first_index(pre_first, pre, k)
@@ -268,11 +294,14 @@ def count_zero_ref_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_look
 
 
 @triton.jit
-def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_free, any_hits, any_rel):
+def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_free, any_hits, SCAN: tl.constexpr):
     """Per request: tokens and new blocks (``get_num_blocks_to_allocate``), pop and zero-ref offsets,
     the blocks ``cache_blocks`` keys per group (offsets of the flattened caching), and the first
-    request of each conflict kind. Returns (pops, keyed blocks, first failure, first SW conflict, first
-    partial key, first prepend after pops = computed later)."""
+    request of each conflict kind. ``SCAN`` (a batch without lookups: no hits): each tile is scanned
+    here (:func:`scan_tile`) instead of read back from ``scan_requests``' scratch, one pass fewer.
+    Returns (pops, zero-ref hits, keyed blocks, first failure, first SW conflict, first request whose
+    pops could reach blocks released in the batch, first partial key, released, first SW release
+    conflict, first prepend request); the last three only with ``SCAN`` (else 0 and BIG)."""
     offs = tl.arange(0, mc.BLOCK)
     pcarry = tl.zeros([], tl.int32)
     zcarry = tl.zeros([], tl.int32)
@@ -281,55 +310,77 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
     rcarry = tl.zeros([], tl.int32)
     fail = tl.full([], BIG, tl.int32)
     sw = tl.full([], BIG, tl.int32)
+    reach_first = tl.full([], BIG, tl.int32)
     partial = tl.full([], BIG, tl.int32)
+    rel_total = tl.zeros([], tl.int32)
+    sw_bad = tl.full([], BIG, tl.int32)
+    pre_first = tl.full([], BIG, tl.int32)
     i = 0
     while i < nb:
         k = i + offs
         m = k < nb
-        r = ld(par(ms, mc, P_SLOT, k), m)
-        nt = ld(batch.num_tokens + k, m)
-        hits = ld(par(ms, mc, P_HITS, k), m)
-        nblk = ld(par(ms, mc, P_NBLK, k), m)
-        rel = ld(par(ms, mc, P_REL, k), m)
-        zref = ld(par(ms, mc, P_ZREF, k), m)
-        eff = tl.maximum(ld(batch.target + k, m), hits * mc.BS)
+        if SCAN:
+            r, nt, tg, nblk, nhash, _, rel, bad, pre = scan_tile(ps, pc, ms, mc, batch, k, m, False)
+            hits = tl.zeros_like(k)
+            zref = tl.zeros_like(k)
+            if mc.SW:
+                rel_total += tl.sum(rel, axis=0)
+                sw_bad = first_index(sw_bad, bad, k)
+                pre_first = first_index(pre_first, pre, k)
+                tl.debug_barrier()  # the windows' fields are read back below
+        else:
+            r = ld(par(ms, mc, P_SLOT, k), m)
+            nt = ld(batch.num_tokens + k, m)
+            tg = ld(batch.target + k, m)
+            hits = ld(par(ms, mc, P_HITS, k), m)
+            nblk = ld(par(ms, mc, P_NBLK, k), m)
+            rel = ld(par(ms, mc, P_REL, k), m)
+            zref = ld(par(ms, mc, P_ZREF, k), m)
+            nhash = ld(ms.num_hashes + r, m)
+        cached0 = ld(ms.num_cached + r, m)  # group 0's, read beside the others (loads before stores)
+        eff = tl.maximum(tg, hits * mc.BS)
         need = tl.where(m, tl.maximum((eff + mc.BS - 1) // mc.BS - nblk - hits, 0), 0)
         pops = need * mc.G
+        cpops = tl.cumsum(pops, axis=0)
         # the admission check, every earlier request admitted: sum(demand - released) <= num_free
-        d = (pops + zref - rel).to(tl.int64)
-        fail = first_index(fail, m & (dcarry + tl.cumsum(d, axis=0) > num_free), k)
-        # pops never reach blocks released to the tail in this batch
-        reach = (pcarry + zcarry + tl.cumsum(pops + zref, axis=0)).to(tl.int64) > num_free
-        sw = first_index(sw, m & any_rel & (reach | (hits > 0)), k)
-        sw = first_index(sw, m & (rel > 0) & any_hits, k)
-        tl.store(par(ms, mc, P_NEED, k), need, mask=m)
-        tl.store(par(ms, mc, P_EFF, k), eff, mask=m)
-        tl.store(par(ms, mc, P_POPOFF, k), pcarry + tl.cumsum(pops, axis=0) - pops, mask=m)
-        tl.store(par(ms, mc, P_ZOFF, k), zcarry + tl.cumsum(zref, axis=0) - zref, mask=m)
-        dcarry += tl.sum(d, axis=0)
-        pcarry += tl.sum(pops, axis=0)
-        zcarry += tl.sum(zref, axis=0)
+        if SCAN and (not mc.SW):  # no hits and no releases: the demand is the pops
+            fail = first_index(fail, m & ((pcarry + cpops).to(tl.int64) > num_free), k)
+        else:
+            d = (pops + zref - rel).to(tl.int64)
+            fail = first_index(fail, m & (dcarry + tl.cumsum(d, axis=0) > num_free), k)
+            dcarry += tl.sum(d, axis=0)
+            # pops never reach blocks released to the tail in this batch (a conflict only if any is)
+            reach = (pcarry + zcarry + tl.cumsum(pops + zref, axis=0)).to(tl.int64) > num_free
+            reach_first = first_index(reach_first, m & (reach | (hits > 0)), k)
+        if not SCAN:
+            sw = first_index(sw, m & (rel > 0) & any_hits, k)
+            tl.store(par(ms, mc, P_ZOFF, k), zcarry + tl.cumsum(zref, axis=0) - zref, mask=m)
+            zcarry += tl.sum(zref, axis=0)
         # cache_blocks: per group blocks [start, nf) get keys
         known = tl.minimum(eff, nt)
-        nhash = ld(ms.num_hashes + r, m)
         nf = tl.minimum(known // mc.BS, nhash // mc.K)
-        tl.store(par(ms, mc, P_NF, k), nf, mask=m)
         csize = tl.zeros_like(k)
         rsize = tl.zeros_like(k)
         for g in tl.static_range(mc.G):
-            start = tl.maximum(ld(ms.num_cached + g * mc.R + r, m), hits)
+            if g == 0:
+                start = tl.maximum(cached0, hits)
+            else:
+                start = tl.maximum(ld(ms.num_cached + g * mc.R + r, m), hits)
             tl.store(pkg(ms, mc, G_START, k * mc.G + g), start, mask=m)
             if pc.CACHING:
                 csize += tl.where(m, tl.maximum(nf - start, 0), 0)
-            j = k * mc.G + g
-            rsize += ld(pkg(ms, mc, G_NSKIP, j), m) - ld(pkg(ms, mc, G_LEAD, j), m)
+            if mc.SW:
+                j = k * mc.G + g
+                rsize += ld(pkg(ms, mc, G_NSKIP, j), m) - ld(pkg(ms, mc, G_LEAD, j), m)
         if pc.CACHING and (mc.K > 1):
             hbs = mc.BS // mc.K
             nh = tl.minimum(known // hbs, nhash)
             partial = first_index(partial, m & (nh * hbs > nf * mc.BS) & (nf < nblk + hits + need), k)
         # per (request, group) offsets: earlier requests' totals, then earlier groups'
         cbase = ccarry + tl.cumsum(csize, axis=0) - csize
-        rbase = rcarry + tl.cumsum(rsize, axis=0) - rsize
+        rbase = rcarry
+        if mc.SW:
+            rbase += tl.cumsum(rsize, axis=0) - rsize
         for g in tl.static_range(mc.G):
             j = k * mc.G + g
             tl.store(pkg(ms, mc, G_COFF, j), cbase, mask=m)
@@ -337,15 +388,28 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
             tl.store(pkg(ms, mc, G_RM, j), tl.zeros_like(k), mask=m)
             tl.store(pkg(ms, mc, G_ST, j), tl.zeros_like(k), mask=m)
             if pc.CACHING:
-                cbase += tl.where(m, tl.maximum(nf - ld(pkg(ms, mc, G_START, j), m), 0), 0)
-            rbase += ld(pkg(ms, mc, G_NSKIP, j), m) - ld(pkg(ms, mc, G_LEAD, j), m)
+                if g == 0:
+                    cbase += tl.where(m, tl.maximum(nf - tl.maximum(cached0, hits), 0), 0)
+                else:
+                    cbase += tl.where(m, tl.maximum(nf - tl.maximum(ld(ms.num_cached + g * mc.R + r, m), hits), 0), 0)
+            if mc.SW:
+                rbase += ld(pkg(ms, mc, G_NSKIP, j), m) - ld(pkg(ms, mc, G_LEAD, j), m)
+        if SCAN:
+            scan_store(ms, mc, k, m, r, nblk, tl.zeros_like(k), rel)
+            tl.store(par(ms, mc, P_HITS, k), hits, mask=m)
+        tl.store(par(ms, mc, P_NEED, k), need, mask=m)
+        tl.store(par(ms, mc, P_EFF, k), eff, mask=m)
+        tl.store(par(ms, mc, P_POPOFF, k), pcarry + cpops - pops, mask=m)
+        tl.store(par(ms, mc, P_NF, k), nf, mask=m)
+        pcarry += tl.sum(pops, axis=0)
         ccarry += tl.sum(csize, axis=0)
-        rcarry += tl.sum(rsize, axis=0)
+        if mc.SW:
+            rcarry += tl.sum(rsize, axis=0)
         i += mc.BLOCK
     tl.store(par(ms, mc, P_POPOFF, nb), pcarry)
     tl.store(pkg(ms, mc, G_COFF, nb * mc.G), ccarry)
     tl.store(pkg(ms, mc, G_RELOFF, nb * mc.G), rcarry)
-    return pcarry, zcarry, ccarry, fail, sw, partial
+    return pcarry, zcarry, ccarry, fail, sw, reach_first, partial, rel_total, sw_bad, pre_first
 
 
 @triton.jit
@@ -361,8 +425,10 @@ def cache_item(ms, mc: tl.constexpr, nseg, f, m):
 @triton.jit
 def scan_cached(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_items, use_filter):
     """Per (request, group): the old keys that caching removes and the keys it stores (event rows);
-    with ``use_filter``, each stored key's request into the batch's key filter (``atomic_min``)."""
+    with ``use_filter``, each stored key's request into the batch's key filter (``atomic_min``).
+    Returns the old keys removed by all ``nb`` requests (a bound for any prefix of them)."""
     offs = tl.arange(0, pc.BLOCK)
+    removed = tl.zeros([], tl.int32)
     i = 0
     while i < num_items:
         f = i + offs
@@ -372,12 +438,15 @@ def scan_cached(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_items, use_f
         b = tl.load(row_of(ms, mc, g, r) + pos, mask=pre, other=0)
         act = m & ((pre == 0) | ((b != 0) & (pos >= ld(pkg(ms, mc, G_NSKIP, j), m))))
         tl.atomic_add(pkg(ms, mc, G_ST, j), 1, mask=act)
-        tl.atomic_add(pkg(ms, mc, G_RM, j), ld(ps.num_keys + b, act & pre), mask=act & pre)
+        nk = ld(ps.num_keys + b, act & pre)
+        tl.atomic_add(pkg(ms, mc, G_RM, j), nk, mask=act & pre)
+        removed += tl.sum(nk, axis=0)
         if use_filter:
             ka = keys_of(mc, g, r) + (pos + 1).to(tl.int64) * mc.K - 1
             tl.atomic_min(ms.s_filter + key_home(ld(ms.req_lo + ka, act), g, mc.FS), k, mask=act)
         i += pc.BLOCK
     tl.debug_barrier()
+    return removed
 
 
 @triton.jit
@@ -468,7 +537,7 @@ def touch_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_lookups):
 
 
 @triton.jit
-def event_layout(ms, mc: tl.constexpr, split, ev0, EVENTS: tl.constexpr):
+def event_layout(ms, mc: tl.constexpr, split, ev0):
     """Event rows in request order: request k's evictions (its pops), then per group the caching's
     removed keys, one BlockStored header and its items. Writes the offsets; returns (the end row,
     the old keys the caching removes)."""
@@ -481,9 +550,7 @@ def event_layout(ms, mc: tl.constexpr, split, ev0, EVENTS: tl.constexpr):
     while i < split:
         k = i + offs
         m = k < split
-        evict = tl.zeros_like(k)
-        if EVENTS:
-            evict = ld(par(ms, mc, P_EVICT, k), m)
+        evict = ld(par(ms, mc, P_EVICT, k), m)
         nf = ld(par(ms, mc, P_NF, k), m)
         rows = evict
         rm_k = tl.zeros_like(k)
@@ -492,8 +559,7 @@ def event_layout(ms, mc: tl.constexpr, split, ev0, EVENTS: tl.constexpr):
             j = k * mc.G + g
             rm = ld(pkg(ms, mc, G_RM, j), m)
             st = ld(pkg(ms, mc, G_ST, j), m)
-            if EVENTS:
-                rows += tl.where(m & (nf > ld(pkg(ms, mc, G_START, j), m)), 1 + rm + st, 0)
+            rows += tl.where(m & (nf > ld(pkg(ms, mc, G_START, j), m)), 1 + rm + st, 0)
             rm_k += rm
             st_k += st
         base = ecarry + tl.cumsum(rows, axis=0) - rows
@@ -509,8 +575,7 @@ def event_layout(ms, mc: tl.constexpr, split, ev0, EVENTS: tl.constexpr):
             tl.store(pkg(ms, mc, G_EV, j), base, mask=m)
             tl.store(pkg(ms, mc, G_RMOFF, j), rmb, mask=m)
             tl.store(pkg(ms, mc, G_STOFF, j), stb, mask=m)
-            if EVENTS:
-                base += tl.where(m & (nf > ld(pkg(ms, mc, G_START, j), m)), 1 + rm + st, 0)
+            base += tl.where(m & (nf > ld(pkg(ms, mc, G_START, j), m)), 1 + rm + st, 0)
             rmb += rm
             stb += st
         ecarry += tl.sum(rows, axis=0)
@@ -534,24 +599,26 @@ def pop_item(ms, mc: tl.constexpr, split, f, m):
 
 
 @triton.jit
-def allocate_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, num_pops, head, tail):
+def allocate_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, num_pops, head, tail, removed):
     """vLLM's ``allocate_new_blocks`` for requests [0, split): one popleft of all their blocks, the
-    evictions' rows per request, claims, and the blocks scattered into the rows. Returns (the head,
-    the old keys ``cache_all`` will remove)."""
+    evictions' rows per request (events on), claims, and the blocks scattered into the rows.
+    ``removed``: a bound on the old keys ``cache_all`` removes (``scan_cached``). Returns (the head,
+    the old keys ``cache_all`` removes: exact with events on (``event_layout``), else ``removed``)."""
     offs = tl.arange(0, pc.BLOCK)
     new_head = ring_scan_pop(ps, pc, head, tail, ms.s_ids, 0, num_pops)
     segment_ids(par(ms, mc, P_POPOFF, 0), split, num_pops, ms.s_map + MAP_POP * mc.MAPS, pc.BLOCK)
-    if pc.CACHING:
-        i = 0
-        while i < num_pops:
-            f = i + offs
-            m = f < num_pops
-            b = tl.load(ms.s_ids + f, mask=m, other=0)
-            k = ld(ms.s_map + MAP_POP * mc.MAPS + f, m)
-            tl.atomic_add(par(ms, mc, P_EVICT, k), ld(ps.num_keys + b, m), mask=m)
-            i += pc.BLOCK
-        tl.debug_barrier()
-    _, removed = event_layout(ms, mc, split, tl.load(ps.ctrl + EV_COUNT).to(tl.int32), pc.EVENTS)
+    if pc.EVENTS:
+        if pc.CACHING:
+            i = 0
+            while i < num_pops:
+                f = i + offs
+                m = f < num_pops
+                b = tl.load(ms.s_ids + f, mask=m, other=0)
+                k = ld(ms.s_map + MAP_POP * mc.MAPS + f, m)
+                tl.atomic_add(par(ms, mc, P_EVICT, k), ld(ps.num_keys + b, m), mask=m)
+                i += pc.BLOCK
+            tl.debug_barrier()
+        _, removed = event_layout(ms, mc, split, tl.load(ps.ctrl + EV_COUNT).to(tl.int32))
     carry = tl.zeros([], tl.int32)
     reuse_pos = tl.load(ps.ctrl + REUSE_COUNT)
     i = 0
@@ -560,7 +627,9 @@ def allocate_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, num_pops, he
         m = f < num_pops
         b = tl.load(ms.s_ids + f, mask=m, other=0)
         k, g, pos, r = pop_item(ms, mc, split, f, m)
-        ev = ld(par(ms, mc, P_EVBASE, k), m) - ld(par(ms, mc, P_QOFF, k), m) + carry
+        ev = tl.zeros_like(f)
+        if pc.EVENTS:
+            ev = ld(par(ms, mc, P_EVBASE, k), m) - ld(par(ms, mc, P_QOFF, k), m) + carry
         dropped, reuse_pos = claim_tile(ps, pc, b, m, ev, reuse_pos)
         carry += dropped.to(tl.int32)
         tl.store(row_of(ms, mc, g, r) + pos, b, mask=m)
@@ -653,7 +722,9 @@ def cache_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, seq0, removed):
             b = tl.load(row_of(ms, mc, g, r) + pos, mask=m, other=0)
             act = m & (b != 0)
             if phase == 0:
-                ev = ld(pkg(ms, mc, G_EV, j), m) - ld(pkg(ms, mc, G_RMOFF, j), m) + carry
+                ev = tl.zeros_like(f)
+                if pc.EVENTS:
+                    ev = ld(pkg(ms, mc, G_EV, j), m) - ld(pkg(ms, mc, G_RMOFF, j), m) + carry
                 carry += drop_keys(ps, pc, b, act, ev).to(tl.int32)
             else:
                 a = act.to(tl.int32)
@@ -686,49 +757,66 @@ def finish_requests(ms, mc: tl.constexpr, batch, split, CACHING: tl.constexpr):
         r = ld(par(ms, mc, P_SLOT, k), m)
         hits = ld(par(ms, mc, P_HITS, k), m)
         nf = ld(par(ms, mc, P_NF, k), m)
+        nblk = ld(par(ms, mc, P_NBLK, k), m)
+        need = ld(par(ms, mc, P_NEED, k), m)
+        eff = ld(par(ms, mc, P_EFF, k), m)
+        tl.store(ms.num_blocks + r, nblk + hits + need, mask=m)
+        tl.store(ms.num_computed + r, eff, mask=m)
+        tl.store(batch.admitted + k, tl.full([mc.BLOCK], 1, tl.int32), mask=m)
         for g in tl.static_range(mc.G):
             start = ld(pkg(ms, mc, G_START, k * mc.G + g), m)
             if CACHING:
                 start = tl.maximum(start, nf)
             tl.store(ms.num_cached + g * mc.R + r, start, mask=m)
-        tl.store(ms.num_blocks + r, ld(par(ms, mc, P_NBLK, k), m) + hits + ld(par(ms, mc, P_NEED, k), m), mask=m)
-        tl.store(ms.num_computed + r, ld(par(ms, mc, P_EFF, k), m), mask=m)
-        tl.store(batch.admitted + k, tl.full([mc.BLOCK], 1, tl.int32), mask=m)
         i += mc.BLOCK
 
 
 @triton.jit
 def allocate_slots_parallel_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, FORCE_EXACT: tl.constexpr):
     """Grid (1,): :func:`allocate_slots_parallel` of a batch it checks itself."""
-    allocate_slots_parallel(ps, pc, ms, mc, batch, cap, FORCE_EXACT, False)
+    allocate_slots_parallel(ps, pc, ms, mc, batch, cap, FORCE_EXACT, None, 0, False)
 
 
 @triton.jit
 def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, FORCE_EXACT: tl.constexpr,
-                            CHECKED: tl.constexpr):
+                            checked, num, NO_LOOKUP: tl.constexpr):
     """``allocate_slots`` of ``batch.num_reqs[0]`` requests (AllocateBatch, see kernels/manager.py):
     validate the whole batch (errors set the status word and change nothing), analyse every request
     in parallel, commit requests ``[0, split)`` and leave ``ctrl[ALLOC_SPLIT] = split`` for the exact
-    path (module docstring). ``FORCE_EXACT``: split 0 (tests). ``CHECKED``: a decode step's batch,
-    already checked (and ``admitted`` zeroed) by ``check_step`` earlier in the same program."""
-    if CHECKED:
-        nb, _ = checked_count(batch.num_reqs, cap)
-        err = tl.where(status_clear(ps.status), 0, E_INVALID_ARG)
-    else:
+    path (module docstring). ``FORCE_EXACT``: split 0 (tests). ``checked`` (None, or a scalar flag): a
+    decode step's batch, already checked (and ``admitted`` zeroed) by ``check_step`` earlier in the
+    same program, the flag saying whether the step may go on and ``num`` its request count. ``NO_LOOKUP``: the batch's ``lookup``
+    flags are all 0 (a decode step), so no pass for lookups runs. Returns the split (0 on an error)."""
+    split = tl.zeros([], tl.int32)
+    if checked is None:
         nb, err = check_allocate_batch(ps, pc, ms, mc, batch, cap)
+    else:
+        nb = num
+        err = tl.where(checked, 0, E_INVALID_ARG)
     if err == 0:
         num_free = tl.load(ps.ctrl + NUM_FREE)
-        num_lookups, rel_total, sw, pre_first = scan_requests(ps, pc, ms, mc, batch, nb)
-        tl.debug_barrier()
-        if num_lookups > 0:
-            segment_ids(par(ms, mc, P_LOFF, 0), nb, num_lookups, ms.s_map + MAP_LOOKUP * mc.MAPS, pc.BLOCK)
-            find_hits(ps, pc, ms, mc, nb, num_lookups)
-        any_hits = count_zero_ref_hits(ps, pc, ms, mc, nb, num_lookups)
-        num_pops, num_zref, num_items, fail, sw2, partial = plan_requests(ps, pc, ms, mc, batch, nb, num_free,
-                                                                          any_hits, rel_total > 0)
+        key_seq = tl.load(ps.ctrl + KEY_SEQ)
+        head = tl.load(ps.ctrl + HEAD)
+        tail = tl.load(ps.ctrl + TAIL)
+        if NO_LOOKUP:
+            num_lookups = tl.zeros([], tl.int32)
+            any_hits = num_lookups > 0
+            num_pops, num_zref, num_items, fail, sw, reach, partial, rel_total, sw_bad, pre_first = \
+                plan_requests(ps, pc, ms, mc, batch, nb, num_free, any_hits, True)
+        else:
+            num_lookups, rel_total, sw_bad, pre_first = scan_requests(ps, pc, ms, mc, batch, nb)
+            tl.debug_barrier()
+            if num_lookups > 0:
+                segment_ids(par(ms, mc, P_LOFF, 0), nb, num_lookups, ms.s_map + MAP_LOOKUP * mc.MAPS, pc.BLOCK)
+                find_hits(ps, pc, ms, mc, nb, num_lookups)
+            any_hits = count_zero_ref_hits(ps, pc, ms, mc, nb, num_lookups)
+            num_pops, num_zref, num_items, fail, sw, reach, partial, _, _, _ = \
+                plan_requests(ps, pc, ms, mc, batch, nb, num_free, any_hits, False)
         tl.debug_barrier()
         segment_ids(pkg(ms, mc, G_COFF, 0), nb * mc.G, num_items, ms.s_map + MAP_CACHE * mc.MAPS, pc.BLOCK)
-        sw = tl.minimum(sw, sw2)
+        sw = tl.minimum(sw, sw_bad)
+        if rel_total > 0:  # pops that reach blocks released to the tail in this batch
+            sw = tl.minimum(sw, reach)
         if pre_first < BIG:  # an un-hashed release goes to the head: no pops after it
             if num_pops > tl.load(par(ms, mc, P_POPOFF, pre_first)):
                 sw = tl.minimum(sw, pre_first)
@@ -740,7 +828,7 @@ def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, c
                 tl.store(ms.s_filter + i + offs, tl.full([mc.BLOCK], BIG, tl.int32), mask=(i + offs) < mc.FS)
                 i += mc.BLOCK
             tl.debug_barrier()
-        scan_cached(ps, pc, ms, mc, nb, num_items, num_lookups > 0)
+        removed = scan_cached(ps, pc, ms, mc, nb, num_items, num_lookups > 0)
         if num_lookups > 0:
             prefix = first_cached_miss(ms, mc, nb)
             if num_zref > 0:
@@ -749,7 +837,7 @@ def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, c
         reason = tl.where(split == fail, R_OUT_OF_BLOCKS,
                           tl.where(split == sw, R_SLIDING_WINDOW, tl.where(split == prefix, R_PREFIX, R_PARTIAL_KEY)))
         if FORCE_EXACT:
-            split = 0
+            split = tl.zeros([], tl.int32)
             reason = R_FORCED
         tl.store(ps.ctrl + ALLOC_SPLIT, split)
         if split < nb:
@@ -758,25 +846,28 @@ def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, c
         else:
             tl.store(ps.ctrl + ALLOC_PARALLEL, tl.load(ps.ctrl + ALLOC_PARALLEL) + 1)
         if split > 0:
-            head = tl.load(ps.ctrl + HEAD)
-            tail = tl.load(ps.ctrl + TAIL)
             unlinked = tl.zeros([], tl.int32)
             if num_lookups > 0:
                 unlinked = touch_hits(ps, pc, ms, mc, split, tl.load(par(ms, mc, P_LOFF, split)))
-            pops = tl.load(par(ms, mc, P_POPOFF, split))
-            head, removed = allocate_all(ps, pc, ms, mc, split, pops, head, tail)
+            pops = num_pops
+            if split < nb:
+                pops = tl.load(par(ms, mc, P_POPOFF, split))
+            head, removed = allocate_all(ps, pc, ms, mc, split, pops, head, tail, removed)
             released = tl.zeros([], tl.int32)
-            if tl.load(pkg(ms, mc, G_RELOFF, split * mc.G)) > 0:
-                head, tail, released = remove_skipped_all(ps, pc, ms, mc, split, head, tail)
+            if mc.SW:
+                if tl.load(pkg(ms, mc, G_RELOFF, split * mc.G)) > 0:
+                    head, tail, released = remove_skipped_all(ps, pc, ms, mc, split, head, tail)
             stored = tl.zeros([], tl.int32)
             if pc.CACHING:
-                stored = cache_all(ps, pc, ms, mc, split, tl.load(ps.ctrl + KEY_SEQ), removed)
+                stored = cache_all(ps, pc, ms, mc, split, key_seq, removed)
             finish_requests(ms, mc, batch, split, pc.CACHING)
             tl.store(ps.ctrl + HEAD, head)
             tl.store(ps.ctrl + TAIL, tail)
             tl.store(ps.ctrl + NUM_FREE, num_free + released - pops - unlinked)
-            tl.store(ps.ctrl + KEY_SEQ, tl.load(ps.ctrl + KEY_SEQ) + stored)
-            tl.store(ps.ctrl + EV_COUNT, tl.load(par(ms, mc, P_EVBASE, split)))
+            tl.store(ps.ctrl + KEY_SEQ, key_seq + stored)
+            if pc.EVENTS:
+                tl.store(ps.ctrl + EV_COUNT, tl.load(par(ms, mc, P_EVBASE, split)))
+    return split
 
 
 def launch_allocate_slots_parallel(ps, pc, ms, mc, batch, *, force_exact: bool = False):

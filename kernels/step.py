@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .common import warps_for
-from .manager import allocate_slots_exact, free_requests
+from .manager import allocate_slots_exact, check_step, free_requests
 from .parallel_alloc import allocate_slots_parallel
 
 
@@ -17,11 +17,13 @@ def decode_step_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, f
     """``batch`` (AllocateBatch, capacity ``cap``): the running requests, ``target = num_tokens``;
     ``finished: int32[fcap]`` with ``num_finished: int32[1]``; ``slot_mapping: int64[cap]`` output.
     A bad input sets the status word (op DECODE_STEP) in the first step and the others do nothing."""
-    free_requests(ps, pc, ms, mc, finished, num_finished, fcap, batch, cap)
+    ok, nb, nf = check_step(ps, pc, ms, mc, batch, cap, finished, num_finished, fcap)
     tl.debug_barrier()
-    allocate_slots_parallel(ps, pc, ms, mc, batch, cap, FORCE_EXACT, True)
+    ok = free_requests(ps, pc, ms, mc, finished, num_finished, fcap, ok, nf)
     tl.debug_barrier()
-    allocate_slots_exact(ps, pc, ms, mc, batch, cap, False, slot_mapping)
+    split = allocate_slots_parallel(ps, pc, ms, mc, batch, cap, FORCE_EXACT, ok, nb, True)
+    tl.debug_barrier()
+    allocate_slots_exact(ps, pc, ms, mc, batch, cap, False, slot_mapping, ok, split, nb)
 
 
 def launch_decode_step(ps, pc, ms, mc, batch, finished, num_finished, slot_mapping, *, force_exact: bool = False):
