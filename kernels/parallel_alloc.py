@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .alloc import claim_tile
-from .common import checked_count, segment_ids, status_clear, warps_for
+from .common import segment_ids, warps_for
 from .events import write_stored_header, write_stored_item
 from .keytable import drop_keys, key_home, lookup_blocks, put_key
 from .layout import (

@@ -79,11 +79,16 @@ EXTRA_DRIVERS = []
 
 
 def drive_manager(**kw):
-    """The manager's batched kernels, with a full and a sliding-window group."""
+    """The manager's batched kernels, with a full and a sliding-window group and with a full group
+    only (``ManagerConfig.SW`` leaves the windows' passes out)."""
+    for groups in (("full", ("sliding_window", 32)), ("full",)):
+        drive_manager_groups(groups, **kw)
+
+
+def drive_manager_groups(groups, **kw):
     from gpupool.manager import KVCacheManager
 
-    m = KVCacheManager(64, block_size=16, max_num_reqs=4, max_blocks_per_req=8,
-                       groups=("full", ("sliding_window", 32)), device="cpu", **kw)
+    m = KVCacheManager(64, block_size=16, max_num_reqs=4, max_blocks_per_req=8, groups=groups, device="cpu", **kw)
     i32 = torch.int32
     s = torch.tensor([0, 1], dtype=i32)
     m.add_request(0, [hashlib.sha256(b"x").digest()])

@@ -23,9 +23,11 @@ def make(cls, groups=("full",), n=48, **kw):
 
 def drive(step_fn, ref, dev, steps, seed, dev_manager):
     """Random decode traffic: requests join (prefill through allocate_slots), decode one token per
-    step through the DecodeStep, and finish; after each step the two managers must agree."""
+    step through the DecodeStep, and finish; after each step the two managers must agree (KV events
+    too). Returns the number of KV events seen."""
     rng = random.Random(seed)
     tokens: dict[int, int] = {}
+    num_events = 0
     for step in range(steps):
         # joins (host ops + a prefill allocation on both, outside the decode step)
         free_slots = [r for r in range(6) if r not in tokens]
@@ -72,7 +74,11 @@ def drive(step_fn, ref, dev, steps, seed, dev_manager):
         got = [s for s, ok in zip(dev.slot_mapping[: len(decoding)].tolist(), ref_adm) if ok]
         assert got == expect, step
         assert pool_state(dev_manager.pool) == pool_state(ref.pool), step
+        ev = dev_manager.pool.take_events()
+        assert ev == ref.pool.take_events(), step  # [] with events off
+        num_events += len(ev)
     dev_manager.pool.validate()
+    return num_events
 
 
 def fill(step: DecodeStep, decoding, ntok, finished):
@@ -84,16 +90,21 @@ def fill(step: DecodeStep, decoding, ntok, finished):
     step.num_finished.fill_(len(finished))
 
 
+@pytest.mark.parametrize("events", [False, True], ids=["no-events", "events"])
 @pytest.mark.parametrize("groups", [("full",), ("full", ("sliding_window", 8))])
-def test_eager_decode_step_equals_reference(groups):
-    ref, dev_m = make(ReferenceKVCacheManager, groups), make(KVCacheManager, groups)
+def test_eager_decode_step_equals_reference(groups, events):
+    """Full groups only (``ManagerConfig.SW`` off: no window passes) and with a window; KV events
+    off (no event layout) and on (every event row compared)."""
+    kw = {"enable_kv_cache_events": events}
+    ref, dev_m = make(ReferenceKVCacheManager, groups, **kw), make(KVCacheManager, groups, **kw)
     step = DecodeStep(dev_m, max_batch=6)
 
     def run(decoding, ntok, finished):
         fill(step, decoding, ntok, finished)
         step.run()
 
-    drive(run, ref, step, steps=sized(40, 12), seed=5, dev_manager=dev_m)
+    num_events = drive(run, ref, step, steps=sized(40, 12), seed=5, dev_manager=dev_m)
+    assert (num_events > 0) == events
 
 
 def test_decode_step_error_changes_nothing_and_is_raised_at_check():
