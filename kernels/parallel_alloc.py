@@ -20,11 +20,12 @@ Where the prefix sums stop being exact (the fallback reasons, counted in ``ctrl`
 * ``PARTIAL_KEY``: a partial-block key (hash blocks finer than blocks);
 * ``FORCED``: the caller asked for the exact path (tests).
 
-Scratch (manager state, back to idle at the end): ``s_par: int32[NPAR, R + 1]`` per-request fields,
-``s_kg: int32[NKG, G * R + 1]`` per (request, group) fields (index ``k * G + g``), ``s_map: int32[NMAP,
-MAPS]`` the request (or segment) of each flattened item, ``s_filter:
-int32[FS]`` keys cached in the batch (a conservative set: a false hit only costs a fallback); the
-pool's ``s_first`` (idle BIG) and ``s_last`` (idle -1).
+Scratch (manager state): ``s_par: int32[NPAR, R + 1]`` per-request fields, ``s_kg: int32[NKG, G * R +
+1]`` per (request, group) fields (index ``k * G + g``), ``s_map: int32[NMAP, MAPS]`` the request (or
+segment) of each flattened item, ``s_filter: int32[FS]`` keys cached in the batch (a conservative set:
+a false hit only costs a fallback). A call writes every field it reads before reading it and leaves
+them as they are (a field a path does not need, say the lookups' offsets in a decode step, keeps an
+older call's value). The pool's ``s_first`` (idle BIG) and ``s_last`` (idle -1) are back at idle.
 """
 from enum import IntEnum
 
@@ -196,14 +197,24 @@ def scan_store(ms, mc: tl.constexpr, k, m, r, nblk, cap, rel):
 
 
 @triton.jit
+def no_releases():
+    """The start of a :func:`fold_releases`: (released, first SW conflict, first prepend request)."""
+    return tl.zeros([], tl.int32), tl.full([], BIG, tl.int32), tl.full([], BIG, tl.int32)
+
+
+@triton.jit
+def fold_releases(rel_total, sw_bad, pre_first, rel, bad, pre, k):
+    """Fold one :func:`scan_tile`'s releases and flags of requests ``k`` into the running three."""
+    return rel_total + tl.sum(rel, axis=0), first_index(sw_bad, bad, k), first_index(pre_first, pre, k)
+
+
+@triton.jit
 def scan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb):
     """:func:`scan_tile` of every request, and the lookups' offsets. Returns (lookups, released, first
     SW conflict, first prepend request)."""
     offs = tl.arange(0, mc.BLOCK)
     lcarry = tl.zeros([], tl.int32)
-    rel_total = tl.zeros([], tl.int32)
-    sw_bad = tl.full([], BIG, tl.int32)
-    pre_first = tl.full([], BIG, tl.int32)
+    rel_total, sw_bad, pre_first = no_releases()
     i = 0
     while i < nb:
         k = i + offs
@@ -212,9 +223,7 @@ def scan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb):
         scan_store(ms, mc, k, m, r, nblk, cap, rel)
         tl.store(par(ms, mc, P_LOFF, k), lcarry + tl.cumsum(cap, axis=0) - cap, mask=m)
         lcarry += tl.sum(cap, axis=0)
-        rel_total += tl.sum(rel, axis=0)
-        sw_bad = first_index(sw_bad, bad, k)
-        pre_first = first_index(pre_first, pre, k)
+        rel_total, sw_bad, pre_first = fold_releases(rel_total, sw_bad, pre_first, rel, bad, pre, k)
         i += mc.BLOCK
     tl.store(par(ms, mc, P_LOFF, nb), lcarry)
     return lcarry, rel_total, sw_bad, pre_first
@@ -312,9 +321,7 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
     sw = tl.full([], BIG, tl.int32)
     reach_first = tl.full([], BIG, tl.int32)
     partial = tl.full([], BIG, tl.int32)
-    rel_total = tl.zeros([], tl.int32)
-    sw_bad = tl.full([], BIG, tl.int32)
-    pre_first = tl.full([], BIG, tl.int32)
+    rel_total, sw_bad, pre_first = no_releases()
     i = 0
     while i < nb:
         k = i + offs
@@ -324,9 +331,7 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
             hits = tl.zeros_like(k)
             zref = tl.zeros_like(k)
             if mc.SW:
-                rel_total += tl.sum(rel, axis=0)
-                sw_bad = first_index(sw_bad, bad, k)
-                pre_first = first_index(pre_first, pre, k)
+                rel_total, sw_bad, pre_first = fold_releases(rel_total, sw_bad, pre_first, rel, bad, pre, k)
                 tl.debug_barrier()  # the windows' fields are read back below
         else:
             r = ld(par(ms, mc, P_SLOT, k), m)

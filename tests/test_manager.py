@@ -53,6 +53,7 @@ from hypothesis import strategies as st  # noqa: E402
 from gpupool.errors import (  # noqa: E402
     InvalidArgumentError, InvalidCountError,
 )
+from gpupool.graph import DecodeStep  # noqa: E402
 from gpupool.manager import KVCacheManager  # noqa: E402
 from gpupool.reference import ReferenceKVCacheManager  # noqa: E402
 from pool_helpers import call_both, ints, pool_state  # noqa: E402
@@ -332,6 +333,54 @@ def op_decode_steps(data, p: Pair) -> None:
              lambda: p.dev.allocate_slots(run, nts, nts, stop_on_failure=sof), admitted_norm)
 
 
+def op_decode_step(data, p: Pair) -> None:
+    """One :class:`DecodeStep` (gpupool/graph.py), the device's batch without lookups: some running
+    requests finish, the others whose tokens are all computed decode one token. The reference frees,
+    allocates (``stop_on_failure=False``) and releases the pending copies; the device's step does the
+    same and runs the copies on its KV caches (the data checked); admitted flags and slot mappings
+    must agree."""
+    run = [r for r in p.active() if p.row_len(r) and p.ref.num_computed[r] >= p.known[r] and p.known[r] < p.max_tokens]
+    pend = copies_norm(p.ref.pending_copies)
+    if not run or has_chain(pend):  # a chain is test_run_pending_copies_chained
+        return
+    fin = data.draw(st.lists(st.sampled_from(run), unique=True, max_size=max(1, len(run) // 2)), label="finished")
+    dec = [r for r in run if r not in fin]
+    for r in dec:
+        p.known[r] += 1
+        append_hashes(p, r, p.known[r] // p.hbs)
+    nts = [p.known[r] for r in dec]
+    if getattr(p, "step", None) is None:
+        p.step = DecodeStep(p.dev, max_batch=p.R, kv_caches=p.caches)
+    step = p.step
+    step.slots[: len(dec)] = i32(dec)
+    step.num_tokens[: len(dec)] = i32(nts)
+    step.num_reqs.fill_(len(dec))
+    step.finished[: len(fin)] = i32(fin)
+    step.num_finished.fill_(len(fin))
+    p.ops.append(f"DecodeStep(decode {dec}, nt={nts}, finished {fin}, copies {pend})")
+    note(p.ops[-1])
+    before = [c.clone() for c in p.caches] if p.caches is not None else []
+    p.ref.free(fin)
+    ref_adm = [bool(x) for x in p.ref.allocate_slots(dec, nts, nts, stop_on_failure=False)]
+    p.ref.release_copied(p.ref.take_pending_copies())
+    step.run()
+    p.dev.pool.check()
+    assert admitted_norm(step.admitted[: len(dec)]) == ref_adm, f"admitted differ; {p.where()}"
+    want_map = [p.ref.slot_mapping([r], [nt - 1])[0] for r, nt, ok in zip(dec, nts, ref_adm) if ok]
+    got_map = [x for x, ok in zip(ints(step.slot_mapping[: len(dec)]), ref_adm) if ok]
+    assert got_map == want_map, f"slot mapping differs; {p.where()}"
+    for c, old in zip(p.caches or [], before):
+        want = old.clone()
+        for src, dst, _ in pend:
+            want[dst] = old[src]
+        assert torch.equal(c, want), f"the step's copies are not src -> dst ({c.dtype}); {p.where()}"
+    for r in fin:
+        p.chain[r] = None
+        p.known[r] = 0
+    event("DecodeStep", None)
+    p.compare()
+
+
 def free_both(p: Pair, slots: list[int], tensors: bool, desc: str) -> None:
     def dev_fn():
         if tensors:
@@ -558,7 +607,8 @@ def op_error(data, p: Pair) -> None:
 
 
 OPS = {
-    "add": (op_add, 5), "allocate": (op_allocate, 8), "decode_steps": (op_decode_steps, 3), "free": (op_free, 2), "preempt": (op_preempt, 1),
+    "add": (op_add, 5), "allocate": (op_allocate, 8), "decode_steps": (op_decode_steps, 3),
+    "decode_step": (op_decode_step, 2), "free": (op_free, 2), "preempt": (op_preempt, 1),
     "append_hashes": (op_append_hashes, 1), "get_computed": (op_get_computed, 1),
     "slot_mapping": (op_slot_mapping, 1), "cow_append": (op_cow_append, 2), "cow_move": (op_cow_move, 2),
     "drain": (op_drain, 2), "error": (op_error, 1),
