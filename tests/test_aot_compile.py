@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CCS = (90, 80)
 KERNELS = ("alloc_kernel", "release_kernel", "touch_kernel", "cache_full_kernel", "cache_partial_kernel",
            "move_kernel", "evict_kernel", "reset_kernel", "lookup_kernel", "longest_prefix_kernel",
@@ -14,6 +16,7 @@ KERNELS = ("alloc_kernel", "release_kernel", "touch_kernel", "cache_full_kernel"
            "allocate_slots_parallel_kernel", "decode_step_kernel")
 
 
+@pytest.mark.slow  # about 3 minutes on a cold Triton cache (seconds on a warm one)
 def test_every_kernel_compiles_for_cuda():
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     script = Path(__file__).with_name("aot_compile.py")
