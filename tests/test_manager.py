@@ -341,7 +341,7 @@ def op_decode_step(data, p: Pair) -> None:
     must agree."""
     run = [r for r in p.active() if p.row_len(r) and p.ref.num_computed[r] >= p.known[r] and p.known[r] < p.max_tokens]
     pend = copies_norm(p.ref.pending_copies)
-    if not run or has_chain(pend):  # a chain is test_run_pending_copies_chained
+    if not run or not runnable(pend):
         return
     fin = data.draw(st.lists(st.sampled_from(run), unique=True, max_size=max(1, len(run) // 2)), label="finished")
     dec = [r for r in run if r not in fin]
@@ -505,6 +505,14 @@ def has_chain(copies) -> bool:
     return any(s in dsts for s, _, _ in copies)
 
 
+def runnable(copies) -> bool:
+    """Copies the KV-data check can run: no chain (test_run_pending_copies_chained) and no block the
+    destination of two copies (a request freed with a copy pending into its block, the block handed
+    out again: ``copy_blocks`` refuses that, the unchecked step's copy runs them in no set order)."""
+    dsts = [d for _, d, _ in copies]
+    return not has_chain(copies) and len(set(dsts)) == len(dsts)
+
+
 def run_copies(p: Pair) -> list[tuple[int, int, int]]:
     """``run_pending_copies`` on the device's KV caches (the reference drains and releases): block
     ``dst`` of every layer becomes a copy of block ``src``, no other block changes, and the pool then
@@ -527,7 +535,7 @@ def run_copies(p: Pair) -> list[tuple[int, int, int]]:
 def op_drain(data, p: Pair) -> None:
     pend = copies_norm(p.ref.pending_copies)
     # A chain (a copy whose source is another's destination) is test_run_pending_copies_chained.
-    if p.caches is not None and pend and not has_chain(pend) and data.draw(st.booleans(), label="run copies"):
+    if p.caches is not None and pend and runnable(pend) and data.draw(st.booleans(), label="run copies"):
         run_copies(p)
         return
     copies = p.do("take_pending_copies()", p.ref.take_pending_copies, p.dev.take_pending_copies, copies_norm)
