@@ -303,6 +303,23 @@ def count_zero_ref_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_look
 
 
 @triton.jit
+def group_start(ms, mc: tl.constexpr, g: tl.constexpr, r, m, cached0, hits):
+    """The first block of group ``g`` that ``cache_blocks`` keys: its cached count (group 0's read
+    already, as ``cached0``), at least the hits."""
+    if g == 0:
+        cached = cached0
+    else:
+        cached = ld(ms.num_cached + g * mc.R + r, m)
+    return tl.maximum(cached, hits)
+
+
+@triton.jit
+def group_released(ms, mc: tl.constexpr, j, m):
+    """Blocks that left the window of (request, group) ``j``: ``row[lead:nskip]`` (scan_tile)."""
+    return ld(pkg(ms, mc, G_NSKIP, j), m) - ld(pkg(ms, mc, G_LEAD, j), m)
+
+
+@triton.jit
 def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_free, any_hits, SCAN: tl.constexpr):
     """Per request: tokens and new blocks (``get_num_blocks_to_allocate``), pop and zero-ref offsets,
     the blocks ``cache_blocks`` keys per group (offsets of the flattened caching), and the first
@@ -367,16 +384,12 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
         csize = tl.zeros_like(k)
         rsize = tl.zeros_like(k)
         for g in tl.static_range(mc.G):
-            if g == 0:
-                start = tl.maximum(cached0, hits)
-            else:
-                start = tl.maximum(ld(ms.num_cached + g * mc.R + r, m), hits)
+            start = group_start(ms, mc, g, r, m, cached0, hits)
             tl.store(pkg(ms, mc, G_START, k * mc.G + g), start, mask=m)
             if pc.CACHING:
                 csize += tl.where(m, tl.maximum(nf - start, 0), 0)
             if mc.SW:
-                j = k * mc.G + g
-                rsize += ld(pkg(ms, mc, G_NSKIP, j), m) - ld(pkg(ms, mc, G_LEAD, j), m)
+                rsize += group_released(ms, mc, k * mc.G + g, m)
         if pc.CACHING and (mc.K > 1):
             hbs = mc.BS // mc.K
             nh = tl.minimum(known // hbs, nhash)
@@ -393,12 +406,9 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
             tl.store(pkg(ms, mc, G_RM, j), tl.zeros_like(k), mask=m)
             tl.store(pkg(ms, mc, G_ST, j), tl.zeros_like(k), mask=m)
             if pc.CACHING:
-                if g == 0:
-                    cbase += tl.where(m, tl.maximum(nf - tl.maximum(cached0, hits), 0), 0)
-                else:
-                    cbase += tl.where(m, tl.maximum(nf - tl.maximum(ld(ms.num_cached + g * mc.R + r, m), hits), 0), 0)
+                cbase += tl.where(m, tl.maximum(nf - group_start(ms, mc, g, r, m, cached0, hits), 0), 0)
             if mc.SW:
-                rbase += ld(pkg(ms, mc, G_NSKIP, j), m) - ld(pkg(ms, mc, G_LEAD, j), m)
+                rbase += group_released(ms, mc, j, m)
         if SCAN:
             scan_store(ms, mc, k, m, r, nblk, tl.zeros_like(k), rel)
             tl.store(par(ms, mc, P_HITS, k), hits, mask=m)
@@ -693,8 +703,9 @@ def remove_skipped_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, head, 
 def cache_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, seq0, removed):
     """vLLM's ``cache_blocks`` for requests [0, split), flattened over (request, group, block): old
     keys removed, one BlockStored header per range, keys with sequence numbers in request order.
-    ``removed``: the old keys (``event_layout``); with none, as in a decode step whose newly full
-    blocks were never keyed, the removal pass is skipped. Returns the keys stored."""
+    ``removed``: the old keys (``event_layout``, or a bound from ``scan_cached`` with events off);
+    with none, as in a decode step whose newly full blocks were never keyed, the removal pass is
+    skipped. Returns the keys stored."""
     offs = tl.arange(0, pc.BLOCK)
     nseg = split * mc.G
     n = tl.load(pkg(ms, mc, G_COFF, nseg))
@@ -790,8 +801,9 @@ def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, c
     in parallel, commit requests ``[0, split)`` and leave ``ctrl[ALLOC_SPLIT] = split`` for the exact
     path (module docstring). ``FORCE_EXACT``: split 0 (tests). ``checked`` (None, or a scalar flag): a
     decode step's batch, already checked (and ``admitted`` zeroed) by ``check_step`` earlier in the
-    same program, the flag saying whether the step may go on and ``num`` its request count. ``NO_LOOKUP``: the batch's ``lookup``
-    flags are all 0 (a decode step), so no pass for lookups runs. Returns the split (0 on an error)."""
+    same program, the flag saying whether the step may go on and ``num`` its request count.
+    ``NO_LOOKUP``: the batch's ``lookup`` flags are all 0 (a decode step), so no pass for lookups
+    runs. Returns the split (0 on an error)."""
     split = tl.zeros([], tl.int32)
     if checked is None:
         nb, err = check_allocate_batch(ps, pc, ms, mc, batch, cap)

@@ -11,6 +11,7 @@ import hashlib
 from collections.abc import Callable, Iterable, Sequence
 
 import pytest
+import torch
 
 from gpupool.errors import PoolError
 
@@ -286,3 +287,14 @@ def same_raw_state(a: dict, b: dict) -> list[str]:
     import torch
 
     return [k for k in a if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])]
+
+
+def fill_step(step, decoding, ntok, finished=()) -> None:
+    """Write one step's inputs into a :class:`gpupool.graph.DecodeStep`'s fixed buffers: the running
+    slots ``decoding`` with token counts ``ntok``, and the ``finished`` slots."""
+    k = len(decoding)
+    step.slots[:k] = torch.tensor(list(decoding), dtype=torch.int32)
+    step.num_tokens[:k] = torch.tensor(list(ntok), dtype=torch.int32)
+    step.num_reqs.fill_(k)
+    step.finished[: len(finished)] = torch.tensor(list(finished), dtype=torch.int32)
+    step.num_finished.fill_(len(finished))

@@ -12,7 +12,7 @@ from gpupool.errors import InvalidArgumentError
 from gpupool.graph import DecodeStep
 from gpupool.manager import KVCacheManager
 from gpupool.reference import ReferenceKVCacheManager
-from pool_helpers import h, pool_state, sized
+from pool_helpers import fill_step as fill, h, pool_state, sized
 
 BS = 4
 
@@ -79,15 +79,6 @@ def drive(step_fn, ref, dev, steps, seed, dev_manager):
         num_events += len(ev)
     dev_manager.pool.validate()
     return num_events
-
-
-def fill(step: DecodeStep, decoding, ntok, finished):
-    k = len(decoding)
-    step.slots[:k] = torch.tensor(decoding, dtype=torch.int32)
-    step.num_tokens[:k] = torch.tensor(ntok, dtype=torch.int32)
-    step.num_reqs.fill_(k)
-    step.finished[: len(finished)] = torch.tensor(finished, dtype=torch.int32)
-    step.num_finished.fill_(len(finished))
 
 
 @pytest.mark.parametrize("events", [False, True], ids=["no-events", "events"])

@@ -56,7 +56,7 @@ from gpupool.errors import (  # noqa: E402
 from gpupool.graph import DecodeStep  # noqa: E402
 from gpupool.manager import KVCacheManager  # noqa: E402
 from gpupool.reference import ReferenceKVCacheManager  # noqa: E402
-from pool_helpers import call_both, ints, pool_state  # noqa: E402
+from pool_helpers import call_both, fill_step, ints, pool_state  # noqa: E402
 
 
 # =================================================================================================
@@ -352,11 +352,7 @@ def op_decode_step(data, p: Pair) -> None:
     if getattr(p, "step", None) is None:
         p.step = DecodeStep(p.dev, max_batch=p.R, kv_caches=p.caches)
     step = p.step
-    step.slots[: len(dec)] = i32(dec)
-    step.num_tokens[: len(dec)] = i32(nts)
-    step.num_reqs.fill_(len(dec))
-    step.finished[: len(fin)] = i32(fin)
-    step.num_finished.fill_(len(fin))
+    fill_step(step, dec, nts, fin)
     p.ops.append(f"DecodeStep(decode {dec}, nt={nts}, finished {fin}, copies {pend})")
     note(p.ops[-1])
     before = [c.clone() for c in p.caches] if p.caches is not None else []

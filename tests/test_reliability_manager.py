@@ -18,7 +18,9 @@ from gpupool.graph import DecodeStep
 from gpupool.kernels.layout import Ctrl
 from gpupool.manager import KVCacheManager
 from gpupool.reference import ReferenceKVCacheManager
-from pool_helpers import assert_consistent, h, pool_state, raw_state, run_in_threads, same_raw_state
+from pool_helpers import (
+    assert_consistent, fill_step as fill, h, pool_state, raw_state, run_in_threads, same_raw_state,
+)
 
 BS = 4
 SW = ("sliding_window", 8)
@@ -42,15 +44,6 @@ def mstate(m: KVCacheManager) -> dict:
             "active": s.active.tolist(), "num_hashes": s.num_hashes.tolist(),
             "copies": [s.copy_src[: int(s.num_copies)].tolist(), s.copy_dst[: int(s.num_copies)].tolist(),
                        s.copy_release[: int(s.num_copies)].tolist()]}
-
-
-def fill(step: DecodeStep, decoding, ntok, finished=()):
-    k = len(decoding)
-    step.slots[:k] = i32(decoding)
-    step.num_tokens[:k] = i32(ntok)
-    step.num_reqs.fill_(k)
-    step.finished[: len(finished)] = i32(finished)
-    step.num_finished.fill_(len(finished))
 
 
 def fail_a_batched_op(m: KVCacheManager) -> None:
