@@ -46,7 +46,7 @@ if ! $PY -c 'import torch, triton' 2>/dev/null; then
   log "torch/triton missing: pip install -e .[test]"
   timeout 240 $PY -m pip install -q -e '.[test]' 2>&1 | tail -n 5
 fi
-if ! $PY -c 'import gpupool.kernels' 2>/dev/null; then  # the package itself (kernels/ maps to gpupool.kernels)
+if ! $PY -c 'import gpupool.kernels' 2>/dev/null; then  # the package itself (src/ layout)
   timeout 120 $PY -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -n 5 \
     || timeout 120 $PY -m pip install -q -e . 2>&1 | tail -n 5
 fi

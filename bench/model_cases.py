@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.abc
 import importlib.util
 import json
 import os
@@ -103,22 +102,8 @@ def load_gpucost(path_arg: str | None):
     return mod, path
 
 
-class _ThisTreeKernels(importlib.abc.MetaPathFinder):
-    """``gpupool.kernels`` lives in ``<root>/kernels`` (pyproject's package-dir): map it to THIS
-    tree, ahead of an editable install of another checkout."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "gpupool.kernels":
-            return None
-        kdir = ROOT / "kernels"
-        return importlib.util.spec_from_file_location(name, kdir / "__init__.py",
-                                                      submodule_search_locations=[str(kdir)])
-
-
 def import_this_tree():
-    sys.path.insert(0, str(ROOT))
-    if (ROOT / "kernels" / "__init__.py").is_file() and not (ROOT / "gpupool" / "kernels").exists():
-        sys.meta_path.insert(0, _ThisTreeKernels())
+    sys.path.insert(0, str(ROOT / "src"))
     import gpupool
     import gpupool.kernels
     for mod in (gpupool, gpupool.kernels):

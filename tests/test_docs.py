@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = [p for d in ("gpupool", "kernels", "tests", "bench") for p in (ROOT / d).rglob("*")
+SOURCES = [p for d in ("src", "tests", "bench") for p in (ROOT / d).rglob("*")
            if p.suffix in (".py", ".md", ".sh")] + [ROOT / "README.md", ROOT / ".ci" / "run"]
 REF = re.compile(r"docs/(\w+)\.md(?:,? sections? (\d+)(?:(?: to |-| and |, )(\d+))*)?")
 
@@ -36,3 +36,15 @@ def test_no_references_to_documents_outside_the_repository():
     hits = [f"{p.relative_to(ROOT)}" for p in SOURCES if p.resolve() != this
             and re.search(r"\b(SPEC|DESIGN|DESIGN-NOTES)\.md\b", p.read_text(encoding="utf-8", errors="replace"))]
     assert not hits, hits
+
+
+PATH_REF = re.compile(r"`((?:src|tests|bench|docs)/[\w/.\-]*)`")
+
+
+def test_paths_named_in_the_docs_exist():
+    """Every backticked repository path in README.md and docs/ (``src/gpupool/pool.py``) exists
+    (``bench/out/`` holds what the benchmarks write)."""
+    bad = [f"{doc.relative_to(ROOT)}: {m.group(1)}"
+           for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+           for m in PATH_REF.finditer(doc.read_text(encoding="utf-8")) if not m.group(1).startswith("bench/out/") and not (ROOT / m.group(1)).exists()]
+    assert not bad, "\n".join(bad)

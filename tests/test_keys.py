@@ -200,7 +200,7 @@ _CHILD = (
 @pytest.mark.parametrize("seed", ["1", "12345"])
 def test_deterministic_across_processes(seed):
     env = dict(os.environ, PYTHONHASHSEED=seed)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT / "src"), env.get("PYTHONPATH", "")) if p)
     out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True,
                          check=True, timeout=60).stdout.splitlines()
     h = hash_request_tokens(list(range(100, 122)), 4, lora_name="L", mm_features=[("m", 5, 3)], cache_salt="s")

@@ -8,12 +8,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_JIT_PARAMS = 16
-DEVICE_PATH = ["gpupool/pool.py", "gpupool/state.py", "gpupool/manager.py", "gpupool/graph.py",
-               "gpupool/validate.py", "gpupool/args.py", "gpupool/errors.py"]
+DEVICE_PATH = ["src/gpupool/pool.py", "src/gpupool/state.py", "src/gpupool/manager.py", "src/gpupool/graph.py",
+               "src/gpupool/validate.py", "src/gpupool/args.py", "src/gpupool/errors.py"]
 
 
 def _jit_functions():
-    for path in sorted((ROOT / "kernels").glob("*.py")):
+    for path in sorted((ROOT / "src" / "gpupool" / "kernels").glob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and any(
@@ -34,7 +34,8 @@ def test_no_jit_function_takes_more_than_16_parameters(limit):
 def test_kernels_are_launched_only_from_kernels():
     """``kernel[grid](...)`` appears only in kernels/ (each kernel has a launcher beside it)."""
     launches = []
-    for path in sorted((ROOT / "gpupool").rglob("*.py")):
+    kernels = ROOT / "src" / "gpupool" / "kernels"
+    for path in sorted(p for p in (ROOT / "src" / "gpupool").rglob("*.py") if not p.is_relative_to(kernels)):
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
                     and ast.unparse(node.func.value).endswith("_kernel")):

@@ -85,3 +85,17 @@ def test_console_script_entry_point_exists():
     """``gpupool`` (the console script the README runs) resolves to a callable."""
     p = subprocess.run([sys.executable, "-c", "import gpupool.cli as c; assert callable(c.main)"], timeout=120)
     assert p.returncode == 0
+
+
+def test_first_python_block_runs_as_a_script_beside_a_clone_named_gpupool(tmp_path):
+    """A snippet saved next to the clone (``~/gpupool`` and ``~/snippet.py``) imports the installed
+    package, not the clone's root as a namespace package: the src/ layout's editable install is a
+    plain path entry, which wins over a namespace portion (README "Layout and docs")."""
+    import importlib.util
+    origin = Path(importlib.util.find_spec("gpupool").origin).resolve()
+    if not origin.is_relative_to(ROOT / "src"):
+        pytest.skip(f"gpupool is imported from {origin}, not from this tree's src/")
+    (tmp_path / "gpupool").symlink_to(ROOT, target_is_directory=True)
+    (tmp_path / "snippet.py").write_text(blocks("python")[0], encoding="utf-8")
+    p = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
