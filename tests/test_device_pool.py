@@ -1166,3 +1166,17 @@ def test_allocate_batched_fills_the_unused_tail_with_minus_one():
     big.check()
     got = ints(blocks)
     assert got[:3] == [1, 2, 3] and got[3:] == [-1] * (5001 - 3)
+
+
+@pytest.mark.parametrize("device, says", [
+    ("foo", "unknown device 'foo'"),
+    ("meta", "device meta is not supported"),
+    pytest.param("cuda", "no CUDA device", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
+    pytest.param("cuda:0", "no CUDA device", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
+])
+def test_bad_device_is_one_clear_error(device, says):
+    from gpupool.manager import KVCacheManager
+    with pytest.raises(InvalidArgumentError, match=says):
+        BlockPool(8, device=device)
+    with pytest.raises(InvalidArgumentError, match=says):
+        KVCacheManager(16, block_size=4, max_num_reqs=2, max_blocks_per_req=4, device=device)

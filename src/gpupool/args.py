@@ -18,6 +18,31 @@ MAX_GROUP_ID = 2**31 - 1
 MAX_TOKENS = 2**31 - 1
 
 
+def device_arg(op: str, device) -> "torch.device":
+    """The pool's device: ``None`` (CUDA when there is one, else CPU), ``"cpu"``, ``"cuda[:i]"`` or a
+    ``torch.device``. Raises InvalidArgumentError for an unknown device string, a device type other
+    than cpu / cuda (``meta``: the pool's kernels need real memory), and a CUDA device when there is
+    none or the index is past the devices there are."""
+    import torch  # the reference pool uses this module without torch
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidArgumentError(op, f"unknown device {device!r} (use 'cpu' or 'cuda[:index]')", device) from e
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(op, f"device {dev} is not supported: the pool runs on 'cuda' or, through "
+                                   "the Triton interpreter, on 'cpu'", device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError(op, f"device {dev}: no CUDA device (torch.cuda.is_available() is False); "
+                                       "use device='cpu' to run the kernels in the Triton interpreter", device)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InvalidArgumentError(op, f"device {dev}: there are {torch.cuda.device_count()} CUDA devices",
+                                       device)
+    return dev
+
+
 def as_int(op: str, x, what: str = "value") -> int:
     """``x`` as a Python int (ints, numpy and 0-d torch integers); anything else is ArgumentTypeError."""
     if isinstance(x, bool):

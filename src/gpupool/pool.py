@@ -24,8 +24,8 @@ import torch
 
 from . import _backend
 from .args import (
-    NULL_BLOCK, as_groups, as_id_list, as_int, cache_full_args, check_block_id, check_hash, num_blocks_arg,
-    partial_block_args,
+    NULL_BLOCK, as_groups, as_id_list, as_int, cache_full_args, check_block_id, check_hash, device_arg,
+    num_blocks_arg, partial_block_args,
 )
 from .errors import ArgumentTypeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError, PoolError
 from .events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -92,7 +92,7 @@ class BlockPool:
                                        "(16 * num_chunks >= (num_blocks - 1) * max_keys_per_block)", num_chunks)
         if event_capacity is not None and as_int(op, event_capacity, "event_capacity") < 1:
             raise InvalidArgumentError(op, f"event_capacity must be >= 1, got {event_capacity}", event_capacity)
-        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = device_arg(op, device)
         if (self.device.type == "cpu") != _backend.interpreted():
             raise InvalidArgumentError(
                 op, f"kernels were set up for {'the interpreter' if _backend.interpreted() else 'the GPU'} "
