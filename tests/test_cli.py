@@ -229,7 +229,8 @@ def test_json_to_stdout(tmp_path, capsys):
     assert cli.main(["replay", path, "--pool", "reference", "--json", "-", "--no-progress"]) == 0
     cap = capsys.readouterr()
     data = json.loads(cap.out)  # stdout is only the JSON; the text report went to stderr
-    assert data["requests"] == 2 and data["hit_blocks"] == 1 and "hit ratio" in cap.err
+    assert data["reference"]["requests"] == 2 and data["reference"]["hit_blocks"] == 1 and "hit ratio" in cap.err
+    assert data["device"] is None and data["match"] is None
     assert not os.path.exists("-")
     env = data["environment"]
     assert set(env) >= {"gpupool", "torch", "triton", "device", "interpreter"}
@@ -291,3 +292,31 @@ def test_string_hash_ids_on_the_device_pool(tmp_path):
     dev = cli._device_replay()(BlockPool(16), reqs, block_size=512, tpot_ms=20.0, progress=False)
     assert ref.hit_blocks == 2
     assert cli._compare(ref, dev) == []
+
+
+@pytest.mark.parametrize("mode", ["reference", "device", "both", "auto"])
+def test_json_report_has_one_shape_in_every_mode(tmp_path, capsys, mode):
+    path = write(tmp_path, line(), line(t=1, ids=[1, 3]))
+    assert cli.main(["replay", path, "--pool", mode, "--json", "-", "--no-progress"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert list(data) == ["trace", "limit", "mode", "trace_check", "environment", "reference", "device",
+                          "reference_on_checked_requests", "checked_requests", "match", "mismatched", "speedup"]
+    ran = {"reference": ["reference"], "device": ["device"]}.get(mode, ["reference", "device"])
+    assert [k for k in ("reference", "device") if data[k] is not None] == ran
+    assert all(data[k]["requests"] == 2 for k in ran)
+    assert (data["match"] is None) == (len(ran) == 1)
+
+
+def test_block_size_other_than_the_traces_is_refused(tmp_path, capsys):
+    path = write(tmp_path, line(), line(t=1, ids=[1, 3]))
+    fails(capsys, ["replay", path, "--pool", "reference", "--block-size", "16"], "one hash id per 512 tokens")
+    out = tmp_path / "r.json"
+    assert cli.main(["replay", path, "--pool", "reference", "--block-size", "16", "--trace-block-size", "16",
+                     "--lenient", "--no-progress", "--json", str(out)]) == 0
+
+
+def test_a_pool_too_big_for_memory_is_one_line_before_anything_is_built(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_available_bytes", lambda device: 10**9)
+    for kind in ("reference", "device"):
+        with pytest.raises(cli.CLIError, match="needs about .* GiB and 0.9 GiB is free"):
+            cli.make_pool(kind, 100_000_000, "cpu")

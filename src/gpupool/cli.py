@@ -127,6 +127,32 @@ def _ensure_backend(device: str, argv: list[str] | None) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "gpupool", *sys.argv[1:]], env)
 
 
+#: Bytes a pool holds per block, about (measured on CPU, 2 M blocks: 145 reference, 272 device in the
+#: interpreter); the up-front check allows twice that.
+POOL_BYTES_PER_BLOCK = {"reference": 300, "device": 550}
+
+
+def _available_bytes(device: str | None) -> int | None:
+    """Free memory where the pool would live (CUDA: the device's; else the host's), None if unknown."""
+    try:
+        if device is not None and device.startswith("cuda"):
+            import torch
+            return torch.cuda.mem_get_info(torch.device(device))[0]
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        return None
+
+
+def _check_pool_memory(kind: str, num_blocks: int, device: str | None) -> None:
+    """CLIError (exit 2) before anything is built when the pool cannot fit in free memory."""
+    need = POOL_BYTES_PER_BLOCK[kind] * num_blocks
+    free = _available_bytes(device if kind == "device" else None)
+    if free is not None and need > free:
+        raise CLIError(f"--num-blocks {num_blocks:,}: the {kind} pool needs about {need / 2**30:.1f} GiB and "
+                       f"{free / 2**30:.1f} GiB is free; choose a smaller pool (about "
+                       f"{free // POOL_BYTES_PER_BLOCK[kind]:,} blocks fit)")
+
+
 def make_pool(kind: str, num_blocks: int, device: str | None = None):
     """A fresh pool: ``"reference"`` (CPU oracle) or ``"device"`` (``gpupool.BlockPool`` on ``device``).
 
@@ -147,6 +173,7 @@ def make_pool(kind: str, num_blocks: int, device: str | None = None):
             return BlockPool(n, device=device)
     else:
         raise CLIError(f"unknown pool kind {kind!r} (expected 'device' or 'reference')")
+    _check_pool_memory(kind, num_blocks, device)
     try:
         return make(num_blocks)
     except PoolError as e:
@@ -218,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--num-blocks", type=_positive_int, default=DEFAULT_NUM_BLOCKS,
                    help=f"pool size N, null block included (default {DEFAULT_NUM_BLOCKS:,})")
     r.add_argument("--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE,
-                   help=f"tokens per pool block (default {DEFAULT_BLOCK_SIZE}, the bundled trace's)")
+                   help=f"tokens per pool block (default {DEFAULT_BLOCK_SIZE}, the bundled trace's); must equal "
+                        "--trace-block-size, since pool block i is keyed by the trace's hash id i")
     r.add_argument("--trace-block-size", type=_positive_int, default=TRACE_BLOCK_SIZE,
                    help=f"tokens per hash id in the trace (default {TRACE_BLOCK_SIZE}, Mooncake's): a line needs "
                         "ceil(input_length / this) hash_ids")
@@ -459,6 +487,13 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
     if args.device is not None and not uses_device:
         raise CLIError(f"--device {args.device}: --pool reference runs on the host only; drop --device or use "
                        f"--pool device / both")
+    if args.block_size != args.trace_block_size:
+        # the replay keys pool block i by hash id i (docs/semantics.md section 5): at another block size
+        # those ids would name other tokens, and the hit ratios would mean nothing
+        raise CLIError(f"--block-size {args.block_size}: the trace has one hash id per {args.trace_block_size} "
+                       f"tokens (--trace-block-size), so a pool block must hold {args.trace_block_size} tokens; use "
+                       f"--block-size {args.trace_block_size}, or a trace hashed per {args.block_size} tokens with "
+                       f"--trace-block-size {args.block_size}")
     device = resolve_device(args.device) if uses_device else None
     if device is not None:
         _ensure_backend(device, argv)
@@ -495,7 +530,12 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
 
         pool = make_pool(kind, args.num_blocks, device)
         fn = _device_replay() if isinstance(pool, BlockPool) else replay  # tests may stand a pool in
-        return fn(pool, reqs, block_size=args.block_size, tpot_ms=args.tpot_ms, progress=_progress(args.progress, desc))
+        try:
+            return fn(pool, reqs, block_size=args.block_size, tpot_ms=args.tpot_ms,
+                      progress=_progress(args.progress, desc))
+        except MemoryError:
+            raise CLIError(f"--num-blocks {args.num_blocks:,}: out of memory while replaying on the {kind} pool; "
+                           "choose a smaller pool") from None
 
     dev_reqs = trace if not interp or args.device_limit is None else trace[:args.device_limit]
     dev_cut = len(dev_reqs) < len(trace)
@@ -507,7 +547,7 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
         say(f"--- {ref_title}, {whole}")
         rep = run("reference", trace, "reference pool")
         say(format_report(rep))
-        result = {**meta, **rep.to_json_dict()}
+        result = _json_result(meta, reference=rep)
     elif args.pool == "device":
         if dev_cut:
             say(f"note: the device pool runs in Triton's CPU interpreter: replaying the first {len(dev_reqs)} "
@@ -515,7 +555,7 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
         say(f"--- {dev_title}" + (f", first {len(dev_reqs):,} requests" if dev_cut else f", {whole}"))
         rep = run("device", dev_reqs, "device pool")
         say(format_report(rep, speed=not interp))
-        result = {**meta, **rep.to_json_dict()}
+        result = _json_result(meta, device=rep)
     else:
         # auto on a GPU and both: the same requests on both pools. auto on the interpreter: the whole
         # trace on the reference pool, and the device pool on a prefix checked against it.
@@ -560,12 +600,24 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
             speedup = ref.wall_s / dev.wall_s if dev.wall_s > 0 else None
             say(f"speed           device {speedup or float('inf'):.2f}x the reference pool "
                 f"({dev.requests_per_s:,.0f} vs {ref.requests_per_s:,.0f} requests/s)")
-        result = {**meta, "reference": ref.to_json_dict(), "device": dev.to_json_dict(), "checked_requests": n_checked,
-                  "match": not mismatched, "mismatched": mismatched, "speedup": speedup}
-        if check_ref is not ref:
-            result["reference_on_checked_requests"] = check_ref.to_json_dict()
+        result = _json_result(meta, reference=ref, device=dev, checked_requests=n_checked, match=not mismatched,
+                              mismatched=mismatched, speedup=speedup,
+                              reference_on_checked_requests=check_ref if check_ref is not ref else None)
     _write_json(args.json, result)
     return code
+
+
+def _json_result(meta: dict, *, reference=None, device=None, checked_requests=None, match=None, mismatched=(),
+                 speedup=None, reference_on_checked_requests=None) -> dict:
+    """The ``--json`` report, one shape in every ``--pool`` mode: the run's metadata, then
+    ``reference`` / ``device`` (a pool's report, or null when that pool did not run),
+    ``reference_on_checked_requests`` (the reference on the device's prefix when it differs, else
+    null), ``checked_requests``, ``match`` (null unless both pools ran), ``mismatched``, ``speedup``."""
+    def report(r):
+        return None if r is None else r.to_json_dict()
+    return {**meta, "reference": report(reference), "device": report(device),
+            "reference_on_checked_requests": report(reference_on_checked_requests),
+            "checked_requests": checked_requests, "match": match, "mismatched": list(mismatched), "speedup": speedup}
 
 
 def _write_json(path: str | None, data: dict) -> None:
