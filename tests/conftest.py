@@ -19,3 +19,21 @@ settings.register_profile("ci", max_examples=50, deadline=None)
 settings.register_profile("fast", max_examples=50, deadline=None)  # the old name of "ci"
 settings.register_profile("deep", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("GPUPOOL_HYPOTHESIS_PROFILE", "dev"))
+
+
+# ---- strict GPU mode (issue 25; tests/strict/) ---------------------------------------------------
+def pytest_addoption(parser):
+    parser.addoption(
+        "--strict-gpu", nargs="?", const="detect", default=os.environ.get("GPUPOOL_STRICT_GPU") or None,
+        choices=("detect", "perturb", "stale"), metavar="MODE",
+        help="run each non-slow test's kernels under the strict GPU checker (tests/strict/checker.py): "
+             "detect (default: flag races the interpreter hides), perturb (another legal schedule), "
+             "stale (loads racing a store read the old value). Also GPUPOOL_STRICT_GPU=MODE.")
+
+
+def pytest_configure(config):
+    mode = config.getoption("--strict-gpu")
+    if mode:
+        from strict.plugin import StrictPlugin
+
+        config.pluginmanager.register(StrictPlugin(mode), "strict-gpu")
