@@ -7,6 +7,7 @@ example counts read ``settings().max_examples``. Long runs are marked ``slow``.
 """
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -25,15 +26,21 @@ settings.load_profile(os.environ.get("GPUPOOL_HYPOTHESIS_PROFILE", "dev"))
 def pytest_addoption(parser):
     parser.addoption(
         "--strict-gpu", nargs="?", const="detect", default=os.environ.get("GPUPOOL_STRICT_GPU") or None,
-        choices=("detect", "perturb", "stale"), metavar="MODE",
+        metavar="MODE",
         help="run each non-slow test's kernels under the strict GPU checker (tests/strict/checker.py): "
              "detect (default: flag races the interpreter hides), perturb (another legal schedule), "
-             "stale (loads racing a store read the old value). Also GPUPOOL_STRICT_GPU=MODE.")
+             "stale (loads racing a store read the old value). Also GPUPOOL_STRICT_GPU=MODE. Bare, it takes "
+             "the next word as its mode: write --strict-gpu=MODE or put it last.")
 
 
 def pytest_configure(config):
     mode = config.getoption("--strict-gpu")
     if mode:
+        from strict.checker import MODES
         from strict.plugin import StrictPlugin
+
+        if mode not in MODES:
+            raise pytest.UsageError(f"--strict-gpu: mode must be one of {MODES}, not {mode!r} "
+                                    f"(write --strict-gpu=MODE, or put a bare --strict-gpu last)")
 
         config.pluginmanager.register(StrictPlugin(mode), "strict-gpu")

@@ -461,7 +461,7 @@ class Checker:
                 me = t if not isinstance(t, np.ndarray) else int(t[j])
                 if me == ALL or who == _MULTI or who != me:
                     if old.dtype.itemsize == flat.dtype.itemsize:
-                        flat[lane] = old.view(flat.dtype)
+                        flat[lane] = old.view(flat.dtype)[0]
                         self.stats["stale_lanes"] += 1
             if not np.shares_memory(flat, data):
                 out.data = flat.reshape(data.shape)
