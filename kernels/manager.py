@@ -164,7 +164,7 @@ def cache_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, known, hits, nro
                                       tl.load(ms.req_lo + pk, mask=start > 0, other=0), False)
             tl.store(ps.ctrl + KEY_SEQ, seq)
             tl.store(ps.ctrl + EV_COUNT, ev_pos)
-            tl.debug_barrier()  # thread 0 stored them; the next cache_range reads them in every thread
+            tl.debug_barrier()  # strict: orders KEY_SEQ / EV_COUNT (thread 0) before the next group's reads (all)
         tl.store(ms.num_cached + g * mc.R + r, tl.maximum(start, nf))
         if mc.K > 1:
             hbs = mc.BS // mc.K
@@ -181,7 +181,7 @@ def cache_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, known, hits, nro
                                       tl.load(ms.req_hi + ka - 1, mask=nh > 1, other=0),
                                       tl.load(ms.req_lo + ka - 1, mask=nh > 1, other=0), hbs, ev_pos, False)
                     tl.store(ps.ctrl + EV_COUNT, ev_pos + rows)
-                    tl.debug_barrier()  # as above: read by the next group in every thread
+                    tl.debug_barrier()  # strict: orders EV_COUNT (thread 0) before the next group's reads (all)
         g += 1
 
 

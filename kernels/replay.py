@@ -185,7 +185,7 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
             admit = tl.full([], 0, tl.int1)
             if ct <= now:  # a completion: free its blocks tail first
                 r = tl.load(lp.heap_r)
-                tl.debug_barrier()  # every thread has read the root before heap_pop overwrites it
+                tl.debug_barrier()  # strict: orders every thread's read of the root before heap_pop's overwrite
                 running = heap_pop(lp.heap_t, lp.heap_r, running)
                 ct = tl.load(lp.heap_t, mask=running > 0, other=INF)
                 head, tail, released, _, _ = free_checked(ps, pc, lp.blocks + tl.load(tr.blk_off + r),

@@ -315,6 +315,30 @@ def test_stale_reads_the_value_before_an_unordered_store(launch, bufs, changes):
         assert stale[1][0] == 0  # out[0] got x's value from before the store
 
 
+# ---- lag (a lagging reader) ----------------------------------------------------------------------
+@pytest.mark.parametrize("launch,bufs,changes", [
+    (lambda x, o: war_tile[(1,)](x, o, BLOCK=B, BARRIER=False), (torch.arange(64, dtype=torch.int32), z()), True),
+    (lambda x: war_scalar[(1,)](x, BARRIER=False), (z(),), True),
+    (lambda x, o: war_tile[(1,)](x, o, BLOCK=B, BARRIER=True), (torch.arange(64, dtype=torch.int32), z()), False),
+    (lambda x: war_scalar[(1,)](x, BARRIER=True), (z(),), False),
+    (lambda x, o: raw_tile[(1,)](x, o, BLOCK=B, BARRIER=False, SHIFT=1), (z(), z()), False),  # RAW: not a lag
+], ids=["tile", "scalar", "tile-barrier", "scalar-barrier", "raw"])
+def test_lag_reads_the_value_of_a_later_unordered_store(launch, bufs, changes):
+    plain = outcome(launch, "detect", *bufs)
+    lag = outcome(launch, "lag", *bufs)
+    assert (plain != lag) == changes, (plain, lag)
+    if changes and len(bufs) == 2:
+        assert lag[1][0] == plain[0][1]  # thread 0 read x[1] after thread 1 stored it
+    if changes and len(bufs) == 1:
+        assert (plain[0][0], lag[0][0]) == (1, 2)
+
+
+def test_lag_reports_hazards_once():
+    with Checker("lag") as c:
+        war_tile[(1,)](torch.arange(64, dtype=torch.int32), z(), BLOCK=B, BARRIER=False)
+    assert kinds(c) == ["WAR"] and c.stats["launches"] == 1 and c.stats["lag_lanes"] == B - 1
+
+
 # ---- the plugin ----------------------------------------------------------------------------------
 class _Item:
     nodeid = "fake::test"

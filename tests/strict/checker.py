@@ -53,6 +53,12 @@ Modes
 * ``stale``: fault injection for missing barriers: a plain load of an address that another thread
   stored since the last barrier reads the value from before that store (a scalar load, done by
   every thread, reads it even in the storing thread: a worst case).
+* ``lag``: the other half of a missing barrier, a lagging reader: a plain load that a later store by
+  another thread (before the next barrier) overwrites reads the value of that store. Each launch
+  runs twice from the same memory: the first run records, per program and per load (its dynamic
+  index, site and address), the last such store's value; the second run returns it (for a scalar
+  load in every thread: a worst case) and is the one whose results stand. Hazards come from the
+  first run.
 """
 from __future__ import annotations
 
@@ -65,7 +71,7 @@ import numpy as np
 import triton
 import triton.runtime.interpreter as _interp
 
-MODES = ("detect", "perturb", "stale")
+MODES = ("detect", "perturb", "stale", "lag")
 MARKER = "# strict: benign"
 ALL = -1  # thread id of a scalar load: every thread of the program
 T0 = 0  # thread id of a scalar store / atomic
@@ -170,13 +176,37 @@ def _install() -> None:
         c = active()
         if c is None or c._launch is not None:
             return orig_call(self, *args, **kwargs)
+        if c.mode == "lag":
+            storages = {}
+            for t in _tensors(args, kwargs):
+                st = t.untyped_storage()
+                storages.setdefault(st.data_ptr(), st)
+            snap = [(st, st.clone()) for st in storages.values()]
+            c._lag_pass, c._lag_subst = 1, {}
+            c._begin_launch(self, args, kwargs)
+            try:
+                orig_call(self, *args, **kwargs)
+            finally:
+                c._end_launch()
+            for st, old in snap:
+                st.copy_(old)
+            c._lag_pass = 2
         c._begin_launch(self, args, kwargs)
         try:
             return orig_call(self, *args, **kwargs)
         finally:
             c._end_launch()
+            c._lag_pass = 0
 
     _interp.GridExecutor.__call__ = __call__
+
+
+def _tensors(args, kwargs):
+    for v in list(args) + list(kwargs.values()):
+        if hasattr(v, "untyped_storage"):
+            yield v
+        elif isinstance(v, tuple):
+            yield from _tensors(v, {})
 
 
 def _flat(x, mask):
@@ -251,7 +281,9 @@ class Checker:
         self.mode = mode
         self._haz: dict = {}  # (kind, site a, site b, kernel) -> Hazard
         self.stats = dict(launches=0, programs=0, ops=0, dup_same=0, reversed_launches=0,
-                          first_lane_stores=0, reversed_atomics=0, stale_lanes=0)
+                          first_lane_stores=0, reversed_atomics=0, stale_lanes=0, lag_lanes=0)
+        self._lag_pass = 0  # lag mode: 1 = the recording run, 2 = the run that returns the new values
+        self._lag_subst: dict = {}
         self._launch = None
         self._prog = None
         self._inner = 0
@@ -299,7 +331,8 @@ class Checker:
         for n, v in kwargs.items():
             add(n, v)
         self._launch = _Launch(gx.fn.__name__, tuple(grid), int(kwargs.get("num_warps", 4)), spans)
-        self.stats["launches"] += 1
+        if self._lag_pass != 2:
+            self.stats["launches"] += 1
 
     def _new_program(self, pid):
         self._prog = pid
@@ -307,17 +340,21 @@ class Checker:
         L.nprog += 1
         self._pidx = L.nprog - 1
         self.stats["programs"] += 1
+        self._nld = 0
         self._reset_pending()
 
     def _reset_pending(self):
         # per class: a set of addresses (fast reject) and chunks (sorted addr, thread, site)
         self._pend = ([set(), []], [set(), []], [set(), []])
         self._stale: dict = {}  # addr -> (old value, storing thread or _MULTI)
+        self._lag_loads: list = []  # lag mode, first run: (load index, site, addresses, threads)
 
     def _end_launch(self):
         L = self._launch
         self._launch = None
         self._prog = None
+        if self._lag_pass == 2:
+            return
         if L.nprog > 1:
             if self.mode == "perturb":
                 self.stats["reversed_launches"] += 1
@@ -388,6 +425,8 @@ class Checker:
     # intra-program accesses
     def _record(self, cls, ptr, mask, site=None):
         a, k, n = _flat(ptr, mask)
+        if self._lag_pass == 2:
+            return a, k, n
         self.stats["ops"] += 1
         if a.size == 0:
             return a, k, n
@@ -447,6 +486,8 @@ class Checker:
 
     # ops
     def _on_load(self, ptrs, mask, out):
+        if self.mode == "lag":
+            return self._lag_load(ptrs, mask, out)
         a, k, n = self._record(_LD, ptrs, mask)
         if self.mode == "stale" and self._stale and a.size:
             t = self._tids(n, k, _LD)
@@ -467,6 +508,8 @@ class Checker:
                 out.data = flat.reshape(data.shape)
 
     def _on_store(self, b, ptrs, value, mask, cache_policy):
+        if self._lag_pass == 2:
+            return _ORIG["create_masked_store"](b, ptrs, value, mask, cache_policy)
         site = self._site()
         a, k, n = self._record(_ST, ptrs, mask, site)
         if a.size > 1:
@@ -492,7 +535,59 @@ class Checker:
                     self._stale[addr] = (oldv[lane:lane + 1].copy(), me)
                 elif e[1] != me:
                     self._stale[addr] = (e[0], _MULTI)
+        if self._lag_pass == 1 and a.size and self._lag_loads:
+            self._lag_store(a, k, n, value)
         return _ORIG["create_masked_store"](b, ptrs, value, mask, cache_policy)
+
+    # lag mode
+    def _lag_load(self, ptrs, mask, out):
+        site = self._site()
+        a, k, n = self._record(_LD, ptrs, mask, site)
+        i = self._nld
+        self._nld += 1
+        if not a.size:
+            return
+        t = self._tids(n, k, _LD)
+        if self._lag_pass == 1:
+            self._lag_loads.append((i, site, a, t, k, n))
+            return
+        e = self._lag_subst.get((self._prog, i))
+        if e is None or e[0] != site:
+            return
+        new = e[1]
+        data = out.data
+        flat = data.reshape(-1)
+        idx = np.arange(n) if k is None else k
+        for j, (addr, lane) in enumerate(zip(a.tolist(), idx.tolist())):
+            v = new.get(addr)
+            if v is None:
+                continue
+            val, who = v
+            me = t if not isinstance(t, np.ndarray) else int(t[j])
+            if (me == ALL or who != me) and val.dtype.itemsize == flat.dtype.itemsize:
+                flat[lane] = val.view(flat.dtype)[0]
+                self.stats["lag_lanes"] += 1
+        if not np.shares_memory(flat, data):
+            out.data = flat.reshape(data.shape)
+
+    def _lag_store(self, a, k, n, value):
+        v = np.broadcast_to(np.asarray(value.data), (n,) if np.asarray(value.data).size != 1 else (1,))
+        v = v.reshape(-1)
+        vals = v if v.size == 1 else (v if k is None else v[k])
+        ts = self._tids(n, k, _ST)
+        pos = {addr: j for j, addr in enumerate(a.tolist())}  # the last lane of an address wins
+        for i, site, la, lt, lk, ln in self._lag_loads:
+            hit = np.flatnonzero(np.isin(la, a))
+            if not hit.size:
+                continue
+            e = self._lag_subst.setdefault((self._prog, i), (site, {}))
+            for h in hit.tolist():
+                addr = int(la[h])
+                j = pos[addr]
+                who = ts if not isinstance(ts, np.ndarray) else int(ts[j])
+                me = lt if not isinstance(lt, np.ndarray) else int(lt[h])
+                if me == ALL or me != who:
+                    e[1][addr] = (vals[0 if vals.size == 1 else j:][:1].copy(), who)
 
     def _dup(self, a, k, n, value, u, first, cnt, site):
         v = np.broadcast_to(np.asarray(value.data), np.asarray(value.data).shape).reshape(-1)
