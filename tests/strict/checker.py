@@ -275,7 +275,10 @@ class Checker:
     """Record interpreted launches inside ``with``; ``hazards()`` / ``unmarked()`` afterwards.
     ``mode``: ``detect``, ``perturb`` or ``stale`` (module docstring)."""
 
-    def __init__(self, mode: str = "detect"):
+    def __init__(self, mode: str = "detect", only_loads=None):
+        """``only_loads``: in stale / lag mode, change only loads whose innermost kernel line is one of
+        these ``(path, line)`` (to test one pair); default every load."""
+        self.only_loads = None if only_loads is None else {(str(p), int(n)) for p, n in only_loads}
         if mode not in MODES:
             raise ValueError(f"strict-gpu mode must be one of {MODES}, not {mode!r}")
         self.mode = mode
@@ -489,7 +492,7 @@ class Checker:
         if self.mode == "lag":
             return self._lag_load(ptrs, mask, out)
         a, k, n = self._record(_LD, ptrs, mask)
-        if self.mode == "stale" and self._stale and a.size:
+        if self.mode == "stale" and self._stale and a.size and self._chosen():
             t = self._tids(n, k, _LD)
             data = out.data
             flat = data.reshape(-1)
@@ -539,6 +542,12 @@ class Checker:
             self._lag_store(a, k, n, value)
         return _ORIG["create_masked_store"](b, ptrs, value, mask, cache_policy)
 
+    def _chosen(self):
+        if self.only_loads is None:
+            return True
+        s = self._site()
+        return bool(s) and s[-1][:2] in self.only_loads
+
     # lag mode
     def _lag_load(self, ptrs, mask, out):
         site = self._site()
@@ -549,7 +558,8 @@ class Checker:
             return
         t = self._tids(n, k, _LD)
         if self._lag_pass == 1:
-            self._lag_loads.append((i, site, a, t, k, n))
+            if self.only_loads is None or site and site[-1][:2] in self.only_loads:
+                self._lag_loads.append((i, site, a, t, k, n))
             return
         e = self._lag_subst.get((self._prog, i))
         if e is None or e[0] != site:
