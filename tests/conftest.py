@@ -34,6 +34,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "strict_gpu_off: not run under --strict-gpu's checker (tests that run their own)")
     mode = config.getoption("--strict-gpu")
     if mode:
         from strict.checker import MODES

@@ -40,9 +40,10 @@ What is flagged (a :class:`Hazard` each, grouped by kind and the two source site
 Addresses are element start addresses: two accesses of different widths that overlap without the
 same start are not seen.
 
-Accepted false positives are marked where they are: a line comment ``# strict: benign, <reason>``
-on either side's flagged line, or on the line of a call that leads to it (so one call site of a
-shared helper can be marked); the checker reads it from the source. There is no allow-list.
+Accepted false positives are marked where they are: a comment ``# strict: benign, <reason>`` at the
+end of either side's flagged line or alone on the line just above it, or the same on the line of a
+call that leads to it (so one call site of a shared helper can be marked); the checker reads it from
+the source. There is no allow-list.
 
 Modes
 -----
@@ -391,6 +392,9 @@ class Checker:
             r = self._marks.get(k)
             if r is None:
                 line = linecache.getline(fn, ln)
+                above = linecache.getline(fn, ln - 1).strip()
+                if MARKER not in line and above.startswith(MARKER):
+                    line = above
                 i = line.find(MARKER)
                 r = self._marks[k] = line[i + len(MARKER):].lstrip(" ,:").strip() or "benign" if i >= 0 else ""
             if r:

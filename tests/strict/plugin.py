@@ -3,7 +3,7 @@
 
 Each test's setup and call run under a :class:`strict.checker.Checker` in the chosen mode, except
 tests marked ``slow`` (they run plain, so CI runs one pass: the quick tests strict, the slow ones
-not). Under ``detect`` a test whose launches show a hazard that no ``# strict: benign, <reason>``
+not), and tests marked ``strict_gpu_off`` (the checker's self-tests, which run their own). Under ``detect`` a test whose launches show a hazard that no ``# strict: benign, <reason>``
 marker covers fails with the hazards listed. Under ``perturb`` and ``stale`` the execution changes
 and the test's own assertions decide; hazards are only summarised. ``GPUPOOL_STRICT_OUT=PATH``
 writes every hazard seen (marked ones too) to PATH as a markdown table.
@@ -29,7 +29,7 @@ class StrictPlugin:
         self.strict_tests = 0
 
     def _run(self, item):
-        if item.get_closest_marker("slow") is not None:
+        if item.get_closest_marker("slow") is not None or item.get_closest_marker("strict_gpu_off") is not None:
             res = yield
             return res
         self.strict_tests += 1
