@@ -29,7 +29,8 @@ def pytest_addoption(parser):
         metavar="MODE",
         help="run each non-slow test's kernels under the strict GPU checker (tests/strict/checker.py): "
              "detect (default: flag races the interpreter hides), perturb (another legal schedule), "
-             "stale (loads racing a store read the old value). Also GPUPOOL_STRICT_GPU=MODE. Bare, it takes "
+             "stale / lag (a load racing a store reads the value from before / after it). Also "
+             "GPUPOOL_STRICT_GPU=MODE. Bare, it takes "
              "the next word as its mode: write --strict-gpu=MODE or put it last.")
 
 

@@ -489,7 +489,7 @@ class Checker:
             o = np.argsort(a, kind="stable")
             chunks.append((a[o], t[o], site))
         else:
-            chunks.append((a, t if not isinstance(t, np.ndarray) else t, site))
+            chunks.append((a, t, site))
 
     # ops
     def _on_load(self, ptrs, mask, out):
@@ -604,7 +604,7 @@ class Checker:
                     e[1][addr] = (vals[0 if vals.size == 1 else j:][:1].copy(), who)
 
     def _dup(self, a, k, n, value, u, first, cnt, site):
-        v = np.broadcast_to(np.asarray(value.data), np.asarray(value.data).shape).reshape(-1)
+        v = np.asarray(value.data).reshape(-1)
         if v.size == 1:
             self.stats["dup_same"] += 1
             return
@@ -619,7 +619,7 @@ class Checker:
         else:
             self.stats["dup_same"] += 1
 
-    def _reverse_call(self, fn, handles, keep, out_handle_index=None):
+    def _reverse_call(self, fn, handles):
         """Call ``fn`` with the lanes of the TensorHandles ``handles`` (by position) reversed."""
         rev = []
         for h in handles:
@@ -641,7 +641,7 @@ class Checker:
         fn = _ORIG["create_atomic_rmw"]
         if self.mode == "perturb" and self._dups(a):
             self.stats["reversed_atomics"] += 1
-            return self._reverse_call(lambda p, v, m: fn(b, rmwOp, p, v, m, sem, scope), (ptr, val, mask), None)
+            return self._reverse_call(lambda p, v, m: fn(b, rmwOp, p, v, m, sem, scope), (ptr, val, mask))
         return fn(b, rmwOp, ptr, val, mask, sem, scope)
 
     def _on_cas(self, b, ptr, cmp, val, sem, scope):
@@ -649,7 +649,7 @@ class Checker:
         fn = _ORIG["create_atomic_cas"]
         if self.mode == "perturb" and self._dups(a):
             self.stats["reversed_atomics"] += 1
-            return self._reverse_call(lambda p, c, v: fn(b, p, c, v, sem, scope), (ptr, cmp, val), None)
+            return self._reverse_call(lambda p, c, v: fn(b, p, c, v, sem, scope), (ptr, cmp, val))
         return fn(b, ptr, cmp, val, sem, scope)
 
     # cross-program

@@ -1,11 +1,12 @@
-"""pytest plugin of the strict GPU mode: ``pytest --strict-gpu[=detect|perturb|stale]`` (or
+"""pytest plugin of the strict GPU mode: ``pytest --strict-gpu[=detect|perturb|stale|lag]`` (or
 ``GPUPOOL_STRICT_GPU=MODE``), registered by tests/conftest.py.
 
 Each test's setup and call run under a :class:`strict.checker.Checker` in the chosen mode, except
 tests marked ``slow`` (they run plain, so CI runs one pass: the quick tests strict, the slow ones
-not), and tests marked ``strict_gpu_off`` (the checker's self-tests, which run their own). Under ``detect`` a test whose launches show a hazard that no ``# strict: benign, <reason>``
-marker covers fails with the hazards listed. Under ``perturb`` and ``stale`` the execution changes
-and the test's own assertions decide; hazards are only summarised. ``GPUPOOL_STRICT_OUT=PATH``
+not) and tests marked ``strict_gpu_off`` (the checker's self-tests, which run their own). Under
+``detect`` a test whose launches show a hazard that no ``# strict: benign, <reason>`` marker covers
+fails with the hazards listed. Under ``perturb``, ``stale`` and ``lag`` the execution changes and the
+test's own assertions decide; hazards are only summarised. ``GPUPOOL_STRICT_OUT=PATH``
 writes every hazard seen (marked ones too) to PATH as a markdown table.
 """
 from __future__ import annotations
