@@ -24,7 +24,7 @@ def set_status(status, code, op, value):
 
 @triton.jit
 def status_clear(status):
-    # strict: benign, read at kernel start, before the barrier of any path that does work; set_status comes after
+    # strict: benign, read at kernel start, before any working path's barrier; alloc's fillers end -1 either way
     return tl.load(status + ST_CODE) == 0
 
 
