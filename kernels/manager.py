@@ -182,6 +182,7 @@ def cache_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, known, hits, nro
                                       (nh * hbs).to(tl.int64), (nh > 1).to(tl.int64),
                                       tl.load(ms.req_hi + ka - 1, mask=nh > 1, other=0),
                                       tl.load(ms.req_lo + ka - 1, mask=nh > 1, other=0), hbs, ev_pos, False)
+                    tl.debug_barrier()  # strict: orders the read of EV_COUNT above before this store
                     tl.store(ps.ctrl + EV_COUNT, ev_pos + rows)
                     tl.debug_barrier()  # strict: orders EV_COUNT (thread 0) before the next group's reads (all)
         g += 1
