@@ -46,3 +46,8 @@ def pytest_configure(config):
                                     f"(write --strict-gpu=MODE, or put a bare --strict-gpu last)")
 
         config.pluginmanager.register(StrictPlugin(mode), "strict-gpu")
+        if mode != "detect":  # a changed execution fails where it fails: shrinking would rerun it for minutes
+            from hypothesis import Phase
+
+            settings.register_profile("strict-gpu", settings(), phases=[Phase.explicit, Phase.reuse, Phase.generate])
+            settings.load_profile("strict-gpu")
