@@ -7,6 +7,7 @@ example counts read ``settings().max_examples``. Long runs are marked ``slow``.
 """
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -19,3 +20,34 @@ settings.register_profile("ci", max_examples=50, deadline=None)
 settings.register_profile("fast", max_examples=50, deadline=None)  # the old name of "ci"
 settings.register_profile("deep", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("GPUPOOL_HYPOTHESIS_PROFILE", "dev"))
+
+
+# ---- strict GPU mode (issue 25; tests/strict/) ---------------------------------------------------
+def pytest_addoption(parser):
+    parser.addoption(
+        "--strict-gpu", nargs="?", const="detect", default=os.environ.get("GPUPOOL_STRICT_GPU") or None,
+        metavar="MODE",
+        help="run each non-slow test's kernels under the strict GPU checker (tests/strict/checker.py): "
+             "detect (default: flag races the interpreter hides), perturb (another legal schedule), "
+             "stale / lag (a load racing a store reads the value from before / after it). Also "
+             "GPUPOOL_STRICT_GPU=MODE. Bare, it takes "
+             "the next word as its mode: write --strict-gpu=MODE or put it last.")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "strict_gpu_off: not run under --strict-gpu's checker (tests that run their own)")
+    mode = config.getoption("--strict-gpu")
+    if mode:
+        from strict.checker import MODES
+        from strict.plugin import StrictPlugin
+
+        if mode not in MODES:
+            raise pytest.UsageError(f"--strict-gpu: mode must be one of {MODES}, not {mode!r} "
+                                    f"(write --strict-gpu=MODE, or put a bare --strict-gpu last)")
+
+        config.pluginmanager.register(StrictPlugin(mode), "strict-gpu")
+        if mode != "detect":  # a changed execution fails where it fails: shrinking would rerun it for minutes
+            from hypothesis import Phase
+
+            settings.register_profile("strict-gpu", settings(), phases=[Phase.explicit, Phase.reuse, Phase.generate])
+            settings.load_profile("strict-gpu")

@@ -70,7 +70,9 @@ def pop_and_claim(ps, pc: tl.constexpr, head, tail, out, base, total):
     and the event room; it stores the returned head and lowers num_free."""
     new_head = ring_scan_pop(ps, pc, head, tail, out, base, total)
     tl.debug_barrier()
+    # strict: benign, stored by thread 0 after claim_blocks' cumsum (bar.sync if the tile spans warps, else dead)
     ev_pos, reuse_pos = claim_blocks(ps, pc, out, base, total, tl.load(ps.ctrl + EV_COUNT),
+                                     # strict: benign, as EV_COUNT above
                                      tl.load(ps.ctrl + REUSE_COUNT))
     tl.store(ps.ctrl + EV_COUNT, ev_pos)
     tl.store(ps.ctrl + REUSE_COUNT, reuse_pos)
@@ -96,6 +98,7 @@ def demand_sum(num_demands, cap, demands, BLOCK: tl.constexpr):
 def fill_minus_one(out, lo, hi, start, FILL: tl.constexpr):
     """``out[i] = -1`` for ``i`` in ``[start, start + FILL)`` and in ``[lo, hi)``."""
     idx = start + tl.arange(0, FILL)
+    # strict: benign, programs >= 1 fill -1; program 0 writes -1 there too whenever they overlap
     tl.store(out + idx, tl.full([FILL], -1, tl.int32), mask=(idx >= lo) & (idx < hi))
 
 
@@ -154,6 +157,7 @@ def alloc_kernel(ps, pc: tl.constexpr, demands, num_demands, cap, out_blocks, ou
             if err == 0:
                 ev_pos, reuse_pos = claim_blocks(ps, pc, out_blocks, 0, total, tl.load(ps.ctrl + EV_COUNT),
                                                  tl.load(ps.ctrl + REUSE_COUNT))
+                tl.debug_barrier()  # strict: orders the reads of EV_COUNT / REUSE_COUNT above before these stores
                 tl.store(ps.ctrl + EV_COUNT, ev_pos)
                 tl.store(ps.ctrl + REUSE_COUNT, reuse_pos)
                 tl.store(ps.ctrl + HEAD, new_head)

@@ -233,7 +233,8 @@ def cache_partial_kernel(ps, pc: tl.constexpr, p, OP: tl.constexpr, REPLACE: tl.
     key ``(p[CP_HI], p[CP_LO], p[CP_GROUP])`` covering ``p[CP_NTOK]`` tokens (``add_key``)."""
     if status_clear(ps.status):
         b = tl.load(p + CP_BLOCK).to(tl.int32)
-        ev_pos = tl.load(ps.ctrl + EV_COUNT)
+        ev_pos = tl.load(ps.ctrl + EV_COUNT)  # strict: benign, cache_partial_kernel runs one warp (num_warps = 1)
+        # strict: benign, cache_partial_kernel runs one warp (num_warps = 1)
         err, rows = add_key(ps, pc, b, tl.load(p + CP_HI), tl.load(p + CP_LO), tl.load(p + CP_GROUP),
                             tl.load(p + CP_NTOK), tl.load(p + CP_HAS_PARENT), tl.load(p + CP_PARENT_HI),
                             tl.load(p + CP_PARENT_LO), tl.load(p + CP_HBS), ev_pos, REPLACE)
@@ -284,6 +285,7 @@ def evict_kernel(ps, pc: tl.constexpr, ids, n, OP: tl.constexpr):
                     ev_pos += drop_keys(ps, pc, b, act, ev_pos)
                     tl.debug_barrier()
                     i += pc.BLOCK
+                tl.debug_barrier()  # strict: orders the reads of EV_COUNT above before this store (also when n = 0)
                 tl.store(ps.ctrl + EV_COUNT, ev_pos)
             tl.debug_barrier()
             reset_ids(ps, ids, n, pc.N, pc.BLOCK)
@@ -379,6 +381,7 @@ def reset_kernel(ps, pc: tl.constexpr, out, OP: tl.constexpr):
                 e0 = tl.load(ps.ctrl + EV_COUNT)
                 zero = tl.zeros([pc.BLOCK], tl.int64)
                 write_row(ps.ev, zero + e0, EV_CLEARED, zero, zero, zero, zero, zero, offs == 0)
+                tl.debug_barrier()  # strict: orders the reads of EV_COUNT above before this store
                 tl.store(ps.ctrl + EV_COUNT, e0 + 1)
             tl.store(out, 1)
         if (held == 0) & (full != 0):

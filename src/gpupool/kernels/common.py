@@ -15,6 +15,7 @@ from .layout import BIG, ST_CODE, ST_OP, ST_VALUE
 @triton.jit
 def set_status(status, code, op, value):
     """Record the first error (single-program kernels only: no other program races on it)."""
+    # strict: benign, thread 0 stores; the others' read only guards stores they do not do (no barrier inside)
     if tl.load(status + ST_CODE) == 0:
         tl.store(status + ST_CODE, tl.cast(code, tl.int64))
         tl.store(status + ST_OP, tl.cast(op, tl.int64))
@@ -23,6 +24,7 @@ def set_status(status, code, op, value):
 
 @triton.jit
 def status_clear(status):
+    # strict: benign, read at kernel start, before any working path's barrier; alloc's fillers end -1 either way
     return tl.load(status + ST_CODE) == 0
 
 

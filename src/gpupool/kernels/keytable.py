@@ -49,6 +49,7 @@ def table_insert(table, overflow, hi, lo, grp, entry, active, NCHUNK: tl.constex
     # Bounded: each lane either wins, passes a full chunk, or loses a race to another lane.
     while (tl.sum(pending.to(tl.int32), axis=0) > 0) & (it < NCHUNK * (CHUNK + 1) + home.shape[0]):
         c = (home + step) & (NCHUNK - 1)
+        # strict: benign, racing other lanes' CAS by design: a stale word only fails the CAS; the lane retries
         w = tl.load(table + c[:, None].to(tl.int64) * CHUNK + cols[None, :], mask=pending[:, None], other=1,
                     volatile=True)
         first_empty = tl.min(tl.where(w == 0, cols[None, :], CHUNK), axis=1)

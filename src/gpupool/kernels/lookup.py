@@ -88,6 +88,7 @@ def find_longest_cache_hit(ps, pc: tl.constexpr, key_hi, key_lo, gstride, pstrid
             pos = t + offs
             m = pos < hits
             blk = tl.load(out_blocks + g * out_stride + pos, mask=m, other=0)
+            # strict: benign, counts only rise until the next barrier (touch): a late read lowers zero_ref, same branch
             zero_ref += tl.sum((m & (tl.load(ps.ref_cnt + blk, mask=m, other=1) == 0)).to(tl.int32), axis=0)
             t += BLOCK
         g += 1

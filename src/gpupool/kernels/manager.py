@@ -64,6 +64,7 @@ def mark_tile(ms, mc: tl.constexpr, slots, i, n, err, val, err_i, base):
 def unmark_tile(ms, mc: tl.constexpr, slots, i, n):
     """Zero the ``s_req`` marks :func:`mark_tile` left (the scratch is idle at 0 between launches)."""
     r, m = tile_of(slots, i + tl.arange(0, mc.BLOCK), n)
+    # strict: benign, every lane writes 0 (a slot listed twice)
     tl.store(ms.s_req + r, tl.zeros([mc.BLOCK], tl.int32), mask=m & (r >= 0) & (r < mc.R))
 
 
@@ -155,6 +156,7 @@ def cache_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, known, hits, nro
     while g < mc.G:
         row = row_of(ms, mc, g, r)
         kb = keys_of(mc, g, r)
+        # strict: benign, racing the store below only when nf <= start, which stores start back
         start = tl.maximum(tl.load(ms.num_cached + g * mc.R + r), hits)
         if nf > start:
             pk = kb + start.to(tl.int64) * mc.K - 1
@@ -164,7 +166,7 @@ def cache_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, known, hits, nro
                                       tl.load(ms.req_lo + pk, mask=start > 0, other=0), False)
             tl.store(ps.ctrl + KEY_SEQ, seq)
             tl.store(ps.ctrl + EV_COUNT, ev_pos)
-            tl.debug_barrier()  # thread 0 stored them; the next cache_range reads them in every thread
+            tl.debug_barrier()  # strict: orders KEY_SEQ / EV_COUNT (thread 0) before the next group's reads
         tl.store(ms.num_cached + g * mc.R + r, tl.maximum(start, nf))
         if mc.K > 1:
             hbs = mc.BS // mc.K
@@ -180,8 +182,9 @@ def cache_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, known, hits, nro
                                       (nh * hbs).to(tl.int64), (nh > 1).to(tl.int64),
                                       tl.load(ms.req_hi + ka - 1, mask=nh > 1, other=0),
                                       tl.load(ms.req_lo + ka - 1, mask=nh > 1, other=0), hbs, ev_pos, False)
+                    tl.debug_barrier()  # strict: orders the read of EV_COUNT above before this store
                     tl.store(ps.ctrl + EV_COUNT, ev_pos + rows)
-                    tl.debug_barrier()  # as above: read by the next group in every thread
+                    tl.debug_barrier()  # strict: orders EV_COUNT (thread 0) before the next group's reads (all)
         g += 1
 
 
@@ -309,12 +312,14 @@ def allocate_slots_exact(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap,
                     g = 0
                     while g < mc.G:
                         tl.store(ms.num_cached + g * mc.R + r,
+                                 # strict: benign, one statement; only thread 0 uses the value it loads (its store)
                                  tl.maximum(tl.load(ms.num_cached + g * mc.R + r), hits))
                         g += 1
                 tl.store(ms.num_blocks + r, nblk + hits + need)
                 tl.store(ms.num_computed + r, eff)
                 tl.store(batch.admitted + k, 1)
             k += 1
+        tl.debug_barrier()  # strict: orders the reads of HEAD / TAIL / NUM_FREE above before these stores
         tl.store(ps.ctrl + HEAD, head)
         tl.store(ps.ctrl + TAIL, tail)
         tl.store(ps.ctrl + NUM_FREE, num_free)
@@ -479,7 +484,7 @@ def free_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_reqs, c
             else:
                 set_status(ps.status, E_DOUBLE_FREE, OP_FREE, dfree_v)
             tl.debug_barrier()
-            reset_ids(ps, ms.s_ids, n, pc.N, pc.BLOCK)
+            reset_ids(ps, ms.s_ids, n, pc.N, pc.BLOCK)  # strict: benign, a block listed twice gets the same idle values
         else:
             set_status(ps.status, err, OP_FREE, err_val)
     return ok
@@ -569,6 +574,7 @@ def release_copies_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr):
         if err == 0:
             tl.store(ps.ctrl + HEAD, head)
             tl.store(ps.ctrl + TAIL, tail)
+            # strict: benign, one statement; only thread 0 uses the value it loads (its store)
             tl.store(ps.ctrl + NUM_FREE, tl.load(ps.ctrl + NUM_FREE) + released)
             tl.store(ms.num_copies, 0)
         else:

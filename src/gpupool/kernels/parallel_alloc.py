@@ -649,6 +649,7 @@ def allocate_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, num_pops, he
         carry += dropped.to(tl.int32)
         tl.store(row_of(ms, mc, g, r) + pos, b, mask=m)
         i += pc.BLOCK
+    tl.debug_barrier()  # strict: orders the read of REUSE_COUNT above before this store
     tl.store(ps.ctrl + REUSE_COUNT, reuse_pos)
     tl.debug_barrier()
     return new_head, removed
@@ -858,9 +859,12 @@ def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, c
             reason = R_FORCED
         tl.store(ps.ctrl + ALLOC_SPLIT, split)
         if split < nb:
+            # strict: benign, one statement; only thread 0 uses the value it loads (its store)
             tl.store(ps.ctrl + ALLOC_FALLBACK, tl.load(ps.ctrl + ALLOC_FALLBACK) + 1)
+            # strict: benign, one statement; only thread 0 uses the value it loads (its store)
             tl.store(ps.ctrl + FALLBACK_REASONS + reason, tl.load(ps.ctrl + FALLBACK_REASONS + reason) + 1)
         else:
+            # strict: benign, one statement; only thread 0 uses the value it loads (its store)
             tl.store(ps.ctrl + ALLOC_PARALLEL, tl.load(ps.ctrl + ALLOC_PARALLEL) + 1)
         if split > 0:
             unlinked = tl.zeros([], tl.int32)

@@ -60,6 +60,7 @@ def ring_compact(ps, pc: tl.constexpr, head, tail):
         tl.debug_barrier()
     new_tail = head + live_count
     tl.store(ps.ctrl + TAIL, new_tail)
+    # strict: benign, one statement; only thread 0 uses the value it loads (its store)
     tl.store(ps.ctrl + COMPACTIONS, tl.load(ps.ctrl + COMPACTIONS) + 1)
     return new_tail
 

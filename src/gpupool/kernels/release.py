@@ -97,6 +97,7 @@ def release_flags(ps, pc: tl.constexpr, b, idx, m, TO_FRONT: tl.constexpr):
     when the count equals the ref count; to the front when the block has no key (or caching is off),
     never for unpin (``TO_FRONT`` False)."""
     cnt = tl.load(ps.s_cnt + b, mask=m, other=0)
+    # strict: benign, a block listed twice: only its last lane's ref is used
     ref = tl.load(ps.ref_cnt + b, mask=m, other=0)
     last = m & (tl.load(ps.s_last + b, mask=m, other=-1) == idx)
     rel = last & (cnt == ref)
@@ -284,9 +285,11 @@ def release_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, seg_off, nseg, pf, s
                         b = tl.load(ids + i + offs, mask=m, other=0)
                         tl.store(ps.watched + b, tl.full([pc.BLOCK], 1, tl.int8), mask=m)
                         i += pc.BLOCK
+                num_free = tl.load(ps.ctrl + NUM_FREE)
+                tl.debug_barrier()  # strict: orders the reads of HEAD / TAIL / NUM_FREE above before these stores
                 tl.store(ps.ctrl + HEAD, head - nf)
                 tl.store(ps.ctrl + TAIL, tail)
-                tl.store(ps.ctrl + NUM_FREE, tl.load(ps.ctrl + NUM_FREE) + nf + nl)
+                tl.store(ps.ctrl + NUM_FREE, num_free + nf + nl)
             tl.debug_barrier()
             reset_ids(ps, ids, p_end, pc.N, pc.BLOCK)
         if err != 0:
@@ -339,8 +342,9 @@ def touch_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, OP: tl.constexpr):
         err_val = tl.where(n_ok, err_val, raw_count(num_ids, cap).to(tl.int64))
         err = tl.where(n_ok, err, E_INVALID_ARG)
         if err == 0:
+            num_free = tl.load(ps.ctrl + NUM_FREE)  # read before touch_checked's barrier, stored after it
             unlinked = touch_checked(ps, pc, ids, n)
-            tl.store(ps.ctrl + NUM_FREE, tl.load(ps.ctrl + NUM_FREE) - unlinked)
+            tl.store(ps.ctrl + NUM_FREE, num_free - unlinked)
         else:
             set_status(ps.status, err, OP, err_val)
 

@@ -105,7 +105,9 @@ def heap_push(heap_t, heap_r, n, t, r):
     go = pos > 0
     while go:
         parent = (pos - 1) // HEAP_D
+        # strict: benign, other threads' values only steer their own loop (no barrier); thread 0 stores
         pt = tl.load(heap_t + parent)
+        # strict: benign, other threads' values only steer their own loop (no barrier); thread 0 stores
         pr = tl.load(heap_r + parent)
         up = (t < pt) | ((t == pt) & (r < pr))
         tl.store(heap_t + pos, pt, mask=up)
@@ -131,7 +133,9 @@ def heap_pop(heap_t, heap_r, n):
     while go:
         c = pos * HEAP_D + 1 + offs
         m = c < n
+        # strict: benign, other threads' values only steer their own loop (no barrier); thread 0 stores
         ct = tl.load(heap_t + c, mask=m, other=INF)
+        # strict: benign, other threads' values only steer their own loop (no barrier); thread 0 stores
         cr = tl.load(heap_r + c, mask=m, other=BIG)
         tmin = tl.min(ct, axis=0)
         rmin = tl.min(tl.where(m & (ct == tmin), cr, BIG), axis=0)
@@ -185,7 +189,7 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
             admit = tl.full([], 0, tl.int1)
             if ct <= now:  # a completion: free its blocks tail first
                 r = tl.load(lp.heap_r)
-                tl.debug_barrier()  # every thread has read the root before heap_pop overwrites it
+                tl.debug_barrier()  # strict: orders every thread's read of the root before heap_pop's overwrite
                 running = heap_pop(lp.heap_t, lp.heap_r, running)
                 ct = tl.load(lp.heap_t, mask=running > 0, other=INF)
                 head, tail, released, _, _ = free_checked(ps, pc, lp.blocks + tl.load(tr.blk_off + r),
@@ -235,7 +239,9 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
                                 ps, pc, lp.adm, lp.adm, hits, full, tr.chain_hi, tr.chain_lo, base, 1, grp, bs,
                                 (hits > 0).to(tl.int64), tl.load(tr.chain_hi + pk, mask=hits > 0, other=0),
                                 tl.load(tr.chain_lo + pk, mask=hits > 0, other=0), False)
+                            # strict: benign, cache_range's read races only if it cached nothing: then dead
                             tl.store(ps.ctrl + KEY_SEQ, seq)
+                            # strict: benign, cache_range's read races only if it cached nothing: then dead
                             tl.store(ps.ctrl + EV_COUNT, ev_pos)
                         store_reversed(lp.adm, lp.blocks + boff, total, pc.BLOCK)
                         tl.debug_barrier()
@@ -246,6 +252,7 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
                                    + tl.where(slot == W_HIT_BLOCKS, hits, 0)).to(tl.int64)
                         counts = tl.where(slot == W_PEAK_IN_USE, tl.maximum(counts, pc.N - 1 - num_free), counts)
                         lh += 1
+        tl.debug_barrier()  # strict: orders the loop's first reads of these words before the stores
         tl.store(ps.ctrl + HEAD, head)
         tl.store(ps.ctrl + TAIL, tail)
         tl.store(ps.ctrl + NUM_FREE, num_free)
