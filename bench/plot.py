@@ -62,6 +62,18 @@ def device_of(rows: list[dict]) -> str:
     return "not measured"
 
 
+INTERPRETER_NOTE = ("device pool left out: it ran in Triton's CPU interpreter, whose microseconds say nothing "
+                    "about a GPU; run `gpupool bench` on a CUDA machine to compare it")
+
+
+def comparable(rows: list[dict]) -> tuple[list[dict], str | None]:
+    """The rows to put side by side under "lower is better": without the device pool's when it ran
+    in the interpreter (then also the note saying so), else all of them."""
+    if "interpreter" not in device_of(rows):
+        return rows, None
+    return [r for r in rows if not str(r.get("pool", "")).startswith("device")], INTERPRETER_NOTE
+
+
 def plot(json_path, png_path) -> Path:
     """Write the figure of ``json_path`` to ``png_path`` (Agg backend); returns ``png_path``."""
     import matplotlib
@@ -71,6 +83,8 @@ def plot(json_path, png_path) -> Path:
     from matplotlib.lines import Line2D
 
     rows, meta = load(json_path)
+    dev = device_of(rows)
+    rows, left_out = comparable(rows)
     fig, axes = plt.subplots(2, 3, figsize=(18, 10.5))
     panels = list(axes.flat)
     sizes = sorted({r["num_blocks"] for r in rows if r["op"] in OPS})
@@ -137,15 +151,14 @@ def plot(json_path, png_path) -> Path:
     handles.append(Line2D([], [], color="red", marker="*", markersize=12, linestyle="none",
                           label="docs/design.md target"))
     ax.legend(handles=handles, loc="upper left", fontsize=10, frameon=False)
-    dev = device_of(rows)
     mach = meta["machine"]
     notes = [f"run: {meta['datetime'][:19]}", f"host: {mach.get('cpu', {}).get('brand_raw', mach.get('processor', '?'))}",
              f"python {mach.get('python_version', '?')}", f"device pool on: {dev}"]
     missing = [p for p in POOL_ORDER[:5] if p not in pools_seen]
-    if missing:
+    if left_out:
+        notes.append("Device pool left out: it ran in Triton's CPU\ninterpreter, which says nothing about a GPU.")
+    elif missing:
         notes.append("not in this run: " + ", ".join(missing))
-    if "interpreter" in dev:
-        notes.append("Device pool ran in Triton's CPU interpreter:\nits numbers are NOT GPU performance.")
     ax.text(0.0, 0.02, "\n".join(notes), transform=ax.transAxes, fontsize=9, va="bottom", family="monospace")
     fig.suptitle("gpupool: device block pool vs host-side pools (median per call, lower is better)", fontsize=14)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
@@ -167,6 +180,8 @@ def table(json_path) -> str:
     median microseconds per call (``graph gpu``: the captured graph's CUDA-event GPU time), then
     the replay throughput."""
     rows, _ = load(json_path)
+    dev = device_of(rows)
+    rows, left_out = comparable(rows)
     ops = [r for r in rows if r["op"] in OPS]
     pools = sorted({r["pool"] for r in ops}, key=_pool_key)
     has_gpu = any(r.get("gpu_us") is not None and r["pool"] == "device-graph" for r in ops)
@@ -189,7 +204,7 @@ def table(json_path) -> str:
         for r in rep:
             lines.append(f"{'replay':<12} {r['pool']:<14} {r.get('requests', 0):>9} {r['median_s']:>10.3f} "
                          f"{r.get('requests_per_s', 0):>11,.0f} {r.get('hit_blocks', 0):>10}")
-    lines.append(f"(device pool on: {device_of(rows)})")
+    lines.append(f"({left_out})" if left_out else f"(device pool on: {dev})")
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+import gpupool.kernels
 import gpupool.manager
 import gpupool.replay.device
 from gpupool import BlockPool, ReferenceBlockPool
@@ -17,7 +18,7 @@ from strict import Checker
 
 import test_manager as tm
 
-KERNELS = pathlib.Path(gpupool.manager.__file__).resolve().parent.parent / "kernels"
+KERNELS = pathlib.Path(gpupool.kernels.__file__).resolve().parent
 
 
 def without_barrier(module: str, what: str, tmp_path):

@@ -1,0 +1,48 @@
+"""``gpupool bench``'s table and figure (bench/plot.py) never put the interpreter's microseconds beside
+the host pools under "lower is better": without CUDA the device pool's rows are left out, with a note."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_plot", ROOT / "bench" / "plot.py")
+plot = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plot)
+
+
+def _bench_json(tmp_path, device: str) -> Path:
+    def bench(pool, us, dev):
+        return {"name": f"alloc[{pool}]", "stats": {"median": us * 1e-6, "rounds": 3},
+                "extra_info": {"op": "alloc_free", "pool": pool, "num_blocks": 1024, "batch": 64, "device": dev}}
+    data = {"benchmarks": [bench("reference", 50.0, "cpu (host)"), bench("device-eager", 9000.0, device),
+                           bench("device-graph", 7.0, device)], "datetime": "2026-12-03T00:00:00"}
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_interpreter_rows_are_left_out_of_the_table(tmp_path):
+    text = plot.table(_bench_json(tmp_path, "cpu (Triton interpreter)"))
+    assert "device-eager" not in text and "device-graph" not in text and "9,000" not in text
+    assert "reference" in text and "50.0" in text and "device pool left out" in text
+
+
+def test_gpu_rows_are_kept_in_the_table(tmp_path):
+    text = plot.table(_bench_json(tmp_path, "NVIDIA H200"))
+    assert "device-eager" in text and "device-graph" in text and "7.0" in text
+    assert "left out" not in text and "NVIDIA H200" in text
+
+
+def test_interpreter_rows_are_left_out_of_the_figure(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    seen = []
+    real = plot.comparable
+    monkeypatch.setattr(plot, "comparable", lambda rows: seen.append(real(rows)) or seen[-1])
+    png = plot.plot(_bench_json(tmp_path, "cpu (Triton interpreter)"), tmp_path / "b.png")
+    assert png.stat().st_size > 0
+    kept, note = seen[0]
+    assert [r["pool"] for r in kept] == ["reference"] and note == plot.INTERPRETER_NOTE
