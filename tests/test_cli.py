@@ -320,3 +320,27 @@ def test_a_pool_too_big_for_memory_is_one_line_before_anything_is_built(capsys, 
     for kind in ("reference", "device"):
         with pytest.raises(cli.CLIError, match="needs about .* GiB and 0.9 GiB is free"):
             cli.make_pool(kind, 100_000_000, "cpu")
+
+
+def test_library_and_cli_work_without_tqdm_and_matplotlib(tmp_path, monkeypatch, capsys):
+    """tqdm and matplotlib are extras (``gpupool[cli]``): without them the replay runs with no bar,
+    ``--progress`` and ``gpupool bench`` say what to install."""
+    import importlib.util as iu
+    real = iu.find_spec
+    monkeypatch.setattr(iu, "find_spec", lambda name, *a, **k: None if name in ("tqdm", "matplotlib") else real(name, *a, **k))
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm fails
+    path = write(tmp_path, line(), line(t=1, ids=[1, 3]))
+    assert cli.main(["replay", path, "--pool", "reference", "--no-progress"]) == 0
+    capsys.readouterr()
+    fails(capsys, ["replay", path, "--pool", "reference", "--progress"], "needs tqdm", "gpupool[cli]")
+    fails(capsys, ["bench"], "needs matplotlib", "gpupool[cli,test]")
+    from gpupool.replay.model import progress_bar
+    with pytest.raises(ModuleNotFoundError, match=r"gpupool\[cli\]"):
+        progress_bar(True, 3, "x")
+
+
+def test_core_dependencies_are_only_torch_triton_numpy():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert project["dependencies"] == ["torch", "triton", "numpy"]
+    assert set(project["optional-dependencies"]["cli"]) == {"tqdm", "matplotlib"}

@@ -21,6 +21,7 @@ disagreed (a bug) or benchmarks failed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -311,6 +312,9 @@ def skip_reasons(log_text: str) -> list[tuple[int, str]]:
 def cmd_bench(args) -> int:
     import subprocess
 
+    missing = [m for m in ("matplotlib", "pytest", "pytest_benchmark") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CLIError(f"gpupool bench needs {', '.join(missing)}: pip install 'gpupool[cli,test]'")
     suite = bench_dir()
     if not (suite / "test_bench_pool.py").is_file() or not (suite / "plot.py").is_file():
         raise CLIError(f"the benchmark suite is not at {suite}: `gpupool bench` runs the bench/ folder of a "
@@ -376,8 +380,6 @@ def cmd_bench(args) -> int:
 
 
 def _load_bench_plot(suite: Path):
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("gpupool_bench_plot", suite / "plot.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -428,6 +430,10 @@ def _progress(flag: bool | None, desc: str):
     """The ``progress`` argument of a replay, the same rule for every pool: a bar when stderr is a
     terminal (or ``--progress``), a line every 10 s when forced into a log, none with ``--no-progress``."""
     if flag is False or (flag is None and not sys.stderr.isatty()):
+        return False
+    if importlib.util.find_spec("tqdm") is None:
+        if flag:
+            raise CLIError("--progress needs tqdm: pip install 'gpupool[cli]' (or tqdm)")
         return False
     kw = {"desc": desc, "unit": "req", "leave": True}
     if not sys.stderr.isatty():

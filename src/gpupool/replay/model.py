@@ -290,7 +290,10 @@ def progress_bar(progress: bool | Mapping, total: int, desc: str):
     tqdm arguments)."""
     if not progress:
         return None
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError("progress bars need tqdm: pip install 'gpupool[cli]' (or tqdm)", name="tqdm") from e
 
     kw = {"total": total, "desc": desc, "unit": "req"}
     if isinstance(progress, Mapping):
