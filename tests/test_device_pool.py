@@ -1180,3 +1180,59 @@ def test_bad_device_is_one_clear_error(device, says):
         BlockPool(8, device=device)
     with pytest.raises(InvalidArgumentError, match=says):
         KVCacheManager(16, block_size=4, max_num_reqs=2, max_blocks_per_req=4, device=device)
+
+
+def _meta_i32(values):
+    return torch.tensor(values, dtype=torch.int32, device="meta")
+
+
+@pytest.mark.parametrize("case", ["allocate_2d", "free_2d", "touch_2d", "free_blocks_meta", "get_new_blocks_meta",
+                                  "touch_meta"])
+def test_wrong_rank_or_meta_inputs_are_pool_errors_and_change_nothing(case):
+    p = BlockPool(16, enable_caching=True)
+    held = p.get_new_blocks(3)
+    before = (p.free_queue(), p.ref_counts())
+    calls = {
+        "allocate_2d": lambda: p.allocate_batched(torch.tensor([[1, 2]], dtype=torch.int32)),
+        "free_2d": lambda: p.free_batched(held.reshape(1, 3).to(torch.int32), torch.tensor([3], dtype=torch.int32)),
+        "touch_2d": lambda: p.touch_batched(held.reshape(3, 1).to(torch.int32)),
+        "free_blocks_meta": lambda: p.free_blocks(_meta_i32([1])),
+        "get_new_blocks_meta": lambda: p.get_new_blocks(torch.tensor(2, device="meta")),
+        "touch_meta": lambda: p.touch(_meta_i32([1])),
+    }
+    with pytest.raises(PoolError):
+        calls[case]()
+        p.check()
+    assert (p.free_queue(), p.ref_counts()) == before
+
+
+def _named_block(msg: str) -> str | None:
+    import re
+    m = re.search(r"\bblock (?:id )?(-?\d+)", msg)
+    return m.group(1) if m else None
+
+
+@pytest.mark.parametrize("case", ["double_free_in_one_call", "double_free_across_calls", "free_out_of_range"])
+def test_device_errors_name_the_same_block_as_the_reference(case):
+    """A device-recorded error names the offending block from the status word's value, as the
+    reference pool's message does (same class, same block id)."""
+    def run(pool):
+        pool.get_new_blocks(3)
+        if case == "double_free_in_one_call":
+            pool.free_blocks([2, 2])
+        elif case == "double_free_across_calls":
+            pool.free_blocks([3])
+            pool.free_blocks([3])
+        elif case == "free_out_of_range":
+            pool.free_blocks([1, 40])
+        if isinstance(pool, BlockPool):
+            pool.check()
+
+    errs = []
+    for make in (ReferenceBlockPool, BlockPool):
+        with pytest.raises(PoolError) as e:
+            run(make(16, enable_caching=True))
+        errs.append(e.value)
+    ref, dev = errs
+    assert type(dev) is type(ref)
+    assert _named_block(str(ref)) is not None and _named_block(str(dev)) == _named_block(str(ref)), (str(ref), str(dev))

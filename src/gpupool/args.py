@@ -47,10 +47,16 @@ def as_int(op: str, x, what: str = "value") -> int:
     """``x`` as a Python int (ints, numpy and 0-d torch integers); anything else is ArgumentTypeError."""
     if isinstance(x, bool):
         raise ArgumentTypeError(op, f"{what} must be an integer, got bool {x!r}")
+    if _on_meta(x):
+        raise ArgumentTypeError(op, f"{what} is a tensor on the meta device, which holds no values")
     try:
         return operator.index(x)
     except TypeError:
         raise ArgumentTypeError(op, f"{what} must be an integer, got {type(x).__name__} {x!r}") from None
+
+
+def _on_meta(x) -> bool:
+    return getattr(getattr(x, "device", None), "type", None) == "meta"
 
 
 MAX_NUM_BLOCKS = 2**31 - 1  # block ids are int32 on the device
@@ -107,6 +113,8 @@ def as_id_list(op: str, ids) -> list[int]:
         dtype = str(getattr(ids, "dtype", ""))
         if "int" not in dtype:
             raise ArgumentTypeError(op, f"block ids must have an integer dtype, got {dtype}")
+        if _on_meta(ids):
+            raise ArgumentTypeError(op, "block ids are a tensor on the meta device, which holds no values")
         ids = ids.tolist()
         if isinstance(ids, int):
             ids = [ids]

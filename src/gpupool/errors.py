@@ -35,7 +35,8 @@ class PoolError(Exception):
     """Base of every gpupool error. ``op`` is the operation's name; ``value`` the offending id or count."""
 
     code = ErrorCode.UNKNOWN
-    #: What a device-recorded error of this class says (followed by the offending value).
+    #: What a device-recorded error of this class says: ``{value}`` names the offending id where the
+    #: status word's value is one (a block id for the block errors), else the value follows in brackets.
     device_message = "failed"
 
     def __init__(self, op: str, message: str, value: int | None = None):
@@ -47,7 +48,8 @@ class PoolError(Exception):
     def from_status(code: int, op: str, value: int) -> "PoolError":
         """The exception for a device status record ``(code, op name, value)``."""
         cls = ERRORS_BY_CODE.get(code, PoolError)
-        return cls(op, f"{cls.device_message} ({value})", value)
+        msg = cls.device_message
+        return cls(op, msg.format(value=value) if "{value}" in msg else f"{msg} ({value})", value)
 
 
 class OutOfBlocksError(PoolError, ValueError):
@@ -68,35 +70,35 @@ class InvalidBlockIdError(PoolError, IndexError):
     """A block id outside ``0 .. num_blocks-1``."""
 
     code = ErrorCode.INVALID_ID
-    device_message = "block id out of range"
+    device_message = "block id {value} out of range"
 
 
 class NullBlockError(PoolError, ValueError):
     """The null block (id 0) where it is not allowed (``unpin_blocks``, ``move_block_hashes`` target)."""
 
     code = ErrorCode.NULL_BLOCK
-    device_message = "the null block is not allowed here"
+    device_message = "block {value} is the null block, which is not allowed here"
 
 
 class DoubleFreeError(PoolError, ValueError):
     """A ref-count decrement below zero (``free_blocks``, ``unpin_blocks`` of a free block)."""
 
     code = ErrorCode.DOUBLE_FREE
-    device_message = "ref count would go below zero (double free)"
+    device_message = "block {value} freed more times than it is referenced (double free)"
 
 
 class HashConflictError(PoolError, ValueError):
     """Re-caching a block at the same or a longer token count, or moving keys onto a hashed block."""
 
     code = ErrorCode.HASH_CONFLICT
-    device_message = "block already cached at >= this many tokens, or destination already keyed"
+    device_message = "block {value} already cached at >= this many tokens, or already keyed as a destination"
 
 
 class KeyCapacityError(PoolError, RuntimeError):
     """A block would exceed ``max_keys_per_block`` keys."""
 
     code = ErrorCode.KEY_CAPACITY
-    device_message = "a block would exceed max_keys_per_block keys"
+    device_message = "block {value} would exceed max_keys_per_block keys"
 
 
 class InvalidArgumentError(PoolError, ValueError):

@@ -261,13 +261,15 @@ class KVCacheManager:
         if isinstance(x, torch.Tensor):
             if x.dtype != torch.int32 or x.device != self.device:
                 raise InvalidArgumentError(op, f"{what} must be an int32 tensor on {self.device}")
-            return x.reshape(-1).contiguous()
+            if x.dim() != 1:
+                raise InvalidArgumentError(op, f"{what} must be 1-D (int32[n]), got shape {tuple(x.shape)}")
+            return x.contiguous()
         return torch.tensor(as_id_list(op, x), dtype=torch.int32, device=self.device)
 
     def _index_tensor(self, op: str, x, what: str) -> torch.Tensor:
         """An int32 or int64 tensor on the device (read as is by the kernel: no narrowing), or a list."""
-        if isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.device == self.device:
-            return x.reshape(-1).contiguous()
+        if isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.device == self.device and x.dim() == 1:
+            return x.contiguous()
         return self._i32(op, x, what)
 
     def _count(self, op: str, count, n: int) -> torch.Tensor:

@@ -179,14 +179,17 @@ class BlockPool:
         return self._tensor([check_block_id(op, b, self.num_blocks) for b in as_id_list(op, ids)])
 
     def _device_i32(self, op: str, t, what: str) -> torch.Tensor:
-        """A batched op's int32 tensor on the pool's device (flattened)."""
+        """A batched op's ``int32[n]`` tensor on the pool's device (1-D: another shape is an error, not
+        flattened, so a batch of lists cannot be read as one list)."""
         if not isinstance(t, torch.Tensor):
             raise ArgumentTypeError(op, f"{what} must be a torch.Tensor on {self.device}")
         if t.dtype != torch.int32:
             raise InvalidArgumentError(op, f"{what} must be int32, got {t.dtype}")
         if t.device != self.device:
             raise InvalidArgumentError(op, f"{what} is on {t.device}, the pool on {self.device}")
-        return t.reshape(-1).contiguous()
+        if t.dim() != 1:
+            raise InvalidArgumentError(op, f"{what} must be 1-D (int32[n]), got shape {tuple(t.shape)}")
+        return t.contiguous()
 
     def _count(self, op: str, count, n: int) -> torch.Tensor:
         """A device count: the given ``int32[1]`` tensor, or None when the whole array counts (the
