@@ -77,7 +77,7 @@ if [[ -f "$OUTDIR/replay.json" ]]; then
   $PY - "$OUTDIR/replay.json" <<'PYEOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
-if "device" in r:
+if r.get("device") and r.get("reference"):
     print(f"replay: match={r['match']} device {r['device']['wall_s']:.3f} s ({r['device']['requests_per_s']:,.0f} req/s), "
           f"reference {r['reference']['wall_s']:.3f} s ({r['reference']['requests_per_s']:,.0f} req/s), hit blocks {r['device']['hit_blocks']} "
           f"vs {r['reference']['hit_blocks']}")
