@@ -25,6 +25,10 @@ Cases:
   0``: one new block each), exactly ``B // 16`` fill their last block (``num_computed % 16 == 15``;
   the hash of that block is appended with ``append_block_hashes`` before the step, so the step keys
   it), the rest have ``num_computed % 16`` in 1..14. No copy-on-write copies are pending.
+* ``decode_multi`` (B = ``--sizes``, K = ``--steps``, default 8): the same state and inputs, ONE
+  ``DecodeStep(steps=K).run()``: a burst of K steps (each running request decodes K tokens; one
+  crossing a block boundary at step k gets a block there; blocks that fill are keyed where the hash
+  is known, as in ``decode_step``). Compare with K x ``decode_step`` of the same B.
 * ``alloc_4096x1`` / ``alloc_64x64``: ``allocate_batched`` of 4,096 blocks as one demand / as 64
   demands of 64, on the warm pool (every block taken loses its key).
 * ``free_4096``: ``free_batched`` of 4,096 blocks in 64 segments of 64 (64 "requests", each freed
@@ -83,7 +87,7 @@ BLOCK_SIZE = 16
 MAX_BLOCKS_PER_REQ = 168
 SEED = 20240611
 WARM_CHUNK = 16_384
-CASES = ("decode_step", "alloc_4096x1", "alloc_64x64", "free_4096", "lookup_10000", "touch_4096", "replay")
+CASES = ("decode_step", "decode_multi", "alloc_4096x1", "alloc_64x64", "free_4096", "lookup_10000", "touch_4096", "replay")
 COUNT_KINDS = ("ld", "at", "red", "scan", "bar", "br", "it")
 
 
@@ -303,7 +307,9 @@ def record(gc, fn, report: bool, title: str, state=()):
 
 
 # ---- cases -------------------------------------------------------------------------------------
-def case_decode_step(gp, gc, B: int, args) -> dict:
+def case_decode_step(gp, gc, B: int, args, steps: int = 1) -> dict:
+    import torch
+
     from gpupool.graph import DecodeStep
     from gpupool.manager import KVCacheManager
 
@@ -346,7 +352,7 @@ def case_decode_step(gp, gc, B: int, args) -> dict:
     assert free_before == NUM_BLOCKS - 1 - held, (free_before, held)
     check_free_keyed(m.pool, owner)
 
-    step = DecodeStep(m, max_batch=B)
+    step = DecodeStep(m, max_batch=B, steps=steps)
     run = [r for r in range(B) if kinds[r] != "finish"]
     fin = [r for r in range(B) if kinds[r] == "finish"]
     step.slots[: len(run)] = i32(run)
@@ -356,22 +362,26 @@ def case_decode_step(gp, gc, B: int, args) -> dict:
     step.num_finished.fill_(len(fin))
     build_s = time.perf_counter() - t0
 
-    rec, _, record_s = record(gc, step.run, args.report, f"decode_step B={B}",
-                              state=(m.pool.state, m.state, tuple(vars(step).values())))
+    name = f"decode_step B={B}" if steps == 1 else f"decode_multi K={steps} B={B}"
+    state = (m.pool.state, m.state, tuple(v for v in vars(step).values() if isinstance(v, torch.Tensor)),
+             tuple(t for b in step._work for t in b))
+    rec, _, record_s = record(gc, step.run, args.report, name, state=state)
 
-    # The step did what the steady state says.
+    # The step (every step of the burst) did what the steady state says.
     m.pool.check()
-    assert int(step.admitted[: len(run)].sum()) == len(run), "a decoding request was not admitted"
+    assert int(step.admitted_steps[:, : len(run)].sum()) == steps * len(run), "a decoding request was not admitted"
     freed = sum(-(-prompt[r] // BLOCK_SIZE) for r in fin)
-    assert m.pool.get_num_free_blocks() == free_before + freed - n_cross
+    crossed = sum((prompt[r] + k) % BLOCK_SIZE == 0 for r in run for k in range(steps))
+    assert m.pool.get_num_free_blocks() == free_before + freed - crossed
     if fill_hash:
         hit = m.pool.lookup_batched(*lookup_all(m.pool, list(fill_hash.values()))).tolist()
         assert min(hit) >= 0, "a block filled by the step was not keyed"
-    params = {"B": B, "running": len(run), "cross": n_cross, "fill": n_fill, "finished": len(fin),
+    params = {"B": B, "steps": steps, "running": len(run), "cross": n_cross, "crossed_in_burst": crossed,
+              "fill": n_fill, "finished": len(fin),
               "prompt_tokens_min": min(prompt), "prompt_tokens_max": max(prompt), "blocks_held": held,
               "free_blocks_before": free_before, "prefill_batch": args.prefill_batch}
     extra = {"warm_s": round(t_warm, 2), "prefill_s": round(t_prefill, 2)}
-    return summarize(gc, rec, f"decode_step B={B}", params, build_s, record_s, extra)
+    return summarize(gc, rec, name, params, build_s, record_s, extra)
 
 
 def case_alloc(gp, gc, num: int, each: int, args) -> dict:
@@ -508,6 +518,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default=",".join(CASES),
                     help=f"comma list of cases (default all): {', '.join(CASES)}; 'alloc' means both alloc cases")
     ap.add_argument("--sizes", default="64,256,1024", help="decode_step batch sizes B (comma list)")
+    ap.add_argument("--steps", type=int, default=8, help="decode_multi: steps K per burst (default 8)")
     ap.add_argument("--report", action="store_true", help="print gpucost's full report (launches, hot lines, loops)")
     ap.add_argument("--json", metavar="PATH", help="write every number to PATH")
     ap.add_argument("--gpucost", metavar="PATH", help="gpucost.py (default $GPUCOST, else ../shared/tools/gpucost.py)")
@@ -551,6 +562,9 @@ def main(argv=None) -> int:
     for c in cases:
         if c == "decode_step":
             jobs += [(f"decode_step B={B}", lambda B=B: case_decode_step(gp, gc, B, args)) for B in sizes]
+        elif c == "decode_multi":
+            jobs += [(f"decode_multi K={args.steps} B={B}", lambda B=B: case_decode_step(gp, gc, B, args, args.steps))
+                     for B in sizes]
         elif c == "alloc_4096x1":
             jobs.append((c, lambda: case_alloc(gp, gc, 1, 4096, args)))
         elif c == "alloc_64x64":

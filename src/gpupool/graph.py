@@ -21,6 +21,16 @@ Everything reads counts from device tensors and makes no host synchronisation, s
 runs eagerly (:meth:`DecodeStep.run`, also on CPU) and as a graph (:meth:`capture`, CUDA only). An
 error (a bad slot, say) makes the step's ops do nothing and sits in the pool's status word; the host
 raises it at ``manager.pool.check()``; the graph keeps working once the inputs are fixed.
+
+A burst (``steps=K``, docs/semantics.md section 7 "Multi-step decode"): K steps in one run or one
+replay, with no host work between them. Step 0 is the step above. Step k >= 1 takes the requests
+step k - 1 admitted, in order, each with one token more (``num_tokens + k``), and only allocates
+and maps (no free, no slot check: the slots are step 0's, checked there; token counts and event
+rows are checked as a step checks them). A request that step k could not admit takes no part in the
+later steps (``admitted[k', i] = 0``, ``slot_mapping[k', i] = -1`` for ``k' >= k``) and keeps its
+blocks: the host preempts it after the burst. The burst equals K single steps where the host, in
+between, adds 1 to each admitted request's count and drops the others (keeping the order), with no
+finished requests after step 0 and no event drain in between.
 """
 from __future__ import annotations
 
@@ -32,19 +42,29 @@ from .manager import KVCacheManager
 
 
 class DecodeStep:
-    """Fixed-capacity inputs and outputs of one decode step (capacity ``max_batch`` requests).
+    """Fixed-capacity inputs and outputs of one decode step, or of a burst of ``steps`` steps
+    (capacity ``max_batch`` requests; module docstring).
 
-    Inputs (fill in place before :meth:`run` / :meth:`replay`): ``slots, num_tokens: int32[B]``,
+    Inputs (fill in place before :meth:`run` / :meth:`replay`): ``slots, num_tokens: int32[B]``
+    (``num_tokens``: each running request's token count at the burst's first step),
     ``num_reqs: int32[1]``, ``finished: int32[B]``, ``num_finished: int32[1]``.
-    Outputs: ``admitted: int32[B]``, ``slot_mapping: int64[B]`` (KV slot of each request's newest
-    token in group 0), and the manager's ``block_table``.
+    Outputs: ``admitted_steps: int32[K, B]`` and ``slot_mapping_steps: int64[K, B]`` (KV slot of each
+    request's newest token in group 0 at step k, -1 where not admitted), by the request's lane in
+    ``slots``; ``admitted`` and ``slot_mapping`` are the same tensors, or for ``steps=1`` their row 0
+    (``int32[B]`` / ``int64[B]``, the single step's API); and the manager's ``block_table``.
+    ``InvalidArgumentError``: ``max_batch`` or ``steps`` below 1.
     """
 
-    def __init__(self, manager: KVCacheManager, max_batch: int, kv_caches: list[torch.Tensor] | None = None):
+    def __init__(self, manager: KVCacheManager, max_batch: int, kv_caches: list[torch.Tensor] | None = None,
+                 steps: int = 1):
         max_batch = as_int("DecodeStep", max_batch, "max_batch")
         if max_batch < 1:
             raise InvalidArgumentError("DecodeStep", f"max_batch must be >= 1, got {max_batch}", max_batch)
+        steps = as_int("DecodeStep", steps, "steps")
+        if steps < 1:
+            raise InvalidArgumentError("DecodeStep", f"steps must be >= 1, got {steps}", steps)
         self.m = manager
+        self.steps = steps
         kv_caches = [] if kv_caches is None else kv_caches
         manager._check_kv_caches("DecodeStep", kv_caches)
         self.kv_caches = list(kv_caches)
@@ -55,19 +75,37 @@ class DecodeStep:
         self.num_reqs = torch.zeros(1, dtype=i32, device=dev)
         self.finished = torch.zeros(max_batch, dtype=i32, device=dev)
         self.num_finished = torch.zeros(1, dtype=i32, device=dev)
-        self.admitted = torch.zeros(max_batch, dtype=i32, device=dev)
-        self.slot_mapping = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self.admitted_steps = torch.zeros((steps, max_batch), dtype=i32, device=dev)
+        self.slot_mapping_steps = torch.zeros((steps, max_batch), dtype=torch.int64, device=dev)
+        self.admitted = self.admitted_steps[0] if steps == 1 else self.admitted_steps
+        self.slot_mapping = self.slot_mapping_steps[0] if steps == 1 else self.slot_mapping_steps
         no_lookup = torch.zeros(max_batch, dtype=torch.int8, device=dev)
         # views of the buffers above, built once: every step reads them in place
         self._batch = manager.batch(self.slots, self.num_tokens, self.num_tokens, no_lookup, self.num_reqs,
-                                    self.admitted)
+                                    self.admitted_steps[0])
+        self._work = []
+        if steps > 1:  # steps k >= 1 alternate between two work batches (the previous one is read)
+            w_slots = torch.zeros((2, max_batch), dtype=i32, device=dev)
+            w_tokens = torch.zeros((2, max_batch), dtype=i32, device=dev)
+            w_num = torch.zeros(2, dtype=i32, device=dev)
+            w_adm = torch.zeros((2, max_batch), dtype=i32, device=dev)
+            self._w_orig = torch.zeros((2, max_batch), dtype=i32, device=dev)
+            self._w_map = torch.zeros((2, max_batch), dtype=torch.int64, device=dev)
+            self._work = [manager.batch(w_slots[p], w_tokens[p], w_tokens[p], no_lookup, w_num[p:p + 1], w_adm[p])
+                          for p in range(2)]
         self.graph = None
 
     def _body(self) -> None:
-        self.m.decode_step(self._batch, self.finished, self.num_finished, self.slot_mapping, self.kv_caches)
+        self.m.decode_step(self._batch, self.finished, self.num_finished, self.slot_mapping_steps[0], self.kv_caches)
+        for k in range(1, self.steps):
+            src = self._batch if k == 1 else self._work[(k - 1) % 2]
+            p = k % 2
+            self.m._decode_burst_step(src, self._w_orig[(k - 1) % 2], self.num_reqs, self._work[p], self._w_orig[p],
+                                      self._w_map[p], self.admitted_steps[k], self.slot_mapping_steps[k],
+                                      src_is_step0=k == 1)
 
     def run(self) -> None:
-        """One step, eagerly (any device), holding the pool's lock."""
+        """One step (or burst), eagerly (any device), holding the pool's lock. No host sync."""
         with self.m._lock:
             self._body()
 
@@ -93,7 +131,7 @@ class DecodeStep:
             self._body()
 
     def replay(self) -> None:
-        """One step through the captured graph."""
+        """One step (or burst) through the captured graph."""
         if self.graph is None:
             raise InvalidArgumentError("DecodeStep.replay", "capture() first")
         with self.m._lock:

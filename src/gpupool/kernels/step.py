@@ -2,12 +2,19 @@
 rules; docs/algorithms.md section 6): every input checked and the finished requests freed, the
 request-parallel ``allocate_slots``, its exact continuation from the first order-dependent request,
 and the slot of each request's newest token. The steps are the single-op kernels' bodies, separated
-by barriers (one program: the global writes of one are seen by the next)."""
+by barriers (one program: the global writes of one are seen by the next).
+
+A burst of K steps (``DecodeStep(steps=K)``, docs/semantics.md section "Multi-step decode") is step
+0 as above, then K - 1 launches of :func:`decode_burst_kernel`: each builds its step's batch on the
+device from the previous one (the admitted requests, in order, one token more), runs the same
+allocation and slot mapping, and scatters its results to the step's row of the burst's outputs.
+"""
 import triton
 import triton.language as tl
 
-from .common import warps_for
-from .manager import allocate_slots_exact, check_step, free_requests
+from .common import set_status, status_clear, warps_for
+from .layout import E_BUFFER_FULL, EV_COUNT, OP_DECODE_STEP
+from .manager import allocate_slots_exact, check_batch, check_step, free_requests
 from .parallel_alloc import allocate_slots_parallel
 
 
@@ -26,8 +33,97 @@ def decode_step_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, f
     allocate_slots_exact(ps, pc, ms, mc, batch, cap, False, slot_mapping, ok, split, nb)
 
 
+@triton.jit
+def next_batch(mc: tl.constexpr, src, src_orig, n_src, SRC_IS_STEP0: tl.constexpr, dst, dst_orig):
+    """The next step's batch: the requests ``src`` admitted (of its first ``n_src``), in order, with
+    one token more, into ``dst`` (its ``admitted`` zeroed) and their burst lanes into ``dst_orig``
+    (``src_orig``, or the lane itself for step 0's batch). Returns its request count. Positions come
+    from a prefix count over the tiles, in order (no loop over requests)."""
+    offs = tl.arange(0, mc.BLOCK)
+    n = tl.zeros([], tl.int32)
+    i = 0
+    while i < n_src:
+        idx = i + offs
+        m = idx < n_src
+        a = m & (tl.load(src.admitted + idx, mask=m, other=0) != 0)
+        r = tl.load(src.slots + idx, mask=m, other=0)
+        nt = tl.load(src.num_tokens + idx, mask=m, other=0)
+        if SRC_IS_STEP0:
+            o = idx
+        else:
+            o = tl.load(src_orig + idx, mask=m, other=0)
+        ai = a.to(tl.int32)
+        pos = n + tl.cumsum(ai, axis=0) - ai
+        tl.store(dst.slots + pos, r, mask=a)
+        tl.store(dst.num_tokens + pos, nt + 1, mask=a)  # dst.target is the same buffer
+        tl.store(dst.admitted + pos, tl.zeros([mc.BLOCK], tl.int32), mask=a)
+        tl.store(dst_orig + pos, o, mask=a)
+        n += tl.sum(ai, axis=0)
+        i += mc.BLOCK
+    tl.store(dst.num_reqs, n)
+    return n
+
+
+@triton.jit
+def decode_burst_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, src, src_orig, n0, dst, dst_orig, dst_map,
+                        cap, out_admitted, out_map, SRC_IS_STEP0: tl.constexpr, FORCE_EXACT: tl.constexpr):
+    """Step k >= 1 of a burst. ``src``: step k - 1's batch (AllocateBatch; step 0's own, then
+    ``SRC_IS_STEP0``, else a work batch with burst lanes ``src_orig: int32[cap]``), ``n0: int32[1]``
+    step 0's request count; ``dst`` / ``dst_orig`` / ``dst_map: int64[cap]``: this step's work batch;
+    ``out_admitted: int32[cap]``, ``out_map: int64[cap]``: row k of the burst's outputs, by burst lane
+    (0 / -1 for the lanes ``< n0`` that take no part). No free and no slot check: the slots are a
+    subset of step 0's, checked there, and nothing freed them since; the token counts and event
+    rows are checked as a step checks them (op DECODE_STEP). The allocation is step 0's, on the
+    derived batch; once the status word is set, nothing but the outputs is written."""
+    offs = tl.arange(0, mc.BLOCK)
+    num0 = tl.minimum(tl.maximum(tl.load(n0), 0), cap)
+    n_src = tl.minimum(tl.maximum(tl.load(src.num_reqs), 0), cap)
+    i = 0
+    while i < num0:
+        idx = i + offs
+        m = idx < num0
+        tl.store(out_admitted + idx, tl.zeros([mc.BLOCK], tl.int32), mask=m)
+        tl.store(out_map + idx, tl.full([mc.BLOCK], -1, tl.int64), mask=m)
+        i += mc.BLOCK
+    nb = next_batch(mc, src, src_orig, n_src, SRC_IS_STEP0, dst, dst_orig)
+    tl.debug_barrier()
+    ok = status_clear(ps.status)
+    if ok:
+        err, val, rows = check_batch(ps, pc, ms, mc, dst, nb, 1, False)
+        if pc.EVENTS:
+            full = (err == 0) & (tl.load(ps.ctrl + EV_COUNT) + rows > pc.EV_CAP)
+            err = tl.where(full, E_BUFFER_FULL, err)
+            val = tl.where(full, rows, val)
+        if err != 0:
+            set_status(ps.status, err, OP_DECODE_STEP, val)
+        ok = err == 0
+    tl.debug_barrier()
+    split = allocate_slots_parallel(ps, pc, ms, mc, dst, cap, FORCE_EXACT, ok, nb, True)
+    tl.debug_barrier()
+    allocate_slots_exact(ps, pc, ms, mc, dst, cap, False, dst_map, ok, split, nb)
+    tl.debug_barrier()
+    i = 0
+    while i < nb:
+        idx = i + offs
+        m = idx < nb
+        o = tl.load(dst_orig + idx, mask=m, other=0)
+        a = tl.load(dst.admitted + idx, mask=m, other=0)
+        s = tl.load(dst_map + idx, mask=m, other=0)
+        tl.store(out_admitted + o, a, mask=m)
+        tl.store(out_map + o, s, mask=m)
+        i += mc.BLOCK
+
+
 def launch_decode_step(ps, pc, ms, mc, batch, finished, num_finished, slot_mapping, *, force_exact: bool = False):
     """Launch ``decode_step_kernel`` (one program). ``force_exact``: the exact path for every request
     (a manager built with ``parallel=False``)."""
     decode_step_kernel[(1,)](ps, pc, ms, mc, batch, batch.slots.numel(), finished, num_finished, finished.numel(),
                              slot_mapping, FORCE_EXACT=bool(force_exact), num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))
+
+
+def launch_decode_burst(ps, pc, ms, mc, src, src_orig, n0, dst, dst_orig, dst_map, out_admitted, out_map, *,
+                        src_is_step0: bool, force_exact: bool = False):
+    """Launch ``decode_burst_kernel`` (one program): one step k >= 1 of a burst."""
+    decode_burst_kernel[(1,)](ps, pc, ms, mc, src, src_orig, n0, dst, dst_orig, dst_map, dst.slots.numel(),
+                              out_admitted, out_map, SRC_IS_STEP0=bool(src_is_step0),
+                              FORCE_EXACT=bool(force_exact), num_warps=warps_for(max(pc.BLOCK, mc.BLOCK)))

@@ -1,0 +1,248 @@
+"""A burst of K decode steps in one run (``DecodeStep(steps=K)``, docs/semantics.md section 7):
+it equals K single DecodeStep runs driven by the host (add 1 to each admitted request's count, drop
+the others, keep the order) and the reference manager driven the same way, step by step: each
+step's admitted flags and slot mapping, and after the burst the whole state (free queue, ref counts,
+keys, block tables, manager tensors, KV events). Small pools make requests fail mid-burst."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gpupool.errors import InvalidArgumentError, InvalidCountError
+from gpupool.graph import DecodeStep
+from gpupool.manager import KVCacheManager
+from gpupool.reference import ReferenceKVCacheManager
+from pool_helpers import fill_step as fill, h, pool_state, sized
+from test_graph import LaunchCounter
+
+BS = 4
+R = 6
+M = 16
+GROUPS = {"full": ("full",), "full+full": ("full", "full"), "full+sliding": ("full", ("sliding_window", 6))}
+
+
+def make(cls, groups, n, **kw):
+    return cls(n, block_size=BS, max_num_reqs=R, max_blocks_per_req=M, groups=groups, **kw)
+
+
+def manager_tensors(m: KVCacheManager) -> dict:
+    s = m.state
+    act = s.active.tolist()
+    return {"active": act, "num_blocks": s.num_blocks.tolist(),
+            "num_computed": [c if a else 0 for c, a in zip(s.num_computed.tolist(), act)],
+            "num_cached": [[c if a else 0 for c, a in zip(row, act)] for row in s.num_cached.tolist()],
+            "rows": [m.rows(g) for g in range(len(m.groups))]}
+
+
+def reference_burst(ref, decoding, ntok, finished, K):
+    """The reference driven like K single steps: admitted [K, B] and slot mapping [K, B]."""
+    B = len(decoding)
+    adm = [[0] * B for _ in range(K)]
+    sm = [[-1] * B for _ in range(K)]
+    ref.free(finished)
+    live = list(range(B))
+    for k in range(K):
+        slots = [decoding[i] for i in live]
+        counts = [ntok[i] + k for i in live]
+        a = ref.allocate_slots(slots, counts, counts, stop_on_failure=False)
+        nxt = []
+        for i, ok, c in zip(live, a, counts):
+            if ok:
+                adm[k][i] = 1
+                sm[k][i] = ref.slot_mapping([decoding[i]], [c - 1])[0]
+                nxt.append(i)
+        live = nxt
+    return adm, sm
+
+
+def single_steps(step1, decoding, ntok, finished, K):
+    """K single DecodeStep runs with the host between them."""
+    B = len(decoding)
+    adm = [[0] * B for _ in range(K)]
+    sm = [[-1] * B for _ in range(K)]
+    live = list(range(B))
+    for k in range(K):
+        fill(step1, [decoding[i] for i in live], [ntok[i] + k for i in live], finished if k == 0 else [])
+        step1.run()
+        a = step1.admitted[: len(live)].tolist()
+        s = step1.slot_mapping[: len(live)].tolist()
+        nxt = []
+        for j, i in enumerate(live):
+            if a[j]:
+                adm[k][i], sm[k][i] = 1, s[j]
+                nxt.append(i)
+        live = nxt
+    return adm, sm
+
+
+def run_bursts(groups, events, K, seed, rounds, n_blocks):
+    kw = {"enable_kv_cache_events": events}
+    ref = make(ReferenceKVCacheManager, groups, n_blocks, **kw)
+    dk, d1 = make(KVCacheManager, groups, n_blocks, **kw), make(KVCacheManager, groups, n_blocks, **kw)
+    burst, step1 = DecodeStep(dk, max_batch=R, steps=K), DecodeStep(d1, max_batch=R)
+    managers = (ref, dk, d1)
+    rng = random.Random(seed)
+    tokens: dict[int, int] = {}
+    stats = {"failed_mid_burst": 0, "admitted": 0, "events": 0}
+    for rnd in range(rounds):
+        for _ in range(3):  # joins, prefilled on all three
+            free_slots = [r for r in range(R) if r not in tokens]
+            if free_slots and rng.random() < 0.8:
+                r = rng.choice(free_slots)
+                n_tok = rng.randint(1, 10)
+                hs = [h(rng.randint(0, 2) * 10 + i) for i in range(n_tok // BS)]
+                got = []
+                for m in managers:
+                    m.add_request(r, hs)
+                    got.append([int(x) for x in (m.allocate_slots([r], [n_tok], [n_tok], [1]) if m is ref else
+                                                 m.allocate_slots([r], [n_tok], [n_tok], [1]).tolist())])
+                assert got[0] == got[1] == got[2], (rnd, got)
+                if got[0][0]:
+                    tokens[r] = n_tok
+                else:
+                    for m in managers:
+                        m.free([r])
+        running = sorted(tokens)
+        rng.shuffle(running)  # the batch's order is the scheduler's, not the slots'
+        finished = [r for r in running if rng.random() < 0.1 or tokens[r] + K > M * BS]
+        decoding = [r for r in running if r not in finished]
+        ntok = [tokens[r] + 1 for r in decoding]
+        # the hashes of blocks the burst fills, known ahead for some requests only (the others' stay
+        # unkeyed until the host appends them: cached only as far as the known hashes allow)
+        for r, n in zip(decoding, ntok):
+            full_after = (n + K - 1) // BS
+            known = tokens[r] // BS
+            if full_after > known and rng.random() < 0.7:
+                hs = [h(5000 + 100 * rnd + 10 * r + j) for j in range(known, full_after)]
+                for m in managers:
+                    m.append_block_hashes(r, hs)
+        expect_adm, expect_sm = reference_burst(ref, decoding, ntok, finished, K)
+        single_adm, single_sm = single_steps(step1, decoding, ntok, finished, K)
+        fill(burst, decoding, ntok, finished)
+        with LaunchCounter() as c:
+            burst.run()
+        assert c.syncs == 0
+        for m in (dk, d1):
+            m.pool.check()
+        B = len(decoding)
+        got_adm = burst.admitted_steps[:, :B].tolist()
+        got_sm = burst.slot_mapping_steps[:, :B].tolist()
+        assert got_adm == expect_adm == single_adm, rnd
+        assert got_sm == expect_sm == single_sm, rnd
+        # the whole state after the burst
+        assert pool_state(dk.pool) == pool_state(ref.pool) == pool_state(d1.pool), rnd
+        for g in range(len(groups)):
+            assert dk.rows(g) == ref.block_table(g), rnd
+        assert manager_tensors(dk) == manager_tensors(d1), rnd
+        ev = dk.pool.take_events()
+        assert ev == ref.pool.take_events() == d1.pool.take_events(), rnd
+        stats["events"] += len(ev)
+        # host: finished leave, requests a step did not admit are preempted, the rest grew
+        for r in finished:
+            del tokens[r]
+        for i, r in enumerate(decoding):
+            last = max((k for k in range(K) if expect_adm[k][i]), default=-1)
+            stats["admitted"] += last + 1
+            if last < K - 1:
+                stats["failed_mid_burst"] += last >= 0
+                for m in managers:
+                    m.free([r])
+                del tokens[r]
+            else:
+                tokens[r] = ntok[i] + K - 1
+    for m in (dk, d1):
+        m.validate()
+    return stats
+
+
+@pytest.mark.parametrize("K", [1, 2, 5])
+@pytest.mark.parametrize("events", [False, True], ids=["no-events", "events"])
+@pytest.mark.parametrize("kind", list(GROUPS))
+def test_burst_equals_single_steps_and_reference(kind, events, K):
+    totals = {"failed_mid_burst": 0, "admitted": 0, "events": 0}
+    for seed, n_blocks in ((K, 12), (100 + K, 40)):  # a small pool (failures) and a roomier one
+        for k, v in run_bursts(GROUPS[kind], events, K, seed, sized(14, 6), n_blocks).items():
+            totals[k] += v
+    assert totals["admitted"] > 0
+    assert (totals["events"] > 0) == events
+    if K > 1:
+        assert totals["failed_mid_burst"] > 0, totals  # the small pool makes some requests fail mid-burst
+
+
+def test_burst_token_count_past_the_row_fails_at_that_step():
+    """A count that passes ``max_blocks_per_req * block_size`` during the burst: the steps before it
+    committed, that step and the later ones do nothing, the error is raised at check()."""
+    m = make(KVCacheManager, ("full",), 40)
+    m.add_request(0, [])
+    m.allocate_slots([0], [M * BS - 2], [M * BS - 2])
+    burst = DecodeStep(m, max_batch=2, steps=4)
+    fill(burst, [0], [M * BS - 1], [])
+    burst.run()
+    with pytest.raises(InvalidCountError):
+        m.pool.check()
+    assert burst.admitted_steps[:, 0].tolist() == [1, 1, 0, 0]
+    assert burst.slot_mapping_steps[2:, 0].tolist() == [-1, -1]
+    assert int(m.state.num_computed[0]) == M * BS
+
+
+def test_burst_launches_and_syncs():
+    """K steps: step 0's launch and its copy release, then one launch per further step; no host sync."""
+    m = make(KVCacheManager, ("full",), 60)
+    for r in range(3):
+        m.add_request(r, [])
+    m.allocate_slots([0, 1, 2], [3, 4, 5], [3, 4, 5])
+    burst = DecodeStep(m, max_batch=R, steps=5)
+    fill(burst, [2, 0, 1], [6, 4, 5], [])
+    with LaunchCounter() as c:
+        burst.run()
+    m.pool.check()
+    assert (c.launches, c.syncs) == (2 + 4, 0)
+    assert burst.admitted_steps[:, :3].tolist() == [[1, 1, 1]] * 5
+    assert m.state.num_computed[:3].tolist() == [8, 9, 10]
+
+
+def test_steps_must_be_positive():
+    with pytest.raises(InvalidArgumentError):
+        DecodeStep(make(KVCacheManager, ("full",), 20), max_batch=2, steps=0)
+
+
+def test_single_step_keeps_its_one_dimensional_outputs():
+    step = DecodeStep(make(KVCacheManager, ("full",), 20), max_batch=3)
+    assert step.admitted.shape == (3,) and step.slot_mapping.shape == (3,)
+    assert step.admitted_steps.shape == (1, 3)
+    burst = DecodeStep(make(KVCacheManager, ("full",), 20), max_batch=3, steps=2)
+    assert burst.admitted.shape == (2, 3) and burst.slot_mapping.shape == (2, 3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_burst_replays_like_the_eager_burst():
+    """The burst captured in one CUDA graph: replays equal an eager burst on a twin manager (every
+    output and the whole state), with no host sync inside the replay."""
+    K = 4
+    mg, me = make(KVCacheManager, ("full",), 64, device="cuda"), make(KVCacheManager, ("full",), 64, device="cuda")
+    for m in (mg, me):
+        for r in range(4):
+            m.add_request(r, [])
+        m.allocate_slots([0, 1, 2, 3], [3, 4, 5, 6], [3, 4, 5, 6])
+    g, e = DecodeStep(mg, max_batch=R, steps=K), DecodeStep(me, max_batch=R, steps=K)
+    g.capture()
+    tokens = [3, 4, 5, 6]
+    for rnd in range(6):
+        for s in (g, e):
+            fill(s, [3, 1, 0, 2], [tokens[3] + 1, tokens[1] + 1, tokens[0] + 1, tokens[2] + 1], [])
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            g.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        e.run()
+        for m in (mg, me):
+            m.pool.check()
+        assert torch.equal(g.admitted_steps, e.admitted_steps)
+        assert torch.equal(g.slot_mapping_steps, e.slot_mapping_steps)
+        assert pool_state(mg.pool) == pool_state(me.pool)
+        assert manager_tensors(mg) == manager_tensors(me)
+        tokens = [t + K for t in tokens]
