@@ -27,10 +27,13 @@ gpupool                        vLLM 0.33 wire
 
 What gpupool cannot know (it sees block ids and hashes, never a ``Request``) and sends as vLLM's
 default or None: ``token_ids`` is ``[]`` unless the caller passes ``token_ids=`` (a function of the
-gpupool ``BlockStored``); ``lora_id`` / ``lora_name`` None (no LoRA); ``extra_keys`` None (no
-multimodal / cache-salt keys); ``kv_cache_spec_kind`` / ``kv_cache_spec_sliding_window`` /
+gpupool ``BlockStored``); ``lora_id`` / ``lora_name`` None (no LoRA); ``extra_keys`` one None per
+stored block, which is what vLLM's ``to_event_extra_keys`` publishes for blocks without LoRA /
+multimodal / cache-salt keys (so not the field's default None); ``kv_cache_spec_kind`` / ``kv_cache_spec_sliding_window`` /
 ``locality`` / ``ownership`` / ``session_id`` / ``lookahead_token_ids`` None (omitted on the wire).
-``medium`` is ``"GPU"`` (vLLM's ``BlockPool`` default) unless given.
+``medium`` is ``"GPU"`` (vLLM's ``BlockPool`` default) unless given. vLLM also emits BlockStored
+for blocks reused from the prefix cache (``emit_cached_block_events``); gpupool's pool has no such
+event, so neither does this wire.
 """
 
 import os
@@ -128,7 +131,8 @@ def to_vllm_events(events: Iterable, *, medium: str | None = MEDIUM_GPU, int_blo
             out.append(BlockStored(
                 block_hashes=[h(x) for x in e.block_hashes], parent_block_hash=h(e.parent_block_hash),
                 token_ids=list(token_ids(e)) if token_ids is not None else [], block_size=e.block_size,
-                lora_id=None, medium=medium, lora_name=None, group_idx=e.group_id))
+                lora_id=None, medium=medium, lora_name=None, extra_keys=[None] * len(e.block_hashes),
+                group_idx=e.group_id))
         elif isinstance(e, _gp.BlockRemoved):
             out.append(BlockRemoved(block_hashes=[h(e.block_hash)], medium=medium, group_idx=e.group_id))
         elif isinstance(e, _gp.AllBlocksCleared):
