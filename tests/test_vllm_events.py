@@ -230,6 +230,13 @@ def test_sub_receives_batches(pub_sub, vllm_if_loadable):
         assert msgspec.msgpack.encode(got.events) == msgspec.msgpack.encode(to_vllm_events(batch))
     assert seqs == [last + 1, last + 2, last + 3]
     assert not sub.poll(300), "an empty publish() sent a batch"
+    # vLLM's calling convention: an EventBatch of wire events, rank filled in when None
+    assert pub.publish(KVEventBatch(ts=1.5, events=[], data_parallel_rank=None)) is False
+    assert pub.publish(KVEventBatch(ts=1.5, events=to_vllm_events(events[:1]), data_parallel_rank=None)) is True
+    topic, seq, payload = _recv(sub)
+    got = dec.decode(payload)
+    assert int.from_bytes(seq, "big") == last + 4 and got.ts == 1.5 and got.data_parallel_rank == 0
+    assert msgspec.msgpack.encode(got.events) == msgspec.msgpack.encode(to_vllm_events(events[:1]))
 
 
 def test_replay_router_returns_missed_batches(pub_sub, vllm_if_loadable):

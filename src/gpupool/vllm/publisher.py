@@ -20,7 +20,7 @@ from itertools import count
 import msgspec
 import zmq
 
-from .kv_events import KVCacheEvent, KVEventBatch, to_vllm_events
+from .kv_events import EventBatch, KVCacheEvent, KVEventBatch, to_vllm_events
 
 
 def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
@@ -98,12 +98,20 @@ class ZmqEventPublisher:
 
     def publish(self, events: Iterable) -> bool:
         """Queue one batch of ``events`` (gpupool's events, e.g. ``pool.take_events()``, or vLLM wire
-        events); an empty list sends nothing. Returns whether a batch was queued.
+        events), or an ``EventBatch`` as vLLM's ``publish`` takes (its ``data_parallel_rank`` set to this
+        publisher's when None); an empty list or batch sends nothing. Returns whether a batch was queued.
 
         Raises RuntimeError after ``close()``, TypeError for an object that is no KV event.
         """
         if not self._running:
             raise RuntimeError("Publisher is closed")
+        if isinstance(events, EventBatch):
+            if not events.events:
+                return False
+            if events.data_parallel_rank is None:
+                events.data_parallel_rank = self.data_parallel_rank
+            self._queue.put(events)
+            return True
         events = list(events)
         if not events:
             return False
