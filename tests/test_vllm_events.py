@@ -100,7 +100,7 @@ def vllm():
 def _pool_events() -> list:
     """gpupool's events from a real device-pool op sequence: allocate, cache_full_blocks (twice, the
     second with a parent), free, allocate again (evicts), cache under group 1, evict_blocks,
-    reset_prefix_cache."""
+    cache_partial_block, reset_prefix_cache."""
     pool = gpupool.BlockPool(8, enable_kv_cache_events=True, device="cpu")
     b = pool.get_new_blocks(4).tolist()
     hs = hashes(range(4))
@@ -111,10 +111,13 @@ def _pool_events() -> list:
     pool.cache_full_blocks(c[:2], hashes(range(10, 12)), 0, 2, 16, 1)
     pool.evict_blocks([c[0]])
     pool.free_blocks(c)
+    d = pool.get_new_blocks(1).tolist()  # a partial block: 8 tokens of 16, hash blocks of 4
+    assert pool.cache_partial_block(d[0], hashes(range(20, 24)), 8, 0, 16, 4) is not None
+    pool.free_blocks(d)
     assert pool.reset_prefix_cache()
     events = pool.take_events()
     kinds = [type(e).__name__ for e in events]
-    assert kinds.count("BlockStored") == 3 and kinds.count("BlockRemoved") == 5 and kinds[-1] == "AllBlocksCleared"
+    assert kinds.count("BlockStored") == 4 and kinds.count("BlockRemoved") == 5 and kinds[-1] == "AllBlocksCleared"
     return events
 
 
@@ -155,7 +158,8 @@ def test_encoding_equals_vllm(vllm, int_hashes):
     assert decoded.events == theirs and decoded.data_parallel_rank == 0
     hash_type = int if int_hashes else bytes
     assert all(type(h) is hash_type for e in decoded.events for h in getattr(e, "block_hashes", []))
-    assert sum(isinstance(e, vllm.ev.BlockStored) and e.parent_block_hash is not None for e in decoded.events) == 1
+    assert sum(isinstance(e, vllm.ev.BlockStored) and e.parent_block_hash is not None for e in decoded.events) == 2
+    assert [e.block_size for e in decoded.events if isinstance(e, vllm.ev.BlockStored)] == [16, 16, 16, 4]
 
 
 def test_env_default_matches_vllm(monkeypatch):

@@ -17,8 +17,10 @@ gpupool                        vLLM 0.33 wire
                                int ``int.from_bytes(h, "big") & (2**64 - 1)``, else the bytes.
 ``parent_block_hash``          ``parent_block_hash``: same conversion; None stays None (first block
                                of a request).
-``block_size``                 ``block_size`` (tokens; for a partial block gpupool's event carries
-                               the token count, as vLLM's ``cache_partial_block`` event does).
+``block_size``                 ``block_size`` (tokens; for ``cache_partial_block`` the hash block
+                               size, the span of the one hash block stored, as vLLM's event has it:
+                               ``num_tokens - (num_tokens // hbs - 1) * hbs`` with ``num_tokens`` a
+                               multiple of ``hbs``).
 ``group_id``                   ``group_idx`` (the KV-cache group).
 ``BlockRemoved(hash, group)``  ``BlockRemoved(block_hashes=[wire hash], medium, group_idx=group)``,
                                one event per removed key, as vLLM emits them.
