@@ -98,6 +98,7 @@ def drive_manager_groups(groups, **kw):
     from gpupool.graph import DecodeStep
 
     DecodeStep(m, 2).run()  # the step's variants: free with its input check, allocate without
+    DecodeStep(m, 2, steps=3).run()  # a burst: decode_burst_kernel after step 0 and after a burst step
     m.free(s)
     m.run_pending_copies([])
 

@@ -157,9 +157,18 @@ def run_bursts(groups, events, K, seed, rounds, n_blocks):
     return stats
 
 
-@pytest.mark.parametrize("K", [1, 2, 5])
-@pytest.mark.parametrize("events", [False, True], ids=["no-events", "events"])
-@pytest.mark.parametrize("kind", list(GROUPS))
+def _burst_cases():
+    """Every (groups, events, K); one case in the quick suite, the rest slow (about 30 s each here)."""
+    first = (list(GROUPS)[0], True, 2)
+    for kind in GROUPS:
+        for events in (False, True):
+            for K in (1, 2, 5):
+                marks = () if (kind, events, K) == first else (pytest.mark.slow,)
+                yield pytest.param(kind, events, K, marks=marks,
+                                   id=f"{kind}-{'events' if events else 'no-events'}-K{K}")
+
+
+@pytest.mark.parametrize("kind, events, K", list(_burst_cases()))
 def test_burst_equals_single_steps_and_reference(kind, events, K):
     totals = {"failed_mid_burst": 0, "admitted": 0, "events": 0}
     for seed, n_blocks in ((K, 12), (100 + K, 40)):  # a small pool (failures) and a roomier one

@@ -1,0 +1,16 @@
+"""gpupool on vLLM's interfaces (optional extra ``gpupool[vllm]``: msgspec, pyzmq; docs/vllm.md).
+
+Done: KV events on vLLM 0.33's wire (:mod:`gpupool.vllm.kv_events`) and a publisher compatible with
+vLLM's ``ZmqEventPublisher`` (:mod:`gpupool.vllm.publisher`). The core package never imports this one.
+"""
+from .kv_events import (  # noqa: F401
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVCacheEvent,
+    KVEventBatch,
+    to_vllm_events,
+    wire_block_hash,
+)
+from .publisher import ZmqEventPublisher  # noqa: F401
