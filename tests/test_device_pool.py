@@ -1212,27 +1212,51 @@ def _named_block(msg: str) -> str | None:
     return m.group(1) if m else None
 
 
-@pytest.mark.parametrize("case", ["double_free_in_one_call", "double_free_across_calls", "free_out_of_range"])
+_H = [bytes([i]) * 32 for i in range(8)]  # distinct block hashes
+
+# Each bad-input class of the pool's device-recorded errors: (setup, the failing op). The setup
+# leaves the pool in a state both pools share; the failing op must raise the same class, name the
+# same block, and leave the pool as the setup left it.
+_BAD_INPUTS = {
+    "double_free_in_one_call": (lambda p: p.get_new_blocks(3), lambda p: p.free_blocks([2, 2])),
+    "double_free_across_calls": (lambda p: (p.get_new_blocks(3), p.free_blocks([3])), lambda p: p.free_blocks([3])),
+    "free_out_of_range": (lambda p: p.get_new_blocks(3), lambda p: p.free_blocks([1, 40])),
+    "touch_out_of_range": (lambda p: p.get_new_blocks(3), lambda p: p.touch([2, 99])),
+    "unpin_free_block": (lambda p: p.get_new_blocks(3), lambda p: p.unpin_blocks([5], lambda b: None)),
+    "cache_listed_twice": (lambda p: p.get_new_blocks(3), lambda p: p.cache_full_blocks([1, 1], _H[:2], 0, 2, 4)),
+    "cache_already_cached": (lambda p: (p.get_new_blocks(3), p.cache_full_blocks([1, 2], _H[:2], 0, 2, 4)),
+                             lambda p: p.cache_full_blocks([3, 2], _H[2:4], 0, 2, 4)),
+    "move_onto_keyed": (lambda p: (p.get_new_blocks(3), p.cache_full_blocks([1, 2], _H[:2], 0, 2, 4)),
+                        lambda p: p.move_block_hashes(1, 2)),
+    "move_onto_null": (lambda p: (p.get_new_blocks(3), p.cache_full_blocks([1], _H[:1], 0, 1, 4)),
+                       lambda p: p.move_block_hashes(1, 0)),
+    "key_capacity": (lambda p: (p.get_new_blocks(3), p.cache_full_blocks([1], _H[:1], 0, 1, 4)),
+                     lambda p: p.cache_partial_block(1, _H[:3], 2, 1, 4, 2)),
+}
+
+
+def _pool_state(pool):
+    return pool.free_queue(), pool.ref_counts(), [sorted(pool.block_keys(b)) for b in range(pool.num_blocks)]
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_INPUTS))
 def test_device_errors_name_the_same_block_as_the_reference(case):
     """A device-recorded error names the offending block from the status word's value, as the
-    reference pool's message does (same class, same block id)."""
-    def run(pool):
-        pool.get_new_blocks(3)
-        if case == "double_free_in_one_call":
-            pool.free_blocks([2, 2])
-        elif case == "double_free_across_calls":
-            pool.free_blocks([3])
-            pool.free_blocks([3])
-        elif case == "free_out_of_range":
-            pool.free_blocks([1, 40])
-        if isinstance(pool, BlockPool):
-            pool.check()
-
+    reference pool's message does (same class, same block id), and changes nothing."""
+    setup, fail = _BAD_INPUTS[case]
     errs = []
     for make in (ReferenceBlockPool, BlockPool):
+        pool = make(16, enable_caching=True, max_keys_per_block=1)
+        setup(pool)
+        before = _pool_state(pool)
         with pytest.raises(PoolError) as e:
-            run(make(16, enable_caching=True))
+            fail(pool)
+            if isinstance(pool, BlockPool):
+                pool.check()
         errs.append(e.value)
+        assert _pool_state(pool) == before
     ref, dev = errs
     assert type(dev) is type(ref)
-    assert _named_block(str(ref)) is not None and _named_block(str(dev)) == _named_block(str(ref)), (str(ref), str(dev))
+    assert dev.value == ref.value, (str(ref), str(dev))
+    named = _named_block(str(dev))
+    assert named is not None and int(named) == ref.value, (str(ref), str(dev))

@@ -38,6 +38,10 @@ class PoolError(Exception):
     #: What a device-recorded error of this class says: ``{value}`` names the offending id where the
     #: status word's value is one (a block id for the block errors), else the value follows in brackets.
     device_message = "failed"
+    #: Per op name, a more precise message where that op's status value has one meaning (the
+    #: reference pool's wording: the duplicate block of ``cache_full_blocks``, the destination of
+    #: ``move_block_hashes``); other ops use :attr:`device_message`.
+    device_message_by_op: dict[str, str] = {}
 
     def __init__(self, op: str, message: str, value: int | None = None):
         self.op = op
@@ -48,7 +52,7 @@ class PoolError(Exception):
     def from_status(code: int, op: str, value: int) -> "PoolError":
         """The exception for a device status record ``(code, op name, value)``."""
         cls = ERRORS_BY_CODE.get(code, PoolError)
-        msg = cls.device_message
+        msg = cls.device_message_by_op.get(op, cls.device_message)
         return cls(op, msg.format(value=value) if "{value}" in msg else f"{msg} ({value})", value)
 
 
@@ -85,6 +89,7 @@ class DoubleFreeError(PoolError, ValueError):
 
     code = ErrorCode.DOUBLE_FREE
     device_message = "block {value} freed more times than it is referenced (double free)"
+    device_message_by_op = {"unpin_blocks": "block {value} unpinned more times than it is referenced"}
 
 
 class HashConflictError(PoolError, ValueError):
@@ -92,6 +97,10 @@ class HashConflictError(PoolError, ValueError):
 
     code = ErrorCode.HASH_CONFLICT
     device_message = "block {value} already cached at >= this many tokens, or already keyed as a destination"
+    device_message_by_op = {
+        "cache_full_blocks": "block {value} is already cached covering >= this many tokens",
+        "move_block_hashes": "destination block {value} already has keys",
+    }
 
 
 class KeyCapacityError(PoolError, RuntimeError):
@@ -108,6 +117,7 @@ class InvalidArgumentError(PoolError, ValueError):
     code = ErrorCode.INVALID_ARG
     device_message = ("invalid argument: a block or slot listed twice or not in use, or a count, offset, slot "
                       "or position that does not fit its array")
+    device_message_by_op = {"cache_full_blocks": "block {value} is listed twice"}
 
 
 class ArgumentTypeError(InvalidArgumentError, TypeError):
