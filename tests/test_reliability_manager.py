@@ -504,3 +504,29 @@ def test_manager_typed_errors(cls):
             fn()
     assert rows == [m.block_table(g) if cls is ReferenceKVCacheManager else m.rows(g) for g in range(2)]
     m.validate()
+
+
+@pytest.mark.parametrize("how", ["allocate_slots", "decode_step", "burst"])
+def test_event_buffer_too_small_is_buffer_full_and_changes_nothing(how):
+    """A batch whose caching could write more event rows than the buffer holds records
+    BufferFullError (value: the rows) in its input check and changes nothing: allocate_slots, the
+    decode step, and a 2-step burst (refused by its step 0; a later step's own check is not isolated
+    here)."""
+    import hashlib
+    from gpupool.errors import BufferFullError
+    m = make(enable_caching=True, enable_kv_cache_events=True, event_capacity=2)
+    hashes = [hashlib.sha256(bytes([i])).digest() for i in range(6)]
+    m.add_request(0, hashes)
+    m.pool.take_events()
+    before = mstate(m)
+    with pytest.raises(BufferFullError):
+        if how == "allocate_slots":
+            m.allocate_slots(i32([0]), i32([0]), i32([6 * BS]))
+        else:
+            step = DecodeStep(m, 2, steps=1 if how == "decode_step" else 2)
+            step.slots[:1] = i32([0])
+            step.num_tokens[:1] = i32([6 * BS])
+            step.num_reqs.fill_(1)
+            step.run()
+        m.pool.check()
+    assert mstate(m) == before

@@ -224,6 +224,17 @@ def check_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, MIN_TOKEN
 
 
 @triton.jit
+def with_event_room(ps, pc: tl.constexpr, err, val, rows):
+    """(err, val) with E_BUFFER_FULL (value: the rows) when there is no earlier error and ``rows``
+    more event rows would not fit the buffer; unchanged with KV events off."""
+    if pc.EVENTS:
+        full = (err == 0) & (tl.load(ps.ctrl + EV_COUNT) + rows > pc.EV_CAP)
+        err = tl.where(full, E_BUFFER_FULL, err)
+        val = tl.where(full, rows, val)
+    return err, val
+
+
+@triton.jit
 def check_allocate_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap):
     """(requests, error) of an ``allocate_slots`` batch: a count outside ``0..cap``, a slot out of
     range, repeated or not in use, a token count outside ``0 .. M * BS`` or events that might not fit
@@ -234,10 +245,7 @@ def check_allocate_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap)
         err, err_val, rows = check_batch(ps, pc, ms, mc, batch, nb, 0, True)
         err = tl.where(nb_ok, err, E_INVALID_ARG)
         err_val = tl.where(nb_ok, err_val, tl.load(batch.num_reqs).to(tl.int64))
-        if pc.EVENTS:
-            full = (err == 0) & (tl.load(ps.ctrl + EV_COUNT) + rows > pc.EV_CAP)
-            err = tl.where(full, E_BUFFER_FULL, err)
-            err_val = tl.where(full, rows, err_val)
+        err, err_val = with_event_room(ps, pc, err, err_val, rows)
         if err != 0:
             set_status(ps.status, err, OP_ALLOCATE_SLOTS, err_val)
         tl.debug_barrier()
@@ -363,10 +371,7 @@ def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished,
             unmark_tile(ms, mc, finished, i, nf)
             unmark_tile(ms, mc, batch.slots, i, nb)
             i += mc.BLOCK
-        if pc.EVENTS:
-            full = (b_err == 0) & (tl.load(ps.ctrl + EV_COUNT) + rows > pc.EV_CAP)
-            b_err = tl.where(full, E_BUFFER_FULL, b_err)
-            b_val = tl.where(full, rows, b_val)
+        b_err, b_val = with_event_room(ps, pc, b_err, b_val, rows)
         val = tl.where(err == 0, b_val, val)
         err = tl.where(err == 0, b_err, err)
         err = tl.where(nf_ok, err, E_INVALID_ARG)

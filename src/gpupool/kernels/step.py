@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from .common import set_status, status_clear, warps_for
-from .layout import E_BUFFER_FULL, EV_COUNT, OP_DECODE_STEP
-from .manager import allocate_slots_exact, check_batch, check_step, free_requests
+from .layout import OP_DECODE_STEP
+from .manager import allocate_slots_exact, check_batch, check_step, free_requests, with_event_room
 from .parallel_alloc import allocate_slots_parallel
 
 
@@ -90,10 +90,7 @@ def decode_burst_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, src, src_ori
     ok = status_clear(ps.status)
     if ok:
         err, val, rows = check_batch(ps, pc, ms, mc, dst, nb, 1, False)
-        if pc.EVENTS:
-            full = (err == 0) & (tl.load(ps.ctrl + EV_COUNT) + rows > pc.EV_CAP)
-            err = tl.where(full, E_BUFFER_FULL, err)
-            val = tl.where(full, rows, val)
+        err, val = with_event_room(ps, pc, err, val, rows)
         if err != 0:
             set_status(ps.status, err, OP_DECODE_STEP, val)
         ok = err == 0
