@@ -3,7 +3,10 @@
 Run as a script with TRITON_INTERPRET=0 (``@triton.jit`` must give compiler objects): it drives a
 pool on CPU tensors with kernel launches intercepted and recorded (nothing runs), then compiles
 each distinct (kernel, signature, constexprs) with ``triton.compile`` for ``GPUTarget("cuda", CC, 32)``.
-Prints one line per compiled kernel and exits non-zero on the first failure.
+Prints one line per compiled kernel and exits non-zero on a failure, or when a kernel of
+``gpupool.kernels`` (a ``@triton.jit`` function named ``*_kernel``: the launch targets) was never
+launched by the drivers below, so a new kernel cannot go uncompiled. ``--record-only`` stops after
+that check (seconds: nothing is compiled).
 """
 import hashlib
 import os
@@ -142,9 +145,32 @@ def signature_of(fn, args, kwargs):
     return sig, consts
 
 
-def main(ccs):
+def all_kernels() -> set[str]:
+    """The launch targets: every ``@triton.jit`` function named ``*_kernel`` defined in ``gpupool.kernels``."""
+    import importlib
+    import pkgutil
+
+    import gpupool.kernels as package
+
+    names = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        mod = importlib.import_module(f"{package.__name__}.{info.name}")
+        names |= {n for n, v in vars(mod).items()
+                  if isinstance(v, JITFunction) and v.__module__ == mod.__name__ and n.endswith("_kernel")}
+    return names
+
+
+def main(ccs, record_only=False):
     for kw in ({}, {"enable_kv_cache_events": True}, {"enable_caching": False}, {"num_blocks": 16384}):
         drive_pool(**kw)
+    launched = {fn.__name__ for fn, _, _ in RECORDS}
+    missing = sorted(all_kernels() - launched)
+    print(f"kernels launched by the drivers: {' '.join(sorted(launched))}")
+    if missing:
+        print(f"FAIL never launched, so never compiled (add a call to a driver above): {' '.join(missing)}")
+        return 1
+    if record_only:
+        return 0
     seen = set()
     failures = 0
     for fn, args, kwargs in RECORDS:
@@ -174,4 +200,5 @@ def main(ccs):
 
 
 if __name__ == "__main__":
-    sys.exit(main([int(x) for x in (sys.argv[1:] or ["90", "80"])]))
+    args = [a for a in sys.argv[1:] if a != "--record-only"]
+    sys.exit(main([int(x) for x in (args or ["90", "80"])], record_only="--record-only" in sys.argv))
