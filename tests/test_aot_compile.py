@@ -1,7 +1,7 @@
 """Every kernel the pools launch compiles ahead of time for sm_90 and sm_80 (docs/design.md: interpreter-only
-code is a bug). Runs ``tests/aot_compile.py`` with TRITON_INTERPRET=0, one subprocess per target, both at
-once (compiling is single-threaded and takes minutes on a cold cache); no GPU needed. The script
-fails when a kernel of ``gpupool.kernels`` is never launched by its drivers (so never compiled);
+code is a bug). Runs ``tests/aot_compile.py`` with TRITON_INTERPRET=0, one subprocess per target, a test
+each, so ``pytest -n 2`` runs both at once (compiling is single-threaded and takes minutes on a cold
+cache); no GPU needed. The script fails when a kernel of ``gpupool.kernels`` is never launched by its drivers (so never compiled);
 the quick test checks that alone, without compiling."""
 import os
 import subprocess
@@ -23,20 +23,14 @@ def test_every_kernel_is_launched_by_the_compile_drivers():
     assert {"alloc_kernel", "decode_step_kernel", "decode_burst_kernel", "replay_loop_kernel"} <= launched
 
 
-@pytest.mark.slow  # about 3 minutes on a cold Triton cache (seconds on a warm one)
-def test_every_kernel_compiles_for_cuda():
-    procs = {cc: subprocess.Popen([sys.executable, str(SCRIPT), str(cc)], env=ENV, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True) for cc in CCS}
-    try:
-        outs = {cc: p.communicate(timeout=900)[0] for cc, p in procs.items()}
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-    for cc, p in procs.items():
-        out = outs[cc]
-        assert p.returncode == 0, f"sm_{cc}:\n{out[-4000:]}"
-        assert "failures: 0" in out, f"sm_{cc}:\n{out[-4000:]}"
-        names = {line.split()[2] for line in out.splitlines() if line.startswith(f"ok   sm_{cc} ")}
-        launched = set(out.split("kernels launched by the drivers:")[1].split("\n")[0].split())
-        assert launched <= names, f"not compiled for sm_{cc}: {sorted(launched - names)}"
+@pytest.mark.slow  # about 3 minutes a target on a cold Triton cache (seconds on a warm one)
+@pytest.mark.parametrize("cc", CCS, ids=[f"sm_{cc}" for cc in CCS])
+def test_every_kernel_compiles_for_cuda(cc):
+    out = subprocess.run([sys.executable, str(SCRIPT), str(cc)], env=ENV, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=900)
+    log = out.stdout
+    assert out.returncode == 0, f"sm_{cc}:\n{log[-4000:]}"
+    assert "failures: 0" in log, f"sm_{cc}:\n{log[-4000:]}"
+    names = {line.split()[2] for line in log.splitlines() if line.startswith(f"ok   sm_{cc} ")}
+    launched = set(log.split("kernels launched by the drivers:")[1].split("\n")[0].split())
+    assert launched <= names, f"not compiled for sm_{cc}: {sorted(launched - names)}"

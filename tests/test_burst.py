@@ -157,22 +157,26 @@ def run_bursts(groups, events, K, seed, rounds, n_blocks):
     return stats
 
 
+# Every group kind with events on and off, each K > 1 path (K = 2: step 0 then one burst step;
+# K = 5: the two work batches alternating) with and without events across the kinds, and K = 1 (the
+# single step) once. One case in the quick suite; the slow ones take about 20 to 40 s each under ci.
+QUICK_CASE = ("full", True, 2)
+SLOW_CASES = (("full", False, 5), ("full", False, 1), ("full+full", True, 5), ("full+full", False, 2),
+              ("full+sliding", True, 2), ("full+sliding", False, 5))
+
+
 def _burst_cases():
-    """Every (groups, events, K); one case in the quick suite, the rest slow (about 30 s each here)."""
-    first = (list(GROUPS)[0], True, 2)
-    for kind in GROUPS:
-        for events in (False, True):
-            for K in (1, 2, 5):
-                marks = () if (kind, events, K) == first else (pytest.mark.slow,)
-                yield pytest.param(kind, events, K, marks=marks,
-                                   id=f"{kind}-{'events' if events else 'no-events'}-K{K}")
+    for case in (QUICK_CASE, *SLOW_CASES):
+        kind, events, K = case
+        yield pytest.param(kind, events, K, marks=() if case == QUICK_CASE else (pytest.mark.slow,),
+                           id=f"{kind}-{'events' if events else 'no-events'}-K{K}")
 
 
 @pytest.mark.parametrize("kind, events, K", list(_burst_cases()))
 def test_burst_equals_single_steps_and_reference(kind, events, K):
     totals = {"failed_mid_burst": 0, "admitted": 0, "events": 0}
     for seed, n_blocks in ((K, 12), (100 + K, 40)):  # a small pool (failures) and a roomier one
-        for k, v in run_bursts(GROUPS[kind], events, K, seed, sized(14, 6), n_blocks).items():
+        for k, v in run_bursts(GROUPS[kind], events, K, seed, sized(10, 6), n_blocks).items():
             totals[k] += v
     assert totals["admitted"] > 0
     assert (totals["events"] > 0) == events

@@ -47,7 +47,7 @@ def _vllm_sources() -> dict[str, str]:
     if not sdist.is_file():
         try:
             sdist.parent.mkdir(parents=True, exist_ok=True)
-            tmp = sdist.with_suffix(".part")
+            tmp = sdist.with_suffix(f".{os.getpid()}.part")  # pytest -n workers may fetch it at once
             with urllib.request.urlopen(SDIST_URL, timeout=60) as r, open(tmp, "wb") as f:
                 f.write(r.read())
             tmp.rename(sdist)

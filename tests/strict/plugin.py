@@ -67,8 +67,13 @@ class StrictPlugin:
                 if len(e[1]) < 3 and item.nodeid not in e[1]:
                     e[1].append(item.nodeid)
 
-    def pytest_terminal_summary(self, terminalreporter):
+    def pytest_terminal_summary(self, terminalreporter, config):
         tr = terminalreporter
+        if not self.strict_tests and getattr(config.option, "numprocesses", None):
+            tr.write_sep("-", f"strict-gpu ({self.mode})")
+            tr.write_line("checked in the pytest-xdist workers: an unmarked hazard fails its test above; "
+                          "run without -n for the hazard summary")
+            return
         marked = sum(1 for h, _ in self.seen.values() if h.benign)
         tr.write_sep("-", f"strict-gpu ({self.mode})")
         tr.write_line(f"{self.strict_tests} test phases checked; " +
