@@ -175,8 +175,10 @@ def _burst_cases():
 @pytest.mark.parametrize("kind, events, K", list(_burst_cases()))
 def test_burst_equals_single_steps_and_reference(kind, events, K):
     totals = {"failed_mid_burst": 0, "admitted": 0, "events": 0}
+    # the quick case keeps its small size under ci too (it runs there under --strict-gpu as well)
+    rounds = 6 if (kind, events, K) == QUICK_CASE else sized(10, 6)
     for seed, n_blocks in ((K, 12), (100 + K, 40)):  # a small pool (failures) and a roomier one
-        for k, v in run_bursts(GROUPS[kind], events, K, seed, sized(10, 6), n_blocks).items():
+        for k, v in run_bursts(GROUPS[kind], events, K, seed, rounds, n_blocks).items():
             totals[k] += v
     assert totals["admitted"] > 0
     assert (totals["events"] > 0) == events
