@@ -21,7 +21,7 @@ def sized(full: int, small: int) -> int:
     ``small`` under ``dev``, the default, so the README's quick test command stays under 3 minutes."""
     from hypothesis import settings
 
-    return full if settings().max_examples >= 50 else small
+    return full if settings().max_examples >= 25 else small
 
 BLOCK_SIZE = 16
 

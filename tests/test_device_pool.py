@@ -791,7 +791,7 @@ def pool_configs(draw):
 
 
 @settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
-          deadline=None, max_examples=3 * settings.default.max_examples // 2)  # ci: 75 sequences of up to 40 ops
+          deadline=None, max_examples=3 * settings.default.max_examples // 2)  # ci: 37 sequences of up to 40 ops
 @given(cfg=pool_configs(), data=st.data())
 def test_random_op_sequences_match_reference(cfg, data):
     note(f"config: {cfg}")

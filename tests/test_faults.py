@@ -1016,7 +1016,7 @@ def step(p: Pair, c, fault_pct: int) -> None:
 # Hypothesis fuzz
 # =================================================================================================
 
-EXAMPLES = max(3, settings().max_examples // 2)  # "dev" profile: 3; "ci": 25; "deep": 500
+EXAMPLES = max(3, settings().max_examples // 2)  # "dev" profile: 3; "ci": 12; "deep": 500
 # Shrinking re-runs whole interpreted op sequences (minutes); the failing example's op log is printed
 # either way (hypothesis notes). GPUPOOL_FAULTS_SHRINK=1 turns it back on.
 PHASES = tuple(Phase) if os.environ.get("GPUPOOL_FAULTS_SHRINK") else tuple(p for p in Phase if p != Phase.shrink)

@@ -628,7 +628,7 @@ GROUP_KINDS = {
 }
 
 # Each example takes ~0.2-3 s in the interpreter: a third of the profile's examples per group kind.
-_EXAMPLES = max(2, settings().max_examples // 5)  # dev: 2, ci: 10
+_EXAMPLES = max(2, settings().max_examples // 5)  # dev: 2, ci: 5
 
 
 @pytest.mark.parametrize("parallel", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["parallel", "exact"])

@@ -121,3 +121,34 @@ def test_replay_with_its_barrier_passes_under_lag():
     with Checker("lag", only_loads=[(src, root - 1)]) as c:  # the same load, now ordered by the barrier
         replay_scenario()
     assert c.stats["lag_lanes"] == 0
+
+
+# ---- found by CI's detect run (ci profile): a block listed twice, in two tiles of one release -----
+@pytest.mark.strict_gpu_off  # runs its own checker
+@pytest.mark.parametrize("op", ["unpin_blocks", "free_blocks_failing"])
+def test_a_block_listed_in_two_tiles_is_benign_and_matches_the_reference(op):
+    """``release_kernel`` over more ids than one tile (``pc.BLOCK`` lanes), one block listed in two
+    tiles: the ``ps.watched`` stores (unpin) and ``reset_ids``' scratch resets write that block from
+    two threads with no barrier between, each the same value, so the order does not matter. The
+    checker sees them (marked ``# strict: benign``), nothing unmarked, and both pools agree; the
+    failing free (a double free past the tile) takes the recount path, ``reset_ids`` over the batch."""
+    pools = [BlockPool(16, device="cpu"), ReferenceBlockPool(16)]  # tiles of 16 lanes
+    for p in pools:
+        p.get_new_blocks(15)
+        p.touch([1] * 19)  # block 1 held 20 times
+    ids = [1] * 18 + [2, 3]  # 20 ids: block 1 in both tiles
+    with Checker("detect") as c:
+        for p in pools:
+            if op == "unpin_blocks":
+                p.unpin_blocks(ids, lambda b: None)
+            else:
+                with pytest.raises(Exception) as e:
+                    p.free_blocks(ids + [1, 1, 1])  # 21 releases of block 1: a double free
+                assert type(e.value).__name__ == "DoubleFreeError"
+    assert c.unmarked() == [], c.report(c.unmarked())
+    flagged = {(h.kind, h.a[-1][2]) for h in c.hazards()}
+    assert ("WAW", "reset_ids") in flagged, flagged  # the pattern is there, and marked
+    if op == "unpin_blocks":
+        assert ("WAW", "release_kernel") in flagged, flagged
+    from pool_helpers import pool_state
+    assert pool_state(pools[0]) == pool_state(pools[1])

@@ -261,7 +261,7 @@ def release_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, seg_off, nseg, pf, s
                 p_end = tl.minimum(tl.load(seg_off + segment_of(seg_off, nseg, bad_i)), n)
             p_end = tl.where(p_end < n, p_end, 0)
             tl.debug_barrier()
-            reset_ids(ps, ids, n, pc.N, pc.BLOCK)
+            reset_ids(ps, ids, n, pc.N, pc.BLOCK)  # strict: benign, a block listed twice gets the same idle values
             tl.debug_barrier()
             count_ids(ps, ids, p_end, pc.BLOCK)
         tl.debug_barrier()
@@ -283,6 +283,7 @@ def release_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, seg_off, nseg, pf, s
                     while i < n:
                         m = (i + offs) < n
                         b = tl.load(ids + i + offs, mask=m, other=0)
+                        # strict: benign, every lane stores 1 (a block unpinned twice, in two tiles)
                         tl.store(ps.watched + b, tl.full([pc.BLOCK], 1, tl.int8), mask=m)
                         i += pc.BLOCK
                 num_free = tl.load(ps.ctrl + NUM_FREE)
@@ -291,7 +292,7 @@ def release_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, seg_off, nseg, pf, s
                 tl.store(ps.ctrl + TAIL, tail)
                 tl.store(ps.ctrl + NUM_FREE, num_free + nf + nl)
             tl.debug_barrier()
-            reset_ids(ps, ids, p_end, pc.N, pc.BLOCK)
+            reset_ids(ps, ids, p_end, pc.N, pc.BLOCK)  # strict: benign, a block listed twice gets the same idle values
         if err != 0:
             set_status(ps.status, err, OP, err_val)
 
