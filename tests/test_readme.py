@@ -73,7 +73,8 @@ def test_bash_block_is_valid(i):
                 expr = args[args.index("-m") + 1]
                 markers = {m.split(":")[0] for m in project["tool"]["pytest"]["ini_options"]["markers"]}
                 assert set(re.findall(r"\w+", expr)) - {"not", "and", "or"} <= markers, expr
-            paths = [a for k, a in enumerate(args) if not a.startswith("-") and (k == 0 or args[k - 1] != "-m")]
+            valued = {"-m", "-n", "-k", "-p"}  # options whose value is the next word
+            paths = [a for k, a in enumerate(args) if not a.startswith("-") and (k == 0 or args[k - 1] not in valued)]
             assert all((ROOT / a).exists() for a in paths), paths
         elif prog == ".ci/run":
             assert (ROOT / ".ci" / "run").is_file()
