@@ -445,7 +445,7 @@ class KVCacheManager:
         take = min(int(s.reserved[r].item()), n)
         if take:
             s.reserved[r] -= take
-            s.num_reserved -= take
+            s.num_reserved.sub_(take)
 
     def _check_batch(self, op: str, batch) -> None:
         """A batch from :meth:`batch`, unchanged: every tensor of the dtype it made, on the device,
