@@ -13,7 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import event as _event
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 
 from gpupool.errors import InvalidArgumentError, InvalidCountError, OutOfBlocksError
 from gpupool.events import BlockRemoved
@@ -21,7 +23,7 @@ from gpupool.graph import DecodeStep
 from pool_helpers import call_both, fill_step, pool_state
 from test_manager import (
     GROUP_KINDS, HASH, OPS as MANAGER_OPS, Pair, add, admitted_norm, alloc, append_hashes, free_both, i32, note,
-    rare,
+    op_add, rare,
 )
 
 
@@ -419,7 +421,9 @@ def op_reserve(data, p: Pair) -> None:
         n = data.draw(st.sampled_from([0, 1, 2, p.bs, 2 * p.bs, 5 * p.bs]), label="tokens") \
             if not rare(data, "any tokens", 4) else data.draw(st.integers(0, left), label="tokens")
         nts.append(min(n, left))
-    reserve(p, slots, nts, data.draw(st.booleans(), label="tensor args"))
+    got = reserve(p, slots, nts, data.draw(st.booleans(), label="tensor args"))
+    if currently_in_test_context() and got is not None:
+        _event("reserve: booked " + "".join("1" if x else "0" for x in got))
 
 
 def op_release(data, p: Pair) -> None:
@@ -457,11 +461,12 @@ def op_reserve_error(data, p: Pair) -> None:
         reserve(p, slots, nts, tensors)
 
 
-def op_burst(data, p: Pair) -> None:
+def op_burst(data, p: Pair, K: int | None = None) -> None:
     """A burst of K decode steps (DecodeStep(steps=K)) over the running requests whose tokens are all
     computed; some finish at step 0. The reference: free, K allocations (the pending copies released
     after step 0, as the device's step 0 does), each step over the requests the previous one admitted."""
-    K = data.draw(st.sampled_from([2, 3, 5]), label="K")
+    if K is None:
+        K = data.draw(st.sampled_from([2, 3, 5]), label="K")
     run = [r for r in p.active() if p.row_len(r) and p.ref.num_computed[r] >= p.known[r]]
     if not run:
         return
@@ -478,6 +483,9 @@ def op_burst(data, p: Pair) -> None:
     burst = steps[K]
     p.ops.append(f"burst K={K} (decode {dec}, nt={ntok}, finished {fin})")
     note(p.ops[-1])
+    held = [p.ref.reserved[r] for r in dec]
+    # blocks for ntok - 1 + K tokens (the burst's last count) beyond the row: within its reservation
+    covered = [h >= p.G * max(0, -(-(n - 1 + K) // p.bs) - p.row_len(r)) for h, n, r in zip(held, ntok, dec)]
     p.ref.free(fin)
     want_adm, want_sm = _reference_burst(p.ref, dec, ntok, K)
     fill_step(burst, dec, ntok, fin)
@@ -493,11 +501,45 @@ def op_burst(data, p: Pair) -> None:
         last = max((k for k in range(K) if want_adm[k][i]), default=-1)
         if last >= 0:
             p.known[r] = ntok[i] + last
+        if covered[i]:  # a request never fails a burst step within what it reserved
+            assert last == K - 1, f"slot {r} reserved {held[i]} blocks but failed at step {last + 1}; {p.where()}"
+    if currently_in_test_context():
+        _event(f"burst: {sum(c and h > 0 for c, h in zip(covered, held))} covered by a reservation")
     p.compare()
 
 
-OPS = dict(MANAGER_OPS, reserve=(op_reserve, 6), release=(op_release, 2), burst=(op_burst, 3),
-           reserve_error=(op_reserve_error, 1))
+def op_reserved_burst(data, p: Pair) -> None:
+    """The engine's pattern: reserve K tokens for some running requests (in a drawn order), then a
+    burst of K steps; the booked ones must be admitted at every step (checked in :func:`op_burst`)."""
+    K = data.draw(st.sampled_from([2, 3, 5, 8]), label="K")
+    run = [r for r in p.active() if p.row_len(r) and p.ref.num_computed[r] >= p.known[r]
+           and p.known[r] + K <= p.max_tokens]
+    if run:
+        slots = data.draw(st.permutations(run), label="order")[: data.draw(st.integers(1, len(run)), label="n")]
+        # the burst's last count is known + K: K tokens beyond num_computed (= known here)
+        reserve(p, slots, [p.known[r] + K - p.ref.num_computed[r] for r in slots])
+    op_burst(data, p, K)
+
+
+def op_join(data, p: Pair) -> None:
+    """A request joins and is prefilled at once (lookup on), so that bursts have running requests."""
+    free = p.free_slots()
+    if not free:
+        return
+    op_add(data, p)
+    r = next(x for x in free if p.chain[x] is not None)
+    n = p.known[r]
+    got = alloc(p, [r], [n], [n], [True])
+    if got == [False] and data.draw(st.booleans(), label="drop it"):
+        free_both(p, [r], False, "free")
+        p.chain[r] = None
+        p.known[r] = 0
+
+
+OPS = {name: MANAGER_OPS[name] for name in ("add", "allocate", "decode_steps", "decode_step", "free", "preempt",
+                                            "cow_append", "cow_move", "drain", "error")}
+OPS.update(add=(op_add, 2), join=(op_join, 5), reserve=(op_reserve, 5), release=(op_release, 2), burst=(op_burst, 2),
+           reserved_burst=(op_reserved_burst, 4), reserve_error=(op_reserve_error, 1))
 OP_CHOICES = [name for name, (_, w) in OPS.items() for _ in range(w)]
 
 
@@ -525,7 +567,7 @@ def run_workload(data, kind: str, parallel: bool) -> None:
     assert p.ref.pool.get_num_free_blocks() == p.N - 1
 
 
-_SLOW_EXAMPLES = max(2, settings().max_examples // 7)  # dev: 2, ci: 7
+_SLOW_EXAMPLES = max(2, settings().max_examples // 10)  # dev: 2, ci: 5
 
 
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
