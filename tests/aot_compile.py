@@ -95,6 +95,8 @@ def drive_manager_groups(groups, **kw):
     m.add_request(1)
     m.allocate_slots(s, torch.tensor([20, 30], dtype=i32), torch.tensor([20, 30], dtype=i32), [1, 0])
     m.slot_mapping(s, torch.tensor([3, 4], dtype=i32))
+    m.reserve(s, torch.tensor([4, 8], dtype=i32))  # reservations (kernels/reserve.py)
+    m.release_reservation(s[:1])
     from gpupool.graph import DecodeStep
 
     DecodeStep(m, 2).run()  # the step's variants: free with its input check, allocate without

@@ -13,7 +13,8 @@ KERNELS = ("alloc_kernel", "release_kernel", "touch_kernel", "cache_full_kernel"
            "move_kernel", "evict_kernel", "reset_kernel", "lookup_kernel", "longest_prefix_kernel",
            "replay_loop_kernel", "validate_kernel", "copy_blocks_kernel", "allocate_slots_kernel",
            "free_requests_kernel", "slot_mapping_kernel", "release_copies_kernel",
-           "allocate_slots_parallel_kernel", "decode_step_kernel")
+           "allocate_slots_parallel_kernel", "decode_step_kernel", "decode_burst_kernel", "reserve_kernel",
+           "release_reservation_kernel")
 
 
 @pytest.mark.slow  # about 3 minutes on a cold Triton cache (seconds on a warm one)
