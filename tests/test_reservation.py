@@ -76,6 +76,10 @@ def expect_error(p: Pair, exc: type, desc: str, ref_fn, dev_fn) -> None:
 # Hand-written scenarios
 # =================================================================================================
 
+BOTH_PATHS = pytest.mark.parametrize("parallel", [True, pytest.param(False, marks=pytest.mark.slow)],
+                                     ids=["parallel", "exact"])  # the exact path's twin: slow (quick budget)
+
+
 @pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "exact"])
 def test_reserve_holds_blocks_against_other_requests(parallel):
     """11 usable blocks. Request 0 (1 block, 4 tokens) reserves 8 more tokens: 2 blocks, none taken
@@ -102,7 +106,7 @@ def test_reserve_holds_blocks_against_other_requests(parallel):
     validate(p)
 
 
-@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "exact"])
+@BOTH_PATHS
 def test_batch_of_other_requests_sees_the_reservation(parallel):
     """One allocate_slots batch of three other requests, ``stop_on_failure=False``: the third does not
     fit the unreserved blocks although the free queue holds enough."""
@@ -157,7 +161,7 @@ def test_reserve_evicts_nothing_and_keeps_the_queue_order():
     validate(p)
 
 
-@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "exact"])
+@BOTH_PATHS
 def test_allocation_inside_a_reservation_evicts_in_lru_order(parallel):
     """Two twin pairs, one with a reservation for request 2, one without: the same allocations pop
     the same blocks from the queue's head (7, 8, then the cached 5, 4, 3: their keys evicted only
@@ -223,7 +227,7 @@ def test_release_and_free_give_the_reservation_back():
     validate(p)
 
 
-@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "exact"])
+@BOTH_PATHS
 def test_reserve_grows_never_shrinks_and_stops_at_the_first_failure(parallel):
     """A reservation is ``max(reserved, need)``: a smaller reserve keeps it. In a batch the first
     request whose growth does not fit is not booked, nor are the ones after it (even one whose

@@ -314,7 +314,6 @@ def allocate_slots_exact(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap,
                     stop = 1
             else:
                 take = tl.minimum(own, demand)  # drawn from its own reservation first
-                tl.store(ms.reserved + r, own - take)
                 resv_total -= take
                 g = 0
                 while g < mc.G:  # every group's hits are touched before any group allocates
@@ -332,6 +331,7 @@ def allocate_slots_exact(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap,
                                  tl.maximum(tl.load(ms.num_cached + g * mc.R + r), hits))
                         g += 1
                 tl.store(ms.num_blocks + r, nblk + hits + need)
+                tl.store(ms.reserved + r, own - take)
                 tl.store(ms.num_computed + r, eff)
                 tl.store(batch.admitted + k, 1)
             k += 1

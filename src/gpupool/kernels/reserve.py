@@ -72,6 +72,7 @@ def reserve_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_tokens
                 added += tl.sum(tl.where(ok, grow, 0), axis=0)
                 carry += tl.sum(grow.to(tl.int64), axis=0)
                 i += mc.BLOCK
+            tl.debug_barrier()  # strict: orders every thread's read of num_reserved (room) before this store
             tl.store(ms.num_reserved, total + added)
 
 
@@ -98,6 +99,7 @@ def release_reservation_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots
                 released += tl.sum(tl.load(ms.reserved + r, mask=m, other=0), axis=0)
                 tl.store(ms.reserved + r, tl.zeros([mc.BLOCK], tl.int32), mask=m)
                 i += mc.BLOCK
+            # strict: benign, one statement; only thread 0 uses the value it loads (its store)
             tl.store(ms.num_reserved, tl.load(ms.num_reserved) - released)
 
 
