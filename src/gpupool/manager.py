@@ -402,12 +402,12 @@ class KVCacheManager:
         n = self._i32(op, num_tokens, "num_tokens")
         if s.numel() != n.numel():
             raise InvalidArgumentError(op, "slots and num_tokens differ in length")
-        if out is None:
-            out = torch.zeros(max(s.numel(), 1), dtype=torch.int32, device=self.device)
+        if out is None:  # the kernel writes every entry: no fill kernel
+            out = torch.empty(max(s.numel(), 1), dtype=torch.int32, device=self.device)
         else:
             out = self._out(op, out, torch.int32, s.numel(), "out")
-        k_reserve.launch_reserve(self._pool.state, self._pool.config, self.state, self.config, s, n,
-                                 self._count(op, num_reqs, s.numel()), out)
+        count = None if num_reqs is None else self._count(op, num_reqs, s.numel())  # None: all of them
+        k_reserve.launch_reserve(self._pool.state, self._pool.config, self.state, self.config, s, n, count, out)
         return out[: s.numel()]
 
     @locked
@@ -419,8 +419,8 @@ class KVCacheManager:
         request's reservation too."""
         op = "release_reservation"
         s = self._i32(op, slots, "slots")
-        k_reserve.launch_release_reservation(self._pool.state, self._pool.config, self.state, self.config, s,
-                                             self._count(op, num_reqs, s.numel()))
+        count = None if num_reqs is None else self._count(op, num_reqs, s.numel())  # None: all of them
+        k_reserve.launch_release_reservation(self._pool.state, self._pool.config, self.state, self.config, s, count)
 
     @locked
     def get_num_reserved_blocks(self) -> int:

@@ -11,14 +11,14 @@ reservation first, and ``free_requests`` releases the freed requests' reservatio
 import triton
 import triton.language as tl
 
-from .common import checked_count, keep_first, set_status, status_clear, warps_for
+from .common import checked_count, keep_first, raw_count, set_status, status_clear, warps_for
 from .layout import BIG, E_INVALID_ARG, E_INVALID_COUNT, NUM_FREE, OP_RELEASE_RESERVATION, OP_RESERVE
 from .manager import check_slots
 
 
 @triton.jit
 def reserve_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_tokens, num_reqs, cap, ok_out):
-    """``reserve`` of requests ``slots[:num_reqs]`` (``int32[cap]``) for ``num_tokens: int32[cap]``
+    """``reserve`` of requests ``slots[:num_reqs]`` (``int32[cap]``; ``num_reqs`` None: all ``cap``) for ``num_tokens: int32[cap]``
     more tokens each: ``need = G * max(0, ceil((num_computed + n) / BS) - num_blocks)``, the request's
     reservation grows by ``max(0, need - reserved)``; request k is booked iff the growths of requests
     ``0..k`` fit ``NUM_FREE - num_reserved`` (growths are >= 0, so the booked requests are a prefix:
@@ -47,7 +47,7 @@ def reserve_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_tokens
                 err, val, err_i = keep_first(err, val, err_i, E_INVALID_COUNT, bad, k, n)
             i += mc.BLOCK
         err = tl.where(nb_ok, err, E_INVALID_ARG)
-        val = tl.where(nb_ok, val, tl.load(num_reqs).to(tl.int64))
+        val = tl.where(nb_ok, val, raw_count(num_reqs, cap).to(tl.int64))
         if err != 0:
             set_status(ps.status, err, OP_RESERVE, val)
         else:
@@ -86,7 +86,7 @@ def release_reservation_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots
     if status_clear(ps.status):
         err, val = check_slots(ms, mc, slots, nb)
         err = tl.where(nb_ok, err, E_INVALID_ARG)
-        val = tl.where(nb_ok, val, tl.load(num_reqs).to(tl.int64))
+        val = tl.where(nb_ok, val, raw_count(num_reqs, cap).to(tl.int64))
         if err != 0:
             set_status(ps.status, err, OP_RELEASE_RESERVATION, val)
         else:
