@@ -591,3 +591,37 @@ def test_reservations_match_reference(kind, parallel, data):
     """Random workloads of every manager op plus reserve / release / bursts / bad reservations, the
     whole state compared after each op (both paths of allocate_slots)."""
     run_workload(data, kind, parallel)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_reserve_and_release_capture_in_a_cuda_graph():
+    """reserve / release_reservation with device inputs and an output buffer, captured in one CUDA
+    graph with no host sync; replays equal eager calls on a twin manager."""
+    from gpupool.manager import KVCacheManager
+    ms = [KVCacheManager(32, block_size=4, max_num_reqs=4, max_blocks_per_req=8, device="cuda") for _ in range(2)]
+    for m in ms:
+        for r in range(3):
+            m.add_request(r, [])
+        m.allocate_slots([0, 1, 2], [4, 4, 4], [4, 4, 4])
+    slots = torch.tensor([2, 0, 1], dtype=torch.int32, device="cuda")
+    tokens = torch.tensor([8, 20, 4], dtype=torch.int32, device="cuda")
+    outs = [torch.zeros(3, dtype=torch.int32, device="cuda") for _ in ms]
+    ms[0].reserve(slots, tokens, out=outs[0])  # warm-up (compiles)
+    ms[0].release_reservation(slots)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ms[0].reserve(slots, tokens, out=outs[0])
+        ms[0].release_reservation(slots[:1])
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        g.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ms[1].reserve(slots, tokens, out=outs[1])
+    ms[1].release_reservation(slots[:1])
+    for m in ms:
+        m.pool.check()
+    assert torch.equal(outs[0], outs[1])
+    assert ms[0].reservations() == ms[1].reservations() == [5, 1, 0, 0]
+    assert ms[0].get_num_reserved_blocks() == 6
