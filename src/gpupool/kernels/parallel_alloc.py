@@ -74,7 +74,9 @@ P_EVICT = tl.constexpr(12)  # keys evicted by the request's pops
 P_QOFF = tl.constexpr(13)  # evicted keys of earlier requests
 P_EVBASE = tl.constexpr(14)  # first event row (nb + 1 entries)
 P_NF = tl.constexpr(15)  # full blocks known after the step
-NPAR = 16
+P_RLEFT = tl.constexpr(16)  # the request's reservation after it is admitted (docs/semantics.md section 8)
+P_TAKE = tl.constexpr(17)  # blocks it draws from its reservation
+NPAR = 18
 # per (request, group) fields of s_kg
 G_START = tl.constexpr(0)  # first block to key
 G_NSKIP = tl.constexpr(1)  # blocks outside the sliding window
@@ -363,6 +365,7 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
             zref = ld(par(ms, mc, P_ZREF, k), m)
             nhash = ld(ms.num_hashes + r, m)
         cached0 = ld(ms.num_cached + r, m)  # group 0's, read beside the others (loads before stores)
+        own = ld(ms.reserved + r, m)  # its reservation, read beside them too
         eff = tl.maximum(tg, hits * mc.BS)
         need = tl.where(m, tl.maximum((eff + mc.BS - 1) // mc.BS - nblk - hits, 0), 0)
         pops = need * mc.G
@@ -370,7 +373,6 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
         # the admission check, every earlier request admitted: what each takes off the free queue
         # beyond its own reservation (docs/semantics.md section 8), less the releases, summed, fits
         # the free blocks nobody reserved: sum(max(demand - reserved, 0) - released) <= unreserved
-        own = ld(ms.reserved + r, m)
         if SCAN and (not mc.SW):  # no hits and no releases: the demand is the pops
             x = tl.maximum(pops - own, 0).to(tl.int64)
             fail = first_index(fail, m & (xcarry + tl.cumsum(x, axis=0) > unreserved), k)
@@ -424,6 +426,9 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
         tl.store(par(ms, mc, P_EFF, k), eff, mask=m)
         tl.store(par(ms, mc, P_POPOFF, k), pcarry + cpops - pops, mask=m)
         tl.store(par(ms, mc, P_NF, k), nf, mask=m)
+        take = tl.minimum(own, pops + zref)  # drawn from its own reservation first, if admitted
+        tl.store(par(ms, mc, P_RLEFT, k), own - take, mask=m)
+        tl.store(par(ms, mc, P_TAKE, k), take, mask=m)
         pcarry += tl.sum(pops, axis=0)
         ccarry += tl.sum(csize, axis=0)
         if mc.SW:
@@ -791,10 +796,8 @@ def finish_requests(ms, mc: tl.constexpr, batch, split, CACHING: tl.constexpr):
         tl.store(ms.num_blocks + r, nblk + hits + need, mask=m)
         tl.store(ms.num_computed + r, eff, mask=m)
         tl.store(batch.admitted + k, tl.full([mc.BLOCK], 1, tl.int32), mask=m)
-        own = ld(ms.reserved + r, m)
-        take = tl.minimum(own, need * mc.G + ld(par(ms, mc, P_ZREF, k), m))
-        tl.store(ms.reserved + r, own - take, mask=m)
-        drawn += tl.sum(tl.where(m, take, 0), axis=0)
+        tl.store(ms.reserved + r, ld(par(ms, mc, P_RLEFT, k), m), mask=m)
+        drawn += tl.sum(ld(par(ms, mc, P_TAKE, k), m), axis=0)
         for g in tl.static_range(mc.G):
             start = ld(pkg(ms, mc, G_START, k * mc.G + g), m)
             if CACHING:
