@@ -3,9 +3,10 @@
 #   1. the CUDA-only tests (python -m pytest -q tests -m cuda),
 #   2. `gpupool replay --pool both` on the whole bundled trace (the device replay loop and the
 #      reference must agree; the device's wall time is the whole-trace benchmark),
-#   3. the modelled cases of bench/model_cases.py MEASURED with CUDA events (decode step at B = 64 and
-#      1,024, allocate / free / touch of 4,096 blocks, 10,000 lookups; eager and as CUDA-graph replays;
-#      the replay loop on the first 1,000 requests, wall clock),
+#   3. the modelled cases of bench/model_cases.py MEASURED with CUDA events (decode step, decode burst
+#      of K = 8 steps and the reserve before it, at B = 64 and 1,024, allocate / free / touch of 4,096
+#      blocks, 10,000 lookups; eager and as CUDA-graph replays; the replay loop on the first 1,000
+#      requests, wall clock),
 #   4. the benchmarks (`gpupool bench`: pytest-benchmark JSON + PNG),
 #   5. short tables (measured cases; op, pool, N, batch, median us, GPU us), printed last.
 # Run from anywhere: bash bench/gpu_check.sh (GPU_CHECK_ALLOW_CPU=1: a dry run without CUDA).

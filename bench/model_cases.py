@@ -29,6 +29,9 @@ Cases:
   ``DecodeStep(steps=K).run()``: a burst of K steps (each running request decodes K tokens; one
   crossing a block boundary at step k gets a block there; blocks that fill are keyed where the hash
   is known, as in ``decode_step``). Compare with K x ``decode_step`` of the same B.
+* ``reserve`` (B = ``--sizes``, K = ``--steps``): the same state; ONE ``KVCacheManager.reserve`` of the
+  running requests (all but the finishing ones) for K tokens each, the booking an engine makes before
+  a burst (docs/semantics.md section 8); checked: all booked, each request's count, nothing popped.
 * ``alloc_4096x1`` / ``alloc_64x64``: ``allocate_batched`` of 4,096 blocks as one demand / as 64
   demands of 64, on the warm pool (every block taken loses its key).
 * ``free_4096``: ``free_batched`` of 4,096 blocks in 64 segments of 64 (64 "requests", each freed
@@ -87,7 +90,7 @@ BLOCK_SIZE = 16
 MAX_BLOCKS_PER_REQ = 168
 SEED = 20240611
 WARM_CHUNK = 16_384
-CASES = ("decode_step", "decode_multi", "alloc_4096x1", "alloc_64x64", "free_4096", "lookup_10000", "touch_4096", "replay")
+CASES = ("decode_step", "decode_multi", "reserve", "alloc_4096x1", "alloc_64x64", "free_4096", "lookup_10000", "touch_4096", "replay")
 COUNT_KINDS = ("ld", "at", "red", "scan", "bar", "br", "it")
 
 
@@ -307,10 +310,10 @@ def record(gc, fn, report: bool, title: str, state=()):
 
 
 # ---- cases -------------------------------------------------------------------------------------
-def case_decode_step(gp, gc, B: int, args, steps: int = 1) -> dict:
-    import torch
-
-    from gpupool.graph import DecodeStep
+def decode_state(B: int, args):
+    """The decode cases' steady state (module docstring): a manager on a warm pool with B requests
+    prefilled. Returns (manager, kinds, prompt, held blocks, fill hashes, free before, warm s,
+    prefill s, t0)."""
     from gpupool.manager import KVCacheManager
 
     t0 = time.perf_counter()
@@ -351,7 +354,16 @@ def case_decode_step(gp, gc, B: int, args, steps: int = 1) -> dict:
     free_before = m.pool.get_num_free_blocks()
     assert free_before == NUM_BLOCKS - 1 - held, (free_before, held)
     check_free_keyed(m.pool, owner)
+    return m, kinds, prompt, held, fill_hash, free_before, t_warm, t_prefill, t0
 
+
+def case_decode_step(gp, gc, B: int, args, steps: int = 1) -> dict:
+    import torch
+
+    from gpupool.graph import DecodeStep
+
+    m, kinds, prompt, held, fill_hash, free_before, t_warm, t_prefill, t0 = decode_state(B, args)
+    n_cross = n_fill = B // 16
     step = DecodeStep(m, max_batch=B, steps=steps)
     run = [r for r in range(B) if kinds[r] != "finish"]
     fin = [r for r in range(B) if kinds[r] == "finish"]
@@ -382,6 +394,28 @@ def case_decode_step(gp, gc, B: int, args, steps: int = 1) -> dict:
               "free_blocks_before": free_before, "prefill_batch": args.prefill_batch}
     extra = {"warm_s": round(t_warm, 2), "prefill_s": round(t_prefill, 2)}
     return summarize(gc, rec, name, params, build_s, record_s, extra)
+
+
+def case_reserve(gp, gc, B: int, args) -> dict:
+    """``reserve`` of the decode state's B - B // 128 running requests for ``--steps`` tokens each
+    (the booking before a burst; docs/semantics.md section 8): one launch, nothing popped."""
+    m, kinds, prompt, held, _, free_before, t_warm, t_prefill, t0 = decode_state(B, args)
+    K = args.steps
+    run = [r for r in range(B) if kinds[r] != "finish"]
+    slots, tokens = i32(run), i32([K] * len(run))
+    queue_before = m.pool.free_queue()
+    build_s = time.perf_counter() - t0
+    name = f"reserve K={K} B={B}"
+    rec, booked, record_s = record(gc, lambda: m.reserve(slots, tokens), args.report, name, state=(m.state,))
+    m.pool.check()
+    need = [-(-(prompt[r] + K) // BLOCK_SIZE) - -(-prompt[r] // BLOCK_SIZE) for r in run]
+    assert booked.tolist() == [1] * len(run), "a reservation was not booked"
+    assert m.state.reserved[run].tolist() == need and m.get_num_reserved_blocks() == sum(need)
+    assert m.pool.get_num_free_blocks() == free_before and m.pool.free_queue() == queue_before  # nothing popped
+    params = {"B": B, "steps": K, "running": len(run), "reserved_blocks": sum(need), "blocks_held": held,
+              "free_blocks_before": free_before}
+    return summarize(gc, rec, name, params, build_s, record_s,
+                     {"warm_s": round(t_warm, 2), "prefill_s": round(t_prefill, 2)})
 
 
 def case_alloc(gp, gc, num: int, each: int, args) -> dict:
@@ -565,6 +599,8 @@ def main(argv=None) -> int:
         elif c == "decode_multi":
             jobs += [(f"decode_multi K={args.steps} B={B}", lambda B=B: case_decode_step(gp, gc, B, args, args.steps))
                      for B in sizes]
+        elif c == "reserve":
+            jobs += [(f"reserve K={args.steps} B={B}", lambda B=B: case_reserve(gp, gc, B, args)) for B in sizes]
         elif c == "alloc_4096x1":
             jobs.append((c, lambda: case_alloc(gp, gc, 1, 4096, args)))
         elif c == "alloc_64x64":

@@ -105,6 +105,10 @@ def drive_manager_groups(groups, **kw):
     m.add_request(1)
     m.allocate_slots(s, torch.tensor([20, 30], dtype=i32), torch.tensor([20, 30], dtype=i32), [1, 0])
     m.slot_mapping(s, torch.tensor([3, 4], dtype=i32))
+    m.reserve(s, torch.tensor([4, 8], dtype=i32))  # reservations (kernels/reserve.py)
+    m.release_reservation(s[:1])
+    m.reserve(s, torch.tensor([4, 8], dtype=i32), num_reqs=torch.tensor([1], dtype=i32))  # a device count
+    m.release_reservation(s, num_reqs=torch.tensor([2], dtype=i32))
     from gpupool.graph import DecodeStep
 
     DecodeStep(m, 2).run()  # the step's variants: free with its input check, allocate without

@@ -87,7 +87,8 @@ def i32(values) -> torch.Tensor:
 
 
 def manager_state(m) -> dict:
-    """Block tables, per-request counters, pending copies and the pool state of either manager."""
+    """Block tables, per-request counters, pending copies, reservations (docs/semantics.md section 8)
+    and the pool state of either manager."""
     G = len(m.groups)
     if isinstance(m, KVCacheManager):
         n = int(m.num_copies[0])
@@ -96,6 +97,8 @@ def manager_state(m) -> dict:
             "num_computed": ints(m.num_computed),
             "num_cached": [ints(x) for x in m.num_cached],
             "pending": list(zip(ints(m.copy_src[:n]), ints(m.copy_dst[:n]), ints(m.copy_release[:n]))),
+            "reserved": ints(m.reserved),
+            "num_reserved": int(m.num_reserved[0]),
             "pool": pool_state(m.pool),
         }
     return {
@@ -103,6 +106,8 @@ def manager_state(m) -> dict:
         "num_computed": list(m.num_computed),
         "num_cached": [list(x) for x in m.num_cached],
         "pending": [tuple(c) for c in m.pending_copies],
+        "reserved": list(m.reserved),
+        "num_reserved": m.num_reserved,
         "pool": pool_state(m.pool),
     }
 
@@ -162,7 +167,7 @@ class Pair:
 
     def compare(self) -> None:
         rs, ds = manager_state(self.ref), manager_state(self.dev)
-        for k in ("rows", "num_computed", "num_cached", "pending"):
+        for k in ("rows", "num_computed", "num_cached", "pending", "reserved", "num_reserved"):
             assert ds[k] == rs[k], f"{k} differs: device {ds[k]} != reference {rs[k]}; {self.where()}"
         for k in rs["pool"]:
             assert ds["pool"][k] == rs["pool"][k], (

@@ -30,7 +30,9 @@ rows are checked as a step checks them). A request that step k could not admit t
 later steps (``admitted[k', i] = 0``, ``slot_mapping[k', i] = -1`` for ``k' >= k``) and keeps its
 blocks: the host preempts it after the burst. The burst equals K single steps where the host, in
 between, adds 1 to each admitted request's count and drops the others (keeping the order), with no
-finished requests after step 0 and no event drain in between.
+finished requests after step 0 and no event drain in between. A request whose reservation
+(``manager.reserve(slots, [K, ...])`` before the burst, docs/semantics.md section 8) covers the
+burst is admitted at every step: its blocks are drawn from it and no other request can take them.
 """
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ State (device tensors, allocated at construction, one ``ManagerState``): ``block
 across groups), ``num_computed: int32[R]`` (tokens with slots), ``num_cached: int32[G, R]`` (blocks
 already keyed), ``req_hi, req_lo: int64[R, G, M * K]`` (device keys of each known hash block's hash,
 per group; K = block_size / hash_block_size), ``num_hashes: int32[R]``, ``active: int8[R]`` (slot in
-use), the pending-copy queue ``copy_src, copy_dst, copy_release: int32[Q]`` with ``num_copies:
+use), the reservations ``reserved: int32[R]`` (blocks booked per request) with their sum
+``num_reserved: int32[1]`` (docs/semantics.md section 8), the pending-copy queue ``copy_src, copy_dst, copy_release: int32[Q]`` with ``num_copies:
 int32[1]``, and kernel scratch. The host keeps no request state of its own: whatever it needs (slots
 in use, pending copies) it reads from the device, so it never disagrees with a device op that failed.
 
@@ -19,7 +20,10 @@ Semantics, op by op, are those of ``gpupool.reference.ReferenceKVCacheManager`` 
   ``new blocks x groups + zero-ref hits <= free``: touch every group's hits, then allocate each
   group's new blocks, then key the blocks that became full. All or nothing per request.
 * ``free(slots)``: each request's rows freed tail first, group by group, requests in order, as one
-  batched free.
+  batched free; their reservations are released.
+* ``reserve(slots, num_tokens)`` / ``release_reservation(slots)``: book blocks for a request's next
+  tokens without taking them off the free queue (a count held against the free blocks that the other
+  requests' admissions respect), and give the unused part back (docs/semantics.md section 8).
 * ``slot_mapping``: ``block_table[g, slot, pos // bs] * bs + pos % bs``.
 * Copy-on-write: ``cow_append`` (a partial hit: a private copy of a cached block, the source held
   until the copy ran) and ``cow_move`` (a running request keeps writing a cached block: its keys move
@@ -41,11 +45,13 @@ from .args import NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as
 from .errors import ArgumentTypeError, InvalidArgumentError, InvariantError, OutOfBlocksError
 from .kernels import manager as k_manager
 from .kernels import parallel_alloc as k_parallel
+from .kernels import reserve as k_reserve
 from .kernels import step as k_step
 from .kernels.parallel_alloc import NKG, NMAP, NPAR
 from .kernels.copy_blocks import check_layers, copy_blocks
 from .locking import locked
 from .pool import BlockPool
+from .reference.manager import check_reservations
 from .state import pow2_at_least
 
 
@@ -62,6 +68,8 @@ class ManagerState(NamedTuple):
     windows: torch.Tensor
     group_ids: torch.Tensor
     active: torch.Tensor
+    reserved: torch.Tensor
+    num_reserved: torch.Tensor
     copy_src: torch.Tensor
     copy_dst: torch.Tensor
     copy_release: torch.Tensor
@@ -121,6 +129,8 @@ def allocate_manager_state(shape: ManagerShape, q: int, device) -> ManagerState:
         windows=torch.tensor([w for _, w in shape.groups], dtype=i32, device=device),
         group_ids=torch.arange(G, dtype=i32, device=device),
         active=torch.zeros(R, dtype=torch.int8, device=device),
+        reserved=torch.zeros(R, dtype=i32, device=device),
+        num_reserved=torch.zeros(1, dtype=i32, device=device),
         copy_src=torch.zeros(q, dtype=i32, device=device),
         copy_dst=torch.zeros(q, dtype=i32, device=device),
         copy_release=torch.zeros(q, dtype=i32, device=device),
@@ -186,6 +196,8 @@ class KVCacheManager:
     num_computed = property(lambda self: self.state.num_computed)
     num_cached = property(lambda self: self.state.num_cached)
     num_copies = property(lambda self: self.state.num_copies)
+    reserved = property(lambda self: self.state.reserved)
+    num_reserved = property(lambda self: self.state.num_reserved)
     copy_src = property(lambda self: self.state.copy_src)
     copy_dst = property(lambda self: self.state.copy_dst)
     copy_release = property(lambda self: self.state.copy_release)
@@ -368,6 +380,73 @@ class KVCacheManager:
         if host_list:
             self._pool.finish()
 
+    @locked
+    def reserve(self, slots, num_tokens, num_reqs=None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Book, for each running request in order, the blocks it needs for ``num_tokens[k]`` more
+        tokens, WITHOUT taking any off the free queue (nothing evicted now; docs/semantics.md section
+        8): ``need = G * max(0, ceil((num_computed + num_tokens) / block_size) - num_blocks)`` and the
+        request's reservation becomes ``max(reserved, need)``. The growths must fit ``num_free -
+        num_reserved``; the first request whose growth does not fit is not booked, nor any after it.
+        Later admissions of other requests see ``num_free`` less the reservations; a reserved
+        request's own allocations (``allocate_slots``, a decode step or burst, ``cow_*``) draw from
+        its reservation first and pop blocks only then.
+
+        ``slots, num_tokens: int32[B]`` (device tensors or sequences), ``num_reqs: int32[1]`` (only the
+        first k count), ``out``: an ``int32[B]`` output buffer (a captured step's). Returns ``booked:
+        int32[B]`` (1: its reservation covers ``num_tokens``). No host sync: a slot out of range, not in
+        use or listed twice (InvalidArgumentError), ``num_tokens < 0`` or ``num_computed + num_tokens >
+        max_blocks_per_req * block_size`` (InvalidCountError) go to the status word (op ``reserve``,
+        raised at ``pool.check()``) and change nothing; lengths that differ raise InvalidArgumentError."""
+        op = "reserve"
+        s = self._i32(op, slots, "slots")
+        n = self._i32(op, num_tokens, "num_tokens")
+        if s.numel() != n.numel():
+            raise InvalidArgumentError(op, "slots and num_tokens differ in length")
+        if out is None:  # the kernel writes every entry: no fill kernel
+            out = torch.empty(max(s.numel(), 1), dtype=torch.int32, device=self.device)
+        else:
+            out = self._out(op, out, torch.int32, s.numel(), "out")
+        count = None if num_reqs is None else self._count(op, num_reqs, s.numel())  # None: all of them
+        k_reserve.launch_reserve(self._pool.state, self._pool.config, self.state, self.config, s, n, count, out)
+        return out[: s.numel()]
+
+    @locked
+    def release_reservation(self, slots, num_reqs=None) -> None:
+        """Give the requests' unused reservations back (each becomes 0, the total drops by their sum;
+        docs/semantics.md section 8). ``slots: int32[B]`` or a sequence, ``num_reqs: int32[1]``. No
+        host sync: a slot out of range, not in use or listed twice goes to the status word (op
+        ``release_reservation``, InvalidArgumentError) and changes nothing. ``free`` releases a
+        request's reservation too."""
+        op = "release_reservation"
+        s = self._i32(op, slots, "slots")
+        count = None if num_reqs is None else self._count(op, num_reqs, s.numel())  # None: all of them
+        k_reserve.launch_release_reservation(self._pool.state, self._pool.config, self.state, self.config, s, count)
+
+    @locked
+    def get_num_reserved_blocks(self) -> int:
+        """Blocks reserved by all requests (waits for the device; raises the pool's recorded error)."""
+        self._pool.finish()
+        return int(self.state.num_reserved.item())
+
+    @locked
+    def reservations(self) -> list[int]:
+        """Each slot's reserved blocks (0 for a free slot), as a Python list (waits for the device)."""
+        self._pool.finish()
+        return self.state.reserved.tolist()
+
+    def _room(self, r: int) -> int:
+        """Host ops: free blocks request ``r`` may take (the others' reservations held back)."""
+        s = self.state
+        return self.pool.get_num_free_blocks() - (int(s.num_reserved.item()) - int(s.reserved[r].item()))
+
+    def _draw(self, r: int, n: int) -> None:
+        """Host ops: request ``r`` took ``n`` blocks off the free queue, from its reservation first."""
+        s = self.state
+        take = min(int(s.reserved[r].item()), n)
+        if take:
+            s.reserved[r] -= take
+            s.num_reserved.sub_(take)
+
     def _check_batch(self, op: str, batch) -> None:
         """A batch from :meth:`batch`, unchanged: every tensor of the dtype it made, on the device,
         contiguous, of matching lengths (the kernels trust these; a hand-built one could write past
@@ -493,11 +572,12 @@ class KVCacheManager:
         real = [x for x in ss if x != NULL_BLOCK]
         refs = self.pool.ref_counts(real) if real else []
         need = len(real) + len({x for x, c in zip(real, refs) if c == 0})
-        if need > self.pool.get_num_free_blocks():
+        if need > self._room(r):
             raise OutOfBlocksError(op, f"copy-on-write needs {need} free blocks", need)
         self._check_not_pending_dst(op, real)
         if self._pending() + len(real) > self.config.Q:
             raise InvalidArgumentError(op, "the pending-copy queue is full; run_pending_copies first")
+        self._draw(r, need)
         if real:
             self.pool.touch(real)
         dsts, triples = [], []
@@ -524,10 +604,11 @@ class KVCacheManager:
         srcs = self.state.block_table[:, r, i].tolist()
         real = [x for x in srcs if x != NULL_BLOCK]
         self._check_not_pending_dst(op, real)  # before the free count, as the reference checks
-        if len(real) > self.pool.get_num_free_blocks():
+        if len(real) > self._room(r):
             raise OutOfBlocksError(op, f"copy-on-write needs {len(real)} free blocks", len(real))
         if self._pending() + len(real) > self.config.Q:
             raise InvalidArgumentError(op, "the pending-copy queue is full; run_pending_copies first")
+        self._draw(r, len(real))
         dsts, triples = [], []
         for x in srcs:
             if x == NULL_BLOCK:
@@ -608,7 +689,9 @@ class KVCacheManager:
     def validate(self) -> None:
         """The pool's invariants, then the manager's: every block's ref count equals its references
         from the active requests' block tables plus the pending copies' held blocks (so a leaked
-        reference shows), when only the manager takes references. Raises InvariantError."""
+        reference shows), when only the manager takes references; and the reservations' (docs/semantics.md
+        section 8: each >= 0 and 0 on a free slot, their sum ``num_reserved``, at most the free blocks).
+        Raises InvariantError."""
         self.pool.validate()
         s = self.state
         n = torch.where(s.active != 0, s.num_blocks, 0)
@@ -626,6 +709,8 @@ class KVCacheManager:
                                              "references from block tables and pending copies", b)
         if (torch.where(s.active == 0, s.num_blocks, 0) != 0).any():
             raise InvariantError("validate", "a free slot still holds blocks")
+        check_reservations(s.reserved.tolist(), [bool(a) for a in s.active.tolist()], int(s.num_reserved.item()),
+                           self.pool.get_num_free_blocks())
 
 
 __all__ = ["KVCacheManager", "ManagerState", "ManagerConfig", "AllocateBatch"]

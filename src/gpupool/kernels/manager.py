@@ -265,8 +265,10 @@ def allocate_slots_exact(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap,
     request ``ctrl[ALLOC_SPLIT]`` of a batch the request-parallel kernel (``kernels/parallel_alloc.py``)
     validated and committed up to there; returns at once when that is the whole batch. Per request:
     remove the skipped sliding-window blocks, take the longest cache hit (``lookup`` and an empty
-    row), and if ``need * G + zero-ref hits <= num_free`` touch the hits, allocate the new blocks and
-    cache the full ones; else skip it (or stop, ``STOP_ON_FAILURE``).
+    row), and if ``need * G + zero-ref hits <= num_free - (num_reserved - reserved[r])`` (the other
+    requests' reservations are held back; docs/semantics.md section 8) touch the hits, allocate the
+    new blocks and cache the full ones, those blocks drawn from ``reserved[r]`` first; else skip it
+    (or stop, ``STOP_ON_FAILURE``).
 
     ``batch`` (AllocateBatch): ``slots, num_tokens, target: int32[cap]``, ``lookup: int8[cap]``,
     ``num_reqs: int32[1]`` (at most ``cap``), output ``admitted: int32[cap]``. ``step_out`` (a decode
@@ -287,6 +289,7 @@ def allocate_slots_exact(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap,
         head = tl.load(ps.ctrl + HEAD)
         tail = tl.load(ps.ctrl + TAIL)
         num_free = tl.load(ps.ctrl + NUM_FREE)
+        resv_total = tl.load(ms.num_reserved)
         stop = tl.zeros([], tl.int32)
         while (k < nb) & (stop == 0):
             r = tl.load(batch.slots + k)
@@ -304,10 +307,14 @@ def allocate_slots_exact(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap,
                                                             mc.K, ms.group_ids, mc.G, cap_hits,
                                                             row_of(ms, mc, 0, r), mc.R * mc.M, pc.BLOCK)
             eff, need = get_num_blocks_to_allocate(tl.load(batch.target + k), hits, nblk, mc.BS)
-            if (need * mc.G + zero_ref).to(tl.int64) > num_free:
+            own = tl.load(ms.reserved + r)
+            demand = need * mc.G + zero_ref  # blocks it takes off the free queue
+            if demand.to(tl.int64) > num_free - (resv_total - own).to(tl.int64):  # others' reservations held
                 if STOP_ON_FAILURE:
                     stop = 1
             else:
+                take = tl.minimum(own, demand)  # drawn from its own reservation first
+                resv_total -= take
                 g = 0
                 while g < mc.G:  # every group's hits are touched before any group allocates
                     num_free -= touch_checked(ps, pc, row_of(ms, mc, g, r), hits)
@@ -324,6 +331,7 @@ def allocate_slots_exact(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap,
                                  tl.maximum(tl.load(ms.num_cached + g * mc.R + r), hits))
                         g += 1
                 tl.store(ms.num_blocks + r, nblk + hits + need)
+                tl.store(ms.reserved + r, own - take)
                 tl.store(ms.num_computed + r, eff)
                 tl.store(batch.admitted + k, 1)
             k += 1
@@ -331,6 +339,7 @@ def allocate_slots_exact(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap,
         tl.store(ps.ctrl + HEAD, head)
         tl.store(ps.ctrl + TAIL, tail)
         tl.store(ps.ctrl + NUM_FREE, num_free)
+        tl.store(ms.num_reserved, resv_total)
     if step_out is not None:
         tl.debug_barrier()
         slot_mapping(ps, ms, mc, batch.slots, batch.num_tokens, nb, cap, step_out, 0, -1, batch.admitted, True, True)
@@ -438,8 +447,9 @@ def free_requests_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_
 def free_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_reqs, cap, checked, num):
     """``free`` of ``num_reqs[0]`` requests as ONE batched free (docs/algorithms.md section 2): every
     group's row of each request, tail first, segments in request order, then the requests' counts
-    reset. A count outside ``0..cap``, a slot out of range, listed twice or not in use sets the status
-    word before anything changes. ``checked`` (None, or a scalar flag): a decode step, whose
+    reset and their reservations released (docs/semantics.md section 8). A count outside
+    ``0..cap``, a slot out of range, listed twice or not in use sets the status word before
+    anything changes. ``checked`` (None, or a scalar flag): a decode step, whose
     ``check_step`` checked every input first and passes its flag and the count ``num``, so nothing is
     read or checked again. Returns whether the status word is clear after the free (what a decode
     step's later ops would read)."""
@@ -474,11 +484,14 @@ def free_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_reqs, c
                 tl.store(ps.ctrl + TAIL, tail)
                 tl.store(ps.ctrl + NUM_FREE, num_free + nf + nl)
                 offs = tl.arange(0, mc.BLOCK)
+                unreserved = tl.zeros([], tl.int32)
                 i = 0
                 while i < nb:
                     m = (i + offs) < nb
                     r = tl.load(slots + i + offs, mask=m, other=0)
                     zero = tl.zeros([mc.BLOCK], tl.int32)
+                    unreserved += tl.sum(tl.load(ms.reserved + r, mask=m, other=0), axis=0)
+                    tl.store(ms.reserved + r, zero, mask=m)
                     tl.store(ms.num_blocks + r, zero, mask=m)
                     tl.store(ms.num_computed + r, zero, mask=m)
                     tl.store(ms.num_hashes + r, zero, mask=m)
@@ -486,6 +499,8 @@ def free_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_reqs, c
                     for g in tl.static_range(mc.G):
                         tl.store(ms.num_cached + g * mc.R + r, zero, mask=m)
                     i += mc.BLOCK
+                # strict: benign, one statement; only thread 0 uses the value it loads (its store)
+                tl.store(ms.num_reserved, tl.load(ms.num_reserved) - unreserved)
             else:
                 set_status(ps.status, E_DOUBLE_FREE, OP_FREE, dfree_v)
             tl.debug_barrier()

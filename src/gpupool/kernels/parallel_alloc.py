@@ -74,7 +74,9 @@ P_EVICT = tl.constexpr(12)  # keys evicted by the request's pops
 P_QOFF = tl.constexpr(13)  # evicted keys of earlier requests
 P_EVBASE = tl.constexpr(14)  # first event row (nb + 1 entries)
 P_NF = tl.constexpr(15)  # full blocks known after the step
-NPAR = 16
+P_RLEFT = tl.constexpr(16)  # the request's reservation after it is admitted (docs/semantics.md section 8)
+P_TAKE = tl.constexpr(17)  # blocks it draws from its reservation
+NPAR = 18
 # per (request, group) fields of s_kg
 G_START = tl.constexpr(0)  # first block to key
 G_NSKIP = tl.constexpr(1)  # blocks outside the sliding window
@@ -320,18 +322,21 @@ def group_released(ms, mc: tl.constexpr, j, m):
 
 
 @triton.jit
-def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_free, any_hits, SCAN: tl.constexpr):
+def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_free, unreserved, any_hits,
+                  SCAN: tl.constexpr):
     """Per request: tokens and new blocks (``get_num_blocks_to_allocate``), pop and zero-ref offsets,
     the blocks ``cache_blocks`` keys per group (offsets of the flattened caching), and the first
     request of each conflict kind. ``SCAN`` (a batch without lookups: no hits): each tile is scanned
     here (:func:`scan_tile`) instead of read back from ``scan_requests``' scratch, one pass fewer.
     Returns (pops, zero-ref hits, keyed blocks, first failure, first SW conflict, first request whose
     pops could reach blocks released in the batch, first partial key, released, first SW release
-    conflict, first prepend request); the last three only with ``SCAN`` (else 0 and BIG)."""
+    conflict, first prepend request); the last three only with ``SCAN`` (else 0 and BIG).
+    ``unreserved``: ``num_free`` less the reserved total (the admission check's room)."""
     offs = tl.arange(0, mc.BLOCK)
     pcarry = tl.zeros([], tl.int32)
     zcarry = tl.zeros([], tl.int32)
     dcarry = tl.zeros([], tl.int64)
+    xcarry = tl.zeros([], tl.int64)
     ccarry = tl.zeros([], tl.int32)
     rcarry = tl.zeros([], tl.int32)
     fail = tl.full([], BIG, tl.int32)
@@ -360,16 +365,21 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
             zref = ld(par(ms, mc, P_ZREF, k), m)
             nhash = ld(ms.num_hashes + r, m)
         cached0 = ld(ms.num_cached + r, m)  # group 0's, read beside the others (loads before stores)
+        own = ld(ms.reserved + r, m)  # its reservation, read beside them too
         eff = tl.maximum(tg, hits * mc.BS)
         need = tl.where(m, tl.maximum((eff + mc.BS - 1) // mc.BS - nblk - hits, 0), 0)
         pops = need * mc.G
         cpops = tl.cumsum(pops, axis=0)
-        # the admission check, every earlier request admitted: sum(demand - released) <= num_free
+        # the admission check, every earlier request admitted: what each takes off the free queue
+        # beyond its own reservation (docs/semantics.md section 8), less the releases, summed, fits
+        # the free blocks nobody reserved: sum(max(demand - reserved, 0) - released) <= unreserved
         if SCAN and (not mc.SW):  # no hits and no releases: the demand is the pops
-            fail = first_index(fail, m & ((pcarry + cpops).to(tl.int64) > num_free), k)
+            x = tl.maximum(pops - own, 0).to(tl.int64)
+            fail = first_index(fail, m & (xcarry + tl.cumsum(x, axis=0) > unreserved), k)
+            xcarry += tl.sum(x, axis=0)
         else:
-            d = (pops + zref - rel).to(tl.int64)
-            fail = first_index(fail, m & (dcarry + tl.cumsum(d, axis=0) > num_free), k)
+            d = (tl.maximum(pops + zref - own, 0) - rel).to(tl.int64)
+            fail = first_index(fail, m & (dcarry + tl.cumsum(d, axis=0) > unreserved), k)
             dcarry += tl.sum(d, axis=0)
             # pops never reach blocks released to the tail in this batch (a conflict only if any is)
             reach = (pcarry + zcarry + tl.cumsum(pops + zref, axis=0)).to(tl.int64) > num_free
@@ -416,6 +426,9 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
         tl.store(par(ms, mc, P_EFF, k), eff, mask=m)
         tl.store(par(ms, mc, P_POPOFF, k), pcarry + cpops - pops, mask=m)
         tl.store(par(ms, mc, P_NF, k), nf, mask=m)
+        take = tl.minimum(own, pops + zref)  # drawn from its own reservation first, if admitted
+        tl.store(par(ms, mc, P_RLEFT, k), own - take, mask=m)
+        tl.store(par(ms, mc, P_TAKE, k), take, mask=m)
         pcarry += tl.sum(pops, axis=0)
         ccarry += tl.sum(csize, axis=0)
         if mc.SW:
@@ -765,8 +778,11 @@ def cache_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, seq0, removed):
 
 @triton.jit
 def finish_requests(ms, mc: tl.constexpr, batch, split, CACHING: tl.constexpr):
-    """Row lengths, computed and cached counts and ``admitted`` of requests [0, split)."""
+    """Row lengths, computed and cached counts and ``admitted`` of requests [0, split), and each
+    one's reservation less the blocks it took off the free queue (pops and zero-ref hits, drawn
+    from it first). Returns the blocks drawn from reservations."""
     offs = tl.arange(0, mc.BLOCK)
+    drawn = tl.zeros([], tl.int32)
     i = 0
     while i < split:
         k = i + offs
@@ -780,12 +796,15 @@ def finish_requests(ms, mc: tl.constexpr, batch, split, CACHING: tl.constexpr):
         tl.store(ms.num_blocks + r, nblk + hits + need, mask=m)
         tl.store(ms.num_computed + r, eff, mask=m)
         tl.store(batch.admitted + k, tl.full([mc.BLOCK], 1, tl.int32), mask=m)
+        tl.store(ms.reserved + r, ld(par(ms, mc, P_RLEFT, k), m), mask=m)
+        drawn += tl.sum(ld(par(ms, mc, P_TAKE, k), m), axis=0)
         for g in tl.static_range(mc.G):
             start = ld(pkg(ms, mc, G_START, k * mc.G + g), m)
             if CACHING:
                 start = tl.maximum(start, nf)
             tl.store(ms.num_cached + g * mc.R + r, start, mask=m)
         i += mc.BLOCK
+    return drawn
 
 
 @triton.jit
@@ -813,6 +832,8 @@ def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, c
         err = tl.where(checked, 0, E_INVALID_ARG)
     if err == 0:
         num_free = tl.load(ps.ctrl + NUM_FREE)
+        resv_total = tl.load(ms.num_reserved)
+        unreserved = num_free - resv_total.to(tl.int64)
         key_seq = tl.load(ps.ctrl + KEY_SEQ)
         head = tl.load(ps.ctrl + HEAD)
         tail = tl.load(ps.ctrl + TAIL)
@@ -820,7 +841,7 @@ def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, c
             num_lookups = tl.zeros([], tl.int32)
             any_hits = num_lookups > 0
             num_pops, num_zref, num_items, fail, sw, reach, partial, rel_total, sw_bad, pre_first = \
-                plan_requests(ps, pc, ms, mc, batch, nb, num_free, any_hits, True)
+                plan_requests(ps, pc, ms, mc, batch, nb, num_free, unreserved, any_hits, True)
         else:
             num_lookups, rel_total, sw_bad, pre_first = scan_requests(ps, pc, ms, mc, batch, nb)
             tl.debug_barrier()
@@ -829,7 +850,7 @@ def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, c
                 find_hits(ps, pc, ms, mc, nb, num_lookups)
             any_hits = count_zero_ref_hits(ps, pc, ms, mc, nb, num_lookups)
             num_pops, num_zref, num_items, fail, sw, reach, partial, _, _, _ = \
-                plan_requests(ps, pc, ms, mc, batch, nb, num_free, any_hits, False)
+                plan_requests(ps, pc, ms, mc, batch, nb, num_free, unreserved, any_hits, False)
         tl.debug_barrier()
         segment_ids(pkg(ms, mc, G_COFF, 0), nb * mc.G, num_items, ms.s_map + MAP_CACHE * mc.MAPS, pc.BLOCK)
         sw = tl.minimum(sw, sw_bad)
@@ -881,7 +902,8 @@ def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, c
             stored = tl.zeros([], tl.int32)
             if pc.CACHING:
                 stored = cache_all(ps, pc, ms, mc, split, key_seq, removed)
-            finish_requests(ms, mc, batch, split, pc.CACHING)
+            drawn = finish_requests(ms, mc, batch, split, pc.CACHING)
+            tl.store(ms.num_reserved, resv_total - drawn)
             tl.store(ps.ctrl + HEAD, head)
             tl.store(ps.ctrl + TAIL, tail)
             tl.store(ps.ctrl + NUM_FREE, num_free + released - pops - unlinked)

@@ -40,6 +40,8 @@ class ReferenceKVCacheManager(Locked):
         self.num_computed = [0] * R
         self.hashes: list[list[bytes]] = [[] for _ in range(R)]
         self.active = [False] * R
+        self.reserved = [0] * R  # blocks booked per request (docs/semantics.md section 8)
+        self.num_reserved = 0  # their sum, held against the free blocks
         self.pending_copies: list[tuple[int, int, int]] = []  # (src, dst, block released after the copy)
 
     # ---- checks ------------------------------------------------------------------------------
@@ -170,10 +172,11 @@ class ReferenceKVCacheManager(Locked):
             eff = max(tgt[k], nh * bs)
             need = max(0, -(-eff // bs) - len(self.tables[0][r]) - nh)
             zero_ref = sum(1 for g in range(G) for c in self.pool.ref_counts(hits[g]) if c == 0)
-            if need * G + zero_ref > self.pool.get_num_free_blocks():
+            if need * G + zero_ref > self._room(r):
                 if stop_on_failure:
                     break
                 continue
+            self._draw(r, need * G + zero_ref)
             for g in range(G):
                 self.pool.touch(hits[g])
             for g in range(G):
@@ -207,7 +210,8 @@ class ReferenceKVCacheManager(Locked):
 
     @locked
     def free(self, slots) -> None:
-        """Finish requests, in order: each group's blocks freed tail first (one free_blocks per group)."""
+        """Finish requests, in order: each group's blocks freed tail first (one free_blocks per group);
+        their reservations are released (docs/semantics.md section 8)."""
         op = "free"
         rs = self._slots(op, slots)
         for r in rs:
@@ -218,6 +222,8 @@ class ReferenceKVCacheManager(Locked):
             self.active[r] = False
             self.num_computed[r] = 0
             self.hashes[r] = []
+            self.num_reserved -= self.reserved[r]
+            self.reserved[r] = 0
 
     @locked
     def slot_mapping(self, slots, positions, group: int = 0) -> list[int]:
@@ -246,7 +252,9 @@ class ReferenceKVCacheManager(Locked):
     def validate(self) -> None:
         """The pool's invariants, then the manager's: every block's ref count equals its references
         from the active requests' block tables plus the pending copies' held blocks (so a leaked
-        reference shows), when only the manager takes references. Raises InvariantError."""
+        reference shows), when only the manager takes references; and the reservations' (section 8:
+        each >= 0 and 0 on a free slot, their sum the total, the total <= the free blocks).
+        Raises InvariantError."""
         self.pool.validate()
         expect = [0] * self.pool.num_blocks
         for table in self.tables:
@@ -261,6 +269,74 @@ class ReferenceKVCacheManager(Locked):
             if self.pool.ref_cnt[b] != expect[b]:
                 raise InvariantError("validate", f"block {b} has ref_cnt {self.pool.ref_cnt[b]} but {expect[b]} "
                                                  "references from block tables and pending copies", b)
+        check_reservations(self.reserved, self.active, self.num_reserved, self.pool.get_num_free_blocks())
+
+    # ---- reservations (docs/semantics.md section 8) -----------------------------------------
+    def _room(self, r: int) -> int:
+        """Free blocks request ``r`` may take: the free queue less what the other requests reserved."""
+        return self.pool.get_num_free_blocks() - (self.num_reserved - self.reserved[r])
+
+    def _draw(self, r: int, n: int) -> None:
+        """Request ``r`` takes ``n`` blocks off the free queue: they come out of its reservation first."""
+        take = min(self.reserved[r], n)
+        self.reserved[r] -= take
+        self.num_reserved -= take
+
+    def reservation_need(self, r: int, num_tokens: int) -> int:
+        """Blocks request ``r`` needs for ``num_tokens`` more tokens: ``G * max(0, ceil((num_computed +
+        num_tokens) / block_size) - row length)`` (the row counts its null blocks; section 8)."""
+        bs = self.block_size
+        return len(self.groups) * max(0, -(-(self.num_computed[r] + num_tokens) // bs) - len(self.tables[0][r]))
+
+    @locked
+    def reserve(self, slots, num_tokens) -> list[bool]:
+        """Book, for each running request in order, the blocks it needs for ``num_tokens[k]`` more
+        tokens (:meth:`reservation_need`) without taking any off the free queue (no eviction): the
+        request's reservation becomes ``max(its reservation, need)``. The growth must fit the free
+        blocks nobody reserved (``free - reserved total``); the first request whose growth does not
+        fit gets nothing, and neither do the ones after it. Returns one flag per request (its
+        reservation now covers ``num_tokens``). Raises InvalidArgumentError (a slot out of range,
+        not in use or listed twice; lengths differ), InvalidCountError (``num_tokens < 0`` or
+        ``num_computed + num_tokens > max_blocks_per_req * block_size``), with nothing changed."""
+        op = "reserve"
+        rs = self._slots(op, slots)
+        nts = as_id_list(op, num_tokens)
+        if len(nts) != len(rs):
+            raise InvalidArgumentError(op, "slots and num_tokens differ in length")
+        cap = self.max_blocks_per_req * self.block_size
+        for r, n in zip(rs, nts):
+            if n < 0 or self.num_computed[r] + n > cap:
+                raise InvalidCountError(op, f"token count {n} outside 0..{cap - self.num_computed[r]} for slot {r}", n)
+        out = [False] * len(rs)
+        room = self.pool.get_num_free_blocks() - self.num_reserved
+        for k, (r, n) in enumerate(zip(rs, nts)):
+            grow = max(0, self.reservation_need(r, n) - self.reserved[r])
+            if grow > room:
+                break
+            room -= grow
+            self.reserved[r] += grow
+            self.num_reserved += grow
+            out[k] = True
+        return out
+
+    @locked
+    def release_reservation(self, slots) -> None:
+        """Return the unused reservations of the requests to the pool (each becomes 0). Raises
+        InvalidArgumentError (a slot out of range, not in use or listed twice), nothing changed."""
+        rs = self._slots("release_reservation", slots)
+        for r in rs:
+            self.num_reserved -= self.reserved[r]
+            self.reserved[r] = 0
+
+    @locked
+    def get_num_reserved_blocks(self) -> int:
+        """Blocks reserved by all requests (held against the free blocks)."""
+        return self.num_reserved
+
+    @locked
+    def reservations(self) -> list[int]:
+        """Each slot's reserved blocks (0 for a free slot)."""
+        return list(self.reserved)
 
     # ---- copy-on-write ----------------------------------------------------------------------
     @locked
@@ -280,8 +356,9 @@ class ReferenceKVCacheManager(Locked):
         real = [s for s in ss if s != NULL_BLOCK]
         self._check_not_pending_dst(op, real)
         need = len(real) + sum(1 for s in set(real) if self.pool.ref_cnt[s] == 0)
-        if need > self.pool.get_num_free_blocks():
+        if need > self._room(r):
             raise OutOfBlocksError(op, f"copy-on-write needs {need} free blocks", need)
+        self._draw(r, need)
         self.pool.touch(real)
         dsts = []
         for g, s in enumerate(ss):
@@ -306,8 +383,9 @@ class ReferenceKVCacheManager(Locked):
         srcs = [self.tables[g][r][i] for g in range(len(self.groups))]
         self._check_not_pending_dst(op, [s for s in srcs if s != NULL_BLOCK])
         need = sum(1 for s in srcs if s != NULL_BLOCK)
-        if need > self.pool.get_num_free_blocks():
+        if need > self._room(r):
             raise OutOfBlocksError(op, f"copy-on-write needs {need} free blocks", need)
+        self._draw(r, need)
         dsts = []
         for s in srcs:
             if s == NULL_BLOCK:
@@ -344,3 +422,17 @@ class ReferenceKVCacheManager(Locked):
         except (TypeError, IndexError, KeyError):
             raise ArgumentTypeError(op, "copies must be (src, dst, release) triples") from None
         self.pool.free_blocks(release)
+
+
+
+def check_reservations(reserved, active, total: int, num_free: int) -> None:
+    """The reservation invariants (docs/semantics.md section 8): per slot ``>= 0`` and 0 on a free
+    slot, their sum ``== total``, ``total <= num_free``. Raises InvariantError."""
+    for r, (v, a) in enumerate(zip(reserved, active)):
+        if v < 0 or (v and not a):
+            raise InvariantError("validate", f"slot {r} has reservation {v}{'' if a else ' but is free'}", r)
+    if sum(reserved) != total:
+        raise InvariantError("validate", f"reservations sum to {sum(reserved)} but the reserved total is {total}",
+                             total)
+    if total > num_free:
+        raise InvariantError("validate", f"{total} blocks reserved but only {num_free} free", total)
