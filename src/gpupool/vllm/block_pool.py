@@ -33,6 +33,7 @@ from .. import events as gp_events
 from ..errors import ArgumentTypeError, InvalidArgumentError, OutOfBlocksError, PoolError
 from ..kernels.layout import Ctrl
 from ..pool import BlockPool as DevicePool
+from ..reference import ReferenceBlockPool
 from . import kv_events as _gp_kv_events
 
 MEDIUM_GPU = "GPU"
@@ -267,7 +268,13 @@ class BlockHashToBlockView:
         raise InvalidArgumentError("cached_block_hash_to_block", "the prefix cache of a gpupool pool is changed "
                                                                  "by the pool's ops only (a read-only view)")
 
-    insert = pop = _read_only
+    def insert(self, key: bytes, block: KVCacheBlock) -> None:
+        """vLLM tests seed the cache with ``insert(key, block)``; here that is the pool op
+        ``cache_full_blocks`` of that one block under ``key`` (so, unlike vLLM's bare dict insert, the
+        block's ``block_hash`` becomes ``key`` when it had none; ``block_hash_num_tokens`` is None)."""
+        self._pool._insert_key(key, block)
+
+    pop = _read_only
 
 
 def _hashes_at(block_hashes, hash_block_size: int, block_size: int, upto: int) -> list[bytes]:
@@ -301,6 +308,9 @@ class BlockPool:
         max_keys_per_block: keys one block may hold (primary + partial entries; 1..64, default 8).
         device_lookups: answer :meth:`get_cached_block` with a device lookup (one launch and one
             synchronisation per call) instead of from the host mirror; both give the same block.
+        backend: ``"device"`` (default: :class:`gpupool.BlockPool`) or ``"reference"`` (the CPU oracle
+            :class:`gpupool.reference.ReferenceBlockPool`, same semantics; for running vLLM's test
+            suites where Triton's interpreter would be too slow, docs/vllm.md).
 
     Raises InvalidArgumentError (and AssertionError, as vLLM asserts) for a bad ``num_gpu_blocks``.
     """
@@ -309,7 +319,7 @@ class BlockPool:
                  enable_kv_cache_events: bool = False, metrics_collector: Any = None,
                  num_hash_lookahead_tokens: int = 0, medium: str = MEDIUM_GPU, *,
                  device: str | torch.device | None = None, max_keys_per_block: int = 8,
-                 device_lookups: bool = False):
+                 device_lookups: bool = False, backend: str = "device"):
         if not isinstance(num_gpu_blocks, int) or isinstance(num_gpu_blocks, bool) or num_gpu_blocks <= 0:
             raise _as_assertion(InvalidArgumentError("BlockPool", f"num_gpu_blocks must be a positive int, got "
                                                                   f"{num_gpu_blocks!r}"))
@@ -321,9 +331,18 @@ class BlockPool:
         self.enable_kv_cache_events = bool(enable_kv_cache_events)
         self.metrics_collector = metrics_collector
         self.device_lookups = device_lookups
-        self._dev = DevicePool(num_gpu_blocks, enable_caching=self.enable_caching,
-                               enable_kv_cache_events=self.enable_kv_cache_events,
-                               max_keys_per_block=max_keys_per_block, device=device)
+        if backend == "device":
+            self._dev = DevicePool(num_gpu_blocks, enable_caching=self.enable_caching,
+                                   enable_kv_cache_events=self.enable_kv_cache_events,
+                                   max_keys_per_block=max_keys_per_block, device=device)
+        elif backend == "reference":
+            self._dev = ReferenceBlockPool(num_gpu_blocks, enable_caching=self.enable_caching,
+                                           enable_kv_cache_events=self.enable_kv_cache_events,
+                                           max_keys_per_block=max_keys_per_block)
+        else:
+            raise InvalidArgumentError("BlockPool", f"backend must be 'device' or 'reference', got {backend!r}")
+        self.backend = backend
+        self._seq = 0
         self._mk = self._dev.max_keys_per_block
         n = num_gpu_blocks
         # the host mirror (docs/vllm.md): per block ref count, keys (vLLM key bytes, primary first),
@@ -348,6 +367,8 @@ class BlockPool:
         one transfer, and update the key -> blocks map from the difference."""
         self._version += 1
         ids = list(dict.fromkeys(int(b) for b in ids))
+        if self.backend == "reference":
+            return self._refresh_reference(ids)
         s, mk = self._dev.state, self._mk
         idx = torch.tensor(ids, dtype=torch.long, device=self._dev.device)
         keys = s.keys.view(self.num_gpu_blocks, mk, 5)[idx][:, :, [0, 1, 3]].reshape(len(ids), 3 * mk)
@@ -379,6 +400,29 @@ class BlockPool:
                         del holders[k]
             for k, q in zip(new_t, seqs):
                 holders.setdefault(k, {})[b] = q
+            self._keys[b] = new_t
+
+    def _refresh_reference(self, ids: list[int]) -> None:
+        """:meth:`_refresh` over the reference pool: its lists, a host insertion counter for order."""
+        r, holders = self._dev, self._holders
+        self._num_free = r.get_num_free_blocks()
+        for b in ids:
+            self._ref[b] = r.ref_cnt[b]
+            self._ntok[b] = r.hash_num_tokens[b]
+            new_t = tuple(make_block_hash_with_group_id(h, g) for h, g in r.keys[b])
+            old = self._keys[b]
+            if old == new_t:
+                continue
+            for k in old:
+                if k not in new_t:
+                    hs = holders[k]
+                    hs.pop(b, None)
+                    if not hs:
+                        del holders[k]
+            for k in new_t:
+                if k not in old:
+                    self._seq += 1
+                    holders.setdefault(k, {})[b] = self._seq
             self._keys[b] = new_t
 
     def _ids(self, blocks) -> list[int]:
@@ -472,7 +516,8 @@ class BlockPool:
             if block_mask is not None and len(block_mask) != nf - nc:
                 raise InvalidArgumentError("cache_full_blocks", f"block_mask has {len(block_mask)} entries for "
                                                                 f"{nf - nc} blocks")
-            ids = self._ids(blocks[:nf])
+            # only blocks[nc:nf] are read (vLLM's own tests pass placeholders before nc): id 0 stands in
+            ids = [0] * nc + self._ids(blocks[nc:nf])
             hashes = _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf)
             self._dev.cache_full_blocks(ids, hashes, nc, nf, block_size, kv_cache_group_id,
                                         None if block_mask is None else list(block_mask))
@@ -560,7 +605,8 @@ class BlockPool:
         Raises OutOfBlocksError (a ValueError, as vLLM's) when fewer are free."""
         if num_blocks > self._num_free:
             raise OutOfBlocksError("get_new_blocks", f"Cannot get {num_blocks} free blocks from the pool", num_blocks)
-        ids = self._dev.get_new_blocks(num_blocks).tolist()
+        ids = self._dev.get_new_blocks(num_blocks)
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         self._refresh(ids)
         self._drain_events()
         ret = [self.blocks[b] for b in ids]
@@ -581,6 +627,18 @@ class BlockPool:
         with _asserts:
             self._dev.unpin_blocks(ids, lambda b: on_reuse(self.blocks[b]))
         self._refresh(ids)
+
+    def _insert_key(self, key: bytes, block: KVCacheBlock) -> None:
+        """Register ``key`` (vLLM's key bytes) on ``block``: gpupool's ``cache_full_blocks`` of one
+        block with block size 1 (``block_hash_num_tokens`` is then whatever the pool records for it)."""
+        (b,) = self._ids([block])
+        with _asserts:
+            self._dev.cache_full_blocks([b], [get_block_hash(key)], 0, 1, 1, get_group_id(key))
+        self._refresh([b])
+        self._drain_events(lambda e: self._ev.BlockStored(
+            block_hashes=[self._ext(h) for h in e.block_hashes], parent_block_hash=None, token_ids=[],
+            block_size=e.block_size, lora_id=None, medium=self.medium, lora_name=None,
+            extra_keys=[None] * len(e.block_hashes), group_idx=e.group_id))
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """Remove every key of ``block``; True if it had one."""
