@@ -673,7 +673,7 @@ class BlockPool:
         pool forwarded to it, as vLLM does)."""
         mine, others = [], {}
         for blk in ordered_blocks:
-            if blk.is_null:
+            if getattr(blk, "is_null", False):
                 continue
             owner = getattr(blk, "pool", None)
             if owner is not None and owner is not self:
