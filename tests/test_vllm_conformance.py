@@ -15,6 +15,7 @@ one file (``test_partial_prefix_cache_primitives.py``) also runs over the device
 slow (each subprocess spends ~20 s importing vLLM).
 """
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -74,14 +75,21 @@ def vllm_tree() -> Path:
             tmp.rename(sdist)
         except OSError as e:
             pytest.skip(f"vLLM 0.33.0's sdist could not be downloaded ({e})")
-    part = CACHE / "vllm-0.33.0-src.part"
+    part = CACHE / f"vllm-0.33.0-src.part{os.getpid()}"
+    shutil.rmtree(part, ignore_errors=True)
     with tarfile.open(sdist) as t:
         members = [m for m in t.getmembers()
                    if m.isfile() and m.name.endswith(".py") and m.name.split("/")[1] in ("vllm", "tests")]
         for m in members:
             m.name = m.name.split("/", 1)[1]
-        t.extractall(part, members=members, filter="data")
-    part.rename(root)
+        try:
+            t.extractall(part, members=members, filter="data")
+        except TypeError:  # Python without tarfile extraction filters (all members are plain .py files)
+            t.extractall(part, members=members)
+    try:
+        part.rename(root)
+    except OSError:  # another process unpacked it first
+        shutil.rmtree(part, ignore_errors=True)
     return root
 
 
