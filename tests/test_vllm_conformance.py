@@ -3,24 +3,25 @@
 
 vLLM's released source (never a copy in this repo) is the 0.33.0 sdist, downloaded once into
 ``~/.cache/gpupool`` and its ``vllm/`` and ``tests/`` unpacked beside it; without it (no network) the
-tests skip with the reason. Each run is a pytest subprocess in the unpacked tree with the plugin
-``tests/vllm_conformance/plugin.py`` (what it stubs is in its docstring), once with vLLM's own
-``BlockPool`` (the baseline: what passes in this harness at all) and once with gpupool's swapped in
-everywhere vLLM imported it. Every test's outcome must equal the baseline's, except the tests in
-``KNOWN`` (each with the reason the adapter differs on purpose).
+tests skip with the reason. All of vLLM's tests run in ONE pytest subprocess in the unpacked tree with
+the plugin ``tests/vllm_conformance/plugin.py`` (what it stubs is in its docstring), which runs each
+test once with vLLM's own ``BlockPool`` (the baseline: what passes in this harness at all) and then
+once with gpupool's swapped in everywhere vLLM imported it, so vLLM is imported once (~20 s). Every
+test's outcome must equal the baseline's, except the tests in ``KNOWN`` (each with the reason the
+adapter differs on purpose).
 
 The full files run against the adapter over the reference backend (``backend="reference"``: the
-same adapter over gpupool's CPU oracle; Triton's interpreter would take ~3 s per test), marked slow;
-one file (``test_partial_prefix_cache_primitives.py``) also runs over the device pool. Both are
-slow (each subprocess spends ~20 s importing vLLM).
+same adapter over gpupool's CPU oracle; Triton's interpreter would take ~3 s per test); one file
+(``test_partial_prefix_cache_primitives.py``) also runs over the device pool, in the same subprocess.
+Both tests are slow and share that subprocess (a module fixture).
 """
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import urllib.request
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -93,38 +94,42 @@ def vllm_tree() -> Path:
     return root
 
 
-def run_vllm_tests(pool: str, files, backend: str = "reference", timeout: int = 600) -> dict[str, str]:
-    """Run vLLM's ``files`` with ``BlockPool`` = ``pool`` (``stock`` / ``gpupool``); test id -> outcome."""
+DEVICE_FILES = ("tests/v1/core/prefix_cache/test_partial_prefix_cache_primitives.py",)
+
+
+def run_vllm_tests(files=FILES, modes=("stock", "reference"), device_files=(), timeout: int = 600):
+    """Run vLLM's ``files`` in ONE pytest subprocess, each test once per mode (``stock``: vLLM's
+    ``BlockPool``; ``reference`` / ``device``: ``gpupool.vllm.BlockPool`` with that backend), and the
+    tests of ``device_files`` also in mode ``device``. Returns (mode -> test id -> outcome, mode ->
+    gpupool pools built)."""
     root = vllm_tree()
-    out = CACHE / f"conformance-{pool}-{backend}-{os.getpid()}.xml"
+    out = CACHE / f"conformance-{os.getpid()}.json"
     paths = [str(PLUGIN_DIR)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-    env = dict(os.environ, GPUPOOL_VLLM_SRC=str(root), GPUPOOL_VLLM_POOL=pool, GPUPOOL_VLLM_BACKEND=backend,
+    env = dict(os.environ, GPUPOOL_VLLM_SRC=str(root), GPUPOOL_VLLM_MODES=",".join(modes),
+               GPUPOOL_VLLM_DEVICE_FILES=",".join(device_files), GPUPOOL_VLLM_RESULTS=str(out),
                PYTHONPATH=os.pathsep.join(paths))
     env.setdefault("TRITON_INTERPRET", "1")
-    count = out.with_suffix(".count")
-    env["GPUPOOL_VLLM_COUNT_FILE"] = str(count)
     cmd = [sys.executable, "-m", "pytest", "-p", "plugin", "--noconftest", "-q", "-p", "no:cacheprovider",
-           "-W", "ignore", f"--junitxml={out}", "-o", "junit_family=xunit1", "--rootdir", str(root), *files]
+           "-W", "ignore", "--rootdir", str(root), *files]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     if not out.is_file():
         raise AssertionError(f"vLLM's tests did not run ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    outcomes = {}
-    for case in ET.parse(out).getroot().iter("testcase"):
-        f = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
-        tid = f"{f}::{case.get('name')}"
-        kind = "passed"
-        for child in case:
-            if child.tag in ("failure", "error", "skipped"):
-                kind = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
-        outcomes[tid] = kind
+    res = json.loads(out.read_text())
     out.unlink()
-    built = int(count.read_text())
-    count.unlink()
-    if pool == "gpupool":
-        assert built > 0, "no gpupool BlockPool was built: the swap did not take"
-    else:
-        assert built == 0
-    return outcomes
+    outcomes, built = res["outcomes"], res["built"]
+    print(f"\nvLLM conformance subprocess: {res['process_s']:.1f} s (plugin + vLLM import {res['import_s']:.1f} s), "
+          f"tests per mode: " + ", ".join(f"{m} {t:.1f} s" for m, t in res["seconds"].items()))
+    assert built.get("stock", 0) == 0
+    for m in set(outcomes) - {"stock"}:
+        assert built.get(m, 0) > 0, f"no gpupool BlockPool was built in mode {m}: the swap did not take"
+    return outcomes, built
+
+
+@pytest.fixture(scope="module")
+def vllm_runs():
+    """The one subprocess both tests below read: every file in modes stock and reference, the
+    primitives file also in mode device."""
+    return run_vllm_tests(FILES, ("stock", "reference"), DEVICE_FILES)
 
 
 def _counts(outcomes: dict[str, str], prefix: str = "") -> dict[str, int]:
@@ -159,24 +164,25 @@ def _report(stock, ours, label):
 
 
 @pytest.mark.slow
-def test_partial_prefix_primitives_on_the_device_pool():
+def test_partial_prefix_primitives_on_the_device_pool(vllm_runs):
     """vLLM's partial-prefix BlockPool primitives file, gpupool's adapter over the device pool (Triton
     kernels) against vLLM's pool: the same outcome for every test."""
-    files = ["tests/v1/core/prefix_cache/test_partial_prefix_cache_primitives.py"]
-    stock = run_vllm_tests("stock", files)
-    ours = run_vllm_tests("gpupool", files, backend="device")
+    outcomes, built = vllm_runs
+    stock = {t: k for t, k in outcomes["stock"].items() if t.startswith(DEVICE_FILES)}
+    ours = outcomes["device"]
     _report(stock, ours, "device backend")
     assert _counts(stock).get("passed", 0) >= 10
     assert not _compare(stock, ours, KNOWN)
 
 
 @pytest.mark.slow
-def test_vllm_core_tests_on_gpupool_block_pool():
+def test_vllm_core_tests_on_gpupool_block_pool(vllm_runs):
     """Every test of ``FILES``: gpupool's adapter (reference backend) has vLLM's pool's outcome, except
     ``KNOWN``."""
-    stock = run_vllm_tests("stock", FILES)
-    ours = run_vllm_tests("gpupool", FILES, backend="reference")
+    outcomes, built = vllm_runs
+    stock, ours = outcomes["stock"], outcomes["reference"]
     _report(stock, ours, "reference backend")
+    print(f"gpupool pools built: {built}")
     assert _counts(stock).get("passed", 0) >= 500
     bad = _compare(stock, ours, KNOWN)
     assert not bad, "\n".join(bad)

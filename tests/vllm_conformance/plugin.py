@@ -2,9 +2,21 @@
 (tests/test_vllm_conformance.py starts pytest with ``-p plugin``; docs/vllm.md, "Conformance").
 
 Environment: ``GPUPOOL_VLLM_SRC`` is the unpacked sdist (``vllm-0.33.0/``, holding ``vllm/`` and
-``tests/``); ``GPUPOOL_VLLM_POOL`` is ``gpupool`` (vLLM's ``BlockPool`` replaced by
-``gpupool.vllm.BlockPool`` everywhere it was imported) or ``stock`` (vLLM's own, for the baseline); ``GPUPOOL_VLLM_BACKEND`` is the adapter's ``backend``
-(``device``, the default, or ``reference``).
+``tests/``). Imported without pytest (tests/vllm_conformance/driver.py) the plugin only sets up the
+path and the stubs; vLLM's ``BlockPool`` stays in place.
+
+Under pytest (``-p plugin``) every collected test runs once per *mode*, one after the other in the same
+process (vLLM is imported once), and its outcome per mode goes to the JSON file ``GPUPOOL_VLLM_RESULTS``:
+
+* ``GPUPOOL_VLLM_MODES``: comma-separated modes for every test, default ``stock,reference``;
+* ``GPUPOOL_VLLM_DEVICE_FILES``: comma-separated test-file paths whose tests also run in mode ``device``.
+
+``stock`` is vLLM's own ``BlockPool`` (the baseline); ``reference`` / ``device`` put
+``gpupool.vllm.BlockPool`` with that ``backend`` in every loaded module whose ``BlockPool`` name is
+vLLM's class (or gpupool's, from the previous mode), set again before each run. Function-scoped
+fixtures are set up and torn down for each mode (vLLM's files here have no wider-scoped ones). The
+results file also holds, per mode, how many gpupool pools were built, so a swap that did not take
+shows as 0.
 
 Stubbed, because they are not installed here and none is used by the code these tests exercise:
 the third-party packages in ``STUBBED`` are served by an import hook as empty modules whose every
@@ -16,7 +28,10 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+import time
 import types
+
+_T0 = time.perf_counter()
 
 STUBBED = ("psutil", "cbor2", "transformers", "huggingface_hub", "safetensors", "aiohttp", "openai_harmony",
            "openai", "pybase64", "cachetools", "uvloop", "prometheus_client", "xgrammar", "fastapi",
@@ -88,34 +103,74 @@ for _top in STUBBED:
         _missing.append(_top)
 sys.meta_path.insert(0, _Finder(_missing))
 sys.path.insert(0, os.environ["GPUPOOL_VLLM_SRC"])
-MODE = os.environ.get("GPUPOOL_VLLM_POOL", "gpupool")
-
 import vllm.v1.core.block_pool as _vbp  # noqa: E402
 
+_IMPORT_S = time.perf_counter() - _T0  # the stubs and vLLM's block pool module (most of vLLM's import)
+
 _STOCK = _vbp.BlockPool
-_BUILT = [0]  # gpupool pools built (reported, so the caller can tell the swap took)
+_BUILT: dict[str, int] = {}  # mode -> gpupool pools built (reported, so the caller can tell the swap took)
+_RESULTS: dict[str, dict[str, str]] = {}  # mode -> test id -> outcome
+_DETAILS: dict[str, dict[str, str]] = {}  # mode -> test id -> the tail of its failure text
+_SECONDS: dict[str, float] = {}  # mode -> seconds spent running tests in it
+_GP: list = []  # the swapped-in class, built on first use
+_MODE = ["stock"]
 
 
-def _swap():
-    """Point every loaded module's ``BlockPool`` name that is vLLM's class at gpupool's."""
-    from gpupool.vllm import BlockPool as GpBlockPool
-    backend = os.environ.get("GPUPOOL_VLLM_BACKEND", "device")
-    base = GpBlockPool
+def _gp_class():
+    if not _GP:
+        from gpupool.vllm import BlockPool as base
 
-    def __init__(self, *a, **k):
-        k.setdefault("backend", backend)
-        base.__init__(self, *a, **k)
-        _BUILT[0] += 1
+        def __init__(self, *a, **k):
+            k.setdefault("backend", _MODE[0])
+            base.__init__(self, *a, **k)
+            _BUILT[_MODE[0]] = _BUILT.get(_MODE[0], 0) + 1
 
-    GpBlockPool = type("BlockPool", (base,), {"__init__": __init__, "__module__": base.__module__})
+        _GP.append(type("BlockPool", (base,), {"__init__": __init__, "__module__": base.__module__}))
+    return _GP[0]
+
+
+def _set_mode(mode: str) -> list[str]:
+    """Point every loaded module's ``BlockPool`` name that is vLLM's (or gpupool's) class at the class
+    of ``mode``; returns the module names."""
+    target = _STOCK if mode == "stock" else _gp_class()
+    _MODE[0] = mode
+    ours = _GP[0] if _GP else None
     swapped = []
     for name, mod in list(sys.modules.items()):
         if mod is None or name.startswith("gpupool"):
             continue
-        if getattr(mod, "BlockPool", None) is _STOCK:
-            mod.BlockPool = GpBlockPool
+        cur = getattr(mod, "BlockPool", None) if isinstance(mod, types.ModuleType) else None
+        if cur is not None and (cur is _STOCK or cur is ours):
+            if cur is not target:
+                mod.BlockPool = target
             swapped.append(name)
     return swapped
+
+
+def _modes(item) -> list[str]:
+    modes = [m for m in os.environ.get("GPUPOOL_VLLM_MODES", "stock,reference").split(",") if m]
+    device_files = [f for f in os.environ.get("GPUPOOL_VLLM_DEVICE_FILES", "").split(",") if f]
+    if item.nodeid.split("::")[0] in device_files and "device" not in modes:
+        modes.append("device")
+    return modes
+
+
+def _outcome(reports) -> str:
+    """One word per run, as JUnit counts it: a failing setup or teardown is an error, a failing call a
+    failure, a skip (or an expected failure) skipped."""
+    by = {r.when: r for r in reports}
+    if by["setup"].failed:
+        return "error"
+    if by["setup"].skipped:
+        return "skipped"
+    call = by.get("call")
+    if call is not None and call.failed:
+        return "failed"
+    if "teardown" in by and by["teardown"].failed:
+        return "error"
+    if call is not None and call.skipped:
+        return "skipped"
+    return "passed"
 
 
 def pytest_configure(config):
@@ -123,18 +178,43 @@ def pytest_configure(config):
 
 
 def pytest_collection_finish(session):
-    if MODE == "gpupool":
-        swapped = _swap()
-        session.config._gpupool_swapped = swapped
-        print(f"\ngpupool conformance: BlockPool swapped in {len(swapped)} modules: {', '.join(sorted(swapped))}")
+    swapped = _set_mode("stock")
+    print(f"\ngpupool conformance: BlockPool toggled in {len(swapped)} modules: {', '.join(sorted(swapped))}")
+
+
+def pytest_runtest_protocol(item, nextitem):
+    """Run ``item`` once per mode (the last run tears down as far as ``nextitem`` needs); record each
+    outcome; log only a summary report so pytest's own counts are per test, not per run."""
+    from _pytest.runner import runtestprotocol
+
+    modes = _modes(item)
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    for i, mode in enumerate(modes):
+        _set_mode(mode)
+        # between modes tear down the test's own (function-scoped) fixtures only: ``item.parent``'s
+        # chain keeps the module and session set up
+        last = i == len(modes) - 1
+        t0 = time.perf_counter()
+        reports = runtestprotocol(item, nextitem=nextitem if last else item.parent, log=False)
+        _SECONDS[mode] = _SECONDS.get(mode, 0.0) + time.perf_counter() - t0
+        out = _outcome(reports)
+        _RESULTS.setdefault(mode, {})[item.nodeid] = out
+        if out in ("failed", "error"):
+            _DETAILS.setdefault(mode, {})[item.nodeid] = "\n".join(
+                str(r.longrepr)[-1500:] for r in reports if r.failed)
+    _set_mode("stock")
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    return True
 
 
 def pytest_report_header(config):
-    return [f"gpupool conformance: BlockPool = {MODE}; stubbed (not installed): {', '.join(_missing) or 'none'}"]
+    return [f"gpupool conformance: stubbed (not installed): {', '.join(_missing) or 'none'}"]
 
 
 def pytest_sessionfinish(session, exitstatus):
-    path = os.environ.get("GPUPOOL_VLLM_COUNT_FILE")
+    path = os.environ.get("GPUPOOL_VLLM_RESULTS")
     if path:
+        import json
         with open(path, "w") as f:
-            f.write(str(_BUILT[0]))
+            json.dump({"outcomes": _RESULTS, "built": _BUILT, "details": _DETAILS, "seconds": _SECONDS,
+                   "import_s": _IMPORT_S, "process_s": time.perf_counter() - _T0}, f)
