@@ -109,6 +109,10 @@ def run_vllm_tests(files=FILES, modes=("stock", "reference"), device_files=(), t
                GPUPOOL_VLLM_DEVICE_FILES=",".join(device_files), GPUPOOL_VLLM_RESULTS=str(out),
                PYTHONPATH=os.pathsep.join(paths))
     env.setdefault("TRITON_INTERPRET", "1")
+    # vLLM's tree (and pytest's assertion-rewritten test modules) is byte-compiled in place on the first
+    # run, as an installed package would be, so later runs skip ~12 s of compiling even where
+    # PYTHONDONTWRITEBYTECODE is set
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     cmd = [sys.executable, "-m", "pytest", "-p", "plugin", "--noconftest", "-q", "-p", "no:cacheprovider",
            "-W", "ignore", "--rootdir", str(root), *files]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)

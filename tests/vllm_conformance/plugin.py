@@ -129,22 +129,32 @@ def _gp_class():
     return _GP[0]
 
 
+_HOLDERS: dict[str, types.ModuleType] = {}  # modules whose BlockPool name is vLLM's (or ours)
+_SCANNED: set[str] = set()  # module names already looked at (each loaded module is looked at once)
+
+
 def _set_mode(mode: str) -> list[str]:
     """Point every loaded module's ``BlockPool`` name that is vLLM's (or gpupool's) class at the class
-    of ``mode``; returns the module names."""
+    of ``mode``; returns the module names. Modules loaded since the last call are looked at first."""
     target = _STOCK if mode == "stock" else _gp_class()
     _MODE[0] = mode
     ours = _GP[0] if _GP else None
-    swapped = []
-    for name, mod in list(sys.modules.items()):
-        if mod is None or name.startswith("gpupool"):
-            continue
-        cur = getattr(mod, "BlockPool", None) if isinstance(mod, types.ModuleType) else None
-        if cur is not None and (cur is _STOCK or cur is ours):
-            if cur is not target:
-                mod.BlockPool = target
-            swapped.append(name)
-    return swapped
+    if len(_SCANNED) != len(sys.modules):
+        for name, mod in list(sys.modules.items()):
+            if name in _SCANNED:
+                continue
+            _SCANNED.add(name)
+            if mod is None or name.startswith("gpupool") or not isinstance(mod, types.ModuleType):
+                continue
+            try:
+                cur = mod.__dict__.get("BlockPool")
+            except Exception:  # noqa: BLE001 - a module without a plain __dict__
+                continue
+            if cur is not None and (cur is _STOCK or cur is ours):
+                _HOLDERS[name] = mod
+    for mod in _HOLDERS.values():
+        mod.BlockPool = target
+    return list(_HOLDERS)
 
 
 def _modes(item) -> list[str]:
