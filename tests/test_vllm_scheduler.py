@@ -56,6 +56,8 @@ def test_same_decisions_as_vllm_async_scheduler(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["is_async"]
+    assert r["holders"] == [], r["holders"]  # nothing of vLLM's refers to its old pool after the swap
+    assert r["refused"] == ["InvalidArgumentError", True]
     stock = r["stock"]
     # not vacuous: prefix hits, a preemption, aborts, every request finished
     assert sum(h[2] for s in stock for h in s.get("prefix_cache_stats", [])) > 0

@@ -143,6 +143,65 @@ def run(sched, stream, counts=None):
     return steps
 
 
+def old_pool_holders(num_blocks):
+    """After install_gpupool_block_pool on a stock scheduler, what still refers to vLLM's old pool or
+    its null block (besides this frame): type names, expected empty."""
+    import gc
+    from gpupool.vllm import install_gpupool_block_pool
+    s = make_scheduler(AsyncScheduler, num_blocks)
+    old = s.kv_cache_manager.block_pool
+    old_null = old.null_block
+    install_gpupool_block_pool(s, backend="reference")
+    gc.collect()
+    out = []
+    blocks = old.blocks
+    queue = old.free_block_queue
+    inside = set()  # plain loops: a comprehension would hold old / old_null in a closure cell
+    for b in blocks:
+        inside.add(id(b))
+        if hasattr(b, "__dict__"):
+            inside.add(id(b.__dict__))
+    for o in (blocks, old.__dict__, queue, getattr(queue, "__dict__", None)):
+        inside.add(id(o))
+    for name in ("old", "old_null"):
+        target = old if name == "old" else old_null
+        for r in gc.get_referrers(target):
+            if isinstance(r, types.FrameType) or id(r) in inside:
+                continue
+            keys = []
+            if isinstance(r, dict):
+                for k in r:
+                    if r[k] is target:
+                        keys.append(k)
+            out.append(f"{name} <- {type(r).__name__} {keys}")
+    return out
+
+
+def refuse_after_first_request(num_blocks, stream):
+    """install_gpupool_block_pool on a scheduler that already holds blocks raises InvalidArgumentError
+    and leaves vLLM's pool in place: (error class, pool unchanged)."""
+    from gpupool.errors import InvalidArgumentError
+    from gpupool.vllm import install_gpupool_block_pool
+    init_none_hash(sha256)
+    s = make_scheduler(AsyncScheduler, num_blocks)
+    old = s.kv_cache_manager.block_pool
+    _, rid, prompt, mt, _ = stream[0]
+    sp = SamplingParams(max_tokens=mt, ignore_eos=True)
+    sp.update_from_generation_config({}, 50256)
+    s.add_request(Request(request_id=rid, prompt_token_ids=prompt, sampling_params=sp, pooling_params=None,
+                          block_hasher=get_request_block_hasher(BLOCK, sha256)))
+    s.schedule()
+    try:
+        install_gpupool_block_pool(s, backend="reference")
+        err = None
+    except InvalidArgumentError as e:
+        err = type(e).__name__
+    mgrs = s.kv_cache_manager.coordinator.single_type_managers
+    same = (s.kv_cache_manager.block_pool is old and s.kv_cache_manager.coordinator.block_pool is old
+            and all(m.block_pool is old for m in mgrs))
+    return [err, same]
+
+
 def main():
     from gpupool.vllm import GpuPoolScheduler
     out_path = sys.argv[1]
@@ -172,6 +231,8 @@ def main():
         res[backend] = run(s, stream, counts)
         res[backend + "_s"] = time.perf_counter() - t
     res["is_async"] = issubclass(GpuPoolScheduler, AsyncScheduler)
+    res["holders"] = old_pool_holders(num_blocks)
+    res["refused"] = refuse_after_first_request(num_blocks, stream)
     with open(out_path, "w") as f:
         json.dump(res, f)
 
