@@ -56,6 +56,7 @@ def test_same_decisions_as_vllm_async_scheduler(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["is_async"]
+    assert r["sync"] == [True, "gpupool.vllm.block_pool"]
     assert r["holders"] == [], r["holders"]  # nothing of vLLM's refers to its old pool after the swap
     assert r["refused"] == ["InvalidArgumentError", True]
     stock = r["stock"]

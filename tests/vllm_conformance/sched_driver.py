@@ -231,6 +231,11 @@ def main():
         res[backend] = run(s, stream, counts)
         res[backend + "_s"] = time.perf_counter() - t
     res["is_async"] = issubclass(GpuPoolScheduler, AsyncScheduler)
+    from gpupool.vllm import GpuPoolSyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    sync = make_scheduler(GpuPoolSyncScheduler, num_blocks)
+    res["sync"] = [not isinstance(sync, AsyncScheduler) and isinstance(sync, Scheduler),
+                   type(sync.kv_cache_manager.block_pool).__module__]
     res["holders"] = old_pool_holders(num_blocks)
     res["refused"] = refuse_after_first_request(num_blocks, stream)
     with open(out_path, "w") as f:

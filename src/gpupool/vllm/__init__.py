@@ -22,7 +22,7 @@ from .block_pool import BlockPool, KVCacheBlock  # noqa: F401,E402
 
 def __getattr__(name: str):
     """``GpuPoolScheduler`` (and the scheduler module's helpers) load vLLM, so only on first access."""
-    if name in ("GpuPoolScheduler", "install_gpupool_block_pool"):
+    if name in ("GpuPoolScheduler", "GpuPoolSyncScheduler", "install_gpupool_block_pool"):
         from . import scheduler
         return getattr(scheduler, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,11 +27,13 @@ Environment (vLLM passes a scheduler no extra arguments):
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
 
 from ..errors import InvalidArgumentError
 from .block_pool import BlockPool
@@ -99,17 +101,35 @@ def install_gpupool_block_pool(scheduler, *, device: str | torch.device | None =
     return new
 
 
+_log = logging.getLogger(__name__)
+
+
 class GpuPoolScheduler(AsyncScheduler):
     """vLLM 0.33's ``AsyncScheduler`` whose KV-cache block pool is a :class:`gpupool.vllm.BlockPool`
     (the bookkeeping in gpupool's device pool on ``default_device()``); everything else is vLLM's.
 
     Same constructor as vLLM's scheduler. Raises what :func:`install_gpupool_block_pool` raises.
-    The pool is ``self.gpupool_block_pool`` (also ``self.kv_cache_manager.block_pool``).
+    The pool is ``self.gpupool_block_pool`` (also ``self.kv_cache_manager.block_pool``). vLLM decides
+    async scheduling from ``scheduler_config.async_scheduling``, not from the class; where it is off
+    (``--no-async-scheduling``, pipeline parallelism, pooling models) vLLM's default would be the
+    synchronous ``Scheduler``, so use :class:`GpuPoolSyncScheduler` there (a warning is logged).
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if not self.scheduler_config.async_scheduling:
+            _log.warning("gpupool.vllm.GpuPoolScheduler is an AsyncScheduler but async scheduling is off; "
+                         "use --scheduler-cls gpupool.vllm.GpuPoolSyncScheduler")
+        self.gpupool_block_pool = install_gpupool_block_pool(self)
+
+
+class GpuPoolSyncScheduler(Scheduler):
+    """vLLM 0.33's synchronous ``Scheduler`` with the gpupool block pool (as :class:`GpuPoolScheduler`),
+    for engines that run without async scheduling."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.gpupool_block_pool = install_gpupool_block_pool(self)
 
 
-__all__ = ["GpuPoolScheduler", "install_gpupool_block_pool", "default_device"]
+__all__ = ["GpuPoolScheduler", "GpuPoolSyncScheduler", "install_gpupool_block_pool", "default_device"]
