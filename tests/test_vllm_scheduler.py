@@ -72,12 +72,21 @@ def test_same_decisions_as_vllm_async_scheduler(tmp_path):
             ops = b.pop("gpupool_ops")
             assert a == b, (backend, a["step"])
             b["gpupool_ops"] = ops
-    per_step = [sum(v for k, v in s["gpupool_ops"].items() if k != "mirror_refresh") for s in r["device"]]
+    per_step = [sum(v for k, v in s["gpupool_ops"].items() if k not in ("mirror_refresh", "device_check"))
+                for s in r["device"]]
+    # host synchronisations: each check() waits for the device and reads 2 small tensors; each mirror
+    # refresh reads 2; get_new_blocks reads its ids back: a lower bound on device-to-host reads
+    syncs = [s["gpupool_ops"].get("device_check", 0) for s in r["device"]]
+    reads = [2 * s["gpupool_ops"].get("device_check", 0) + 2 * s["gpupool_ops"].get("mirror_refresh", 0)
+             + s["gpupool_ops"].get("get_new_blocks", 0) for s in r["device"]]
+    assert sum(syncs) >= sum(per_step)  # every device op waits for the device at least once
     total = Counter()
     for s in r["device"]:
         total.update(s["gpupool_ops"])
     print(f"\n{len(stock)} steps; gpupool device-pool ops per step: max {max(per_step)}, "
-          f"mean {sum(per_step) / len(per_step):.2f}; totals {dict(total)}; "
+          f"mean {sum(per_step) / len(per_step):.2f}; device waits (check) per step: max {max(syncs)}, "
+          f"total {sum(syncs)}; device-to-host reads >= {sum(reads)} (max {max(reads)} in a step); "
+          f"totals {dict(total)}; "
           f"time stock {r['stock_s']:.2f} s, reference {r['reference_s']:.2f} s, device (interpreter) {r['device_s']:.2f} s")
     # this version makes one gpupool op per vLLM BlockPool call (docs/vllm.md): more than one per step
     assert max(per_step) > 1

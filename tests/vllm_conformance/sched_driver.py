@@ -220,6 +220,13 @@ def main():
         held = [s.kv_cache_manager.coordinator.block_pool] + [m.block_pool for m in s.kv_cache_manager.coordinator.single_type_managers]
         assert all(p is pool for p in held)
         assert all(m._null_block is pool.null_block for m in s.kv_cache_manager.coordinator.single_type_managers)
+        if backend == "device":  # the device pool's own calls to check(): one device wait + 2 reads each
+            dev, dev_check = pool._dev, pool._dev.check
+
+            def check(_c=dev_check):
+                counts["device_check"] += 1
+                return _c()
+            dev.check = check
         pool._dev = Counting(pool._dev, counts)
         orig = pool._refresh
 
