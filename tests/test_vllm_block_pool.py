@@ -199,7 +199,7 @@ def test_same_trace_as_vllm_block_pool(tmp_path):
 
     draw()
     (tmp_path / "ops.json").write_text(json.dumps(cases))
-    env = dict(os.environ, GPUPOOL_VLLM_SRC=str(root), GPUPOOL_VLLM_POOL="stock", PYTHONPATH=str(PLUGIN_DIR))
+    env = dict(os.environ, GPUPOOL_VLLM_SRC=str(root), PYTHONPATH=str(PLUGIN_DIR))
     proc = subprocess.run([sys.executable, str(PLUGIN_DIR / "driver.py"), str(tmp_path / "ops.json"),
                            str(tmp_path / "out.json")], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
