@@ -1,0 +1,742 @@
+"""A drop-in for vLLM 0.33's ``vllm.v1.core.block_pool.BlockPool`` backed by gpupool's device pool
+(docs/vllm.md, "The drop-in BlockPool").
+
+Every state change is one op of :class:`gpupool.BlockPool` (Triton kernels; docs/semantics.md
+section 2). vLLM's callers read block fields (``block.ref_cnt``, ``block.block_hash``,
+``block.is_null``, ``block.block_hash_num_tokens``) thousands of times per step, so those reads come
+from a **host mirror**: after each mutating op the adapter gathers, in one device-to-host copy, the
+ref count, keys and covered tokens of exactly the blocks that op could change (plus the free count),
+so the mirror equals the device state after every op (tests/test_vllm_block_pool.py checks it) and a
+field read never touches the device. The op itself already waits for the device (it raises its error
+at once, docs/semantics.md section 3), so the mirror costs no extra synchronisation point.
+
+Blocks are canonical :class:`KVCacheBlock` proxies, one object per block id for the pool's life, so
+vLLM's ``is`` comparisons hold. ``free_block_queue`` and ``cached_block_hash_to_block`` are read-only
+views; the free-queue order (and a proxy's ``prev_free_block`` / ``next_free_block``) is read from
+the device on first use after a change.
+
+vLLM checks many arguments with ``assert``; where it does, the adapter raises gpupool's error class
+combined with ``AssertionError`` (``except AssertionError`` and ``except PoolError`` both catch it).
+Everything else raises gpupool's own error types (docs/errors.md). vLLM itself is not needed: with
+vLLM importable, events are vLLM's own ``vllm.distributed.kv_events`` classes and extra keys come from
+vLLM's ``generate_block_hash_extra_keys``; without it, :mod:`gpupool.vllm.kv_events`' classes and
+``None`` extra keys.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from .. import events as gp_events
+from ..errors import ArgumentTypeError, InvalidArgumentError, OutOfBlocksError, PoolError
+from ..kernels.layout import Ctrl
+from ..pool import BlockPool as DevicePool
+from ..reference import ReferenceBlockPool
+from . import kv_events as _gp_kv_events
+
+MEDIUM_GPU = "GPU"
+
+
+# ---- vLLM's key helpers (vllm/v1/core/kv_cache_utils.py), restated: they are 3 lines each ----------
+def make_block_hash_with_group_id(block_hash: bytes, group_id: int) -> bytes:
+    """vLLM's ``BlockHashWithGroupId``: the hash bytes, then the group id as 4 bytes big-endian."""
+    return bytes(block_hash) + int(group_id).to_bytes(4, "big", signed=False)
+
+
+def get_block_hash(key: bytes) -> bytes:
+    return key[:-4]
+
+
+def get_group_id(key: bytes) -> int:
+    return int.from_bytes(key[-4:], "big", signed=False)
+
+
+def _vllm_side():
+    """vLLM's event classes and extra-key helpers when vLLM is importable, else gpupool's (None)."""
+    try:
+        from vllm.distributed import kv_events as ev  # type: ignore
+        from vllm.v1.core import kv_cache_utils as ku  # type: ignore
+    except Exception:  # noqa: BLE001 - vLLM absent or unusable: gpupool's own classes
+        return _gp_kv_events, None
+    return ev, ku
+
+
+_ASSERT_CLASSES: dict[type, type] = {}
+
+
+def _as_assertion(e: PoolError) -> PoolError:
+    """``e`` re-typed as its gpupool class *and* AssertionError (where vLLM asserts)."""
+    cls = type(e)
+    if isinstance(e, AssertionError):
+        return e
+    sub = _ASSERT_CLASSES.get(cls)
+    if sub is None:
+        sub = _ASSERT_CLASSES[cls] = type(cls.__name__, (cls, AssertionError), {"__module__": __name__})
+    new = sub.__new__(sub)
+    new.__dict__.update(e.__dict__)
+    new.args = e.args
+    return new
+
+
+class _Asserts:
+    """Context manager: gpupool errors raised inside come out as :func:`_as_assertion`."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, et, e, tb):
+        if e is not None and isinstance(e, PoolError) and not isinstance(e, (OutOfBlocksError, AssertionError)):
+            raise _as_assertion(e) from e
+        return False
+
+
+_asserts = _Asserts()
+
+
+class KVCacheBlock:
+    """vLLM's ``KVCacheBlock`` as a read-mostly proxy of block ``block_id`` of a gpupool-backed pool.
+
+    Fields are read from the pool's host mirror (never the device). ``ref_cnt`` may be raised on a
+    held block (vLLM's copy-on-write paths do ``block.ref_cnt += 1``): that is a gpupool ``touch``.
+    Any other write raises :class:`gpupool.errors.InvalidArgumentError` (and AssertionError).
+    """
+
+    __slots__ = ("_pool", "block_id", "is_null")
+
+    def __init__(self, pool: "BlockPool", block_id: int, is_null: bool = False):
+        self._pool = pool
+        self.block_id = block_id
+        self.is_null = is_null
+
+    @property
+    def pool(self) -> "BlockPool":
+        return self._pool
+
+    @property
+    def ref_cnt(self) -> int:
+        return self._pool._ref[self.block_id]
+
+    @ref_cnt.setter
+    def ref_cnt(self, value: int) -> None:
+        self._pool._set_ref_cnt(self, value)
+
+    @property
+    def block_hash(self) -> bytes | None:
+        keys = self._pool._keys[self.block_id]
+        return keys[0] if keys else None
+
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        return self._pool._ntok[self.block_id]
+
+    @property
+    def prev_free_block(self):
+        return self._pool.free_block_queue._link(self.block_id, -1)
+
+    @property
+    def next_free_block(self):
+        return self._pool.free_block_queue._link(self.block_id, +1)
+
+    def set_block_hash(self, *a, **k):
+        raise _as_assertion(InvalidArgumentError("KVCacheBlock", "block hashes of a gpupool block are set by "
+                                                                 "cache_full_blocks / cache_partial_block only"))
+
+    reset_hash = set_block_hash
+
+    def __repr__(self) -> str:
+        return (f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, _block_hash={self.block_hash!r}, "
+                f"_block_hash_num_tokens={self.block_hash_num_tokens})")
+
+
+class _Sentinel:
+    """The free list's fake head / tail (``block_id`` -1), linked like vLLM's."""
+
+    __slots__ = ("_queue", "_side")
+    block_id = -1
+    is_null = False
+    ref_cnt = 0
+    block_hash = None
+
+    def __init__(self, queue, side):
+        self._queue, self._side = queue, side
+
+    @property
+    def next_free_block(self):
+        return self._queue._end(head=True) if self._side < 0 else None
+
+    @property
+    def prev_free_block(self):
+        return self._queue._end(head=False) if self._side > 0 else None
+
+
+class FreeBlockQueueView:
+    """Read-only view of the pool's free queue (vLLM's ``FreeKVCacheBlockQueue``): iteration, head to
+    tail, ``get_all_free_blocks()``, ``num_free_blocks`` (from the mirror), the fake head / tail and
+    the proxies' ``prev_free_block`` / ``next_free_block``. The order is read from the device
+    (``gpupool.BlockPool.free_queue``) once per pool change. Mutators raise InvalidArgumentError."""
+
+    def __init__(self, pool: "BlockPool"):
+        self._pool = pool
+        self._version = -1
+        self._order: list[int] = []
+        self._pos: dict[int, int] = {}
+        self.fake_free_list_head = _Sentinel(self, -1)
+        self.fake_free_list_tail = _Sentinel(self, +1)
+
+    def _snapshot(self) -> list[int]:
+        p = self._pool
+        if self._version != p._version:
+            self._order = p._dev.free_queue()
+            self._pos = {b: i for i, b in enumerate(self._order)}
+            self._version = p._version
+        return self._order
+
+    def _link(self, block_id: int, d: int):
+        order = self._snapshot()
+        i = self._pos.get(block_id)
+        if i is None:
+            return None
+        j = i + d
+        if j < 0:
+            return self.fake_free_list_head
+        if j >= len(order):
+            return self.fake_free_list_tail
+        return self._pool.blocks[order[j]]
+
+    def _end(self, head: bool):
+        order = self._snapshot()
+        if not order:
+            return self.fake_free_list_tail if head else self.fake_free_list_head
+        return self._pool.blocks[order[0] if head else order[-1]]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._pool._num_free
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        return [self._pool.blocks[b] for b in self._snapshot()]
+
+    def __iter__(self):
+        return iter(self.get_all_free_blocks())
+
+    def __len__(self) -> int:
+        return self._pool._num_free
+
+    def _read_only(self, *a, **k):
+        raise InvalidArgumentError("free_block_queue", "the free queue of a gpupool pool is changed by the "
+                                                       "pool's ops only (a read-only view)")
+
+    popleft = popleft_n = remove = append = append_n = prepend_n = _read_only
+
+
+class BlockHashToBlockView:
+    """Read-only view of the prefix cache (vLLM's ``BlockHashToBlockMap``), from the host mirror:
+    ``get_one_block`` (the earliest-inserted block of a key), ``contain``, ``len`` and ``_cache``
+    (``{key: block}`` or ``{key: {block_id: block}}`` in insertion order, as vLLM holds it).
+    ``insert`` / ``pop`` raise InvalidArgumentError."""
+
+    def __init__(self, pool: "BlockPool"):
+        self._pool = pool
+
+    def get_one_block(self, key: bytes) -> KVCacheBlock | None:
+        holders = self._pool._holders.get(key)
+        if not holders:
+            return None
+        return self._pool.blocks[min(holders, key=holders.__getitem__)]
+
+    def contain(self, key: bytes, block_id: int) -> bool:
+        return block_id in self._pool._holders.get(key, ())
+
+    def __len__(self) -> int:
+        return len(self._pool._holders)
+
+    def __contains__(self, key) -> bool:
+        return key in self._pool._holders
+
+    @property
+    def _cache(self) -> dict:
+        out = {}
+        blocks = self._pool.blocks
+        for key, holders in self._pool._holders.items():
+            ids = sorted(holders, key=holders.__getitem__)
+            out[key] = blocks[ids[0]] if len(ids) == 1 else {b: blocks[b] for b in ids}
+        return out
+
+    def _read_only(self, *a, **k):
+        raise InvalidArgumentError("cached_block_hash_to_block", "the prefix cache of a gpupool pool is changed "
+                                                                 "by the pool's ops only (a read-only view)")
+
+    def insert(self, key: bytes, block: KVCacheBlock) -> None:
+        """vLLM tests seed the cache with ``insert(key, block)``; here that is the pool op
+        ``cache_full_blocks`` of that one block under ``key`` (so, unlike vLLM's bare dict insert, the
+        block's ``block_hash`` becomes ``key`` when it had none; ``block_hash_num_tokens`` is None)."""
+        self._pool._insert_key(key, block)
+
+    pop = _read_only
+
+
+def _hashes_at(block_hashes, hash_block_size: int, block_size: int, upto: int) -> list[bytes]:
+    """vLLM's ``resolve_block_hashes`` as a list: the hash at each ``block_size`` boundary (the last
+    ``hash_block_size`` hash inside the block; docs/vllm.md), for the first ``upto`` blocks."""
+    if block_size == hash_block_size:
+        return list(block_hashes[:upto])
+    if block_size % hash_block_size:
+        raise InvalidArgumentError("cache_full_blocks", f"block_size {block_size} is not a multiple of the hash "
+                                                        f"block size {hash_block_size}", block_size)
+    k = block_size // hash_block_size
+    n = min(upto, len(block_hashes) // k)
+    return [block_hashes[(i + 1) * k - 1] for i in range(n)]
+
+
+class BlockPool:
+    """vLLM 0.33's ``BlockPool`` over a gpupool device pool (docs/vllm.md, "The drop-in BlockPool").
+
+    Args (vLLM's, same order and defaults):
+        num_gpu_blocks: blocks in the pool, ids ``0 .. num_gpu_blocks - 1``; block 0 is ``null_block``.
+        enable_caching: prefix caching on / off.
+        hash_block_size: tokens per block hash (``request.block_hashes`` granularity).
+        enable_kv_cache_events: queue KV events for :meth:`take_events`.
+        metrics_collector: vLLM's ``KVCacheMetricsCollector`` (``on_block_allocated`` /
+            ``on_block_accessed`` / ``on_block_evicted`` / ``reset``, called where vLLM calls them).
+        num_hash_lookahead_tokens: tokens after each block covered by its hash (events only).
+        medium: the events' ``medium``.
+    gpupool's, keyword only:
+        device: the device pool's device (default: CUDA when present, else CPU under Triton's
+            interpreter).
+        max_keys_per_block: keys one block may hold (primary + partial entries; 1..64, default 8).
+        device_lookups: answer :meth:`get_cached_block` with a device lookup (one launch and one
+            synchronisation per call) instead of from the host mirror; both give the same block.
+        backend: ``"device"`` (default: :class:`gpupool.BlockPool`) or ``"reference"`` (the CPU oracle
+            :class:`gpupool.reference.ReferenceBlockPool`, same semantics; for running vLLM's test
+            suites where Triton's interpreter would be too slow, docs/vllm.md).
+
+    Raises InvalidArgumentError (and AssertionError, as vLLM asserts) for a bad ``num_gpu_blocks``.
+    """
+
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
+                 enable_kv_cache_events: bool = False, metrics_collector: Any = None,
+                 num_hash_lookahead_tokens: int = 0, medium: str = MEDIUM_GPU, *,
+                 device: str | torch.device | None = None, max_keys_per_block: int = 8,
+                 device_lookups: bool = False, backend: str = "device"):
+        if not isinstance(num_gpu_blocks, int) or isinstance(num_gpu_blocks, bool) or num_gpu_blocks <= 0:
+            raise _as_assertion(InvalidArgumentError("BlockPool", f"num_gpu_blocks must be a positive int, got "
+                                                                  f"{num_gpu_blocks!r}"))
+        self.num_gpu_blocks = num_gpu_blocks
+        self.medium = medium
+        self.enable_caching = bool(enable_caching)
+        self.hash_block_size = hash_block_size
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
+        self.enable_kv_cache_events = bool(enable_kv_cache_events)
+        self.metrics_collector = metrics_collector
+        self.device_lookups = device_lookups
+        if backend == "device":
+            self._dev = DevicePool(num_gpu_blocks, enable_caching=self.enable_caching,
+                                   enable_kv_cache_events=self.enable_kv_cache_events,
+                                   max_keys_per_block=max_keys_per_block, device=device)
+        elif backend == "reference":
+            self._dev = ReferenceBlockPool(num_gpu_blocks, enable_caching=self.enable_caching,
+                                           enable_kv_cache_events=self.enable_kv_cache_events,
+                                           max_keys_per_block=max_keys_per_block)
+        else:
+            raise InvalidArgumentError("BlockPool", f"backend must be 'device' or 'reference', got {backend!r}")
+        self.backend = backend
+        self._seq = 0
+        self._mk = self._dev.max_keys_per_block
+        n = num_gpu_blocks
+        # the host mirror (docs/vllm.md): per block ref count, keys (vLLM key bytes, primary first),
+        # tokens of the primary key; per key {block id: insertion seq}; the free count; a version
+        self._ref = [0] * n
+        self._keys: list[tuple[bytes, ...]] = [()] * n
+        self._ntok: list[int | None] = [None] * n
+        self._holders: dict[bytes, dict[int, int]] = {}
+        self._num_free = 0
+        self._version = 0
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(self, i, is_null=(i == 0)) for i in range(n)]
+        self.null_block = self.blocks[0]
+        self.free_block_queue = FreeBlockQueueView(self)
+        self.cached_block_hash_to_block = BlockHashToBlockView(self)
+        self.kv_event_queue: list = []
+        self._ev, self._ku = _vllm_side()
+        self._refresh(range(n))
+
+    # ---- the host mirror ------------------------------------------------------------------------
+    def _refresh(self, ids: Iterable[int]) -> None:
+        """Copy ref count, keys and covered tokens of ``ids`` (and the free count) from the device in
+        one transfer, and update the key -> blocks map from the difference."""
+        self._version += 1
+        ids = list(dict.fromkeys(int(b) for b in ids))
+        if self.backend == "reference":
+            return self._refresh_reference(ids)
+        s, mk = self._dev.state, self._mk
+        idx = torch.tensor(ids, dtype=torch.long, device=self._dev.device)
+        keys = s.keys.view(self.num_gpu_blocks, mk, 5)[idx][:, :, [0, 1, 3]].reshape(len(ids), 3 * mk)
+        cols = torch.cat([s.ref_cnt[idx].long()[:, None], s.num_keys[idx].long()[:, None],
+                          s.hash_ntok[idx].long()[:, None], keys], dim=1)
+        rows = cols.tolist()
+        self._num_free = int(s.ctrl[Ctrl.NUM_FREE])
+        name = self._dev.registry.name
+        holders = self._holders
+        for b, row in zip(ids, rows):
+            self._ref[b] = row[0]
+            nk = row[1]
+            self._ntok[b] = None if row[2] < 0 else row[2]
+            new = []
+            seqs = []
+            for j in range(nk):
+                h, g = name((row[3 + 3 * j], row[4 + 3 * j]))
+                new.append(make_block_hash_with_group_id(h, g))
+                seqs.append(row[5 + 3 * j])
+            new_t = tuple(new)
+            old = self._keys[b]
+            if old == new_t and all(holders[k].get(b) == q for k, q in zip(new_t, seqs)):
+                continue
+            for k in old:
+                hs = holders.get(k)
+                if hs is not None:
+                    hs.pop(b, None)
+                    if not hs:
+                        del holders[k]
+            for k, q in zip(new_t, seqs):
+                holders.setdefault(k, {})[b] = q
+            self._keys[b] = new_t
+
+    def _refresh_reference(self, ids: list[int]) -> None:
+        """:meth:`_refresh` over the reference pool: its lists, a host insertion counter for order."""
+        r, holders = self._dev, self._holders
+        self._num_free = r.get_num_free_blocks()
+        for b in ids:
+            self._ref[b] = r.ref_cnt[b]
+            self._ntok[b] = r.hash_num_tokens[b]
+            new_t = tuple(make_block_hash_with_group_id(h, g) for h, g in r.keys[b])
+            old = self._keys[b]
+            if old == new_t:
+                continue
+            for k in old:
+                if k not in new_t:
+                    hs = holders[k]
+                    hs.pop(b, None)
+                    if not hs:
+                        del holders[k]
+            for k in new_t:
+                if k not in old:
+                    self._seq += 1
+                    holders.setdefault(k, {})[b] = self._seq
+            self._keys[b] = new_t
+
+    def _ids(self, blocks) -> list[int]:
+        out = []
+        for blk in blocks:
+            if not isinstance(blk, KVCacheBlock) or blk._pool is not self:
+                raise ArgumentTypeError("BlockPool", f"expected a KVCacheBlock of this pool, got {blk!r}")
+            out.append(blk.block_id)
+        return out
+
+    def _set_ref_cnt(self, blk: KVCacheBlock, value: int) -> None:
+        cur = self._ref[blk.block_id]
+        if (not isinstance(value, int) or blk.is_null or cur <= 0 or value < cur):
+            raise _as_assertion(InvalidArgumentError(
+                "KVCacheBlock.ref_cnt", f"block {blk.block_id}: ref_cnt of a gpupool block may only be raised on "
+                f"a held block (from {cur} to {value!r}); release references with free_blocks", blk.block_id))
+        if value > cur:
+            self._dev.touch([blk.block_id] * (value - cur))
+            self._refresh([blk.block_id])
+
+    def _drain_events(self, stored: Callable[[Any], Any] | None = None) -> None:
+        """Move the device pool's events into ``kv_event_queue`` as vLLM's events."""
+        if not self.enable_kv_cache_events:
+            return
+        ev = self._ev
+        for e in self._dev.take_events():
+            if isinstance(e, gp_events.BlockStored):
+                self.kv_event_queue.append(stored(e))
+            elif isinstance(e, gp_events.BlockRemoved):
+                self.kv_event_queue.append(ev.BlockRemoved(
+                    block_hashes=[self._ext(e.block_hash)], medium=self.medium, group_idx=e.group_id))
+            elif isinstance(e, gp_events.AllBlocksCleared):
+                self.kv_event_queue.append(ev.AllBlocksCleared())
+
+    def _ext(self, h: bytes):
+        if self._ku is not None:
+            return self._ku.maybe_convert_block_hash(h)
+        return _gp_kv_events.wire_block_hash(h)
+
+    def _extra_keys(self, request, start: int, end: int, mm_idx: int):
+        ku = self._ku
+        if ku is None:
+            return None, mm_idx
+        if self.num_hash_lookahead_tokens:
+            return ku.generate_lookahead_block_hash_extra_keys(request, start, end,
+                                                               end + self.num_hash_lookahead_tokens, mm_idx)
+        return ku.generate_block_hash_extra_keys(request, start, end, mm_idx)
+
+    def _event_extra_keys(self, keys):
+        if self._ku is not None:
+            return self._ku.to_event_extra_keys(keys)
+        return list(keys)
+
+    def _stored(self, request, hashes, parent, start: int, end: int, block_size: int, group: int,
+                extra_keys: list, lookahead) -> Any:
+        lora = getattr(request, "lora_request", None)
+        return self._ev.BlockStored(
+            block_hashes=hashes, parent_block_hash=parent, token_ids=list(request.all_token_ids[start:end]),
+            block_size=block_size, lora_id=lora.adapter_id if lora else None, medium=self.medium,
+            lora_name=lora.name if lora else None, extra_keys=self._event_extra_keys(extra_keys),
+            group_idx=group, session_id=getattr(request, "session_id", None), lookahead_token_ids=lookahead)
+
+    def _lookahead(self, request, end: int) -> list[int]:
+        return list(request.all_token_ids[end: end + self.num_hash_lookahead_tokens])
+
+    # ---- vLLM's BlockPool interface ---------------------------------------------------------------
+    def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]) -> list[KVCacheBlock] | None:
+        """The earliest-inserted block under ``(block_hash, g)`` for each group, or None if any misses
+        (from the mirror; ``device_lookups=True``: a device lookup)."""
+        if self.device_lookups:
+            ids = self._dev.get_cached_block(bytes(block_hash), list(kv_cache_group_ids))
+            return None if ids is None else [self.blocks[b] for b in ids]
+        out = []
+        view = self.cached_block_hash_to_block
+        for g in kv_cache_group_ids:
+            blk = view.get_one_block(make_block_hash_with_group_id(block_hash, g))
+            if blk is None:
+                return None
+            out.append(blk)
+        return out
+
+    def cache_full_blocks(self, request, blocks: list[KVCacheBlock], num_cached_blocks: int,
+                          num_full_blocks: int, block_size: int, kv_cache_group_id: int,
+                          block_mask: list[bool] | None = None) -> None:
+        """vLLM's ``cache_full_blocks``: one gpupool ``cache_full_blocks`` with ``request.block_hashes``
+        viewed at ``block_size`` (docs/semantics.md section 2)."""
+        nc, nf = num_cached_blocks, num_full_blocks
+        if nc >= nf:
+            return
+        with _asserts:
+            if block_mask is not None and len(block_mask) != nf - nc:
+                raise InvalidArgumentError("cache_full_blocks", f"block_mask has {len(block_mask)} entries for "
+                                                                f"{nf - nc} blocks")
+            # only blocks[nc:nf] are read (vLLM's own tests pass placeholders before nc): id 0 stands in
+            ids = [0] * nc + self._ids(blocks[nc:nf])
+            hashes = _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf)
+            self._dev.cache_full_blocks(ids, hashes, nc, nf, block_size, kv_cache_group_id,
+                                        None if block_mask is None else list(block_mask))
+        self._refresh(ids[nc:nf])
+        if not self.enable_kv_cache_events:
+            return
+
+        def stored(e):
+            keys, look, mm = [], [] if self.num_hash_lookahead_tokens else None, 0
+            for i in range(nc, nf):
+                if blocks[i].is_null or (block_mask is not None and not block_mask[i - nc]):
+                    continue
+                k, mm = self._extra_keys(request, i * block_size, (i + 1) * block_size, mm)
+                keys.append(k)
+                if look is not None:
+                    look.append(self._lookahead(request, (i + 1) * block_size))
+            return self._stored(request, [self._ext(h) for h in e.block_hashes],
+                                None if e.parent_block_hash is None else self._ext(e.parent_block_hash),
+                                nc * block_size, nf * block_size, block_size, kv_cache_group_id, keys, look)
+
+        self._drain_events(stored)
+
+    def emit_cached_block_events(self, request, num_cached_blocks: int, block_size: int,
+                                 kv_cache_group_id: int) -> None:
+        """vLLM's ``BlockStored`` for blocks reused from the prefix cache (events only, no state)."""
+        if not self.enable_kv_cache_events or num_cached_blocks == 0:
+            return
+        hashes = _hashes_at(request.block_hashes, self.hash_block_size, block_size, num_cached_blocks)
+        keys, look, mm = [], [] if self.num_hash_lookahead_tokens else None, 0
+        for i in range(num_cached_blocks):
+            k, mm = self._extra_keys(request, i * block_size, (i + 1) * block_size, mm)
+            keys.append(k)
+            if look is not None:
+                look.append(self._lookahead(request, (i + 1) * block_size))
+        if not hashes:
+            return
+        self.kv_event_queue.append(self._stored(request, [self._ext(h) for h in hashes], None, 0,
+                                                num_cached_blocks * block_size, block_size, kv_cache_group_id,
+                                                keys, look))
+
+    def cache_partial_block(self, request, block: KVCacheBlock, num_tokens: int, kv_cache_group_id: int,
+                            block_size: int, replace_existing_hashes: bool = False) -> bytes | None:
+        """vLLM's ``cache_partial_block``: gpupool's with ``request.block_hashes``; returns vLLM's key
+        bytes, or None for the null block."""
+        (b,) = self._ids([block])
+        if block.is_null:
+            return None
+        with _asserts:
+            key = self._dev.cache_partial_block(b, request.block_hashes, num_tokens, kv_cache_group_id,
+                                                block_size, self.hash_block_size, replace_existing_hashes)
+        self._refresh([b])
+        if key is None:
+            return None
+        if self.enable_kv_cache_events:
+            hbs = self.hash_block_size
+            start = (num_tokens // hbs - 1) * hbs
+
+            def stored(e):
+                mm = 0
+                feats = getattr(request, "mm_features", None)
+                if self._ku is not None and start > 0 and feats:
+                    last = feats[-1].mm_position
+                    if last.offset + last.length > start:
+                        from vllm.multimodal.utils import get_mm_features_in_window  # type: ignore
+                        mm, _ = get_mm_features_in_window(feats, start, num_tokens)
+                k, _ = self._extra_keys(request, start, num_tokens, mm)
+                look = [self._lookahead(request, num_tokens)] if self.num_hash_lookahead_tokens else None
+                return self._stored(request, [self._ext(h) for h in e.block_hashes],
+                                    None if e.parent_block_hash is None else self._ext(e.parent_block_hash),
+                                    start, num_tokens, num_tokens - start, kv_cache_group_id, [k], look)
+
+            self._drain_events(stored)
+        return make_block_hash_with_group_id(*key)
+
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        """Copy-on-write: ``src_block``'s keys move to ``dst_block`` (no events)."""
+        s, d = self._ids([src_block, dst_block])
+        with _asserts:
+            self._dev.move_block_hashes(s, d)
+        self._refresh([s, d])
+        self._drain_events()
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` from the free queue's head (evicting their keys), each with ref_cnt 1.
+        Raises OutOfBlocksError (a ValueError, as vLLM's) when fewer are free."""
+        if num_blocks > self._num_free:
+            raise OutOfBlocksError("get_new_blocks", f"Cannot get {num_blocks} free blocks from the pool", num_blocks)
+        ids = self._dev.get_new_blocks(num_blocks)
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        self._refresh(ids)
+        self._drain_events()
+        ret = [self.blocks[b] for b in ids]
+        mc = self.metrics_collector
+        if mc:
+            for blk in ret:
+                if self.enable_caching:
+                    mc.on_block_evicted(blk)
+                mc.on_block_allocated(blk)
+        return ret
+
+    def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Callable[[KVCacheBlock], None]) -> None:
+        """Release one reference of each block; ``on_reuse(block)`` fires when the pool hands it out
+        again (or the cache is reset)."""
+        ids = self._ids(blocks)
+        if not callable(on_reuse):
+            raise ArgumentTypeError("unpin_blocks", "on_reuse must be callable")
+        with _asserts:
+            self._dev.unpin_blocks(ids, lambda b: on_reuse(self.blocks[b]))
+        self._refresh(ids)
+
+    def _insert_key(self, key: bytes, block: KVCacheBlock) -> None:
+        """Register ``key`` (vLLM's key bytes) on ``block``: gpupool's ``cache_full_blocks`` of one
+        block with block size 1 (``block_hash_num_tokens`` is then whatever the pool records for it)."""
+        (b,) = self._ids([block])
+        with _asserts:
+            self._dev.cache_full_blocks([b], [get_block_hash(key)], 0, 1, 1, get_group_id(key))
+        self._refresh([b])
+        self._drain_events(lambda e: self._ev.BlockStored(
+            block_hashes=[self._ext(h) for h in e.block_hashes], parent_block_hash=None, token_ids=[],
+            block_size=e.block_size, lora_id=None, medium=self.medium, lora_name=None,
+            extra_keys=[None] * len(e.block_hashes), group_idx=e.group_id))
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Remove every key of ``block``; True if it had one."""
+        if self.metrics_collector:
+            self.metrics_collector.on_block_evicted(block)
+        had = bool(self._keys[block.block_id])
+        self._dev.evict_blocks([block.block_id])
+        self._refresh([block.block_id])
+        self._drain_events()
+        return had
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """A prefix hit: each non-null block leaves the free queue if ref_cnt is 0, then ref_cnt += 1."""
+        blocks = list(blocks)
+        ids = [b for b in self._ids(blocks)]
+        live = [b for b in ids if b != 0]
+        if not live:
+            return
+        self._dev.touch(live)
+        self._refresh(live)
+        mc = self.metrics_collector
+        if mc:
+            for blk in blocks:
+                if not blk.is_null:
+                    mc.on_block_accessed(blk)
+
+    def is_block_writable(self, block: KVCacheBlock) -> bool:
+        return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Release one reference per block in eviction order (null blocks skipped; blocks of another
+        pool forwarded to it, as vLLM does)."""
+        mine, others = [], {}
+        for blk in ordered_blocks:
+            if getattr(blk, "is_null", False):
+                continue
+            owner = getattr(blk, "pool", None)
+            if owner is not None and owner is not self:
+                others.setdefault(id(owner), (owner, []))[1].append(blk)
+                continue
+            mine.append(blk)
+        ids = self._ids(mine)
+        if ids:
+            with _asserts:
+                self._dev.free_blocks(ids)
+            self._refresh(ids)
+        for owner, blks in others.values():
+            owner.free_blocks(blks)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Remove every key of each listed block id; ref counts and the queue unchanged. Raises
+        InvalidBlockIdError (and AssertionError, as vLLM) for an id out of range."""
+        ids = list(block_ids)
+        if not ids:
+            return
+        with _asserts:
+            self._dev.evict_blocks(ids)
+        if self.metrics_collector:
+            for b in ids:
+                self.metrics_collector.on_block_evicted(self.blocks[b])
+        self._refresh(ids)
+        self._drain_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every key if no block is held (True), else change nothing (False)."""
+        if not self._dev.reset_prefix_cache():
+            return False
+        self._refresh(range(self.num_gpu_blocks))
+        if self.metrics_collector:
+            self.metrics_collector.reset()
+        self._drain_events()
+        return True
+
+    def get_num_free_blocks(self) -> int:
+        return self._num_free
+
+    def get_usage(self) -> float:
+        total = self.num_gpu_blocks - 1
+        if not total:
+            return 0
+        return 1.0 - self._num_free / total
+
+    def take_events(self) -> list:
+        if not self.enable_kv_cache_events:
+            return []
+        ev, self.kv_event_queue = self.kv_event_queue, []
+        return ev
+
+    @property
+    def cached_block_hashes_by_block(self) -> dict[int, set[bytes]]:
+        """vLLM's map of each block's secondary keys (every key past the primary), from the mirror."""
+        return {b: set(k[1:]) for b, k in enumerate(self._keys) if len(k) > 1}
+
+    @property
+    def device_pool(self) -> DevicePool:
+        """The gpupool device pool behind this adapter (its batched ops, ``validate``, inspection)."""
+        return self._dev
+
+
+__all__ = ["BlockPool", "KVCacheBlock", "FreeBlockQueueView", "BlockHashToBlockView",
+           "make_block_hash_with_group_id", "get_block_hash", "get_group_id"]

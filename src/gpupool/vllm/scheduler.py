@@ -1,0 +1,135 @@
+"""``GpuPoolScheduler``: vLLM 0.33's ``AsyncScheduler`` with its KV-cache block pool replaced by
+``gpupool.vllm.BlockPool`` (docs/vllm.md, "The scheduler plug-in").
+
+Use::
+
+    vllm serve MODEL --scheduler-cls gpupool.vllm.GpuPoolScheduler
+
+vLLM 0.33's ``SchedulerConfig.get_scheduler_cls`` accepts a dotted string and loads it with
+``resolve_obj_by_qualname`` (it logs a warning for any class outside ``vllm.``); the class subclasses
+``AsyncScheduler``, so async scheduling stays on.
+
+This module imports vLLM; ``gpupool.vllm`` does not import it until ``gpupool.vllm.GpuPoolScheduler``
+is first read (a module ``__getattr__``).
+
+This version: vLLM builds its scheduler (and its own ``BlockPool``, unused, with no block handed out),
+then :func:`install_gpupool_block_pool` puts a ``gpupool.vllm.BlockPool`` with the same arguments
+everywhere vLLM 0.33 holds the pool: ``KVCacheManager.block_pool``, ``coordinator.block_pool``, every
+single-type manager's ``block_pool`` and ``_null_block``, and the KV connector's binding (rebound with
+``bind_kv_cache_manager``). Each vLLM ``BlockPool`` call is then one gpupool op plus one mirror
+transfer; the scheduling policy, ``Request`` objects and the ``SchedulerOutput`` are vLLM's.
+
+Environment (vLLM passes a scheduler no extra arguments):
+    ``GPUPOOL_VLLM_DEVICE``: the pool's torch device (default ``cuda`` when ``torch.cuda.is_available()``
+    in the scheduler's process, else ``cpu``, where gpupool's kernels need ``TRITON_INTERPRET=1``);
+    ``GPUPOOL_VLLM_BACKEND``: ``device`` (default) or ``reference`` (gpupool's CPU oracle, same semantics);
+    ``GPUPOOL_VLLM_MAX_KEYS_PER_BLOCK``: the pool's ``max_keys_per_block`` (default 8).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from ..errors import InvalidArgumentError
+from .block_pool import BlockPool
+
+
+def default_device() -> str:
+    """``$GPUPOOL_VLLM_DEVICE``, else ``"cuda"`` when CUDA is available in this process, else ``"cpu"``."""
+    dev = os.environ.get("GPUPOOL_VLLM_DEVICE")
+    if dev:
+        return dev
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def install_gpupool_block_pool(scheduler, *, device: str | torch.device | None = None,
+                               backend: str | None = None, max_keys_per_block: int | None = None,
+                               pool_cls: type = BlockPool) -> BlockPool:
+    """Replace the block pool of ``scheduler.kv_cache_manager`` (a freshly built vLLM 0.33 scheduler)
+    by a ``pool_cls`` (default :class:`gpupool.vllm.BlockPool`) built with the old pool's
+    ``num_gpu_blocks``, ``enable_caching``, ``hash_block_size``, ``enable_kv_cache_events``,
+    ``metrics_collector``, ``num_hash_lookahead_tokens`` and ``medium``; returns the new pool.
+
+    Every holder of the old pool in vLLM 0.33 is rewritten: the KV cache manager, its coordinator,
+    each single-type manager (``block_pool``, ``_null_block``) and the KV connector (rebound with
+    ``bind_kv_cache_manager``). ``device`` / ``backend`` / ``max_keys_per_block`` default to
+    :func:`default_device`, ``$GPUPOOL_VLLM_BACKEND`` (``"device"``), ``$GPUPOOL_VLLM_MAX_KEYS_PER_BLOCK`` (8).
+
+    Raises InvalidArgumentError (the scheduler left unchanged) when the old pool is not vLLM's own
+    ``BlockPool``, already hands out a block, or a single-type manager holds a different pool (vLLM's
+    HiSparse host tier, whose host pool takes vLLM's pool as its event owner: not supported).
+    """
+    kvm = scheduler.kv_cache_manager
+    coord = kvm.coordinator
+    old = coord.block_pool
+    if kvm.block_pool is not old or type(old) is not VllmBlockPool:
+        raise InvalidArgumentError("GpuPoolScheduler", f"expected vLLM's own BlockPool in the KV cache manager, "
+                                                       f"got {type(old).__name__}")
+    if old.get_num_free_blocks() != old.num_gpu_blocks - 1:
+        raise InvalidArgumentError("GpuPoolScheduler", "the block pool already hands out blocks; the pool is "
+                                                       "replaced only before the first request")
+    managers = coord.single_type_managers
+    for m in managers:
+        if m.block_pool is not old:
+            raise InvalidArgumentError("GpuPoolScheduler", f"{type(m).__name__} (KV cache group "
+                                       f"{m.kv_cache_group_id}) holds its own block pool "
+                                       f"({type(m.block_pool).__name__}); not supported")
+    if backend is None:
+        backend = os.environ.get("GPUPOOL_VLLM_BACKEND", "device")
+    if max_keys_per_block is None:
+        max_keys_per_block = int(os.environ.get("GPUPOOL_VLLM_MAX_KEYS_PER_BLOCK", "8"))
+    if device is None and backend == "device":
+        device = default_device()
+    new = pool_cls(old.num_gpu_blocks, old.enable_caching, old.hash_block_size,
+                   enable_kv_cache_events=old.enable_kv_cache_events, metrics_collector=old.metrics_collector,
+                   num_hash_lookahead_tokens=old.num_hash_lookahead_tokens, medium=old.medium,
+                   device=device, backend=backend, max_keys_per_block=max_keys_per_block)
+    coord.block_pool = new
+    kvm.block_pool = new
+    for m in managers:
+        m.block_pool = new
+        if getattr(m, "_null_block", None) is old.null_block:
+            m._null_block = new.null_block
+    connector = getattr(scheduler, "connector", None)
+    if connector is not None:
+        connector.bind_kv_cache_manager(kvm)
+    return new
+
+
+_log = logging.getLogger(__name__)
+
+
+class GpuPoolScheduler(AsyncScheduler):
+    """vLLM 0.33's ``AsyncScheduler`` whose KV-cache block pool is a :class:`gpupool.vllm.BlockPool`
+    (the bookkeeping in gpupool's device pool on ``default_device()``); everything else is vLLM's.
+
+    Same constructor as vLLM's scheduler. Raises what :func:`install_gpupool_block_pool` raises.
+    The pool is ``self.gpupool_block_pool`` (also ``self.kv_cache_manager.block_pool``). vLLM decides
+    async scheduling from ``scheduler_config.async_scheduling``, not from the class; where it is off
+    (``--no-async-scheduling``, pipeline parallelism, pooling models) vLLM's default would be the
+    synchronous ``Scheduler``, so use :class:`GpuPoolSyncScheduler` there (a warning is logged).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if not self.scheduler_config.async_scheduling:
+            _log.warning("gpupool.vllm.GpuPoolScheduler is an AsyncScheduler but async scheduling is off; "
+                         "use --scheduler-cls gpupool.vllm.GpuPoolSyncScheduler")
+        self.gpupool_block_pool = install_gpupool_block_pool(self)
+
+
+class GpuPoolSyncScheduler(Scheduler):
+    """vLLM 0.33's synchronous ``Scheduler`` with the gpupool block pool (as :class:`GpuPoolScheduler`),
+    for engines that run without async scheduling."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gpupool_block_pool = install_gpupool_block_pool(self)
+
+
+__all__ = ["GpuPoolScheduler", "GpuPoolSyncScheduler", "install_gpupool_block_pool", "default_device"]
