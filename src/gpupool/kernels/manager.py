@@ -472,6 +472,7 @@ def free_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_reqs, c
             head = tl.load(ps.ctrl + HEAD)
             tail = tl.load(ps.ctrl + TAIL)
             num_free = tl.load(ps.ctrl + NUM_FREE)
+            num_reserved = tl.load(ms.num_reserved)  # read before the barrier below, stored after it
             n = gather_rows(ps, ms, mc, slots, nb)
             nf, nl, dfree_i, dfree_v = release_scan(ps, pc, ms.s_ids, n, ms.s_pf, ms.s_map + mc.MAPS, True)
             ok = dfree_i == BIG
@@ -485,13 +486,15 @@ def free_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_reqs, c
                 tl.store(ps.ctrl + NUM_FREE, num_free + nf + nl)
                 offs = tl.arange(0, mc.BLOCK)
                 unreserved = tl.zeros([], tl.int32)
+                any_reserved = num_reserved > 0  # else no reservation to release (skip the pass)
                 i = 0
                 while i < nb:
                     m = (i + offs) < nb
                     r = tl.load(slots + i + offs, mask=m, other=0)
                     zero = tl.zeros([mc.BLOCK], tl.int32)
-                    unreserved += tl.sum(tl.load(ms.reserved + r, mask=m, other=0), axis=0)
-                    tl.store(ms.reserved + r, zero, mask=m)
+                    if any_reserved:
+                        unreserved += tl.sum(tl.load(ms.reserved + r, mask=m, other=0), axis=0)
+                        tl.store(ms.reserved + r, zero, mask=m)
                     tl.store(ms.num_blocks + r, zero, mask=m)
                     tl.store(ms.num_computed + r, zero, mask=m)
                     tl.store(ms.num_hashes + r, zero, mask=m)
@@ -499,8 +502,8 @@ def free_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_reqs, c
                     for g in tl.static_range(mc.G):
                         tl.store(ms.num_cached + g * mc.R + r, zero, mask=m)
                     i += mc.BLOCK
-                # strict: benign, one statement; only thread 0 uses the value it loads (its store)
-                tl.store(ms.num_reserved, tl.load(ms.num_reserved) - unreserved)
+                if any_reserved:
+                    tl.store(ms.num_reserved, num_reserved - unreserved)
             else:
                 set_status(ps.status, E_DOUBLE_FREE, OP_FREE, dfree_v)
             tl.debug_barrier()

@@ -365,7 +365,9 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
             zref = ld(par(ms, mc, P_ZREF, k), m)
             nhash = ld(ms.num_hashes + r, m)
         cached0 = ld(ms.num_cached + r, m)  # group 0's, read beside the others (loads before stores)
-        own = ld(ms.reserved + r, m)  # its reservation, read beside them too
+        own = tl.zeros([mc.BLOCK], tl.int32)
+        if unreserved < num_free:  # some reservation held: read them (a decode step without any skips it)
+            own = ld(ms.reserved + r, m)
         eff = tl.maximum(tg, hits * mc.BS)
         need = tl.where(m, tl.maximum((eff + mc.BS - 1) // mc.BS - nblk - hits, 0), 0)
         pops = need * mc.G
@@ -374,9 +376,12 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
         # beyond its own reservation (docs/semantics.md section 8), less the releases, summed, fits
         # the free blocks nobody reserved: sum(max(demand - reserved, 0) - released) <= unreserved
         if SCAN and (not mc.SW):  # no hits and no releases: the demand is the pops
-            x = tl.maximum(pops - own, 0).to(tl.int64)
-            fail = first_index(fail, m & (xcarry + tl.cumsum(x, axis=0) > unreserved), k)
-            xcarry += tl.sum(x, axis=0)
+            if unreserved < num_free:
+                x = tl.maximum(pops - own, 0).to(tl.int64)
+                fail = first_index(fail, m & (xcarry + tl.cumsum(x, axis=0) > unreserved), k)
+                xcarry += tl.sum(x, axis=0)
+            else:  # own == 0: the same check without the reservations' pass
+                fail = first_index(fail, m & ((pcarry + cpops).to(tl.int64) > num_free), k)
         else:
             d = (tl.maximum(pops + zref - own, 0) - rel).to(tl.int64)
             fail = first_index(fail, m & (dcarry + tl.cumsum(d, axis=0) > unreserved), k)
@@ -426,9 +431,10 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
         tl.store(par(ms, mc, P_EFF, k), eff, mask=m)
         tl.store(par(ms, mc, P_POPOFF, k), pcarry + cpops - pops, mask=m)
         tl.store(par(ms, mc, P_NF, k), nf, mask=m)
-        take = tl.minimum(own, pops + zref)  # drawn from its own reservation first, if admitted
-        tl.store(par(ms, mc, P_RLEFT, k), own - take, mask=m)
-        tl.store(par(ms, mc, P_TAKE, k), take, mask=m)
+        if unreserved < num_free:
+            take = tl.minimum(own, pops + zref)  # drawn from its own reservation first, if admitted
+            tl.store(par(ms, mc, P_RLEFT, k), own - take, mask=m)
+            tl.store(par(ms, mc, P_TAKE, k), take, mask=m)
         pcarry += tl.sum(pops, axis=0)
         ccarry += tl.sum(csize, axis=0)
         if mc.SW:
@@ -777,9 +783,10 @@ def cache_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, seq0, removed):
 
 
 @triton.jit
-def finish_requests(ms, mc: tl.constexpr, batch, split, CACHING: tl.constexpr):
-    """Row lengths, computed and cached counts and ``admitted`` of requests [0, split), and each
-    one's reservation less the blocks it took off the free queue (pops and zero-ref hits, drawn
+def finish_requests(ms, mc: tl.constexpr, batch, split, any_reserved, CACHING: tl.constexpr):
+    """Row lengths, computed and cached counts and ``admitted`` of requests [0, split), and, when
+    ``any_reserved`` (a scalar flag: some reservation held, so ``plan_requests`` stored the fields),
+    each one's reservation less the blocks it took off the free queue (pops and zero-ref hits, drawn
     from it first). Returns the blocks drawn from reservations."""
     offs = tl.arange(0, mc.BLOCK)
     drawn = tl.zeros([], tl.int32)
@@ -796,8 +803,9 @@ def finish_requests(ms, mc: tl.constexpr, batch, split, CACHING: tl.constexpr):
         tl.store(ms.num_blocks + r, nblk + hits + need, mask=m)
         tl.store(ms.num_computed + r, eff, mask=m)
         tl.store(batch.admitted + k, tl.full([mc.BLOCK], 1, tl.int32), mask=m)
-        tl.store(ms.reserved + r, ld(par(ms, mc, P_RLEFT, k), m), mask=m)
-        drawn += tl.sum(ld(par(ms, mc, P_TAKE, k), m), axis=0)
+        if any_reserved:
+            tl.store(ms.reserved + r, ld(par(ms, mc, P_RLEFT, k), m), mask=m)
+            drawn += tl.sum(ld(par(ms, mc, P_TAKE, k), m), axis=0)
         for g in tl.static_range(mc.G):
             start = ld(pkg(ms, mc, G_START, k * mc.G + g), m)
             if CACHING:
@@ -902,7 +910,7 @@ def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, c
             stored = tl.zeros([], tl.int32)
             if pc.CACHING:
                 stored = cache_all(ps, pc, ms, mc, split, key_seq, removed)
-            drawn = finish_requests(ms, mc, batch, split, pc.CACHING)
+            drawn = finish_requests(ms, mc, batch, split, resv_total > 0, pc.CACHING)
             tl.store(ms.num_reserved, resv_total - drawn)
             tl.store(ps.ctrl + HEAD, head)
             tl.store(ps.ctrl + TAIL, tail)
