@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .errors import ArgumentTypeError, InvalidArgumentError, InvalidBlockIdError
+from .groups import GroupKind
 
 NULL_BLOCK = 0
 #: Largest group id and token count either pool stores (int32 on the device).
@@ -232,18 +233,6 @@ def as_hash_bytes_list(op: str, hashes) -> list[bytes]:
 
 # ---- the request manager's shape -------------------------------------------------------------
 
-def _group_spec(op: str, spec) -> tuple[str, int]:
-    """("full", 0) or ("sliding_window", window_tokens) from "full" / ("sliding_window", w)."""
-    if spec == "full" or spec == ("full",):
-        return ("full", 0)
-    if isinstance(spec, (tuple, list)) and len(spec) == 2 and spec[0] == "sliding_window":
-        w = as_int(op, spec[1], "sliding window")
-        if w < 1:
-            raise InvalidArgumentError(op, f"sliding window must be >= 1 token, got {w}", w)
-        return ("sliding_window", w)
-    raise InvalidArgumentError(op, f"unknown KV-cache group spec {spec!r} (\"full\" or (\"sliding_window\", tokens))")
-
-
 @dataclass(frozen=True)
 class ManagerShape:
     """The checked shape of a KV cache manager (both managers; docs/semantics.md section 6).
@@ -251,14 +240,14 @@ class ManagerShape:
     ``block_size`` tokens per block in every group; request hashes per ``hash_block_size`` tokens
     (a divisor of ``block_size``; ``hashes_per_block`` = block_size / hash_block_size); block tables
     of ``max_num_reqs`` rows of ``max_blocks_per_req`` blocks; ``groups``: per KV-cache group
-    ``("full", 0)`` or ``("sliding_window", window_tokens)``.
+    ``GroupKind("full", 0)`` or ``GroupKind("sliding_window", window_tokens)`` (gpupool/groups.py).
     """
 
     block_size: int
     hash_block_size: int
     max_num_reqs: int
     max_blocks_per_req: int
-    groups: tuple[tuple[str, int], ...]
+    groups: tuple[GroupKind, ...]
 
     @property
     def hashes_per_block(self) -> int:
@@ -284,7 +273,7 @@ class ManagerShape:
         check_tokens(op, m * bs, "max_blocks_per_req * block_size")
         if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
             raise ArgumentTypeError(op, f"groups must be a sequence of group specs, got {type(groups).__name__}")
-        gs = tuple(_group_spec(op, g) for g in groups)
+        gs = tuple(GroupKind.parse(op, g) for g in groups)
         if not gs:
             raise InvalidArgumentError(op, "at least one KV-cache group is needed")
         return cls(bs, hbs, r, m, gs)

@@ -17,6 +17,7 @@ import triton.language as tl
 from .alloc import pop_and_claim
 from .cache import add_key, cache_range
 from .common import checked_count, keep_first, segment_ids, set_status, status_clear, tile_of, no_error, warps_for
+from .groups import num_skipped_blocks
 from .layout import (
     ALLOC_SPLIT, BIG, E_BUFFER_FULL, E_DOUBLE_FREE, E_INVALID_ARG, E_INVALID_COUNT, EV_COUNT, HEAD, KEY_SEQ, NUM_FREE, OP_ALLOCATE_SLOTS,
     OP_DECODE_STEP, OP_FREE, OP_RELEASE_COPIES, OP_SLOT_MAPPING, TAIL,
@@ -98,7 +99,7 @@ def remove_skipped_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, head, t
         w = tl.load(ms.windows + g)
         if w > 0:
             row = row_of(ms, mc, g, r)
-            nskip = tl.minimum(tl.maximum(ncomp - w + 1, 0) // mc.BS, nblk)
+            nskip = num_skipped_blocks(ncomp, w, mc.BS, nblk)
             last_null = tl.full([], -1, tl.int32)
             t = 0
             while t < nskip:

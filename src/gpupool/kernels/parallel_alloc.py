@@ -35,6 +35,7 @@ import triton.language as tl
 from .alloc import claim_tile
 from .common import segment_ids, warps_for
 from .events import write_stored_header, write_stored_item
+from .groups import num_skipped_blocks
 from .keytable import drop_keys, key_home, lookup_blocks, put_key
 from .layout import (
     ALLOC_FALLBACK, ALLOC_PARALLEL, ALLOC_SPLIT, BIG, E_INVALID_ARG, EV_COUNT, FALLBACK_REASONS, HEAD, KEY_SEQ,
@@ -162,7 +163,7 @@ def scan_tile(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, k, m, LOOKUP: t
         for g in tl.static_range(mc.G):
             w = tl.load(ms.windows + g)
             row = row_of(ms, mc, g, r)
-            nskip = tl.where(m & (w > 0), tl.minimum(tl.maximum(ncomp - w + 1, 0) // mc.BS, nblk), 0)
+            nskip = tl.where(m, num_skipped_blocks(ncomp, w, mc.BS, nblk), 0)
             lead = leading_nulls(row, nskip, m, mc.M)
             tl.store(pkg(ms, mc, G_NSKIP, k * mc.G + g), nskip, mask=m)
             tl.store(pkg(ms, mc, G_LEAD, k * mc.G + g), lead, mask=m)

@@ -121,13 +121,11 @@ class ReferenceKVCacheManager(Locked):
         return out
 
     def _remove_skipped_blocks(self, r: int) -> None:
-        for g, (kind, window) in enumerate(self.groups):
-            if kind != "sliding_window":
-                continue
+        for g, kind in enumerate(self.groups):
             row = self.tables[g][r]
-            n_skip = max(0, self.num_computed[r] - window + 1) // self.block_size
+            n_skip = kind.num_skipped_blocks(self.num_computed[r], self.block_size, len(row))
             removed = []
-            for i in range(min(n_skip, len(row)) - 1, -1, -1):
+            for i in range(n_skip - 1, -1, -1):
                 if row[i] == NULL_BLOCK:
                     break
                 removed.append(row[i])
