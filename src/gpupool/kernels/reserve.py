@@ -17,6 +17,15 @@ from .manager import check_slots
 
 
 @triton.jit
+def request_tile(ms, mc: tl.constexpr, slots, num_tokens, k, m):
+    """Lanes ``k`` (mask ``m``) of a reserve batch: slot, token count, in-range mask, ``num_computed``."""
+    r = tl.load(slots + k, mask=m, other=0)
+    n = tl.load(num_tokens + k, mask=m, other=0)
+    okr = m & (r >= 0) & (r < mc.R)
+    return r, n, okr, tl.load(ms.num_computed + r, mask=okr, other=0)
+
+
+@triton.jit
 def reserve_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_tokens, num_reqs, cap, ok_out):
     """``reserve`` of requests ``slots[:num_reqs]`` (``int32[cap]``; ``num_reqs`` None: all ``cap``) for ``num_tokens: int32[cap]``
     more tokens each: ``need = G * max(0, ceil((num_computed + n) / BS) - num_blocks)``, the request's
@@ -38,10 +47,7 @@ def reserve_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_tokens
         while i < nb:
             k = i + offs
             m = k < nb
-            r = tl.load(slots + k, mask=m, other=0)
-            n = tl.load(num_tokens + k, mask=m, other=0)
-            okr = m & (r >= 0) & (r < mc.R)
-            nc = tl.load(ms.num_computed + r, mask=okr, other=0)
+            r, n, okr, nc = request_tile(ms, mc, slots, num_tokens, k, m)
             bad = okr & ((n < 0) | (nc + n > mc.M * mc.BS))
             if err == 0:
                 err, val, err_i = keep_first(err, val, err_i, E_INVALID_COUNT, bad, k, n)
@@ -59,9 +65,7 @@ def reserve_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_tokens
             while i < nb:
                 k = i + offs
                 m = k < nb
-                r = tl.load(slots + k, mask=m, other=0)
-                n = tl.load(num_tokens + k, mask=m, other=0)
-                nc = tl.load(ms.num_computed + r, mask=m, other=0)
+                r, n, _, nc = request_tile(ms, mc, slots, num_tokens, k, m)  # slots checked: in range
                 nblk = tl.load(ms.num_blocks + r, mask=m, other=0)
                 v = tl.load(ms.reserved + r, mask=m, other=0)
                 need = mc.G * tl.maximum((nc + n + mc.BS - 1) // mc.BS - nblk, 0)
