@@ -51,7 +51,7 @@ from .kernels.parallel_alloc import NKG, NMAP, NPAR
 from .kernels.copy_blocks import check_layers, copy_blocks
 from .locking import locked
 from .pool import BlockPool
-from .reference.manager import check_reservations
+from .reservations import check_reservations
 from .state import pow2_at_least
 
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from ..args import NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_id_list, as_int
 from ..errors import ArgumentTypeError, InvalidArgumentError, InvalidCountError, InvariantError, OutOfBlocksError
+from ..reservations import check_reservations
 from ..locking import Locked, locked
 from .pool import ReferenceBlockPool
 
@@ -421,16 +422,3 @@ class ReferenceKVCacheManager(Locked):
             raise ArgumentTypeError(op, "copies must be (src, dst, release) triples") from None
         self.pool.free_blocks(release)
 
-
-
-def check_reservations(reserved, active, total: int, num_free: int) -> None:
-    """The reservation invariants (docs/semantics.md section 8): per slot ``>= 0`` and 0 on a free
-    slot, their sum ``== total``, ``total <= num_free``. Raises InvariantError."""
-    for r, (v, a) in enumerate(zip(reserved, active)):
-        if v < 0 or (v and not a):
-            raise InvariantError("validate", f"slot {r} has reservation {v}{'' if a else ' but is free'}", r)
-    if sum(reserved) != total:
-        raise InvariantError("validate", f"reservations sum to {sum(reserved)} but the reserved total is {total}",
-                             total)
-    if total > num_free:
-        raise InvariantError("validate", f"{total} blocks reserved but only {num_free} free", total)
