@@ -338,6 +338,7 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
     zcarry = tl.zeros([], tl.int32)
     dcarry = tl.zeros([], tl.int64)
     xcarry = tl.zeros([], tl.int64)
+    any_reserved = unreserved < num_free  # some reservation held (a decode step without any skips their pass)
     ccarry = tl.zeros([], tl.int32)
     rcarry = tl.zeros([], tl.int32)
     fail = tl.full([], BIG, tl.int32)
@@ -367,7 +368,7 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
             nhash = ld(ms.num_hashes + r, m)
         cached0 = ld(ms.num_cached + r, m)  # group 0's, read beside the others (loads before stores)
         own = tl.zeros([mc.BLOCK], tl.int32)
-        if unreserved < num_free:  # some reservation held: read them (a decode step without any skips it)
+        if any_reserved:
             own = ld(ms.reserved + r, m)
         eff = tl.maximum(tg, hits * mc.BS)
         need = tl.where(m, tl.maximum((eff + mc.BS - 1) // mc.BS - nblk - hits, 0), 0)
@@ -377,7 +378,7 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
         # beyond its own reservation (docs/semantics.md section 8), less the releases, summed, fits
         # the free blocks nobody reserved: sum(max(demand - reserved, 0) - released) <= unreserved
         if SCAN and (not mc.SW):  # no hits and no releases: the demand is the pops
-            if unreserved < num_free:
+            if any_reserved:
                 x = tl.maximum(pops - own, 0).to(tl.int64)
                 fail = first_index(fail, m & (xcarry + tl.cumsum(x, axis=0) > unreserved), k)
                 xcarry += tl.sum(x, axis=0)
@@ -432,7 +433,7 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
         tl.store(par(ms, mc, P_EFF, k), eff, mask=m)
         tl.store(par(ms, mc, P_POPOFF, k), pcarry + cpops - pops, mask=m)
         tl.store(par(ms, mc, P_NF, k), nf, mask=m)
-        if unreserved < num_free:
+        if any_reserved:
             take = tl.minimum(own, pops + zref)  # drawn from its own reservation first, if admitted
             tl.store(par(ms, mc, P_RLEFT, k), own - take, mask=m)
             tl.store(par(ms, mc, P_TAKE, k), take, mask=m)
