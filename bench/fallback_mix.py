@@ -1,7 +1,7 @@
 """How often ``allocate_slots`` leaves the request-parallel path, per reason, on three batch mixes.
 
 The device manager's counters (``pool.statistics()``: batches by path, fallbacks by reason, see
-``kernels/parallel_alloc.py``) are read after driving a scheduler-like loop through the public API,
+``kernels/requests/parallel.py``) are read after driving a scheduler-like loop through the public API,
 with ``ReferenceKVCacheManager`` run beside it (the admitted flags of every batch and the final block
 tables must agree, else the script exits with status 1). Mixes, one ``allocate_slots`` batch per step:
 
@@ -28,7 +28,7 @@ import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from gpupool.kernels.parallel_alloc import Fallback  # noqa: E402
+from gpupool.kernels.requests.parallel import Fallback  # noqa: E402
 from gpupool.manager import KVCacheManager  # noqa: E402
 from gpupool.reference import ReferenceKVCacheManager  # noqa: E402
 

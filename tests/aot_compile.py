@@ -104,7 +104,7 @@ def drive_manager_groups(groups, **kw):
     m.add_request(1)
     m.allocate_slots(s, torch.tensor([20, 30], dtype=i32), torch.tensor([20, 30], dtype=i32), [1, 0])
     m.slot_mapping(s, torch.tensor([3, 4], dtype=i32))
-    m.reserve(s, torch.tensor([4, 8], dtype=i32))  # reservations (kernels/reserve.py)
+    m.reserve(s, torch.tensor([4, 8], dtype=i32))  # reservations (kernels/requests/reserve.py)
     m.release_reservation(s[:1])
     m.reserve(s, torch.tensor([4, 8], dtype=i32), num_reqs=torch.tensor([1], dtype=i32))  # a device count
     m.release_reservation(s, num_reqs=torch.tensor([2], dtype=i32))
@@ -162,15 +162,15 @@ def cpu_seconds() -> float:
 
 
 def all_kernels() -> set[str]:
-    """The launch targets: every ``@triton.jit`` function named ``*_kernel`` defined in ``gpupool.kernels``."""
+    """The launch targets: every ``@triton.jit`` function named ``*_kernel`` defined in ``gpupool.kernels`` and its subpackages."""
     import importlib
     import pkgutil
 
     import gpupool.kernels as package
 
     names = set()
-    for info in pkgutil.iter_modules(package.__path__):
-        mod = importlib.import_module(f"{package.__name__}.{info.name}")
+    for info in pkgutil.walk_packages(package.__path__, prefix=f"{package.__name__}."):
+        mod = importlib.import_module(info.name)
         names |= {n for n, v in vars(mod).items()
                   if isinstance(v, JITFunction) and v.__module__ == mod.__name__ and n.endswith("_kernel")}
     return names

@@ -14,7 +14,7 @@ DEVICE_PATH = ["src/gpupool/pool.py", "src/gpupool/state.py", "src/gpupool/manag
 
 
 def _jit_functions():
-    for path in sorted((ROOT / "src" / "gpupool" / "kernels").glob("*.py")):
+    for path in sorted((ROOT / "src" / "gpupool" / "kernels").rglob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and any(
@@ -54,11 +54,12 @@ def test_device_path_does_not_import_the_reference(rel):
 
 def _mirrors():
     from gpupool.errors import ErrorCode
-    from gpupool.kernels import layout, parallel_alloc, replay, validate
+    from gpupool.kernels import layout, replay, validate
+    from gpupool.kernels.requests import parallel
 
     return [(layout, layout.Ctrl, ""), (layout, layout.Status, "ST_"), (layout, layout.Op, "OP_"),
             (layout, ErrorCode, "E_"), (layout, layout.Event, "EV_"),
-            (parallel_alloc, parallel_alloc.Fallback, "R_"), (replay, replay.LoopWord, "W_"),
+            (parallel, parallel.Fallback, "R_"), (replay, replay.LoopWord, "W_"),
             (validate, validate.Check, "V_")]
 
 

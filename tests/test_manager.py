@@ -643,7 +643,7 @@ _EXAMPLES = max(2, settings().max_examples // 5)  # dev: 2, ci: 5
 @given(data=st.data())
 def test_manager_matches_reference(kind, parallel, data):
     """Random workloads; ``parallel``: allocate_slots takes the request-parallel path where it is exact
-    (kernels/parallel_alloc.py), else every batch takes the exact sequential path."""
+    (kernels/requests/parallel.py), else every batch takes the exact sequential path."""
     bs = data.draw(st.sampled_from([4, 16]), label="block_size")
     hbs = bs if data.draw(st.booleans(), label="hash blocks = blocks") else data.draw(
         st.sampled_from([2] if bs == 4 else [4, 8]), label="hash_block_size")

@@ -1,4 +1,4 @@
-"""The request-parallel ``allocate_slots`` (kernels/parallel_alloc.py): hand-written batches that take
+"""The request-parallel ``allocate_slots`` (kernels/requests/parallel.py): hand-written batches that take
 the parallel path, and one per fallback reason, each compared with ``ReferenceKVCacheManager`` on the
 whole state (rows, counters, free-queue order, ref counts, keys, events) by the side-by-side harness
 of ``test_manager.py``; the device's path counters say which path ran. The random differential tests
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpupool.kernels.parallel_alloc import Fallback
+from gpupool.kernels.requests.parallel import Fallback
 from test_manager import HASH, Pair, add, alloc, small_pair
 
 

@@ -158,7 +158,7 @@ def test_decode_step_is_all_or_nothing(finished, slots, ntok):
     ([1], [3, 1], 1),  # slot 1's first entry (finished) comes before the idle slot 3
 ], ids=["across-lists", "finished-twice", "idle-and-repeated", "repeat-before-idle"])
 def test_decode_step_names_the_first_bad_slot(finished, slots, bad):
-    """The step's one-pass slot check (kernels/manager.py mark_slots) reports the slot of the earliest
+    """The step's one-pass slot check (kernels/requests/checks.py mark_tile) reports the slot of the earliest
     bad entry, a repeat at its first occurrence, as the separate checks did."""
     m = make()
     for r in (0, 1, 2):

@@ -3,7 +3,7 @@ CUDA graph and replayed every step with new device inputs.
 
 Per step, in order (vLLM's scheduler order: finished requests leave before the next allocation):
 
-0. check every input first (``kernels/manager.py`` check_step: both counts, every slot of both
+0. check every input first (``kernels/requests/checks.py`` check_step: both counts, every slot of both
    lists in range, in use and listed once, token counts in ``1 .. max_blocks_per_req * block_size``,
    room for the events), so that a bad input changes nothing: no op below runs on a failed check,
    and none of them can fail after an earlier one committed;
@@ -13,7 +13,7 @@ Per step, in order (vLLM's scheduler order: finished requests leave before the n
    blocks that became full are cached; ``admitted`` says which fitted (the others are the
    scheduler's to preempt);
 3. ``slot_mapping`` of each request's new token (position ``num_tokens - 1``) into ``slot_mapping``
-   (steps 0 to 3 are one launch, ``kernels/step.py``);
+   (steps 0 to 3 are one launch, ``kernels/requests/decode.py``);
 4. the pending copy-on-write copies of all layers (``kv_caches``), then the release of the
    references they held.
 

@@ -43,11 +43,14 @@ import torch
 
 from .args import NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_id_list, as_int
 from .errors import ArgumentTypeError, InvalidArgumentError, InvariantError, OutOfBlocksError
-from .kernels import manager as k_manager
-from .kernels import parallel_alloc as k_parallel
-from .kernels import reserve as k_reserve
-from .kernels import step as k_step
-from .kernels.parallel_alloc import NKG, NMAP, NPAR
+from .kernels.requests import copies as k_copies
+from .kernels.requests import decode as k_decode
+from .kernels.requests import exact as k_exact
+from .kernels.requests import free as k_free
+from .kernels.requests import parallel as k_parallel
+from .kernels.requests import reserve as k_reserve
+from .kernels.requests import slot_mapping as k_slot_mapping
+from .kernels.requests.parallel import NKG, NMAP, NPAR
 from .kernels.copy_blocks import check_layers, copy_blocks
 from .locking import locked
 from .pool import BlockPool
@@ -88,7 +91,7 @@ class ManagerConfig(NamedTuple):
     """The manager's sizes, a ``tl.constexpr`` argument: G groups, R request slots, M blocks per row,
     K hash blocks per block, BS tokens per block, Q pending-copy capacity, BLOCK lanes per request tile,
     FS entries of the request-parallel path's key filter, MAPS = G * R * M entries per item map
-    (kernels/parallel_alloc.py), SW whether any group has a sliding window (else the kernels skip the
+    (kernels/requests/parallel.py), SW whether any group has a sliding window (else the kernels skip the
     window's passes)."""
 
     G: int
@@ -362,7 +365,7 @@ class KVCacheManager:
         batch = self.batch(slots, num_tokens, target_tokens, lookup, num_reqs, admitted)
         ps, pc = self._pool.state, self._pool.config
         k_parallel.launch_allocate_slots_parallel(ps, pc, self.state, self.config, batch, force_exact=not self.parallel)
-        k_manager.launch_allocate_slots(ps, pc, self.state, self.config, batch, stop_on_failure=stop_on_failure)
+        k_exact.launch_allocate_slots(ps, pc, self.state, self.config, batch, stop_on_failure=stop_on_failure)
         return batch.admitted[: batch.slots.numel()]
 
     @locked
@@ -375,7 +378,7 @@ class KVCacheManager:
         if host_list:
             self._host_slots(op, slots)
         s = self._i32(op, slots, "slots")
-        k_manager.launch_free_requests(self._pool.state, self._pool.config, self.state, self.config, s,
+        k_free.launch_free_requests(self._pool.state, self._pool.config, self.state, self.config, s,
                                        self._count(op, num_reqs, s.numel()))
         if host_list:
             self._pool.finish()
@@ -483,7 +486,7 @@ class KVCacheManager:
     def decode_step(self, batch: AllocateBatch, finished: torch.Tensor, num_finished: torch.Tensor,
                     slot_mapping: torch.Tensor, kv_caches: list[torch.Tensor]) -> None:
         """One decode step as two launches and the copies, with no host sync (gpupool/graph.py has
-        the order and the rules): in one launch (``kernels/step.py``) every input checked, then
+        the order and the rules): in one launch (``kernels/requests/decode.py``) every input checked, then
         ``free(finished[:num_finished])``, ``allocate_slots`` of ``batch`` (``stop_on_failure=False``)
         and the slot of each request's newest token into ``slot_mapping: int64[B]``; then the pending
         copies of ``kv_caches`` and their release. A bad input sets the status word (op
@@ -496,19 +499,19 @@ class KVCacheManager:
         finished = self._i32(op, finished, "finished")
         num_finished = self._count(op, num_finished, finished.numel())
         slot_mapping = self._out(op, slot_mapping, torch.int64, batch.slots.numel(), "slot_mapping")
-        k_step.launch_decode_step(self._pool.state, self._pool.config, self.state, self.config, batch, finished,
+        k_decode.launch_decode_step(self._pool.state, self._pool.config, self.state, self.config, batch, finished,
                                   num_finished, slot_mapping, force_exact=not self.parallel)
         self._copy_and_release(kv_caches)
 
     def _decode_burst_step(self, src: AllocateBatch, src_orig: torch.Tensor, num0: torch.Tensor,
                            dst: AllocateBatch, dst_orig: torch.Tensor, dst_map: torch.Tensor,
                            out_admitted: torch.Tensor, out_map: torch.Tensor, *, src_is_step0: bool) -> None:
-        """Step k >= 1 of a burst (``kernels/step.py`` decode_burst_kernel; gpupool/graph.py): the
+        """Step k >= 1 of a burst (``kernels/requests/decode.py`` decode_burst_kernel; gpupool/graph.py): the
         batch ``dst`` built on the device from the requests ``src`` admitted, one token more, then
         allocated and mapped; row k of the burst's outputs ``out_admitted: int32[B]``,
         ``out_map: int64[B]``. The buffers are :class:`gpupool.graph.DecodeStep`'s, checked when it
         built them (``batch``); no host sync."""
-        k_step.launch_decode_burst(self._pool.state, self._pool.config, self.state, self.config, src, src_orig,
+        k_decode.launch_decode_burst(self._pool.state, self._pool.config, self.state, self.config, src, src_orig,
                                    num0, dst, dst_orig, dst_map, out_admitted, out_map,
                                    src_is_step0=src_is_step0, force_exact=not self.parallel)
 
@@ -536,7 +539,7 @@ class KVCacheManager:
         adm = None if admitted is None else self._i32(op, admitted, "admitted")
         if adm is not None and adm.numel() < s.numel():
             raise InvalidArgumentError(op, f"admitted has {adm.numel()} entries for {s.numel()} slots")
-        k_manager.launch_slot_mapping(self._pool.state, self.state, self.config, s, p,
+        k_slot_mapping.launch_slot_mapping(self._pool.state, self.state, self.config, s, p,
                                       self._count(op, num, s.numel()), out, g, as_int(op, position_offset), adm)
         return out
 
@@ -661,7 +664,7 @@ class KVCacheManager:
         s = self.state
         if kv_caches:
             copy_blocks(kv_caches, s.copy_src, s.copy_dst, num_copies=s.num_copies, check=False)
-        k_manager.launch_release_copies(self._pool.state, self._pool.config, s, self.config)
+        k_copies.launch_release_copies(self._pool.state, self._pool.config, s, self.config)
 
     @locked
     def run_pending_copies(self, kv_caches: list[torch.Tensor]) -> int:
@@ -672,7 +675,7 @@ class KVCacheManager:
         n = self._pending()
         if n:
             copy_blocks(kv_caches, self.state.copy_src[:n], self.state.copy_dst[:n])  # checks, may raise
-        k_manager.launch_release_copies(self._pool.state, self._pool.config, self.state, self.config)
+        k_copies.launch_release_copies(self._pool.state, self._pool.config, self.state, self.config)
         self._pool.finish()
         return n
 

@@ -521,7 +521,7 @@ class BlockPool:
     @locked
     def statistics(self) -> dict[str, int]:
         """Counters kept on the device: ring compactions, ``allocate_slots`` batches by path and the
-        fallback reasons (``kernels/manager.py``). Waits for the device."""
+        fallback reasons (``kernels/requests/parallel.py``). Waits for the device."""
         c = self.state.ctrl.tolist()
         return {"compactions": c[Ctrl.COMPACTIONS], "alloc_parallel": c[Ctrl.ALLOC_PARALLEL],
                 "alloc_fallback": c[Ctrl.ALLOC_FALLBACK],

@@ -1,6 +1,6 @@
 """Device twins of the KV-cache group rules of ``gpupool/groups.py`` (docs/semantics.md section 6):
-the same formulas on tensors, for both request paths (``kernels/manager.py``,
-``kernels/parallel_alloc.py``). tests/test_groups.py checks each twin equals its Python rule."""
+the same formulas on tensors, for both request paths (``kernels/requests/exact.py``,
+``kernels/requests/parallel.py``). tests/test_groups.py checks each twin equals its Python rule."""
 import triton
 import triton.language as tl
 

@@ -30,7 +30,7 @@ class Ctrl(IntEnum):
     ALLOC_PARALLEL = 7  # allocate_slots batches that took the request-parallel path (a statistic)
     ALLOC_FALLBACK = 8  # allocate_slots batches that needed the sequential path from some request on
     ALLOC_SPLIT = 9  # scratch: first request of the current batch left to the sequential path
-    FALLBACK_REASONS = 10  # slots 10..15: batches that fell back, per reason (kernels/manager.py)
+    FALLBACK_REASONS = 10  # slots 10..15: batches that fell back, per reason (kernels/requests/parallel.py)
 
 
 CTRL_SIZE = 16

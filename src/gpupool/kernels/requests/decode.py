@@ -12,10 +12,12 @@ allocation and slot mapping, and scatters its results to the step's row of the b
 import triton
 import triton.language as tl
 
-from .common import set_status, status_clear, warps_for
-from .layout import OP_DECODE_STEP
-from .manager import allocate_slots_exact, check_batch, check_step, free_requests, with_event_room
-from .parallel_alloc import allocate_slots_parallel
+from ..common import set_status, status_clear, warps_for
+from ..layout import OP_DECODE_STEP
+from .checks import check_batch, check_step, with_event_room
+from .exact import allocate_slots_exact
+from .free import free_requests
+from .parallel import allocate_slots_parallel
 
 
 @triton.jit

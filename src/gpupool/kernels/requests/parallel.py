@@ -3,7 +3,7 @@
 One program, lanes over requests (tiles of ``mc.BLOCK``) and over flattened per-request work (tiles of
 ``pc.BLOCK``): queue positions, key sequence numbers and event rows come from prefix sums in request
 order, so the result equals the sequence of per-request calls of the exact path
-(``kernels/manager.py``). The exact path is order-dependent where one request's effect changes what a
+(``kernels/requests/exact.py``). The exact path is order-dependent where one request's effect changes what a
 later one sees; those cases are found on the device and cut the batch at the first request affected
 (the *split*). Requests ``[0, split)`` commit here; ``allocate_slots_kernel`` continues from the
 split (it returns at once when the split is the whole batch), so one captured graph serves both.
@@ -32,18 +32,19 @@ from enum import IntEnum
 import triton
 import triton.language as tl
 
-from .alloc import claim_tile
-from .common import segment_ids, warps_for
-from .events import write_stored_header, write_stored_item
-from .groups import num_skipped_blocks
-from .keytable import drop_keys, key_home, lookup_blocks, put_key
-from .layout import (
+from ..alloc import claim_tile
+from ..common import segment_ids, warps_for
+from ..events import write_stored_header, write_stored_item
+from ..groups import num_skipped_blocks
+from ..keytable import drop_keys, key_home, lookup_blocks, put_key
+from ..layout import (
     ALLOC_FALLBACK, ALLOC_PARALLEL, ALLOC_SPLIT, BIG, E_INVALID_ARG, EV_COUNT, FALLBACK_REASONS, HEAD, KEY_SEQ,
     NO_SLOT, NUM_FREE, REUSE_COUNT, TAIL, constexprs,
 )
-from .manager import check_allocate_batch, keys_of, row_of
-from .queue import ring_make_room, ring_scan_pop
-from .release import count_ids, release_place, release_scan, reset_ids
+from .checks import check_allocate_batch
+from .rows import keys_of, row_of
+from ..queue import ring_make_room, ring_scan_pop
+from ..release import count_ids, release_place, release_scan, reset_ids
 
 
 class Fallback(IntEnum):
@@ -826,7 +827,7 @@ def allocate_slots_parallel_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, b
 @triton.jit
 def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, FORCE_EXACT: tl.constexpr,
                             checked, num, NO_LOOKUP: tl.constexpr):
-    """``allocate_slots`` of ``batch.num_reqs[0]`` requests (AllocateBatch, see kernels/manager.py):
+    """``allocate_slots`` of ``batch.num_reqs[0]`` requests (AllocateBatch, see kernels/requests/exact.py):
     validate the whole batch (errors set the status word and change nothing), analyse every request
     in parallel, commit requests ``[0, split)`` and leave ``ctrl[ALLOC_SPLIT] = split`` for the exact
     path (module docstring). ``FORCE_EXACT``: split 0 (tests). ``checked`` (None, or a scalar flag): a

@@ -4,16 +4,16 @@ queue; ``release_reservation`` gives the unused part back. One program each, lan
 (tiles of ``mc.BLOCK``), positions in the batch from prefix sums (no loop over requests).
 
 Manager state ``ms`` (``gpupool/manager.py`` ManagerState): ``reserved: int32[R]`` per slot,
-``num_reserved: int32[1]`` their sum; the admission paths (``kernels/manager.py``,
-``kernels/parallel_alloc.py``) read them and draw an admitted request's blocks from its own
+``num_reserved: int32[1]`` their sum; the admission paths (``kernels/requests/exact.py``,
+``kernels/requests/parallel.py``) read them and draw an admitted request's blocks from its own
 reservation first, and ``free_requests`` releases the freed requests' reservations.
 """
 import triton
 import triton.language as tl
 
-from .common import checked_count, keep_first, raw_count, set_status, status_clear, warps_for
-from .layout import BIG, E_INVALID_ARG, E_INVALID_COUNT, NUM_FREE, OP_RELEASE_RESERVATION, OP_RESERVE
-from .manager import check_slots
+from ..common import checked_count, keep_first, raw_count, set_status, status_clear, warps_for
+from ..layout import BIG, E_INVALID_ARG, E_INVALID_COUNT, NUM_FREE, OP_RELEASE_RESERVATION, OP_RESERVE
+from .checks import check_slots
 
 
 @triton.jit

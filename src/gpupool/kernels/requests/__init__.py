@@ -1,0 +1,21 @@
+"""Request-level kernels of the KV cache manager, one concern a module:
+
+* ``checks``: input checks (slot lists, an ``allocate_slots`` batch, a decode step's inputs);
+* ``steps``: vLLM's per-request admission steps (``remove_skipped_blocks``,
+  ``get_num_blocks_to_allocate``, ``allocate_new_blocks``, ``cache_blocks``);
+* ``exact``: ``allocate_slots``, the exact sequential path;
+* ``parallel``: ``allocate_slots`` of a batch, request-parallel, up to the first order-dependent
+  request (the exact path continues from there);
+* ``free``: ``free`` of many requests as one batched free;
+* ``slot_mapping``, ``copies`` (the copy-on-write queue's release), ``reserve`` (reservations);
+* ``decode``: a whole decode step, and a burst of them, in one launch each;
+* ``rows``: addressing (a slot's block-table row and its keys).
+
+Manager state ``ms`` (``gpupool/manager.py`` ManagerState) and sizes ``mc`` (ManagerConfig: G groups,
+R request slots, M blocks per row, K hash blocks per block, BS block size, BLOCK lanes): block table
+``int32[G, R, M]``, per slot ``num_blocks`` (row length, equal across groups), ``num_computed``,
+``num_cached: int32[G, R]``, request keys ``req_hi, req_lo: int64[R, G, M * K]`` (device keys of each
+hash block's hash in group g; full block i is keyed by hash ``(i + 1) * K - 1``), ``num_hashes``,
+``windows: int32[G]`` (sliding window in tokens, 0 for full attention), ``active: int8[R]``.
+The semantics are ``ReferenceKVCacheManager``'s, op for op (docs/semantics.md section 6).
+"""
