@@ -16,6 +16,14 @@ The free path, for ids ``ids[:n]`` in op order cut into segments (each one ``fre
    segments land ahead, as later ``free_blocks`` calls prepend in front of earlier ones), L elements
    to the tail in order; ref counts drop by the counts;
 4. ``reset_ids``: the scratch back to idle (also on the error path).
+
+Why these ends of the queue (vLLM 0.33 ``BlockPool.free_blocks``): a block without a hash (or with
+caching off) can never be a prefix hit, so it goes to the front and is reused first ("LIFO reuse of
+non-cached blocks for better GPU locality"); a hashed block is a prefix-cache candidate, so it goes to
+the back and pops take the least recently freed or touched one first ("FIFO reuse of cached blocks
+for LRU eviction behavior"). A request's blocks are freed tail first (vLLM's ``free``: ``reversed``)
+so that, among blocks freed together, the chain's tail (the longest, least shared prefix) is
+evicted before its head.
 """
 import triton
 import triton.language as tl
