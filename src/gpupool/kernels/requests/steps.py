@@ -193,15 +193,17 @@ def allocate_blocks(ps, pc: tl.constexpr, rows, ROW_STRIDE: tl.constexpr, G: tl.
 def cache_full_blocks(ps, pc: tl.constexpr, row, start, nf, key_hi, key_lo, key0, kstride, group, bs):
     """vLLM's ``cache_full_blocks`` of ``row[start:nf]`` (one BlockStored, possibly empty): block i's
     key is ``key_hi/lo[key0 + i * kstride]`` (group ``group``, ``(i + 1) * bs`` tokens), the parent
-    the key of block ``start - 1`` when ``start > 0``; ``KEY_SEQ`` and ``EV_COUNT`` stored."""
+    the key of block ``start - 1`` when ``start > 0``; ``KEY_SEQ`` and ``EV_COUNT`` stored (thread 0),
+    then a barrier."""
     pk = key0 + (start - 1).to(tl.int64) * kstride
     ev_pos, seq = cache_range(ps, pc, row, row, start, nf, key_hi, key_lo, key0, kstride, group, bs,
                               (start > 0).to(tl.int64), tl.load(key_hi + pk, mask=start > 0, other=0),
                               tl.load(key_lo + pk, mask=start > 0, other=0), False)
-    # strict: benign, cache_range's read races only if it cached nothing: then dead
+    if nf <= start:  # nothing cached, so no barrier in cache_range orders its reads of these words
+        tl.debug_barrier()
     tl.store(ps.ctrl + KEY_SEQ, seq)
-    # strict: benign, cache_range's read races only if it cached nothing: then dead
     tl.store(ps.ctrl + EV_COUNT, ev_pos)
+    tl.debug_barrier()  # strict: orders KEY_SEQ / EV_COUNT (thread 0) before the caller's next reads
 
 
 @triton.jit
@@ -221,7 +223,6 @@ def cache_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, known, hits, nro
         if nf > start:
             cache_full_blocks(ps, pc, row, start, nf, ms.req_hi, ms.req_lo, key0=kb + mc.K - 1, kstride=mc.K, group=g,
                               bs=mc.BS)
-            tl.debug_barrier()  # strict: orders KEY_SEQ / EV_COUNT (thread 0) before the next group's reads
         tl.store(ms.num_cached + g * mc.R + r, tl.maximum(start, nf))
         if mc.K > 1:
             hbs = mc.BS // mc.K
