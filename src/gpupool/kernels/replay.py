@@ -30,7 +30,8 @@ import triton.language as tl
 from .common import status_clear, warps_for
 from .layout import BIG, HEAD, NUM_FREE, TAIL, constexprs
 from .release import free_checked
-from .requests.steps import admit, allocate_blocks, cache_full_blocks, find_longest_cache_hit, get_num_blocks_to_allocate
+from .requests.steps import (admit, allocate_blocks, cache_full_blocks, find_longest_cache_hit,
+                             get_num_blocks_to_allocate)
 
 
 class LoopWord(IntEnum):
@@ -189,10 +190,10 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
             if ct <= now:  # a completion: free its blocks tail first
                 r = tl.load(lp.heap_r)
                 tl.debug_barrier()  # strict: orders every thread's read of the root before heap_pop's overwrite
-                running = heap_pop(lp.heap_t, lp.heap_r, running)
+                running = heap_pop(lp.heap_t, lp.heap_r, n=running)
                 ct = tl.load(lp.heap_t, mask=running > 0, other=INF)
                 head, tail, released, _, _ = free_checked(ps, pc, lp.blocks + tl.load(tr.blk_off + r),
-                                                          tl.load(tr.total + r), lp.pf, head, tail)
+                                                          n=tl.load(tr.total + r), pf=lp.pf, head=head, tail=tail)
                 num_free += released
                 counts += (slot == W_COMPLETED).to(tl.int64)
                 admitting = tl.full([], 1, tl.int1)
@@ -239,9 +240,9 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
                         if pc.CACHING:
                             cache_full_blocks(ps, pc, lp.adm, hits, full, tr.chain_hi, tr.chain_lo, key0=base,
                                               kstride=1, group=grp, bs=bs)
-                        store_reversed(lp.adm, lp.blocks + boff, total, pc.BLOCK)
+                        store_reversed(lp.adm, dst=lp.blocks + boff, n=total, BLOCK=pc.BLOCK)
                         tl.debug_barrier()
-                        running = heap_push(lp.heap_t, lp.heap_r, running, finish, lh.to(tl.int32))
+                        running = heap_push(lp.heap_t, lp.heap_r, n=running, t=finish, r=lh.to(tl.int32))
                         ct = tl.minimum(ct, finish)
                         counts += (tl.where(slot == W_ADMITTED, 1, 0) + tl.where(slot == W_WAITED, late, 0)
                                    + tl.where(slot == W_PROMPT_BLOCKS, full, 0)

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..common import set_status, status_clear, warps_for
 from ..layout import OP_DECODE_STEP
-from .checks import check_batch, check_step, with_event_room
+from .checks import check_batch_counts, check_step, with_event_room
 from .exact import allocate_slots_exact_checked
 from .free import free_requests_checked
 from .parallel import allocate_slots_parallel
@@ -102,10 +102,10 @@ def decode_burst_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, src, src_ori
     tl.debug_barrier()
     ok = status_clear(ps.status)
     if ok:
-        err, val, rows = check_batch(ps, pc, ms, mc, dst, nb, 1, False)
+        err, val, rows = check_batch_counts(ps, pc, ms, mc, dst, nb, MIN_TOKENS=1)
         err, val = with_event_room(ps, pc, err, val, rows)
         if err != 0:
-            set_status(ps.status, err, OP_DECODE_STEP, val)
+            set_status(ps.status, code=err, op=OP_DECODE_STEP, value=val)
         ok = err == 0
     tl.debug_barrier()
     split = allocate_slots_parallel(ps, pc, ms, mc, dst, cap, FORCE_EXACT, ok, nb, True)

@@ -30,7 +30,7 @@ def gather_rows(ps, ms, mc: tl.constexpr, slots, nb):
         i += mc.BLOCK
     tl.store(ms.s_seg + nb * mc.G, total)
     tl.debug_barrier()
-    segment_ids(ms.s_seg, nb * mc.G, total, ms.s_map, mc.BLOCK)
+    segment_ids(ms.s_seg, nseg=nb * mc.G, total=total, out=ms.s_map, BLOCK=mc.BLOCK)
     i = 0
     while i < total:
         idx = i + offs
@@ -42,7 +42,7 @@ def gather_rows(ps, ms, mc: tl.constexpr, slots, nb):
         r = tl.load(slots + k, mask=m, other=0)
         b = tl.load(ms.block_table + (g * mc.R + r).to(tl.int64) * mc.M + (s1 - 1 - idx), mask=m, other=0)
         tl.store(ms.s_ids + idx, b, mask=m)
-        count_tile(ps, b, idx, m & (b != 0))
+        count_tile(ps, b, idx=idx, m=m & (b != 0))
         i += mc.BLOCK
     tl.debug_barrier()
     return total
@@ -63,12 +63,12 @@ def check_free_requests(ps, ms, mc: tl.constexpr, slots, num_reqs, cap):
     nb, nb_ok = checked_count(num_reqs, cap)
     ok = status_clear(ps.status)
     if ok:
-        err, err_val = check_slots(ms, mc, slots, nb)
+        err, err_val = check_slots(ms, mc, slots=slots, nb=nb)
         err_val = tl.where(nb_ok, err_val, tl.load(num_reqs).to(tl.int64))
         err = tl.where(nb_ok, err, E_INVALID_ARG)
         ok = err == 0
         if err != 0:
-            set_status(ps.status, err, OP_FREE, err_val)
+            set_status(ps.status, code=err, op=OP_FREE, value=err_val)
     return nb, ok
 
 
@@ -87,14 +87,15 @@ def free_requests_checked(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num
         tail = tl.load(ps.ctrl + TAIL)
         num_free = tl.load(ps.ctrl + NUM_FREE)
         num_reserved = tl.load(ms.num_reserved)  # read before the barrier below, stored after it
-        n = gather_rows(ps, ms, mc, slots, nb)
-        nf, nl, dfree_i, dfree_v = release_scan(ps, pc, ms.s_ids, n, ms.s_pf, ms.s_map + mc.MAPS, True)
+        n = gather_rows(ps, ms, mc, slots=slots, nb=nb)
+        nf, nl, dfree_i, dfree_v = release_scan(ps, pc, ms.s_ids, n=n, pf=ms.s_pf, code=ms.s_map + mc.MAPS,
+                                                  TO_FRONT=True)
         ok = dfree_i == BIG
         tl.debug_barrier()
         if dfree_i == BIG:  # always, unless the state is corrupt
-            tail = ring_make_room(ps, pc, head, tail, nf + nl)
-            tail = release_place(ps, pc, ms.s_ids, n, ms.s_pf, ms.s_map + mc.MAPS, ms.s_seg, ms.s_map, head,
-                                 tail, nf, True, True)
+            tail = ring_make_room(ps, pc, head, tail, k=nf + nl)
+            tail = release_place(ps, pc, ms.s_ids, n=n, pf=ms.s_pf, code=ms.s_map + mc.MAPS, seg_off=ms.s_seg,
+                                 seg_of=ms.s_map, head=head, tail=tail, nf=nf, TO_FRONT=True, SEGMENTS=True)
             tl.store(ps.ctrl + HEAD, head - nf)
             tl.store(ps.ctrl + TAIL, tail)
             tl.store(ps.ctrl + NUM_FREE, num_free + nf + nl)
@@ -119,9 +120,10 @@ def free_requests_checked(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num
             if any_reserved:
                 tl.store(ms.num_reserved, num_reserved - unreserved)
         else:
-            set_status(ps.status, E_DOUBLE_FREE, OP_FREE, dfree_v)
+            set_status(ps.status, code=E_DOUBLE_FREE, op=OP_FREE, value=dfree_v)
         tl.debug_barrier()
-        reset_ids(ps, ms.s_ids, n, pc.N, pc.BLOCK)  # strict: benign, a block listed twice gets the same idle values
+        # strict: benign, a block listed twice gets the same idle values
+        reset_ids(ps, ms.s_ids, n=n, N=pc.N, BLOCK=pc.BLOCK)
     return ok
 
 

@@ -46,11 +46,12 @@ def slot_mapping(ps, ms, mc: tl.constexpr, slots, positions, num, cap, out, grou
         okr = okr & (tl.load(ms.active + r, mask=okr, other=0) != 0)
         nblk = tl.load(ms.num_blocks + r, mask=okr, other=0)
         ok = okr & (p >= 0) & (p < nblk.to(tl.int64) * mc.BS)
-        tl.store(out + idx, slot_of(ms, mc, group, r, p, ok), mask=inb)
-        err, err_val, err_i = keep_first(err, err_val, err_i, E_INVALID_ARG, m & ~ok, idx, tl.where(okr, p, r))
+        tl.store(out + idx, slot_of(ms, mc, group=group, r=r, p=p, ok=ok), mask=inb)
+        err, err_val, err_i = keep_first(err, err_val, err_i, new_err=E_INVALID_ARG, bad=m & ~ok, idx=idx,
+                                         val=tl.where(okr, p, r))
         i += mc.BLOCK
     if err != 0:
-        set_status(ps.status, err, OP_SLOT_MAPPING, err_val)
+        set_status(ps.status, code=err, op=OP_SLOT_MAPPING, value=err_val)
 
 
 @triton.jit
@@ -67,7 +68,7 @@ def slot_mapping_checked(ms, mc: tl.constexpr, slots, positions, num, out, group
         ok = inb & (tl.load(admitted + idx, mask=inb, other=0) != 0)
         r = tl.load(slots + idx, mask=inb, other=0)  # not masked by ``admitted``: one wait, not two
         p = tl.load(positions + idx, mask=inb, other=0).to(tl.int64) + offset
-        tl.store(out + idx, slot_of(ms, mc, group, r, p, ok), mask=inb)
+        tl.store(out + idx, slot_of(ms, mc, group=group, r=r, p=p, ok=ok), mask=inb)
         i += mc.BLOCK
 
 

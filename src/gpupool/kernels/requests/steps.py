@@ -85,7 +85,7 @@ def remove_skipped_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, head, t
         w = tl.load(ms.windows + g)
         if w > 0:
             row = row_of(ms, mc, g, r)
-            nskip = num_skipped_blocks(ncomp, w, mc.BS, nblk)
+            nskip = num_skipped_blocks(ncomp, window=w, BS=mc.BS, num_blocks=nblk)
             last_null = tl.full([], -1, tl.int32)
             t = 0
             while t < nskip:
@@ -102,7 +102,7 @@ def remove_skipped_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, head, t
                 tl.store(ms.s_ids + pos, tl.load(row + nskip - 1 - pos, mask=pos < n, other=0), mask=pos < n)
                 t += pc.BLOCK
             tl.debug_barrier()
-            head, tail, rel, _, _ = free_checked(ps, pc, ms.s_ids, n, ms.s_pf, head, tail)
+            head, tail, rel, _, _ = free_checked(ps, pc, ms.s_ids, n=n, pf=ms.s_pf, head=head, tail=tail)
             released += rel
             t = last_null + 1
             while t < nskip:
@@ -127,8 +127,9 @@ def find_longest_cache_hit(ps, pc: tl.constexpr, key_hi, key_lo, gstride, pstrid
                            out_stride):
     """vLLM's ``find_longest_cache_hit`` (``lookup.find_longest_cache_hit``: the key and output
     layout) as a :class:`CacheHit`."""
-    hits, zero_ref = lookup_longest_prefix(ps, pc, key_hi, key_lo, gstride, pstride, groups, G, length, out_blocks,
-                                           out_stride, pc.BLOCK)
+    hits, zero_ref = lookup_longest_prefix(ps, pc, key_hi, key_lo, gstride=gstride, pstride=pstride, groups=groups,
+                                           G=G, length=length, out_blocks=out_blocks, out_stride=out_stride,
+                                           BLOCK=pc.BLOCK)
     return CacheHit(hits=hits, zero_ref=zero_ref)
 
 
@@ -180,11 +181,11 @@ def allocate_blocks(ps, pc: tl.constexpr, rows, ROW_STRIDE: tl.constexpr, G: tl.
     # Every group's hits first (vLLM touches the computed blocks so they won't be evicted): a zero-ref
     # hit still on the free queue could otherwise be popped by an earlier group's allocation.
     while g < G:
-        num_free -= touch_checked(ps, pc, rows + g * ROW_STRIDE, hits)
+        num_free -= touch_checked(ps, pc, rows + g * ROW_STRIDE, n=hits)
         g += 1
     g = tl.zeros([], tl.int64)
     while g < G:
-        head = pop_and_claim(ps, pc, head, tail, rows + g * ROW_STRIDE, nblk + hits, need)
+        head = pop_and_claim(ps, pc, head, tail, out=rows + g * ROW_STRIDE, base=nblk + hits, total=need)
         g += 1
     return Allocated(head=head, num_free=num_free - need * G)
 
@@ -196,9 +197,10 @@ def cache_full_blocks(ps, pc: tl.constexpr, row, start, nf, key_hi, key_lo, key0
     the key of block ``start - 1`` when ``start > 0``; ``KEY_SEQ`` and ``EV_COUNT`` stored (thread 0),
     then a barrier."""
     pk = key0 + (start - 1).to(tl.int64) * kstride
-    ev_pos, seq = cache_range(ps, pc, row, row, start, nf, key_hi, key_lo, key0, kstride, group, bs,
-                              (start > 0).to(tl.int64), tl.load(key_hi + pk, mask=start > 0, other=0),
-                              tl.load(key_lo + pk, mask=start > 0, other=0), False)
+    ev_pos, seq = cache_range(ps, pc, row, mask=row, nc=start, nf=nf, khi=key_hi, klo=key_lo, kbase=key0,
+                              kstride=kstride, grp=group, bs=bs, has_parent=(start > 0).to(tl.int64),
+                              parent_hi=tl.load(key_hi + pk, mask=start > 0, other=0),
+                              parent_lo=tl.load(key_lo + pk, mask=start > 0, other=0), HAS_MASK=False)
     if nf <= start:  # nothing cached, so no barrier in cache_range orders its reads of these words
         tl.debug_barrier()
     tl.store(ps.ctrl + KEY_SEQ, seq)
@@ -234,10 +236,11 @@ def cache_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, known, hits, nro
                 if (b != 0) & fits:
                     ka = kb + nh - 1
                     ev_pos = tl.load(ps.ctrl + EV_COUNT)
-                    _, rows = add_key(ps, pc, b, tl.load(ms.req_hi + ka), tl.load(ms.req_lo + ka), g,
-                                      (nh * hbs).to(tl.int64), (nh > 1).to(tl.int64),
-                                      tl.load(ms.req_hi + ka - 1, mask=nh > 1, other=0),
-                                      tl.load(ms.req_lo + ka - 1, mask=nh > 1, other=0), hbs, ev_pos, False)
+                    _, rows = add_key(ps, pc, b, hi=tl.load(ms.req_hi + ka), lo=tl.load(ms.req_lo + ka), grp=g,
+                                      ntok=(nh * hbs).to(tl.int64), has_parent=(nh > 1).to(tl.int64),
+                                      parent_hi=tl.load(ms.req_hi + ka - 1, mask=nh > 1, other=0),
+                                      parent_lo=tl.load(ms.req_lo + ka - 1, mask=nh > 1, other=0), block_size=hbs,
+                                      ev_pos=ev_pos, REPLACE=False)
                     tl.debug_barrier()  # strict: orders the read of EV_COUNT above before this store
                     tl.store(ps.ctrl + EV_COUNT, ev_pos + rows)
                     tl.debug_barrier()  # strict: orders EV_COUNT (thread 0) before the next group's reads (all)
