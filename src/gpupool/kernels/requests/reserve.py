@@ -6,7 +6,7 @@ queue; ``release_reservation`` gives the unused part back. One program each, lan
 Manager state ``ms`` (``gpupool/manager.py`` ManagerState): ``reserved: int32[R]`` per slot,
 ``num_reserved: int32[1]`` their sum; the admission paths (``kernels/requests/exact.py``,
 ``kernels/requests/parallel.py``) read them and draw an admitted request's blocks from its own
-reservation first, and ``free_requests`` releases the freed requests' reservations.
+reservation first, and ``free_requests_checked`` releases the freed requests' reservations.
 """
 import triton
 import triton.language as tl
