@@ -14,9 +14,9 @@ progress words. Its state lives in device tensors between launches (:class:`Loop
 * each event is applied exactly as the model's single ops would (a completion frees the request's
   blocks tail first, then an admission pass, which runs vLLM's admission steps of
   ``kernels/requests/steps.py`` on the request's one row; an arrival joins the line, then an
-  admission pass unless the line was already blocked). Finish times are ``now + dur[r]`` with ``dur`` computed on the host
-  as the model computes it (``output_length * tpot_ms`` in float64), so one IEEE addition gives the
-  same times and ties;
+  admission pass unless the line was already blocked). Finish times are ``now + dur[r]`` with
+  ``dur`` computed on the host as the model computes it (``output_length * tpot_ms`` in float64), so
+  one IEEE addition gives the same times and ties;
 * the report's counters accumulate in ``words``.
 
 The kernel trusts its trace tensors: ``gpupool.replay.device`` builds them from a checked trace.
