@@ -9,7 +9,7 @@ import re
 import pytest
 
 import gpupool.kernels
-import gpupool.manager
+import gpupool.kernels.requests.exact
 import gpupool.replay.device
 from gpupool import BlockPool, ReferenceBlockPool
 from gpupool.replay import TraceRequest, replay
@@ -22,39 +22,41 @@ KERNELS = pathlib.Path(gpupool.kernels.__file__).resolve().parent
 
 
 def without_barrier(module: str, what: str, tmp_path):
-    """A fresh module ``gpupool.kernels.<module>`` from kernels/<module>.py with the barrier lines whose
-    comment is ``# strict: orders <what>...`` replaced by ``pass`` (line numbers kept). Returns it and
-    the line numbers."""
-    src = (KERNELS / f"{module}.py").read_text().splitlines(keepends=True)
+    """A fresh module ``gpupool.kernels.<module>`` (dotted, e.g. ``requests.steps``) from its file with
+    the barrier lines whose comment is ``# strict: orders <what>...`` replaced by ``pass`` (line
+    numbers kept). Returns it, its path and the line numbers."""
+    src = (KERNELS / f"{module.replace('.', '/')}.py").read_text().splitlines(keepends=True)
     hit = []
     for i, line in enumerate(src):
         if re.search(r"tl\.debug_barrier\(\)\s+# strict: orders " + re.escape(what), line):
             src[i] = line.replace("tl.debug_barrier()", "pass").replace("# strict: orders", "# (removed) orders")
             hit.append(i + 1)
     assert hit, f"no barrier '# strict: orders {what}' in kernels/{module}.py"
-    path = tmp_path / f"{module}_without_barrier.py"
+    package, _, name = f"gpupool.kernels.{module}".rpartition(".")
+    path = tmp_path / f"{name}_without_barrier.py"
     path.write_text("".join(src))
-    spec = importlib.util.spec_from_file_location(f"gpupool.kernels._{module}_without_barrier", path)
+    spec = importlib.util.spec_from_file_location(f"{package}._{name}_without_barrier", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod, path, hit
 
 
 def ctrl_raws(c, path):
-    """RAWs from cache_blocks' stores (in ``path``) to the ctrl words read by cache_range / add_key."""
-    return [h for h in c.unmarked() if h.kind == "RAW" and h.a[-1][0] == str(path) and h.a[-1][2] == "cache_blocks"
+    """RAWs from cache_full_blocks' stores (in ``path``) to the ctrl words read by cache_range / add_key."""
+    return [h for h in c.unmarked() if h.kind == "RAW" and h.a[-1][0] == str(path)
+            and h.a[-1][2] == "cache_full_blocks"
             and h.b[-1][0].endswith("kernels/cache.py") and any(s.startswith("ps.ctrl[") for s in h.samples)]
 
 
-# ---- rows 1 and 2: cache_blocks' KEY_SEQ / EV_COUNT stores (thread 0) vs the next group's reads -----
+# ---- rows 1 and 2: cache_full_blocks' KEY_SEQ / EV_COUNT stores (thread 0) vs the next group's reads ---
 def preemption_scenario():
     tm.test_preemption_and_stop_on_failure()  # two full groups: cache_blocks runs per group
 
 
 @pytest.fixture
 def manager_without_barrier(tmp_path, monkeypatch):
-    mod, path, lines = without_barrier("manager", "KEY_SEQ / EV_COUNT", tmp_path)
-    monkeypatch.setattr(gpupool.manager, "k_manager", mod)
+    mod, path, lines = without_barrier("requests.steps", "KEY_SEQ / EV_COUNT", tmp_path)
+    monkeypatch.setattr(gpupool.kernels.requests.exact, "cache_blocks", mod.cache_blocks)
     return path, lines
 
 
@@ -74,7 +76,7 @@ def test_cache_blocks_race_is_flagged_and_fails_under_stale(manager_without_barr
 def test_cache_blocks_with_its_barrier_is_clean_and_passes_under_stale():
     with Checker("detect") as c:
         preemption_scenario()
-    assert not ctrl_raws(c, KERNELS / "manager.py"), c.report()
+    assert not ctrl_raws(c, KERNELS / "requests" / "steps.py"), c.report()
     with Checker("stale"):
         preemption_scenario()
 

@@ -12,10 +12,11 @@ progress words. Its state lives in device tensors between launches (:class:`Loop
   (D = 32 children per node, read as one vector) keeps sift-down to about log_32(running) dependent
   loads;
 * each event is applied exactly as the model's single ops would (a completion frees the request's
-  blocks tail first, then an admission pass; an arrival joins the line, then an admission pass unless
-  the line was already blocked). Finish times are ``now + dur[r]`` with ``dur`` computed on the host
-  as the model computes it (``output_length * tpot_ms`` in float64), so one IEEE addition gives the
-  same times and ties;
+  blocks tail first, then an admission pass, which runs vLLM's admission steps of
+  ``kernels/requests/steps.py`` on the request's one row; an arrival joins the line, then an
+  admission pass unless the line was already blocked). Finish times are ``now + dur[r]`` with
+  ``dur`` computed on the host as the model computes it (``output_length * tpot_ms`` in float64), so
+  one IEEE addition gives the same times and ties;
 * the report's counters accumulate in ``words``.
 
 The kernel trusts its trace tensors: ``gpupool.replay.device`` builds them from a checked trace.
@@ -27,12 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .alloc import pop_and_claim
-from .cache import cache_range
 from .common import status_clear, warps_for
-from .layout import BIG, EV_COUNT, HEAD, KEY_SEQ, NUM_FREE, TAIL, constexprs
-from .lookup import find_longest_cache_hit
-from .release import free_checked, touch_checked
+from .layout import BIG, HEAD, NUM_FREE, TAIL, constexprs
+from .release import free_checked
+from .requests.steps import (admit, allocate_blocks, cache_full_blocks, find_longest_cache_hit,
+                             get_num_blocks_to_allocate)
 
 
 class LoopWord(IntEnum):
@@ -182,23 +182,24 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
         tail = tl.load(ps.ctrl + TAIL)
         num_free = tl.load(ps.ctrl + NUM_FREE)
         stop_at = points + max_points
+        no_resv = tl.zeros([], tl.int32)  # the replay model books no reservations
         go = done == 0
         ct = tl.load(lp.heap_t, mask=running > 0, other=INF)  # next completion time (kept in step)
         at = tl.load(tr.ts + nxt, mask=nxt < R, other=INF)  # next arrival time
         while go:
-            admit = tl.full([], 0, tl.int1)
+            admitting = tl.full([], 0, tl.int1)
             if ct <= now:  # a completion: free its blocks tail first
                 r = tl.load(lp.heap_r)
                 tl.debug_barrier()  # strict: orders every thread's read of the root before heap_pop's overwrite
-                running = heap_pop(lp.heap_t, lp.heap_r, running)
+                running = heap_pop(lp.heap_t, lp.heap_r, n=running)
                 ct = tl.load(lp.heap_t, mask=running > 0, other=INF)
                 head, tail, released, _, _ = free_checked(ps, pc, lp.blocks + tl.load(tr.blk_off + r),
-                                                          tl.load(tr.total + r), lp.pf, head, tail)
+                                                          n=tl.load(tr.total + r), pf=lp.pf, head=head, tail=tail)
                 num_free += released
                 counts += (slot == W_COMPLETED).to(tl.int64)
-                admit = tl.full([], 1, tl.int1)
+                admitting = tl.full([], 1, tl.int1)
             elif at <= now:  # an arrival joins the line
-                admit = lh == nxt  # a non-empty line is blocked at its head: an arrival changes nothing
+                admitting = lh == nxt  # a non-empty line is blocked at its head: an arrival changes nothing
                 nxt += 1
                 at = tl.load(tr.ts + nxt, mask=nxt < R, other=INF)
             elif (running == 0) & (nxt >= R):
@@ -211,7 +212,7 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
                 points += 1
             # Admission pass: in line order until the first request that does not fit.
             grp = tl.load(group_ids)
-            while admit & (lh < nxt):
+            while admitting & (lh < nxt):
                 # The request's numbers, loaded together (independent loads overlap).
                 total = tl.load(tr.total + lh)
                 base = tl.load(tr.chain_off + lh)
@@ -223,35 +224,34 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
                 if total > pc.N - 1:
                     counts += (slot == W_REJECTED).to(tl.int64)
                     lh += 1
-                else:
-                    hits, zero_ref = find_longest_cache_hit(ps, pc, tr.chain_hi + base, tr.chain_lo + base, 0, 1,
-                                                            group_ids, 1, hitcap, lp.adm, 0, pc.BLOCK)
-                    new = total - hits
-                    if (new + zero_ref).to(tl.int64) > num_free:
-                        admit = tl.full([], 0, tl.int1)
-                    else:
-                        num_free -= touch_checked(ps, pc, lp.adm, hits)
-                        head = pop_and_claim(ps, pc, head, tail, lp.adm, hits, new)
-                        num_free -= new
+                else:  # vLLM's steps (kernels/requests/steps.py) on a new request's one row, G = 1
+                    hit = find_longest_cache_hit(ps, pc, tr.chain_hi + base, tr.chain_lo + base, gstride=0, pstride=1,
+                                                 groups=group_ids, G=1, length=hitcap, out_blocks=lp.adm,
+                                                 out_stride=0)
+                    # in blocks (BS = 1): the request's total blocks; no reservations
+                    blocks = get_num_blocks_to_allocate(total, hits=hit.hits, zero_ref=hit.zero_ref, num_blocks=0,
+                                                        G=1, BS=1)
+                    adm = admit(blocks.demand, num_free=num_free, num_reserved=no_resv, reserved=no_resv)
+                    if adm.fits:
+                        hits = hit.hits
+                        got = allocate_blocks(ps, pc, lp.adm, ROW_STRIDE=0, G=1, nblk=0, hits=hits, need=blocks.need,
+                                              head=head, tail=tail, num_free=num_free)
+                        head = got.head
+                        num_free = got.num_free
                         if pc.CACHING:
-                            pk = base + hits - 1
-                            ev_pos, seq = cache_range(
-                                ps, pc, lp.adm, lp.adm, hits, full, tr.chain_hi, tr.chain_lo, base, 1, grp, bs,
-                                (hits > 0).to(tl.int64), tl.load(tr.chain_hi + pk, mask=hits > 0, other=0),
-                                tl.load(tr.chain_lo + pk, mask=hits > 0, other=0), False)
-                            # strict: benign, cache_range's read races only if it cached nothing: then dead
-                            tl.store(ps.ctrl + KEY_SEQ, seq)
-                            # strict: benign, cache_range's read races only if it cached nothing: then dead
-                            tl.store(ps.ctrl + EV_COUNT, ev_pos)
-                        store_reversed(lp.adm, lp.blocks + boff, total, pc.BLOCK)
+                            cache_full_blocks(ps, pc, lp.adm, hits, full, tr.chain_hi, tr.chain_lo, key0=base,
+                                              kstride=1, group=grp, bs=bs)
+                        store_reversed(lp.adm, dst=lp.blocks + boff, n=total, BLOCK=pc.BLOCK)
                         tl.debug_barrier()
-                        running = heap_push(lp.heap_t, lp.heap_r, running, finish, lh.to(tl.int32))
+                        running = heap_push(lp.heap_t, lp.heap_r, n=running, t=finish, r=lh.to(tl.int32))
                         ct = tl.minimum(ct, finish)
                         counts += (tl.where(slot == W_ADMITTED, 1, 0) + tl.where(slot == W_WAITED, late, 0)
                                    + tl.where(slot == W_PROMPT_BLOCKS, full, 0)
                                    + tl.where(slot == W_HIT_BLOCKS, hits, 0)).to(tl.int64)
                         counts = tl.where(slot == W_PEAK_IN_USE, tl.maximum(counts, pc.N - 1 - num_free), counts)
                         lh += 1
+                    else:
+                        admitting = tl.full([], 0, tl.int1)
         tl.debug_barrier()  # strict: orders the loop's first reads of these words before the stores
         tl.store(ps.ctrl + HEAD, head)
         tl.store(ps.ctrl + TAIL, tail)

@@ -24,7 +24,7 @@ def mark_tile(ms, mc: tl.constexpr, slots, i, n, err, val, err_i, base):
     rep = ok & (seen > 0)
     idle = ok & (tl.load(ms.active + r, mask=ok, other=1) == 0)
     at = tl.where(rep, tl.minimum(idx, -seen + BIG), idx)
-    return keep_first(err, val, err_i, E_INVALID_ARG, out | idle | rep, at, r)
+    return keep_first(err, val, err_i, new_err=E_INVALID_ARG, bad=out | idle | rep, idx=at, val=r)
 
 
 @triton.jit
@@ -41,27 +41,24 @@ def check_slots(ms, mc: tl.constexpr, slots, nb):
     err, val, err_i = no_error()
     i = 0
     while i < nb:
-        err, val, err_i = mark_tile(ms, mc, slots, i, nb, err, val, err_i, 0)
+        err, val, err_i = mark_tile(ms, mc, slots, i=i, n=nb, err=err, val=val, err_i=err_i, base=0)
         i += mc.BLOCK
     tl.debug_barrier()
     i = 0
     while i < nb:
-        unmark_tile(ms, mc, slots, i, nb)
+        unmark_tile(ms, mc, slots, i=i, n=nb)
         i += mc.BLOCK
     return err, val
 
 
 @triton.jit
-def check_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, MIN_TOKENS: tl.constexpr,
-                CHECK_SLOTS: tl.constexpr):
-    """(error, value, event rows the batch may write) of an ``allocate_slots`` batch: slots (range,
-    repeats, in use), token counts in ``MIN_TOKENS .. M * BS`` (targets from 0); the rows bound each
-    request's evictions, keys and headers (0 with events off). Also zeroes ``admitted``."""
+def check_batch_counts(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, MIN_TOKENS: tl.constexpr):
+    """(error, value, event rows the batch may write) of an ``allocate_slots`` batch whose slots are
+    checked apart (:func:`check_slots`): token counts in ``MIN_TOKENS .. M * BS`` (targets from 0);
+    the rows bound each request's evictions, keys and headers (0 with events off). Also zeroes
+    ``admitted``."""
     offs = tl.arange(0, mc.BLOCK)
-    if CHECK_SLOTS:
-        err, err_val = check_slots(ms, mc, batch.slots, nb)
-    else:  # the caller checked them
-        err, err_val, _ = no_error()
+    err, err_val, _ = no_error()
     err_i = tl.full([], BIG, tl.int32)
     rows = tl.zeros([], tl.int64)
     i = 0
@@ -73,7 +70,8 @@ def check_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, MIN_TOKEN
         bad_nt = (nt < MIN_TOKENS) | (nt > mc.M * mc.BS)
         bad = m & (bad_nt | (tg < 0) | (tg > mc.M * mc.BS))
         if err == 0:
-            err, err_val, err_i = keep_first(err, err_val, err_i, E_INVALID_COUNT, bad, idx, tl.where(bad_nt, nt, tg))
+            err, err_val, err_i = keep_first(err, err_val, err_i, new_err=E_INVALID_COUNT, bad=bad, idx=idx,
+                                             val=tl.where(bad_nt, nt, tg))
         if pc.EVENTS:
             r = tl.load(batch.slots + idx, mask=m, other=0)
             ok = m & ~bad & (r >= 0) & (r < mc.R)
@@ -105,12 +103,15 @@ def check_allocate_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap)
     nb, nb_ok = checked_count(batch.num_reqs, cap)
     err = tl.full([], E_INVALID_ARG, tl.int32)
     if status_clear(ps.status):
-        err, err_val, rows = check_batch(ps, pc, ms, mc, batch, nb, 0, True)
+        err, err_val = check_slots(ms, mc, slots=batch.slots, nb=nb)
+        b_err, b_val, rows = check_batch_counts(ps, pc, ms, mc, batch, nb, MIN_TOKENS=0)
+        err_val = tl.where(err == 0, b_val, err_val)  # a bad slot first
+        err = tl.where(err == 0, b_err, err)
         err = tl.where(nb_ok, err, E_INVALID_ARG)
         err_val = tl.where(nb_ok, err_val, tl.load(batch.num_reqs).to(tl.int64))
         err, err_val = with_event_room(ps, pc, err, err_val, rows)
         if err != 0:
-            set_status(ps.status, err, OP_ALLOCATE_SLOTS, err_val)
+            set_status(ps.status, code=err, op=OP_ALLOCATE_SLOTS, value=err_val)
         tl.debug_barrier()
     return nb, err
 
@@ -133,16 +134,17 @@ def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished,
         err, val, err_i = no_error()
         i = 0
         while i < tl.maximum(nf, nb):  # both lists in one walk: their marks are order-free
-            err, val, err_i = mark_tile(ms, mc, finished, i, nf, err, val, err_i, 0)
-            err, val, err_i = mark_tile(ms, mc, batch.slots, i, nb, err, val, err_i, fcap)
+            err, val, err_i = mark_tile(ms, mc, finished, i=i, n=nf, err=err, val=val, err_i=err_i, base=0)
+            err, val, err_i = mark_tile(ms, mc, batch.slots, i=i, n=nb, err=err, val=val, err_i=err_i,
+                                        base=fcap)
             i += mc.BLOCK
         tl.debug_barrier()
         # the batch's own checks read no marks: issued beside the unmarking, kept if the slots pass
-        b_err, b_val, rows = check_batch(ps, pc, ms, mc, batch, nb, 1, False)
+        b_err, b_val, rows = check_batch_counts(ps, pc, ms, mc, batch, nb, MIN_TOKENS=1)
         i = 0
         while i < tl.maximum(nf, nb):
-            unmark_tile(ms, mc, finished, i, nf)
-            unmark_tile(ms, mc, batch.slots, i, nb)
+            unmark_tile(ms, mc, finished, i=i, n=nf)
+            unmark_tile(ms, mc, batch.slots, i=i, n=nb)
             i += mc.BLOCK
         b_err, b_val = with_event_room(ps, pc, b_err, b_val, rows)
         val = tl.where(err == 0, b_val, val)
@@ -153,7 +155,7 @@ def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished,
         val = tl.where(nb_ok, val, tl.load(batch.num_reqs).to(tl.int64))
         ok = err == 0
         if err != 0:
-            set_status(ps.status, err, OP_DECODE_STEP, val)
+            set_status(ps.status, code=err, op=OP_DECODE_STEP, value=val)
             offs = tl.arange(0, mc.BLOCK)
             i = 0
             while i < cap:  # no request admitted

@@ -15,14 +15,16 @@ def release_copies_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr):
     failed step. A count outside ``0..Q`` or a bad id sets E_INVALID_ARG / E_INVALID_ID instead."""
     n, n_ok = checked_count(ms.num_copies, mc.Q)
     if status_clear(ps.status) & ((n > 0) | ~n_ok):  # nothing pending (the usual step): nothing to do
-        err, err_val, _ = check_ids(ps, ms.copy_release, n, pc.N, False, False, pc.BLOCK)
+        err, err_val, _ = check_ids(ps, ms.copy_release, n=n, N=pc.N, NULL_IS_ERROR=False, COUNT=False,
+                                   BLOCK=pc.BLOCK)
         err = tl.where(n_ok, err, E_INVALID_ARG)
         err_val = tl.where(n_ok, err_val, tl.load(ms.num_copies).to(tl.int64))
         head = tl.load(ps.ctrl + HEAD)
         tail = tl.load(ps.ctrl + TAIL)
         released = tl.zeros([], tl.int32)
         if err == 0:
-            head, tail, released, dfree_i, dfree_v = free_checked(ps, pc, ms.copy_release, n, ms.s_pf, head, tail)
+            head, tail, released, dfree_i, dfree_v = free_checked(ps, pc, ms.copy_release, n=n, pf=ms.s_pf,
+                                                                        head=head, tail=tail)
             err = tl.where(dfree_i < BIG, E_DOUBLE_FREE, err)
             err_val = tl.where(dfree_i < BIG, dfree_v, err_val)
         if err == 0:
@@ -32,7 +34,7 @@ def release_copies_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr):
             tl.store(ps.ctrl + NUM_FREE, tl.load(ps.ctrl + NUM_FREE) + released)
             tl.store(ms.num_copies, 0)
         else:
-            set_status(ps.status, err, OP_RELEASE_COPIES, err_val)
+            set_status(ps.status, code=err, op=OP_RELEASE_COPIES, value=err_val)
 
 
 def launch_release_copies(ps, pc, ms, mc):

@@ -14,10 +14,19 @@ import triton.language as tl
 
 from ..common import set_status, status_clear, warps_for
 from ..layout import OP_DECODE_STEP
-from .checks import check_batch, check_step, with_event_room
-from .exact import allocate_slots_exact
-from .free import free_requests
+from .checks import check_batch_counts, check_step, with_event_room
+from .exact import allocate_slots_exact_checked
+from .free import free_requests_checked
 from .parallel import allocate_slots_parallel
+from .slot_mapping import slot_mapping_checked
+
+
+@triton.jit
+def new_token_slots(ms, mc: tl.constexpr, batch, nb, out):
+    """``out[:nb]``: the slot of each admitted request's newest token (group 0, position
+    ``num_tokens - 1``), -1 where not admitted; the step checked and allocated them."""
+    slot_mapping_checked(ms, mc, batch.slots, positions=batch.num_tokens, num=nb, out=out, group=0, offset=-1,
+                         admitted=batch.admitted)
 
 
 @triton.jit
@@ -28,11 +37,13 @@ def decode_step_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, f
     A bad input sets the status word (op DECODE_STEP) in the first step and the others do nothing."""
     ok, nb, nf = check_step(ps, pc, ms, mc, batch, cap, finished, num_finished, fcap)
     tl.debug_barrier()
-    ok = free_requests(ps, pc, ms, mc, finished, num_finished, fcap, ok, nf)
+    ok = free_requests_checked(ps, pc, ms, mc, finished, num=nf, ok=ok)
     tl.debug_barrier()
     split = allocate_slots_parallel(ps, pc, ms, mc, batch, cap, FORCE_EXACT, ok, nb, True)
     tl.debug_barrier()
-    allocate_slots_exact(ps, pc, ms, mc, batch, cap, False, slot_mapping, ok, split, nb)
+    allocate_slots_exact_checked(ps, pc, ms, mc, batch, STOP_ON_FAILURE=False, num=nb, split=split, ok=ok)
+    tl.debug_barrier()
+    new_token_slots(ms, mc, batch, nb, slot_mapping)
 
 
 @triton.jit
@@ -91,15 +102,17 @@ def decode_burst_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, src, src_ori
     tl.debug_barrier()
     ok = status_clear(ps.status)
     if ok:
-        err, val, rows = check_batch(ps, pc, ms, mc, dst, nb, 1, False)
+        err, val, rows = check_batch_counts(ps, pc, ms, mc, dst, nb, MIN_TOKENS=1)
         err, val = with_event_room(ps, pc, err, val, rows)
         if err != 0:
-            set_status(ps.status, err, OP_DECODE_STEP, val)
+            set_status(ps.status, code=err, op=OP_DECODE_STEP, value=val)
         ok = err == 0
     tl.debug_barrier()
     split = allocate_slots_parallel(ps, pc, ms, mc, dst, cap, FORCE_EXACT, ok, nb, True)
     tl.debug_barrier()
-    allocate_slots_exact(ps, pc, ms, mc, dst, cap, False, dst_map, ok, split, nb)
+    allocate_slots_exact_checked(ps, pc, ms, mc, dst, STOP_ON_FAILURE=False, num=nb, split=split, ok=ok)
+    tl.debug_barrier()
+    new_token_slots(ms, mc, dst, nb, dst_map)
     tl.debug_barrier()
     i = 0
     while i < nb:

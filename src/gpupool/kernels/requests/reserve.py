@@ -6,7 +6,7 @@ queue; ``release_reservation`` gives the unused part back. One program each, lan
 Manager state ``ms`` (``gpupool/manager.py`` ManagerState): ``reserved: int32[R]`` per slot,
 ``num_reserved: int32[1]`` their sum; the admission paths (``kernels/requests/exact.py``,
 ``kernels/requests/parallel.py``) read them and draw an admitted request's blocks from its own
-reservation first, and ``free_requests`` releases the freed requests' reservations.
+reservation first, and ``free_requests_checked`` releases the freed requests' reservations.
 """
 import triton
 import triton.language as tl
@@ -41,21 +41,21 @@ def reserve_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_tokens
         i += mc.BLOCK
     nb, nb_ok = checked_count(num_reqs, cap)
     if status_clear(ps.status):
-        err, val = check_slots(ms, mc, slots, nb)
+        err, val = check_slots(ms, mc, slots=slots, nb=nb)
         err_i = tl.full([], BIG, tl.int32)
         i = 0
         while i < nb:
             k = i + offs
             m = k < nb
-            r, n, okr, nc = request_tile(ms, mc, slots, num_tokens, k, m)
+            r, n, okr, nc = request_tile(ms, mc, slots=slots, num_tokens=num_tokens, k=k, m=m)
             bad = okr & ((n < 0) | (nc + n > mc.M * mc.BS))
             if err == 0:
-                err, val, err_i = keep_first(err, val, err_i, E_INVALID_COUNT, bad, k, n)
+                err, val, err_i = keep_first(err, val, err_i, new_err=E_INVALID_COUNT, bad=bad, idx=k, val=n)
             i += mc.BLOCK
         err = tl.where(nb_ok, err, E_INVALID_ARG)
         val = tl.where(nb_ok, val, raw_count(num_reqs, cap).to(tl.int64))
         if err != 0:
-            set_status(ps.status, err, OP_RESERVE, val)
+            set_status(ps.status, code=err, op=OP_RESERVE, value=val)
         else:
             total = tl.load(ms.num_reserved)
             room = tl.load(ps.ctrl + NUM_FREE) - total.to(tl.int64)
@@ -65,7 +65,8 @@ def reserve_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_tokens
             while i < nb:
                 k = i + offs
                 m = k < nb
-                r, n, _, nc = request_tile(ms, mc, slots, num_tokens, k, m)  # slots checked: in range
+                # slots checked: in range
+                r, n, _, nc = request_tile(ms, mc, slots=slots, num_tokens=num_tokens, k=k, m=m)
                 nblk = tl.load(ms.num_blocks + r, mask=m, other=0)
                 v = tl.load(ms.reserved + r, mask=m, other=0)
                 need = mc.G * tl.maximum((nc + n + mc.BS - 1) // mc.BS - nblk, 0)
@@ -88,11 +89,11 @@ def release_reservation_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots
     offs = tl.arange(0, mc.BLOCK)
     nb, nb_ok = checked_count(num_reqs, cap)
     if status_clear(ps.status):
-        err, val = check_slots(ms, mc, slots, nb)
+        err, val = check_slots(ms, mc, slots=slots, nb=nb)
         err = tl.where(nb_ok, err, E_INVALID_ARG)
         val = tl.where(nb_ok, val, raw_count(num_reqs, cap).to(tl.int64))
         if err != 0:
-            set_status(ps.status, err, OP_RELEASE_RESERVATION, val)
+            set_status(ps.status, code=err, op=OP_RELEASE_RESERVATION, value=val)
         else:
             released = tl.zeros([], tl.int32)
             i = 0

@@ -10,27 +10,27 @@ from ..layout import BIG, E_INVALID_ARG, OP_SLOT_MAPPING
 def slot_mapping_kernel(ps, ms, mc: tl.constexpr, slots, positions, num, cap, out, group, offset, admitted,
                         HAS_ADMITTED: tl.constexpr):
     """Grid (1,): :func:`slot_mapping`."""
-    slot_mapping(ps, ms, mc, slots, positions, num, cap, out, group, offset, admitted, HAS_ADMITTED, False)
+    slot_mapping(ps, ms, mc, slots, positions, num, cap=cap, out=out, group=group, offset=offset, admitted=admitted,
+                 HAS_ADMITTED=HAS_ADMITTED)
+
+
+@triton.jit
+def slot_of(ms, mc: tl.constexpr, group, r, p, ok):
+    """``block_table[group, r, p // BS] * BS + p % BS`` (int64 lanes) where ``ok``, else -1."""
+    blk = tl.load(ms.block_table + (group * mc.R + r).to(tl.int64) * mc.M + p // mc.BS, mask=ok, other=0)
+    return tl.where(ok, blk.to(tl.int64) * mc.BS + p % mc.BS, -1)
 
 
 @triton.jit
 def slot_mapping(ps, ms, mc: tl.constexpr, slots, positions, num, cap, out, group, offset, admitted,
-                 HAS_ADMITTED: tl.constexpr, TRUSTED: tl.constexpr):
+                 HAS_ADMITTED: tl.constexpr):
     """``out[t] = block_table[group, slots[t], p // BS] * BS + p % BS`` with ``p = positions[t] + offset``
     for ``t < num[0]`` (at most ``cap``): each slot in use and each position inside its row; else -1
     there and E_INVALID_ARG in the status word (the first bad entry). With ``HAS_ADMITTED``, entries
-    whose ``admitted[t]`` is 0 give -1 and are no error. ``TRUSTED`` (a decode step, with
-    ``HAS_ADMITTED``): ``num`` is the step's checked count (a value, not a pointer), and an admitted
-    entry's slot is in use and its position inside its row, as the step checked and allocated them,
-    so neither is read again."""
-    if TRUSTED:
-        n = num
-        err = tl.zeros([], tl.int32)
-        err_val = tl.zeros([], tl.int64)
-    else:
-        n, n_ok = checked_count(num, cap)
-        err = tl.where(n_ok, 0, E_INVALID_ARG)
-        err_val = tl.where(n_ok, 0, tl.load(num)).to(tl.int64)
+    whose ``admitted[t]`` is 0 give -1 and are no error."""
+    n, n_ok = checked_count(num, cap)
+    err = tl.where(n_ok, 0, E_INVALID_ARG)
+    err_val = tl.where(n_ok, 0, tl.load(num)).to(tl.int64)
     offs = tl.arange(0, mc.BLOCK)
     err_i = tl.full([], BIG, tl.int32)
     i = 0
@@ -42,20 +42,34 @@ def slot_mapping(ps, ms, mc: tl.constexpr, slots, positions, num, cap, out, grou
             m = m & (tl.load(admitted + idx, mask=inb, other=0) != 0)
         r = tl.load(slots + idx, mask=inb, other=0)  # not masked by ``admitted``: one wait, not two
         p = tl.load(positions + idx, mask=inb, other=0).to(tl.int64) + offset
-        if TRUSTED:
-            okr = m
-            ok = m
-        else:
-            okr = m & (r >= 0) & (r < mc.R)
-            okr = okr & (tl.load(ms.active + r, mask=okr, other=0) != 0)
-            nblk = tl.load(ms.num_blocks + r, mask=okr, other=0)
-            ok = okr & (p >= 0) & (p < nblk.to(tl.int64) * mc.BS)
-        blk = tl.load(ms.block_table + (group * mc.R + r).to(tl.int64) * mc.M + p // mc.BS, mask=ok, other=0)
-        tl.store(out + idx, tl.where(ok, blk.to(tl.int64) * mc.BS + p % mc.BS, -1), mask=inb)
-        err, err_val, err_i = keep_first(err, err_val, err_i, E_INVALID_ARG, m & ~ok, idx, tl.where(okr, p, r))
+        okr = m & (r >= 0) & (r < mc.R)
+        okr = okr & (tl.load(ms.active + r, mask=okr, other=0) != 0)
+        nblk = tl.load(ms.num_blocks + r, mask=okr, other=0)
+        ok = okr & (p >= 0) & (p < nblk.to(tl.int64) * mc.BS)
+        tl.store(out + idx, slot_of(ms, mc, group=group, r=r, p=p, ok=ok), mask=inb)
+        err, err_val, err_i = keep_first(err, err_val, err_i, new_err=E_INVALID_ARG, bad=m & ~ok, idx=idx,
+                                         val=tl.where(okr, p, r))
         i += mc.BLOCK
     if err != 0:
-        set_status(ps.status, err, OP_SLOT_MAPPING, err_val)
+        set_status(ps.status, code=err, op=OP_SLOT_MAPPING, value=err_val)
+
+
+@triton.jit
+def slot_mapping_checked(ms, mc: tl.constexpr, slots, positions, num, out, group, offset, admitted):
+    """:func:`slot_mapping` of a decode step's admitted requests, already checked: ``num`` (a value)
+    the step's checked count, and each entry with ``admitted[t] != 0`` has its slot in use and its
+    position inside its row, as the step checked and allocated them, so neither is read again;
+    the others give -1."""
+    offs = tl.arange(0, mc.BLOCK)
+    i = 0
+    while i < num:
+        idx = i + offs
+        inb = idx < num
+        ok = inb & (tl.load(admitted + idx, mask=inb, other=0) != 0)
+        r = tl.load(slots + idx, mask=inb, other=0)  # not masked by ``admitted``: one wait, not two
+        p = tl.load(positions + idx, mask=inb, other=0).to(tl.int64) + offset
+        tl.store(out + idx, slot_of(ms, mc, group=group, r=r, p=p, ok=ok), mask=inb)
+        i += mc.BLOCK
 
 
 def launch_slot_mapping(ps, ms, mc, slots, positions, num, out, group: int, offset: int, admitted):
