@@ -37,6 +37,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from ..errors import InvalidArgumentError
 from .block_pool import BlockPool
+from .fast_path import DeferredBlockPool
 
 
 def default_device() -> str:
@@ -47,11 +48,35 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def fast_path_eligible(scheduler) -> tuple[bool, str]:
+    """Whether :class:`gpupool.vllm.fast_path.DeferredBlockPool` serves ``scheduler`` (docs/vllm.md,
+    "The fast path"): ``$GPUPOOL_VLLM_FAST_PATH`` not ``0``, one KV cache group served by vLLM's
+    ``FullAttentionManager`` (block size equal to the hash block size), no KV connector, KV events
+    and KV cache metrics off. Returns (eligible, the reason when not)."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    if os.environ.get("GPUPOOL_VLLM_FAST_PATH", "1") == "0":
+        return False, "GPUPOOL_VLLM_FAST_PATH=0"
+    kvm = scheduler.kv_cache_manager
+    managers = kvm.coordinator.single_type_managers
+    old = kvm.block_pool
+    if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
+        return False, f"KV cache managers {[type(m).__name__ for m in managers]} (the fast path: one FullAttentionManager)"
+    if managers[0].block_size != old.hash_block_size:
+        return False, "block size differs from the hash block size (partial-block caching)"
+    if getattr(scheduler, "connector", None) is not None:
+        return False, "a KV connector"
+    if old.enable_kv_cache_events or old.metrics_collector is not None:
+        return False, "KV events or KV cache metrics on"
+    return True, ""
+
+
 def install_gpupool_block_pool(scheduler, *, device: str | torch.device | None = None,
                                backend: str | None = None, max_keys_per_block: int | None = None,
-                               pool_cls: type = BlockPool) -> BlockPool:
+                               pool_cls: type | None = None) -> BlockPool:
     """Replace the block pool of ``scheduler.kv_cache_manager`` (a freshly built vLLM 0.33 scheduler)
-    by a ``pool_cls`` (default :class:`gpupool.vllm.BlockPool`) built with the old pool's
+    by a ``pool_cls`` (default: :class:`gpupool.vllm.fast_path.DeferredBlockPool` where
+    :func:`fast_path_eligible`, else :class:`gpupool.vllm.BlockPool`) built with the old pool's
     ``num_gpu_blocks``, ``enable_caching``, ``hash_block_size``, ``enable_kv_cache_events``,
     ``metrics_collector``, ``num_hash_lookahead_tokens`` and ``medium``; returns the new pool.
 
@@ -85,6 +110,11 @@ def install_gpupool_block_pool(scheduler, *, device: str | torch.device | None =
         max_keys_per_block = int(os.environ.get("GPUPOOL_VLLM_MAX_KEYS_PER_BLOCK", "8"))
     if device is None and backend == "device":
         device = default_device()
+    if pool_cls is None:
+        fast, why = fast_path_eligible(scheduler)
+        pool_cls = DeferredBlockPool if fast else BlockPool
+        if not fast:
+            _log.info("gpupool.vllm: per-call block pool (%s)", why)
     new = pool_cls(old.num_gpu_blocks, old.enable_caching, old.hash_block_size,
                    enable_kv_cache_events=old.enable_kv_cache_events, metrics_collector=old.metrics_collector,
                    num_hash_lookahead_tokens=old.num_hash_lookahead_tokens, medium=old.medium,
@@ -132,4 +162,5 @@ class GpuPoolSyncScheduler(Scheduler):
         self.gpupool_block_pool = install_gpupool_block_pool(self)
 
 
-__all__ = ["GpuPoolScheduler", "GpuPoolSyncScheduler", "install_gpupool_block_pool", "default_device"]
+__all__ = ["GpuPoolScheduler", "GpuPoolSyncScheduler", "install_gpupool_block_pool", "default_device",
+           "fast_path_eligible"]
