@@ -31,70 +31,24 @@ from gpupool.vllm.fast_path import DeferredBlockPool, PendingBlock  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "vllm_conformance"))
 import driver  # noqa: E402
+from test_vllm_block_pool import OPS  # noqa: E402
 
 N = 10
 BS = driver.BLOCK_SIZE
 
-OPS = st.one_of(
-    st.tuples(st.just("alloc"), st.integers(0, 5), st.integers(0, 3), st.integers(0, 5)),
-    st.tuples(st.just("cache"), st.integers(0, 7), st.integers(0, 6)),
-    st.tuples(st.just("free"), st.integers(0, 7)),
-    st.tuples(st.just("hit"), st.integers(0, 3)),
-    st.tuples(st.just("evict"), st.integers(0, N - 1)),
-    st.tuples(st.just("cow"), st.integers(0, 7)),
-    st.tuples(st.just("reset")),
-)
-
-
 def lazy_run(pool, ops):
-    """Apply ``ops`` (tests/vllm_conformance/driver.py's meanings) reading only what vLLM's scheduler
-    reads while deciding (free counts, lookups, ref counts and hashes of hit blocks); block ids of
-    allocations are read at the end. Returns (answers while running, every handed-out block's id)."""
+    """Apply ``ops`` (tests/vllm_conformance/driver.py's) reading only what vLLM's scheduler reads
+    while deciding: the free count, and the ref counts and hashes of prefix hits; the ids of the blocks
+    handed out are read at the end. Returns (answers while running, every handed-out block's id)."""
     reqs, seen, handed = [], [], []
     for op in ops:
-        kind = op[0]
-        if kind == "alloc":
-            n = op[1]
-            seen.append(pool.get_num_free_blocks())
-            if n > pool.get_num_free_blocks():
-                continue
-            toks = driver.tokens_of(op[2])
-            blocks = pool.get_new_blocks(n)
-            handed.append(blocks)
-            r = {"req": driver.request(toks[: n * BS]), "blocks": blocks, "cached": 0, "extra": []}
-            reqs.append(r)
-            if op[3] > 0 and pool.enable_caching:
-                r["cached"] = min(op[3], n)
-                pool.cache_full_blocks(r["req"], blocks, 0, r["cached"], BS, 0)
-        elif kind == "cache" and reqs and pool.enable_caching:
-            r = reqs[op[1] % len(reqs)]
-            full = min(op[2], len(r["blocks"]))
-            pool.cache_full_blocks(r["req"], r["blocks"], r["cached"], full, BS, 0)
-            r["cached"] = max(r["cached"], full)
-        elif kind == "free" and reqs:
-            r = reqs.pop(op[1] % len(reqs))
-            pool.free_blocks(list(reversed(r["blocks"])) + r["extra"])
-        elif kind == "hit":
-            toks = driver.tokens_of(op[1])
-            hit = []
-            for hh in driver.chain(toks):
-                got = pool.get_cached_block(hh, [0])
-                if got is None:
-                    break
-                hit.append(got[0])
-            seen.append([(b.ref_cnt, b.block_hash) for b in hit])  # vLLM's evictable count reads these
-            pool.touch(hit)
-            handed.append(hit)
-            reqs.append({"req": driver.request(toks[: len(hit) * BS]), "blocks": hit, "cached": len(hit), "extra": []})
-        elif kind == "evict":
-            pool.evict_blocks({op[1] % N})
-        elif kind == "cow" and reqs:
-            r = reqs[op[1] % len(reqs)]
-            if r["blocks"]:
-                r["blocks"][0].ref_cnt += 1
-                r["extra"].append(r["blocks"][0])
-        elif kind == "reset":
-            seen.append(pool.reset_prefix_cache())
+        result = driver._apply(pool, op, reqs, N, ids=False)
+        if op[0] in ("alloc", "hit") and result is not None:
+            handed.append(result)
+            if op[0] == "hit":  # vLLM's evictable count reads these
+                seen.append([(b.ref_cnt, b.block_hash) for b in result])
+        elif op[0] == "reset":
+            seen.append(result)
         seen.append(pool.get_num_free_blocks())
     return seen, [[b.block_id for b in bl] for bl in handed]
 

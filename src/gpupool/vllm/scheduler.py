@@ -12,18 +12,23 @@ vLLM 0.33's ``SchedulerConfig.get_scheduler_cls`` accepts a dotted string and lo
 This module imports vLLM; ``gpupool.vllm`` does not import it until ``gpupool.vllm.GpuPoolScheduler``
 is first read (a module ``__getattr__``).
 
-This version: vLLM builds its scheduler (and its own ``BlockPool``, unused, with no block handed out),
-then :func:`install_gpupool_block_pool` puts a ``gpupool.vllm.BlockPool`` with the same arguments
-everywhere vLLM 0.33 holds the pool: ``KVCacheManager.block_pool``, ``coordinator.block_pool``, every
-single-type manager's ``block_pool`` and ``_null_block``, and the KV connector's binding (rebound with
-``bind_kv_cache_manager``). Each vLLM ``BlockPool`` call is then one gpupool op plus one mirror
-transfer; the scheduling policy, ``Request`` objects and the ``SchedulerOutput`` are vLLM's.
+vLLM builds its scheduler (and its own ``BlockPool``, unused, with no block handed out), then
+:func:`install_gpupool_block_pool` puts a gpupool pool with the same arguments everywhere vLLM 0.33
+holds the pool: ``KVCacheManager.block_pool``, ``coordinator.block_pool``, every single-type manager's
+``block_pool`` and ``_null_block``, and the KV connector's binding (rebound with
+``bind_kv_cache_manager``). The pool is the fast path's
+:class:`gpupool.vllm.fast_path.DeferredBlockPool` where :func:`fast_path_eligible` (one full-attention
+group, no connector, events and metrics off: device work launched without waiting, at most one
+device-to-host transfer per step in the measured streams), else :class:`gpupool.vllm.BlockPool` (one
+gpupool op plus one mirror transfer per vLLM call). The scheduling policy, ``Request`` objects and the
+``SchedulerOutput`` are vLLM's.
 
 Environment (vLLM passes a scheduler no extra arguments):
     ``GPUPOOL_VLLM_DEVICE``: the pool's torch device (default ``cuda`` when ``torch.cuda.is_available()``
     in the scheduler's process, else ``cpu``, where gpupool's kernels need ``TRITON_INTERPRET=1``);
     ``GPUPOOL_VLLM_BACKEND``: ``device`` (default) or ``reference`` (gpupool's CPU oracle, same semantics);
-    ``GPUPOOL_VLLM_MAX_KEYS_PER_BLOCK``: the pool's ``max_keys_per_block`` (default 8).
+    ``GPUPOOL_VLLM_MAX_KEYS_PER_BLOCK``: the pool's ``max_keys_per_block`` (default 8);
+    ``GPUPOOL_VLLM_FAST_PATH``: ``0`` keeps the per-call pool even where the fast path applies.
 """
 from __future__ import annotations
 
