@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 pytest.importorskip("msgspec", reason="gpupool[vllm] needs msgspec (pip install 'gpupool[vllm]')")
 
 from gpupool import BlockPool as DevicePool  # noqa: E402
-from gpupool.errors import DoubleFreeError, InvalidBlockIdError, OutOfBlocksError  # noqa: E402
+from gpupool.errors import DoubleFreeError, InvalidBlockIdError, OutOfBlocksError, PoolError  # noqa: E402
 from gpupool.vllm import BlockPool  # noqa: E402
 from gpupool.vllm.fast_path import DeferredBlockPool, PendingBlock  # noqa: E402
 
@@ -159,6 +159,21 @@ def test_errors_leave_the_pool_unchanged():
         pool.free_blocks([b[1], b[0]])
     assert driver.snapshot(pool) == before
     pool.device_pool.validate()
+
+
+@pytest.mark.parametrize("backend", ["reference", "device"])
+def test_reuse_watchers_fire_at_the_pop(backend):
+    """After ``unpin_blocks`` a pop runs per call, so the reuse callback fires inside
+    ``get_new_blocks`` (vLLM's timing), not at a later synchronisation."""
+    kw = dict(device="cpu") if backend == "device" else dict(backend="reference")
+    pool = DeferredBlockPool(4, True, BS, **kw)
+    a = pool.get_new_blocks(3)
+    reused = []
+    pool.unpin_blocks(a[:1], reused.append)
+    got = pool.get_new_blocks(1)
+    assert reused == [pool.blocks[a[0].block_id]] and got[0].block_id == a[0].block_id
+    with pytest.raises(PoolError):
+        pool.get_new_blocks(-1)
 
 
 def test_cache_full_blocks_batched_equals_cache_full_blocks():

@@ -48,7 +48,7 @@ from collections import Counter
 
 import torch
 
-from ..errors import InvalidCountError, OutOfBlocksError, PoolError
+from ..errors import OutOfBlocksError, PoolError
 from ..kernels.layout import Ctrl
 from .block_pool import BlockPool, KVCacheBlock, _hashes_at, make_block_hash_with_group_id
 
@@ -99,6 +99,7 @@ class DeferredBlockPool(BlockPool):
         self._pseq = _PREDICTED_SEQ
         self._pend_dev = None  # device: int32 ids of the placeholders, in order
         self._pend_ref: list[int] = []  # reference backend: the same, on the host
+        self._watched = False  # unpin_blocks was called: pops run per call from then on
         if self.deferred:
             self._unkeyed = self._read_unkeyed_run()
 
@@ -153,8 +154,11 @@ class DeferredBlockPool(BlockPool):
         at once as ``allocate_batched``. Raises OutOfBlocksError past the (exact) free count."""
         if not self.deferred:
             return super().get_new_blocks(num_blocks)
-        if not isinstance(num_blocks, int) or num_blocks < 0:
-            raise InvalidCountError("get_new_blocks", f"cannot allocate {num_blocks!r} blocks", num_blocks)
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0 or self._watched:
+            # a bad count raises the per-call pool's error; with reuse watchers registered (unpin_blocks)
+            # a pop must call them at once, as vLLM does, so it runs per call
+            self.sync("op:get_new_blocks")
+            return super().get_new_blocks(num_blocks)
         if num_blocks > self._num_free:
             raise OutOfBlocksError("get_new_blocks", f"Cannot get {num_blocks} free blocks from the pool", num_blocks)
         if num_blocks == 0:
@@ -243,12 +247,15 @@ class DeferredBlockPool(BlockPool):
             return None  # a no-op (docs/semantics.md section 2)
         rng = list(blocks[nc:nf])
         hashes = None
-        if block_mask is None and len(rng) == nf - nc and not any(b.is_null for b in rng if isinstance(b, KVCacheBlock)):
+        if block_mask is None and len(rng) == nf - nc and isinstance(block_size, int) and block_size > 0 \
+                and all(isinstance(b, KVCacheBlock) and b._pool is self and not b.is_null for b in rng):
             slots = self._slots(rng)
-            if len(set(slots)) == len(slots) and not any(self._keys[s] for s in slots) and isinstance(block_size, int) \
-                    and block_size > 0:
-                hashes = _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf)
-                if len(hashes) < nf:
+            if len(set(slots)) == len(slots) and not any(self._keys[s] for s in slots):
+                try:
+                    hashes = _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf)
+                except PoolError:
+                    hashes = None  # the per-call path raises it, as vLLM's assertion
+                if hashes is not None and len(hashes) < nf:
                     hashes = None
         if hashes is None:
             self.sync("op:cache_full_blocks")
@@ -389,7 +396,13 @@ class DeferredBlockPool(BlockPool):
 
     cache_partial_block = _slow("cache_partial_block")
     move_block_hashes = _slow("move_block_hashes")
-    unpin_blocks = _slow("unpin_blocks")
+    _unpin_blocks = _slow("unpin_blocks")
+
+    def unpin_blocks(self, blocks, on_reuse) -> None:
+        """Synchronise, then the per-call ``unpin_blocks``; later pops run per call (their reuse
+        callbacks fire at the call, as vLLM's)."""
+        self._watched = True
+        return self._unpin_blocks(blocks, on_reuse)
     evict_blocks = _slow("evict_blocks")
     reset_prefix_cache = _slow("reset_prefix_cache")
     _insert_key = _slow("_insert_key")
