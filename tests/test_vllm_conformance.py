@@ -131,9 +131,9 @@ def run_vllm_tests(files=FILES, modes=("stock", "reference"), device_files=(), t
 
 @pytest.fixture(scope="module")
 def vllm_runs():
-    """The one subprocess both tests below read: every file in modes stock and reference, the
-    primitives file also in mode device."""
-    return run_vllm_tests(FILES, ("stock", "reference"), DEVICE_FILES)
+    """The one subprocess the tests below read: every file in modes stock, reference and deferred,
+    the primitives file also in mode device."""
+    return run_vllm_tests(FILES, ("stock", "reference", "deferred"), DEVICE_FILES)
 
 
 def _counts(outcomes: dict[str, str], prefix: str = "") -> dict[str, int]:
@@ -188,5 +188,17 @@ def test_vllm_core_tests_on_gpupool_block_pool(vllm_runs):
     _report(stock, ours, "reference backend")
     print(f"gpupool pools built: {built}")
     assert _counts(stock).get("passed", 0) >= 500
+    bad = _compare(stock, ours, KNOWN)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.slow
+def test_vllm_core_tests_on_deferred_block_pool(vllm_runs):
+    """Every test of ``FILES`` over the scheduler's fast path (``DeferredBlockPool``, reference
+    backend): vLLM's pool's outcome, except ``KNOWN`` (the same list as the per-call adapter's)."""
+    outcomes, built = vllm_runs
+    stock, ours = outcomes["stock"], outcomes["deferred"]
+    _report(stock, ours, "deferred (fast path), reference backend")
+    assert built.get("deferred", 0) > 0
     bad = _compare(stock, ours, KNOWN)
     assert not bad, "\n".join(bad)

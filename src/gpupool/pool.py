@@ -172,7 +172,12 @@ class BlockPool:
 
     # ---- argument plumbing ------------------------------------------------------------------------
     def _tensor(self, values, dtype=torch.int32) -> torch.Tensor:
-        return torch.tensor(list(values), dtype=dtype, device=self.device)
+        """Host values on the device. On CUDA through a pinned buffer with ``non_blocking``: a blocking
+        copy from pageable memory makes PyTorch synchronise the stream, which the batched ops must not."""
+        t = torch.tensor(list(values), dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
 
     def _ids(self, op: str, ids) -> torch.Tensor:
         """Ids of a single op (a sequence or any integer tensor), range-checked, as int32 on the device."""
@@ -265,16 +270,18 @@ class BlockPool:
                             num_full_blocks, block_size, group_id, block_mask)
         if a.noop:
             return
+        self._launch_cache_full(a, self._tensor(a.ids), Op.CACHE_FULL_BLOCKS)
+        self.check()
+
+    def _launch_cache_full(self, a, ids: torch.Tensor, op: int) -> None:
         reg = self.registry
         keys = [(0, 0)] * a.nc + [reg.register(a.stored_hash(i), a.group) for i in range(a.nc, a.nf)]
         parent = reg.register(a.parent, a.group) if a.parent is not None else (0, 0)
-        p = self._tensor([a.nc, a.nf, a.block_size, a.group, len(a.ids), a.parent is not None, *parent],
+        p = self._tensor([a.nc, a.nf, a.block_size, a.group, ids.numel(), a.parent is not None, *parent],
                          torch.int64)
         mask = None if a.mask is None else self._tensor(a.mask[: a.nf - a.nc], torch.int8)
-        k_cache.launch_cache_full(self.state, self.config, self._tensor(a.ids), self._tensor([k[0] for k in keys],
-                                  torch.int64), self._tensor([k[1] for k in keys], torch.int64), mask, p,
-                                  op=Op.CACHE_FULL_BLOCKS)
-        self.check()
+        k_cache.launch_cache_full(self.state, self.config, ids, self._tensor([k[0] for k in keys], torch.int64),
+                                  self._tensor([k[1] for k in keys], torch.int64), mask, p, op=op)
 
     @locked
     def cache_partial_block(self, block: int, block_hashes, num_tokens: int, group_id: int, block_size: int,
@@ -400,6 +407,21 @@ class BlockPool:
             raise InvalidArgumentError(op, "seg_offsets needs at least one entry (0)")
         k_release.launch_release(self.state, self.config, ids, self._count(op, num_ids, ids.numel()), seg_offsets,
                                  unpin=False, op=Op.FREE_BATCHED)
+
+    @locked
+    def cache_full_blocks_batched(self, ids: torch.Tensor, block_hashes, num_cached_blocks: int,
+                                  num_full_blocks: int, block_size: int, group_id: int = 0, block_mask=None) -> None:
+        """``cache_full_blocks`` with the block ids as a device tensor (``ids: int32[M]`` on the pool's
+        device, M >= ``num_full_blocks``; e.g. a slice of ``allocate_batched``'s output), not waiting.
+        The hashes, counts and mask are host values, checked here as ``cache_full_blocks`` checks them
+        (raising at once); the ids are checked by the kernel, and a bad id, a duplicate or a hash
+        conflict goes to the status word (raised by :meth:`check`, nothing changed)."""
+        op = "cache_full_blocks_batched"
+        ids = self._device_i32(op, ids, "ids")
+        a = cache_full_args(op, self.num_blocks, self.enable_caching, [0] * ids.numel(), block_hashes,
+                            num_cached_blocks, num_full_blocks, block_size, group_id, block_mask)
+        if not a.noop:
+            self._launch_cache_full(a, ids, Op.CACHE_FULL_BLOCKS)
 
     @locked
     def touch_batched(self, ids: torch.Tensor, num_ids: torch.Tensor | None = None) -> None:

@@ -87,8 +87,9 @@ def run(pool, ops, after=None) -> list:
     return trace
 
 
-def _apply(pool, op, reqs, n):
-    """One op (module doc); its result (blocks handed out, reset's bool) or None."""
+def _apply(pool, op, reqs, n, ids=True):
+    """One op (module doc); its result (ids of the blocks handed out, or with ``ids=False`` the blocks
+    themselves, unread; reset's bool) or None."""
     kind, result = op[0], None
     if kind == "alloc":
         if op[1] <= pool.get_num_free_blocks():
@@ -96,7 +97,7 @@ def _apply(pool, op, reqs, n):
             blocks = pool.get_new_blocks(op[1])
             r = {"req": request(toks[: op[1] * BLOCK_SIZE]), "blocks": blocks, "cached": 0, "extra": []}
             reqs.append(r)
-            result = [b.block_id for b in blocks]
+            result = [b.block_id for b in blocks] if ids else blocks
             if len(op) > 3 and op[3] > 0 and pool.enable_caching:
                 r["cached"] = min(op[3], op[1])
                 pool.cache_full_blocks(r["req"], blocks, 0, r["cached"], BLOCK_SIZE, 0)
@@ -119,7 +120,7 @@ def _apply(pool, op, reqs, n):
         pool.touch(hit)
         reqs.append({"req": request(toks[: len(hit) * BLOCK_SIZE]), "blocks": hit, "cached": len(hit),
                      "extra": []})
-        result = [b.block_id for b in hit]
+        result = [b.block_id for b in hit] if ids else hit
     elif kind == "evict":
         pool.evict_blocks({op[1] % n, op[2] % n})
     elif kind == "reset":

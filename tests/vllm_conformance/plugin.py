@@ -13,7 +13,8 @@ process (vLLM is imported once), and its outcome per mode goes to the JSON file 
 
 ``stock`` is vLLM's own ``BlockPool`` (the baseline); ``reference`` / ``device`` put
 ``gpupool.vllm.BlockPool`` with that ``backend`` in every loaded module whose ``BlockPool`` name is
-vLLM's class (or gpupool's, from the previous mode), set again before each run. Function-scoped
+vLLM's class (or gpupool's, from the previous mode), set again before each run; ``deferred`` puts
+``gpupool.vllm.fast_path.DeferredBlockPool`` (the scheduler's fast path) over the reference backend. Function-scoped
 fixtures are set up and torn down for each mode (vLLM's files here have no wider-scoped ones). The
 results file also holds, per mode, how many gpupool pools were built, so a swap that did not take
 shows as 0.
@@ -112,21 +113,26 @@ _BUILT: dict[str, int] = {}  # mode -> gpupool pools built (reported, so the cal
 _RESULTS: dict[str, dict[str, str]] = {}  # mode -> test id -> outcome
 _DETAILS: dict[str, dict[str, str]] = {}  # mode -> test id -> the tail of its failure text
 _SECONDS: dict[str, float] = {}  # mode -> seconds spent running tests in it
-_GP: list = []  # the swapped-in class, built on first use
+_GP: dict = {}  # mode -> the swapped-in class, built on first use
 _MODE = ["stock"]
 
 
-def _gp_class():
-    if not _GP:
-        from gpupool.vllm import BlockPool as base
+def _gp_class(mode: str):
+    """``reference`` / ``device``: ``gpupool.vllm.BlockPool`` over that backend; ``deferred``:
+    ``gpupool.vllm.fast_path.DeferredBlockPool`` (the scheduler's fast path) over the reference backend."""
+    if mode not in _GP:
+        from gpupool.vllm import BlockPool
+        from gpupool.vllm.fast_path import DeferredBlockPool
+        base = DeferredBlockPool if mode == "deferred" else BlockPool
+        backend = "reference" if mode == "deferred" else mode
 
         def __init__(self, *a, **k):
-            k.setdefault("backend", _MODE[0])
+            k.setdefault("backend", backend)
             base.__init__(self, *a, **k)
             _BUILT[_MODE[0]] = _BUILT.get(_MODE[0], 0) + 1
 
-        _GP.append(type("BlockPool", (base,), {"__init__": __init__, "__module__": base.__module__}))
-    return _GP[0]
+        _GP[mode] = type("BlockPool", (base,), {"__init__": __init__, "__module__": base.__module__})
+    return _GP[mode]
 
 
 _HOLDERS: dict[str, types.ModuleType] = {}  # modules whose BlockPool name is vLLM's (or ours)
@@ -136,9 +142,9 @@ _SCANNED: set[str] = set()  # module names already looked at (each loaded module
 def _set_mode(mode: str) -> list[str]:
     """Point every loaded module's ``BlockPool`` name that is vLLM's (or gpupool's) class at the class
     of ``mode``; returns the module names. Modules loaded since the last call are looked at first."""
-    target = _STOCK if mode == "stock" else _gp_class()
+    target = _STOCK if mode == "stock" else _gp_class(mode)
     _MODE[0] = mode
-    ours = _GP[0] if _GP else None
+    ours = set(_GP.values())
     if len(_SCANNED) != len(sys.modules):
         for name, mod in list(sys.modules.items()):
             if name in _SCANNED:
@@ -150,7 +156,7 @@ def _set_mode(mode: str) -> list[str]:
                 cur = mod.__dict__.get("BlockPool")
             except Exception:  # noqa: BLE001 - a module without a plain __dict__
                 continue
-            if cur is not None and (cur is _STOCK or cur is ours):
+            if cur is not None and (cur is _STOCK or cur in ours):
                 _HOLDERS[name] = mod
     for mod in _HOLDERS.values():
         mod.BlockPool = target

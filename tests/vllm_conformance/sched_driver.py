@@ -54,9 +54,10 @@ def make_scheduler(cls, num_blocks, max_model_len=1024, max_num_batched_tokens=1
                structured_output_manager=StructuredOutputManager(vc))
 
 
-def make_stream(seed, n):
+def make_stream(seed, n, decode_heavy=False):
     """(arrival step, request id, prompt, max_tokens, abort step or None): prompts from 3 shared
-    prefixes (2-4 blocks) plus a private tail."""
+    prefixes (2-4 blocks) plus a private tail. ``decode_heavy``: all arrive in the first 2 steps, no
+    aborts, 40-70 tokens out each (most steps are decode steps of every running request)."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1, 30000) for _ in range(BLOCK * rng.randint(2, 4))] for _ in range(3)]
     out = []
@@ -64,8 +65,41 @@ def make_stream(seed, n):
         p = list(prefixes[rng.randrange(3)])[: rng.choice([BLOCK, 2 * BLOCK, 10 ** 6])]
         p += [rng.randrange(1, 30000) for _ in range(rng.randint(1, 40))]
         abort = rng.randint(2, 10) if rng.random() < 0.2 else None
-        out.append((rng.randint(0, 12), f"r{i}", p, rng.randint(3, 14), abort))
+        if decode_heavy:
+            out.append((rng.randint(0, 1), f"r{i}", p, rng.randint(40, 70), None))
+        else:
+            out.append((rng.randint(0, 12), f"r{i}", p, rng.randint(3, 14), abort))
     return out
+
+
+class D2HCounter:
+    """Counts device-to-host reads made outside Triton and torch while ``on``: every way a tensor's
+    values reach Python (``tolist``, ``item``, ``cpu``, ``numpy``, ``int()`` / ``float()`` / ``bool()``
+    / index use) is patched on ``torch.Tensor``, so the adapter cannot read the device uncounted.
+    Triton's interpreter and torch read tensors themselves (kernel arguments); those frames are not
+    the adapter's and are skipped. On a GPU each counted call is one synchronising transfer."""
+
+    NAMES = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+    def __init__(self):
+        self.on = False
+        self.n = 0
+        self.where = Counter()
+        for name in self.NAMES:
+            orig = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, self._wrap(orig, name))
+
+    def _wrap(self, orig, name):
+        counter = self
+
+        def f(t, *a, **k):
+            if counter.on:
+                mod = sys._getframe(1).f_globals.get("__name__", "")
+                if not (mod.startswith("triton") or mod.startswith("torch")):
+                    counter.n += 1
+                    counter.where[f"{mod}:{sys._getframe(1).f_code.co_name}:{name}"] += 1
+            return orig(t, *a, **k)
+        return f
 
 
 class Counting:
@@ -84,7 +118,7 @@ class Counting:
         return v
 
 
-def run(sched, stream, counts=None):
+def run(sched, stream, counts=None, d2h=None):
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
     pending = sorted(stream)
@@ -93,6 +127,12 @@ def run(sched, stream, counts=None):
     queue: deque = deque()
     step = 0
     while step < 200:
+        if counts is not None:
+            counts.clear()
+        pool = sched.kv_cache_manager.block_pool
+        syncs0 = Counter(getattr(pool, "syncs", {}))
+        if d2h is not None:  # the step: arrivals, aborts, schedule(), update_from_output()
+            d2h.on, n0 = True, d2h.n
         for arr, rid, prompt, mt, abort in [s for s in pending if s[0] <= step]:
             pending.remove((arr, rid, prompt, mt, abort))
             sp = SamplingParams(max_tokens=mt, ignore_eos=True)
@@ -104,8 +144,6 @@ def run(sched, stream, counts=None):
         for rid, (r, abort) in reqs.items():
             if abort == step and not r.is_finished():
                 sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-        if counts is not None:
-            counts.clear()
         out = sched.schedule()
         rec = {"step": step,
                "new": [(n.req_id, [list(b) for b in n.block_ids], n.num_computed_tokens) for n in out.scheduled_new_reqs],
@@ -133,9 +171,14 @@ def run(sched, stream, counts=None):
                     hits.append((pcs.requests, pcs.queries, pcs.hits, pcs.preempted_requests, pcs.preempted_hits))
             rec["prefix_cache_stats"] = hits
             rec["outputs"] = sorted((o_.request_id, list(o_.new_token_ids)) for o in eco.values() for o_ in o.outputs)
+        if d2h is not None:
+            d2h.on = False
         rec["num_free_blocks"] = sched.kv_cache_manager.block_pool.get_num_free_blocks()
         if counts is not None:
             rec["gpupool_ops"] = dict(counts)
+            rec["gpupool_ops"]["syncs"] = dict(Counter(getattr(pool, "syncs", {})) - syncs0)
+            if d2h is not None:
+                rec["gpupool_ops"]["d2h"] = d2h.n - n0
         steps.append(rec)
         step += 1
         if not pending and not queue and sched.get_num_unfinished_requests() == 0:
@@ -211,12 +254,25 @@ def main():
     t = time.perf_counter()
     res["stock"] = run(make_scheduler(AsyncScheduler, num_blocks), stream)
     res["stock_s"] = time.perf_counter() - t
-    for backend in os.environ.get("BACKENDS", "reference,device").split(","):
+    d2h = D2HCounter()
+    runs = [(mode, stream, num_blocks) for mode in os.environ.get("BACKENDS", "reference,device").split(",")]
+    if os.environ.get("DECODE_HEAVY"):  # (requests, blocks): device fast path and stock on it
+        nreq, nblk = map(int, os.environ["DECODE_HEAVY"].split(","))
+        heavy = make_stream(1, nreq, decode_heavy=True)
+        t = time.perf_counter()
+        res["heavy_stock"] = run(make_scheduler(AsyncScheduler, nblk), heavy)
+        res["heavy_stock_s"] = time.perf_counter() - t
+        runs.append(("heavy_device", heavy, nblk))
+    for mode, stream_, nblk in runs:
+        backend = "reference" if mode == "reference" else "device"
+        fast = not mode.endswith("percall")
         os.environ["GPUPOOL_VLLM_BACKEND"] = backend
+        os.environ["GPUPOOL_VLLM_FAST_PATH"] = "1" if fast else "0"
         counts = Counter()
-        s = make_scheduler(GpuPoolScheduler, num_blocks)
+        s = make_scheduler(GpuPoolScheduler, nblk)
         pool = s.kv_cache_manager.block_pool
-        assert type(pool).__module__ == "gpupool.vllm.block_pool" and pool.backend == backend
+        want = "DeferredBlockPool" if fast else "BlockPool"
+        assert type(pool).__name__ == want and pool.backend == backend, (type(pool), mode)
         held = [s.kv_cache_manager.coordinator.block_pool] + [m.block_pool for m in s.kv_cache_manager.coordinator.single_type_managers]
         assert all(p is pool for p in held)
         assert all(m._null_block is pool.null_block for m in s.kv_cache_manager.coordinator.single_type_managers)
@@ -235,8 +291,9 @@ def main():
             return _o(ids)
         pool._refresh = refresh
         t = time.perf_counter()
-        res[backend] = run(s, stream, counts)
-        res[backend + "_s"] = time.perf_counter() - t
+        res[mode] = run(s, stream_, counts, d2h if backend == "device" else None)
+        res[mode + "_s"] = time.perf_counter() - t
+    res["d2h_where"] = dict(d2h.where)
     res["is_async"] = issubclass(GpuPoolScheduler, AsyncScheduler)
     from gpupool.vllm import GpuPoolSyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler

@@ -2,7 +2,8 @@
 
 Done: KV events on vLLM 0.33's wire (:mod:`gpupool.vllm.kv_events`) and a publisher compatible with
 vLLM's ``ZmqEventPublisher`` (:mod:`gpupool.vllm.publisher`), and a drop-in for vLLM 0.33's ``BlockPool``
-(:mod:`gpupool.vllm.block_pool`), and ``GpuPoolScheduler`` for ``vllm serve ... --scheduler-cls
+(:mod:`gpupool.vllm.block_pool`; its deferred form for the scheduler's fast path,
+:mod:`gpupool.vllm.fast_path`), and ``GpuPoolScheduler`` for ``vllm serve ... --scheduler-cls
 gpupool.vllm.GpuPoolScheduler`` (:mod:`gpupool.vllm.scheduler`, the only module here that imports vLLM:
 it is loaded on first access of the attribute). The core package never imports this one.
 """

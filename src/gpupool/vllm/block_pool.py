@@ -103,12 +103,13 @@ class KVCacheBlock:
     Any other write raises :class:`gpupool.errors.InvalidArgumentError` (and AssertionError).
     """
 
-    __slots__ = ("_pool", "block_id", "is_null")
+    __slots__ = ("_pool", "block_id", "is_null", "_s")
 
     def __init__(self, pool: "BlockPool", block_id: int, is_null: bool = False):
         self._pool = pool
         self.block_id = block_id
         self.is_null = is_null
+        self._s = block_id  # the host mirror's slot (a deferred pool's placeholders use slots >= N)
 
     @property
     def pool(self) -> "BlockPool":
@@ -116,7 +117,10 @@ class KVCacheBlock:
 
     @property
     def ref_cnt(self) -> int:
-        return self._pool._ref[self.block_id]
+        p = self._pool
+        if p._dirty and p._ref[self._s] == 0:
+            p._need_exact("ref_cnt")
+        return p._ref[self._s]
 
     @ref_cnt.setter
     def ref_cnt(self, value: int) -> None:
@@ -124,12 +128,18 @@ class KVCacheBlock:
 
     @property
     def block_hash(self) -> bytes | None:
-        keys = self._pool._keys[self.block_id]
+        p = self._pool
+        if p._dirty and p._ref[self._s] == 0:
+            p._need_exact("block_hash")
+        keys = p._keys[self._s]
         return keys[0] if keys else None
 
     @property
     def block_hash_num_tokens(self) -> int | None:
-        return self._pool._ntok[self.block_id]
+        p = self._pool
+        if p._dirty and p._ref[self._s] == 0:
+            p._need_exact("block_hash_num_tokens")
+        return p._ntok[self._s]
 
     @property
     def prev_free_block(self):
@@ -187,6 +197,7 @@ class FreeBlockQueueView:
 
     def _snapshot(self) -> list[int]:
         p = self._pool
+        p._need_device("free_block_queue")
         if self._version != p._version:
             self._order = p._dev.free_queue()
             self._pos = {b: i for i, b in enumerate(self._order)}
@@ -241,22 +252,31 @@ class BlockHashToBlockView:
         self._pool = pool
 
     def get_one_block(self, key: bytes) -> KVCacheBlock | None:
-        holders = self._pool._holders.get(key)
+        p = self._pool
+        holders = p._holders.get(key)
         if not holders:
-            return None
-        return self._pool.blocks[min(holders, key=holders.__getitem__)]
+            return None  # a miss is exact even when the mirror is dirty: pops only remove keys
+        s = min(holders, key=holders.__getitem__)
+        if p._dirty and p._ref[s] == 0:  # a free block: a pop since the last sync may have evicted it
+            p._need_exact("get_one_block")
+            return self.get_one_block(key)
+        return p._block(s)
 
     def contain(self, key: bytes, block_id: int) -> bool:
+        self._pool._need_device("cached_block_hash_to_block")
         return block_id in self._pool._holders.get(key, ())
 
     def __len__(self) -> int:
+        self._pool._need_device("cached_block_hash_to_block")
         return len(self._pool._holders)
 
     def __contains__(self, key) -> bool:
+        self._pool._need_device("cached_block_hash_to_block")
         return key in self._pool._holders
 
     @property
     def _cache(self) -> dict:
+        self._pool._need_device("cached_block_hash_to_block")
         out = {}
         blocks = self._pool.blocks
         for key, holders in self._pool._holders.items():
@@ -315,6 +335,20 @@ class BlockPool:
     Raises InvalidArgumentError (and AssertionError, as vLLM asserts) for a bad ``num_gpu_blocks``.
     """
 
+    # the host mirror is always exact here; gpupool.vllm.fast_path.DeferredBlockPool defers device work,
+    # and while ``_dirty`` only the fields of held blocks (ref_cnt > 0 on the host) are known exactly
+    _dirty = False
+
+    def _need_exact(self, why: str) -> None:
+        """Hook: a read that needs the mirror exact (a deferred pool synchronises here)."""
+
+    def _need_device(self, why: str) -> None:
+        """Hook: a read or op that needs the device state current (a deferred pool synchronises here)."""
+
+    def _block(self, slot: int) -> KVCacheBlock:
+        """The proxy of a mirror slot (a block id here)."""
+        return self.blocks[slot]
+
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
                  enable_kv_cache_events: bool = False, metrics_collector: Any = None,
                  num_hash_lookahead_tokens: int = 0, medium: str = MEDIUM_GPU, *,
@@ -369,13 +403,22 @@ class BlockPool:
         ids = list(dict.fromkeys(int(b) for b in ids))
         if self.backend == "reference":
             return self._refresh_reference(ids)
-        s, mk = self._dev.state, self._mk
         idx = torch.tensor(ids, dtype=torch.long, device=self._dev.device)
-        keys = s.keys.view(self.num_gpu_blocks, mk, 5)[idx][:, :, [0, 1, 3]].reshape(len(ids), 3 * mk)
-        cols = torch.cat([s.ref_cnt[idx].long()[:, None], s.num_keys[idx].long()[:, None],
+        rows = self._mirror_rows(idx).tolist()
+        self._num_free = int(self._dev.state.ctrl[Ctrl.NUM_FREE])
+        self._apply_rows(ids, rows)
+
+    def _mirror_rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """``int64[len(idx), 3 + 3 * max_keys]`` on the device: per block ref count, key count, covered
+        tokens, then (hi, lo, insertion seq) of each key slot."""
+        s, mk = self._dev.state, self._mk
+        kv = s.keys.view(self.num_gpu_blocks, mk, 5)[idx]
+        keys = torch.cat([kv[:, :, 0:2], kv[:, :, 3:4]], dim=2).reshape(idx.numel(), 3 * mk)  # hi, lo, seq
+        return torch.cat([s.ref_cnt[idx].long()[:, None], s.num_keys[idx].long()[:, None],
                           s.hash_ntok[idx].long()[:, None], keys], dim=1)
-        rows = cols.tolist()
-        self._num_free = int(s.ctrl[Ctrl.NUM_FREE])
+
+    def _apply_rows(self, ids: list[int], rows: list[list[int]]) -> None:
+        """Set the mirror of ``ids`` from :meth:`_mirror_rows`' rows (the key map from the difference)."""
         name = self._dev.registry.name
         holders = self._holders
         for b, row in zip(ids, rows):

@@ -12,18 +12,23 @@ vLLM 0.33's ``SchedulerConfig.get_scheduler_cls`` accepts a dotted string and lo
 This module imports vLLM; ``gpupool.vllm`` does not import it until ``gpupool.vllm.GpuPoolScheduler``
 is first read (a module ``__getattr__``).
 
-This version: vLLM builds its scheduler (and its own ``BlockPool``, unused, with no block handed out),
-then :func:`install_gpupool_block_pool` puts a ``gpupool.vllm.BlockPool`` with the same arguments
-everywhere vLLM 0.33 holds the pool: ``KVCacheManager.block_pool``, ``coordinator.block_pool``, every
-single-type manager's ``block_pool`` and ``_null_block``, and the KV connector's binding (rebound with
-``bind_kv_cache_manager``). Each vLLM ``BlockPool`` call is then one gpupool op plus one mirror
-transfer; the scheduling policy, ``Request`` objects and the ``SchedulerOutput`` are vLLM's.
+vLLM builds its scheduler (and its own ``BlockPool``, unused, with no block handed out), then
+:func:`install_gpupool_block_pool` puts a gpupool pool with the same arguments everywhere vLLM 0.33
+holds the pool: ``KVCacheManager.block_pool``, ``coordinator.block_pool``, every single-type manager's
+``block_pool`` and ``_null_block``, and the KV connector's binding (rebound with
+``bind_kv_cache_manager``). The pool is the fast path's
+:class:`gpupool.vllm.fast_path.DeferredBlockPool` where :func:`fast_path_eligible` (one full-attention
+group, no connector, events and metrics off: device work launched without waiting, at most one
+device-to-host transfer per step in the measured streams), else :class:`gpupool.vllm.BlockPool` (one
+gpupool op plus one mirror transfer per vLLM call). The scheduling policy, ``Request`` objects and the
+``SchedulerOutput`` are vLLM's.
 
 Environment (vLLM passes a scheduler no extra arguments):
     ``GPUPOOL_VLLM_DEVICE``: the pool's torch device (default ``cuda`` when ``torch.cuda.is_available()``
     in the scheduler's process, else ``cpu``, where gpupool's kernels need ``TRITON_INTERPRET=1``);
     ``GPUPOOL_VLLM_BACKEND``: ``device`` (default) or ``reference`` (gpupool's CPU oracle, same semantics);
-    ``GPUPOOL_VLLM_MAX_KEYS_PER_BLOCK``: the pool's ``max_keys_per_block`` (default 8).
+    ``GPUPOOL_VLLM_MAX_KEYS_PER_BLOCK``: the pool's ``max_keys_per_block`` (default 8);
+    ``GPUPOOL_VLLM_FAST_PATH``: ``0`` keeps the per-call pool even where the fast path applies.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from ..errors import InvalidArgumentError
 from .block_pool import BlockPool
+from .fast_path import DeferredBlockPool
 
 
 def default_device() -> str:
@@ -47,11 +53,35 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def fast_path_eligible(scheduler) -> tuple[bool, str]:
+    """Whether :class:`gpupool.vllm.fast_path.DeferredBlockPool` serves ``scheduler`` (docs/vllm.md,
+    "The fast path"): ``$GPUPOOL_VLLM_FAST_PATH`` not ``0``, one KV cache group served by vLLM's
+    ``FullAttentionManager`` (block size equal to the hash block size), no KV connector, KV events
+    and KV cache metrics off. Returns (eligible, the reason when not)."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    if os.environ.get("GPUPOOL_VLLM_FAST_PATH", "1") == "0":
+        return False, "GPUPOOL_VLLM_FAST_PATH=0"
+    kvm = scheduler.kv_cache_manager
+    managers = kvm.coordinator.single_type_managers
+    old = kvm.block_pool
+    if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
+        return False, f"KV cache managers {[type(m).__name__ for m in managers]} (the fast path: one FullAttentionManager)"
+    if managers[0].block_size != old.hash_block_size:
+        return False, "block size differs from the hash block size (partial-block caching)"
+    if getattr(scheduler, "connector", None) is not None:
+        return False, "a KV connector"
+    if old.enable_kv_cache_events or old.metrics_collector is not None:
+        return False, "KV events or KV cache metrics on"
+    return True, ""
+
+
 def install_gpupool_block_pool(scheduler, *, device: str | torch.device | None = None,
                                backend: str | None = None, max_keys_per_block: int | None = None,
-                               pool_cls: type = BlockPool) -> BlockPool:
+                               pool_cls: type | None = None) -> BlockPool:
     """Replace the block pool of ``scheduler.kv_cache_manager`` (a freshly built vLLM 0.33 scheduler)
-    by a ``pool_cls`` (default :class:`gpupool.vllm.BlockPool`) built with the old pool's
+    by a ``pool_cls`` (default: :class:`gpupool.vllm.fast_path.DeferredBlockPool` where
+    :func:`fast_path_eligible`, else :class:`gpupool.vllm.BlockPool`) built with the old pool's
     ``num_gpu_blocks``, ``enable_caching``, ``hash_block_size``, ``enable_kv_cache_events``,
     ``metrics_collector``, ``num_hash_lookahead_tokens`` and ``medium``; returns the new pool.
 
@@ -85,6 +115,11 @@ def install_gpupool_block_pool(scheduler, *, device: str | torch.device | None =
         max_keys_per_block = int(os.environ.get("GPUPOOL_VLLM_MAX_KEYS_PER_BLOCK", "8"))
     if device is None and backend == "device":
         device = default_device()
+    if pool_cls is None:
+        fast, why = fast_path_eligible(scheduler)
+        pool_cls = DeferredBlockPool if fast else BlockPool
+        if not fast:
+            _log.info("gpupool.vllm: per-call block pool (%s)", why)
     new = pool_cls(old.num_gpu_blocks, old.enable_caching, old.hash_block_size,
                    enable_kv_cache_events=old.enable_kv_cache_events, metrics_collector=old.metrics_collector,
                    num_hash_lookahead_tokens=old.num_hash_lookahead_tokens, medium=old.medium,
@@ -132,4 +167,5 @@ class GpuPoolSyncScheduler(Scheduler):
         self.gpupool_block_pool = install_gpupool_block_pool(self)
 
 
-__all__ = ["GpuPoolScheduler", "GpuPoolSyncScheduler", "install_gpupool_block_pool", "default_device"]
+__all__ = ["GpuPoolScheduler", "GpuPoolSyncScheduler", "install_gpupool_block_pool", "default_device",
+           "fast_path_eligible"]

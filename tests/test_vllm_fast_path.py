@@ -1,0 +1,199 @@
+"""``gpupool.vllm.fast_path.DeferredBlockPool`` (docs/vllm.md, "The fast path") and the core op it
+needs, ``gpupool.BlockPool.cache_full_blocks_batched``.
+
+* differential: random op lists (allocate with caching, cache, free, prefix hit + touch, evict,
+  ``ref_cnt += 1``, reset) applied to the per-call adapter and to the deferred one with NO read in
+  between (so ops pile up between synchronisations): every answer the caller reads while the ops
+  run (free counts, ref counts and hashes of hit blocks, lookups) and, at the end, every block id
+  handed out, the whole mirror and the device state are equal; over the reference backend
+  (many lists) and the device pool (Triton's interpreter, few);
+* synchronisations: a batch of allocations, caches, touches and frees costs one device-to-host
+  transfer (counted by patching torch.Tensor's readers), none before a ``block_id`` is read;
+* errors: a double free raises gpupool's DoubleFreeError with the pool unchanged; get_new_blocks past
+  the free count raises OutOfBlocksError at the call;
+* the core op: ``cache_full_blocks_batched`` over device ids leaves the state ``cache_full_blocks``
+  leaves, and records a bad id in the status word (raised by ``check()``, nothing changed).
+"""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("msgspec", reason="gpupool[vllm] needs msgspec (pip install 'gpupool[vllm]')")
+
+from gpupool import BlockPool as DevicePool  # noqa: E402
+from gpupool.errors import DoubleFreeError, InvalidBlockIdError, OutOfBlocksError, PoolError  # noqa: E402
+from gpupool.vllm import BlockPool  # noqa: E402
+from gpupool.vllm.fast_path import DeferredBlockPool, PendingBlock  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent / "vllm_conformance"))
+import driver  # noqa: E402
+from test_vllm_block_pool import OPS  # noqa: E402
+
+N = 10
+BS = driver.BLOCK_SIZE
+
+def lazy_run(pool, ops):
+    """Apply ``ops`` (tests/vllm_conformance/driver.py's) reading only what vLLM's scheduler reads
+    while deciding: the free count, and the ref counts and hashes of prefix hits; the ids of the blocks
+    handed out are read at the end. Returns (answers while running, every handed-out block's id)."""
+    reqs, seen, handed = [], [], []
+    for op in ops:
+        result = driver._apply(pool, op, reqs, N, ids=False)
+        if op[0] in ("alloc", "hit") and result is not None:
+            handed.append(result)
+            if op[0] == "hit":  # vLLM's evictable count reads these
+                seen.append([(b.ref_cnt, b.block_hash) for b in result])
+        elif op[0] == "reset":
+            seen.append(result)
+        seen.append(pool.get_num_free_blocks())
+    return seen, [[b.block_id for b in bl] for bl in handed]
+
+
+def _check_same(ops, caching, backend):
+    kw = dict(device="cpu") if backend == "device" else dict(backend="reference")
+    per_call = BlockPool(N, caching, BS, **kw)
+    deferred = DeferredBlockPool(N, caching, BS, **kw)
+    assert deferred.deferred
+    assert lazy_run(per_call, ops) == lazy_run(deferred, ops)
+    deferred.sync()
+    assert not deferred._pending and not any(isinstance(b, PendingBlock) and b._s >= N for b in deferred.blocks)
+    assert driver.snapshot(per_call) == driver.snapshot(deferred)  # ref counts, keys, queue order, key map
+    assert deferred._ref == per_call._ref and deferred._keys == per_call._keys and deferred._ntok == per_call._ntok
+    assert all(b.block_id == i for i, b in enumerate(deferred.blocks))
+    if backend == "device":
+        deferred.device_pool.validate()
+        assert deferred.device_pool.ref_counts() == per_call.device_pool.ref_counts()
+        assert deferred.device_pool.free_queue() == per_call.device_pool.free_queue()
+    return deferred
+
+
+@settings(max_examples=max(60, settings().max_examples), deadline=None)
+@given(ops=st.lists(OPS, min_size=1, max_size=24), caching=st.booleans())
+def test_deferred_equals_per_call_reference(ops, caching):
+    _check_same(ops, caching, "reference")
+
+
+@settings(max_examples=4, deadline=None)
+@given(ops=st.lists(OPS, min_size=4, max_size=12), caching=st.just(True))
+def test_deferred_equals_per_call_device(ops, caching):
+    _check_same(ops, caching, "device")
+
+
+class _D2H:
+    """Counts reads of tensor values into Python outside Triton / torch (as sched_driver.D2HCounter)."""
+
+    NAMES = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        for name in self.NAMES:
+            orig = getattr(torch.Tensor, name)
+
+            def f(t, *a, _o=orig, **k):
+                mod = sys._getframe(1).f_globals.get("__name__", "")
+                if not (mod.startswith("triton") or mod.startswith("torch")):
+                    self.n += 1
+                return _o(t, *a, **k)
+            monkeypatch.setattr(torch.Tensor, name, f)
+
+
+def test_one_transfer_per_batch(monkeypatch):
+    """Requests allocated, cached, hit and freed with no read of an id cost no device read; the first
+    ``block_id`` read binds every placeholder with ONE transfer; the result equals the per-call pool's."""
+    pool = DeferredBlockPool(16, True, BS, device="cpu")
+    ref = BlockPool(16, True, BS, device="cpu")
+    d2h = _D2H(monkeypatch)
+    outs = []
+    for p in (pool, ref):
+        a = p.get_new_blocks(3)
+        ra = driver.request(driver.tokens_of(5)[: 3 * BS])
+        p.cache_full_blocks(ra, a, 0, 3, BS, 0)
+        hit = p.get_cached_block(ra.block_hashes[0], [0])  # a placeholder, found by its predicted key
+        p.touch(hit)
+        b = p.get_new_blocks(2)
+        p.free_blocks(list(reversed(a)))
+        p.free_blocks(hit)
+        outs.append((a, b, hit))
+        if p is pool:
+            assert d2h.n == 0 and pool.syncs == {} and isinstance(hit[0], PendingBlock) and hit[0] is a[0]
+            assert pool.get_num_free_blocks() == 16 - 1 - 2 and a[1].ref_cnt == 0 and a[0].block_hash is not None
+            ids = [blk.block_id for blk in a + b]
+            assert d2h.n == 1 and dict(pool.syncs) == {"block_id": 1}
+            assert pool.blocks[ids[0]] is a[0]  # the placeholder is now the block's canonical proxy
+    assert [[x.block_id for x in blks] for blks in outs[0]] == [[x.block_id for x in blks] for blks in outs[1]]
+    assert driver.snapshot(pool) == driver.snapshot(ref)
+    pool.device_pool.validate()
+
+
+def test_dirty_mirror_syncs_only_for_free_blocks():
+    """A pop past the queue's leading un-keyed run may evict keys: a lookup that would answer a free
+    block synchronises first (and gets the device's answer); a miss or a held block does not."""
+    pool = DeferredBlockPool(8, True, BS, backend="reference")
+    r = driver.request(driver.tokens_of(3)[: 4 * BS])
+    a = pool.get_new_blocks(4)
+    pool.cache_full_blocks(r, a, 0, 4, BS, 0)
+    held = pool.get_new_blocks(1)
+    pool.free_blocks(list(reversed(a)))  # 4 keyed blocks at the back, 2 un-keyed in front
+    pool.sync()
+    pool.syncs.clear()
+    pool.get_new_blocks(3)  # 2 un-keyed + the first keyed one (a[3], freed first): dirty
+    assert pool._dirty and pool.syncs == {}
+    assert pool.get_cached_block(b"\x00" * 32, [0]) is None and pool.syncs == {}  # a miss: exact
+    assert held[0].ref_cnt == 1 and pool.syncs == {}  # a held block: exact
+    assert pool.get_cached_block(r.block_hashes[3], [0]) is None  # a[3] was evicted by the pop
+    assert dict(pool.syncs) == {"get_one_block": 1} and not pool._dirty
+
+
+def test_errors_leave_the_pool_unchanged():
+    pool = DeferredBlockPool(4, True, BS, device="cpu")
+    b = pool.get_new_blocks(2)
+    with pytest.raises(OutOfBlocksError):
+        pool.get_new_blocks(2)
+    pool.free_blocks([b[0]])
+    before = driver.snapshot(pool)
+    with pytest.raises(DoubleFreeError):
+        pool.free_blocks([b[1], b[0]])
+    assert driver.snapshot(pool) == before
+    pool.device_pool.validate()
+
+
+@pytest.mark.parametrize("backend", ["reference", "device"])
+def test_reuse_watchers_fire_at_the_pop(backend):
+    """After ``unpin_blocks`` a pop runs per call, so the reuse callback fires inside
+    ``get_new_blocks`` (vLLM's timing), not at a later synchronisation."""
+    kw = dict(device="cpu") if backend == "device" else dict(backend="reference")
+    pool = DeferredBlockPool(4, True, BS, **kw)
+    a = pool.get_new_blocks(3)
+    reused = []
+    pool.unpin_blocks(a[:1], reused.append)
+    got = pool.get_new_blocks(1)
+    assert reused == [pool.blocks[a[0].block_id]] and got[0].block_id == a[0].block_id
+    with pytest.raises(PoolError):
+        pool.get_new_blocks(-1)
+
+
+def test_cache_full_blocks_batched_equals_cache_full_blocks():
+    hashes = [bytes([i]) * 32 for i in range(1, 5)]
+    pools = [DevicePool(8, max_keys_per_block=4, device="cpu") for _ in range(2)]
+    for p in pools:
+        p.get_new_blocks(1)  # block 1 held: the ids below are 2, 3, 4
+    got = pools[1].allocate_batched(torch.tensor([3], dtype=torch.int32))[0]
+    ids = pools[0].get_new_blocks(3).tolist()
+    pools[0].cache_full_blocks([0] + ids, hashes, 1, 4, 16, 0)
+    pools[1].cache_full_blocks_batched(torch.cat([torch.zeros(1, dtype=torch.int32), got[:3]]), hashes, 1, 4, 16, 0)
+    pools[1].check()
+    for p in pools:
+        p.validate()
+    assert [pools[0].block_keys(b) for b in range(8)] == [pools[1].block_keys(b) for b in range(8)]
+    assert pools[0].ref_counts() == pools[1].ref_counts() and pools[0].free_queue() == pools[1].free_queue()
+    keys = [pools[1].block_keys(b) for b in range(8)]
+    pools[1].cache_full_blocks_batched(torch.tensor([0, 99], dtype=torch.int32), hashes, 1, 2, 16, 0)
+    with pytest.raises(InvalidBlockIdError):
+        pools[1].check()
+    assert [pools[1].block_keys(b) for b in range(8)] == keys
+    with pytest.raises(Exception):  # host-checked arguments raise at once
+        pools[1].cache_full_blocks_batched(torch.tensor([2], dtype=torch.int64), hashes, 0, 1, 16, 0)
