@@ -50,7 +50,7 @@ from .kernels.requests import free as k_free
 from .kernels.requests import parallel as k_parallel
 from .kernels.requests import reserve as k_reserve
 from .kernels.requests import slot_mapping as k_slot_mapping
-from .kernels.requests.parallel import NKG, NMAP, NPAR
+from .kernels.requests.parallel_scratch import NKG, NMAP, NPAR
 from .kernels.copy_blocks import check_layers, copy_blocks
 from .locking import locked
 from .pool import BlockPool

@@ -20,12 +20,12 @@ Where the prefix sums stop being exact (the fallback reasons, counted in ``ctrl`
 * ``PARTIAL_KEY``: a partial-block key (hash blocks finer than blocks);
 * ``FORCED``: the caller asked for the exact path (tests).
 
-Scratch (manager state): ``s_par: int32[NPAR, R + 1]`` per-request fields, ``s_kg: int32[NKG, G * R +
-1]`` per (request, group) fields (index ``k * G + g``), ``s_map: int32[NMAP, MAPS]`` the request (or
-segment) of each flattened item, ``s_filter: int32[FS]`` keys cached in the batch (a conservative set:
-a false hit only costs a fallback). A call writes every field it reads before reading it and leaves
-them as they are (a field a path does not need, say the lookups' offsets in a decode step, keeps an
-older call's value). The pool's ``s_first`` (idle BIG) and ``s_last`` (idle -1) are back at idle.
+Scratch (manager state): the per-request, per-(request, group) and item-map fields are named views
+of ``s_par`` / ``s_kg`` / ``s_map`` (``parallel_scratch.py``: ``sc.req.slot + k``), and ``s_filter:
+int32[FS]`` holds keys cached in the batch (a conservative set: a false hit only costs a fallback).
+A call writes every field it reads before reading it and leaves them as they are (a field a path
+does not need, say the lookups' offsets in a decode step, keeps an older call's value). The pool's
+``s_first`` (idle BIG) and ``s_last`` (idle -1) are back at idle.
 """
 from enum import IntEnum
 
@@ -42,6 +42,7 @@ from ..layout import (
     NO_SLOT, NUM_FREE, REUSE_COUNT, TAIL, constexprs,
 )
 from .checks import check_allocate_batch
+from .parallel_scratch import scratch_views
 from .rows import keys_of, row_of
 from ..queue import ring_make_room, ring_scan_pop
 from ..release import count_ids, release_place, release_scan, reset_ids
@@ -58,54 +59,6 @@ class Fallback(IntEnum):
 
 
 R_OUT_OF_BLOCKS, R_SLIDING_WINDOW, R_PREFIX, R_PARTIAL_KEY, R_FORCED = constexprs(Fallback)
-
-# per-request fields of s_par
-P_SLOT = tl.constexpr(0)
-P_NBLK = tl.constexpr(1)  # row length before the step
-P_CAP = tl.constexpr(2)  # positions the lookup may hit
-P_LOFF = tl.constexpr(3)  # offsets of the flattened lookups (nb + 1 entries)
-P_MISS = tl.constexpr(4)  # first missing position (BIG: none)
-P_HITS = tl.constexpr(5)
-P_ZREF = tl.constexpr(6)  # hits on blocks with ref 0 that no earlier request hits (per position, group)
-P_REL = tl.constexpr(7)  # sliding-window blocks released
-P_NEED = tl.constexpr(8)  # new blocks per group
-P_EFF = tl.constexpr(9)  # tokens with slots after the step
-P_POPOFF = tl.constexpr(10)  # offsets of the popped blocks (nb + 1 entries)
-P_ZOFF = tl.constexpr(11)  # zero-ref hits of earlier requests
-P_EVICT = tl.constexpr(12)  # keys evicted by the request's pops
-P_QOFF = tl.constexpr(13)  # evicted keys of earlier requests
-P_EVBASE = tl.constexpr(14)  # first event row (nb + 1 entries)
-P_NF = tl.constexpr(15)  # full blocks known after the step
-P_RLEFT = tl.constexpr(16)  # the request's reservation after it is admitted (docs/semantics.md section 8)
-P_TAKE = tl.constexpr(17)  # blocks it draws from its reservation
-NPAR = 18
-# per (request, group) fields of s_kg
-G_START = tl.constexpr(0)  # first block to key
-G_NSKIP = tl.constexpr(1)  # blocks outside the sliding window
-G_LEAD = tl.constexpr(2)  # leading null blocks of the row
-G_RELOFF = tl.constexpr(3)  # offsets of the released blocks (nseg + 1 entries)
-G_COFF = tl.constexpr(4)  # offsets of the blocks to key (nseg + 1 entries)
-G_RM = tl.constexpr(5)  # old keys removed by caching
-G_ST = tl.constexpr(6)  # keys stored
-G_RMOFF = tl.constexpr(7)  # removed keys of earlier segments
-G_STOFF = tl.constexpr(8)  # stored keys of earlier segments
-G_EV = tl.constexpr(9)  # first event row of the segment's caching
-NKG = 10
-# rows of s_map: the segment of each flattened item
-MAP_LOOKUP = tl.constexpr(0)
-MAP_CACHE = tl.constexpr(1)
-MAP_POP = tl.constexpr(2)
-NMAP = 3
-
-
-@triton.jit
-def par(ms, mc: tl.constexpr, f: tl.constexpr, k):
-    return ms.s_par + f * (mc.R + 1) + k
-
-
-@triton.jit
-def pkg(ms, mc: tl.constexpr, f: tl.constexpr, j):
-    return ms.s_kg + f * (mc.G * mc.R + 1) + j
 
 
 @triton.jit
@@ -145,6 +98,7 @@ def scan_tile(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, k, m, LOOKUP: t
     before any store, so no load waits behind a store of a loaded value (:func:`scan_store` writes
     the rest). Returns (slot, num_tokens, target, row length, hashes, cap, released, SW conflict
     flags, prepend flags)."""
+    sc = scratch_views(ms, mc)
     r = ld(batch.slots + k, m)
     nt = ld(batch.num_tokens + k, m)
     tg = ld(batch.target + k, m)
@@ -166,8 +120,8 @@ def scan_tile(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, k, m, LOOKUP: t
             row = row_of(ms, mc, g, r)
             nskip = tl.where(m, num_skipped_blocks(ncomp, w, mc.BS, nblk), 0)
             lead = leading_nulls(row, nskip, m, mc.M)
-            tl.store(pkg(ms, mc, G_NSKIP, k * mc.G + g), nskip, mask=m)
-            tl.store(pkg(ms, mc, G_LEAD, k * mc.G + g), lead, mask=m)
+            tl.store(sc.grp.nskip + k * mc.G + g, nskip, mask=m)
+            tl.store(sc.grp.lead + k * mc.G + g, lead, mask=m)
             rel += nskip - lead
             t = 0
             most = tl.max(nskip - lead, axis=0)
@@ -186,18 +140,19 @@ def scan_tile(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, k, m, LOOKUP: t
 @triton.jit
 def scan_store(ms, mc: tl.constexpr, k, m, r, nblk, cap, rel):
     """The per-request fields of :func:`scan_tile` into scratch; the lookup's fields reset."""
+    sc = scratch_views(ms, mc)
     zero = tl.zeros([mc.BLOCK], tl.int32)
-    tl.store(par(ms, mc, P_SLOT, k), r, mask=m)
-    tl.store(par(ms, mc, P_NBLK, k), nblk, mask=m)
-    tl.store(par(ms, mc, P_CAP, k), cap, mask=m)
-    tl.store(par(ms, mc, P_MISS, k), tl.full([mc.BLOCK], BIG, tl.int32), mask=m)
-    tl.store(par(ms, mc, P_ZREF, k), zero, mask=m)
-    tl.store(par(ms, mc, P_EVICT, k), zero, mask=m)
-    tl.store(par(ms, mc, P_REL, k), rel, mask=m)
+    tl.store(sc.req.slot + k, r, mask=m)
+    tl.store(sc.req.nblk + k, nblk, mask=m)
+    tl.store(sc.req.cap + k, cap, mask=m)
+    tl.store(sc.req.miss + k, tl.full([mc.BLOCK], BIG, tl.int32), mask=m)
+    tl.store(sc.req.zref + k, zero, mask=m)
+    tl.store(sc.req.evict + k, zero, mask=m)
+    tl.store(sc.req.rel + k, rel, mask=m)
     if not mc.SW:
         for g in tl.static_range(mc.G):
-            tl.store(pkg(ms, mc, G_NSKIP, k * mc.G + g), zero, mask=m)
-            tl.store(pkg(ms, mc, G_LEAD, k * mc.G + g), zero, mask=m)
+            tl.store(sc.grp.nskip + k * mc.G + g, zero, mask=m)
+            tl.store(sc.grp.lead + k * mc.G + g, zero, mask=m)
 
 
 @triton.jit
@@ -216,6 +171,7 @@ def fold_releases(rel_total, sw_bad, pre_first, rel, bad, pre, k):
 def scan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb):
     """:func:`scan_tile` of every request, and the lookups' offsets. Returns (lookups, released, first
     SW conflict, first prepend request)."""
+    sc = scratch_views(ms, mc)
     offs = tl.arange(0, mc.BLOCK)
     lcarry = tl.zeros([], tl.int32)
     rel_total, sw_bad, pre_first = no_releases()
@@ -225,34 +181,37 @@ def scan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb):
         m = k < nb
         r, _, _, nblk, _, cap, rel, bad, pre = scan_tile(ps, pc, ms, mc, batch, k, m, True)
         scan_store(ms, mc, k, m, r, nblk, cap, rel)
-        tl.store(par(ms, mc, P_LOFF, k), lcarry + tl.cumsum(cap, axis=0) - cap, mask=m)
+        tl.store(sc.req.loff + k, lcarry + tl.cumsum(cap, axis=0) - cap, mask=m)
         lcarry += tl.sum(cap, axis=0)
         rel_total, sw_bad, pre_first = fold_releases(rel_total, sw_bad, pre_first, rel, bad, pre, k)
         i += mc.BLOCK
-    tl.store(par(ms, mc, P_LOFF, nb), lcarry)
+    tl.store(sc.req.loff + nb, lcarry)
     return lcarry, rel_total, sw_bad, pre_first
 
 
 @triton.jit
 def lookup_item(ms, mc: tl.constexpr, nb, f, m):
     """(request, position, slot) of flattened lookup items ``f``."""
-    k = ld(ms.s_map + MAP_LOOKUP * mc.MAPS + f, m)
-    t = f - ld(par(ms, mc, P_LOFF, k), m)
-    return k, t, ld(par(ms, mc, P_SLOT, k), m)
+    sc = scratch_views(ms, mc)
+    k = ld(sc.maps.lookup + f, m)
+    t = f - ld(sc.req.loff + k, m)
+    return k, t, ld(sc.req.slot + k, m)
 
 
 @triton.jit
 def hit_item(ms, mc: tl.constexpr, nb, num_lookups, f):
     """Lookup item ``f`` as (request k, position t, slot r, whether it is one of k's hits)."""
+    sc = scratch_views(ms, mc)
     m = f < num_lookups
     k, t, r = lookup_item(ms, mc, nb, f, m)
-    return k, t, r, m & (t < ld(par(ms, mc, P_HITS, k), m))
+    return k, t, r, m & (t < ld(sc.req.hits + k, m))
 
 
 @triton.jit
 def find_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_lookups):
     """``find_longest_cache_hit`` of every request at once, flattened over (request, position): hit
     blocks into the rows, the first miss per request with ``atomic_min``."""
+    sc = scratch_views(ms, mc)
     offs = tl.arange(0, pc.BLOCK)
     i = 0
     while i < num_lookups:
@@ -266,7 +225,7 @@ def find_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_lookups):
             blk = lookup_blocks(ps, pc, ld(ms.req_hi + ka, m), ld(ms.req_lo + ka, m), grp, m)
             tl.store(row_of(ms, mc, g, r) + t, blk, mask=m)
             ok = ok & (blk >= 0)
-        tl.atomic_min(par(ms, mc, P_MISS, k), t, mask=m & ~ok)
+        tl.atomic_min(sc.req.miss + k, t, mask=m & ~ok)
         i += pc.BLOCK
     tl.debug_barrier()
 
@@ -275,14 +234,15 @@ def find_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_lookups):
 def count_zero_ref_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_lookups):
     """Hits per request, and the zero-ref hits each request's admission check counts: hits on a
     block with ref 0 that no earlier request of the batch hits (its touch raises the count)."""
+    sc = scratch_views(ms, mc)
     offs = tl.arange(0, mc.BLOCK)
     any_hits = tl.zeros([], tl.int32)
     i = 0
     while i < nb:
         k = i + offs
         m = k < nb
-        hits = tl.minimum(ld(par(ms, mc, P_MISS, k), m), ld(par(ms, mc, P_CAP, k), m))
-        tl.store(par(ms, mc, P_HITS, k), hits, mask=m)
+        hits = tl.minimum(ld(sc.req.miss + k, m), ld(sc.req.cap + k, m))
+        tl.store(sc.req.hits + k, hits, mask=m)
         any_hits += tl.sum(hits, axis=0)
         i += mc.BLOCK
     tl.debug_barrier()
@@ -298,7 +258,7 @@ def count_zero_ref_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_look
                         tl.atomic_min(ps.s_first + b, k, mask=m)
                     elif phase == 1:
                         z = m & (ld(ps.ref_cnt + b, m) == 0) & (ld(ps.s_first + b, m) == k)
-                        tl.atomic_add(par(ms, mc, P_ZREF, k), 1, mask=z)
+                        tl.atomic_add(sc.req.zref + k, 1, mask=z)
                     else:
                         tl.store(ps.s_first + b, tl.full([pc.BLOCK], BIG, tl.int32), mask=m)
                 i += pc.BLOCK
@@ -320,7 +280,8 @@ def group_start(ms, mc: tl.constexpr, g: tl.constexpr, r, m, cached0, hits):
 @triton.jit
 def group_released(ms, mc: tl.constexpr, j, m):
     """Blocks that left the window of (request, group) ``j``: ``row[lead:nskip]`` (scan_tile)."""
-    return ld(pkg(ms, mc, G_NSKIP, j), m) - ld(pkg(ms, mc, G_LEAD, j), m)
+    sc = scratch_views(ms, mc)
+    return ld(sc.grp.nskip + j, m) - ld(sc.grp.lead + j, m)
 
 
 @triton.jit
@@ -334,6 +295,7 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
     pops could reach blocks released in the batch, first partial key, released, first SW release
     conflict, first prepend request); the last three only with ``SCAN`` (else 0 and BIG).
     ``unreserved``: ``num_free`` less the reserved total (the admission check's room)."""
+    sc = scratch_views(ms, mc)
     offs = tl.arange(0, mc.BLOCK)
     pcarry = tl.zeros([], tl.int32)
     zcarry = tl.zeros([], tl.int32)
@@ -359,13 +321,13 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
                 rel_total, sw_bad, pre_first = fold_releases(rel_total, sw_bad, pre_first, rel, bad, pre, k)
                 tl.debug_barrier()  # the windows' fields are read back below
         else:
-            r = ld(par(ms, mc, P_SLOT, k), m)
+            r = ld(sc.req.slot + k, m)
             nt = ld(batch.num_tokens + k, m)
             tg = ld(batch.target + k, m)
-            hits = ld(par(ms, mc, P_HITS, k), m)
-            nblk = ld(par(ms, mc, P_NBLK, k), m)
-            rel = ld(par(ms, mc, P_REL, k), m)
-            zref = ld(par(ms, mc, P_ZREF, k), m)
+            hits = ld(sc.req.hits + k, m)
+            nblk = ld(sc.req.nblk + k, m)
+            rel = ld(sc.req.rel + k, m)
+            zref = ld(sc.req.zref + k, m)
             nhash = ld(ms.num_hashes + r, m)
         cached0 = ld(ms.num_cached + r, m)  # group 0's, read beside the others (loads before stores)
         own = tl.zeros([mc.BLOCK], tl.int32)
@@ -394,7 +356,7 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
             reach_first = first_index(reach_first, m & (reach | (hits > 0)), k)
         if not SCAN:
             sw = first_index(sw, m & (rel > 0) & any_hits, k)
-            tl.store(par(ms, mc, P_ZOFF, k), zcarry + tl.cumsum(zref, axis=0) - zref, mask=m)
+            tl.store(sc.req.zoff + k, zcarry + tl.cumsum(zref, axis=0) - zref, mask=m)
             zcarry += tl.sum(zref, axis=0)
         # cache_blocks: per group blocks [start, nf) get keys
         known = tl.minimum(eff, nt)
@@ -403,7 +365,7 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
         rsize = tl.zeros_like(k)
         for g in tl.static_range(mc.G):
             start = group_start(ms, mc, g, r, m, cached0, hits)
-            tl.store(pkg(ms, mc, G_START, k * mc.G + g), start, mask=m)
+            tl.store(sc.grp.start + k * mc.G + g, start, mask=m)
             if pc.CACHING:
                 csize += tl.where(m, tl.maximum(nf - start, 0), 0)
             if mc.SW:
@@ -419,44 +381,45 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, num_fre
             rbase += tl.cumsum(rsize, axis=0) - rsize
         for g in tl.static_range(mc.G):
             j = k * mc.G + g
-            tl.store(pkg(ms, mc, G_COFF, j), cbase, mask=m)
-            tl.store(pkg(ms, mc, G_RELOFF, j), rbase, mask=m)
-            tl.store(pkg(ms, mc, G_RM, j), tl.zeros_like(k), mask=m)
-            tl.store(pkg(ms, mc, G_ST, j), tl.zeros_like(k), mask=m)
+            tl.store(sc.grp.coff + j, cbase, mask=m)
+            tl.store(sc.grp.reloff + j, rbase, mask=m)
+            tl.store(sc.grp.rm + j, tl.zeros_like(k), mask=m)
+            tl.store(sc.grp.st + j, tl.zeros_like(k), mask=m)
             if pc.CACHING:
                 cbase += tl.where(m, tl.maximum(nf - group_start(ms, mc, g, r, m, cached0, hits), 0), 0)
             if mc.SW:
                 rbase += group_released(ms, mc, j, m)
         if SCAN:
             scan_store(ms, mc, k, m, r, nblk, tl.zeros_like(k), rel)
-            tl.store(par(ms, mc, P_HITS, k), hits, mask=m)
-        tl.store(par(ms, mc, P_NEED, k), need, mask=m)
-        tl.store(par(ms, mc, P_EFF, k), eff, mask=m)
-        tl.store(par(ms, mc, P_POPOFF, k), pcarry + cpops - pops, mask=m)
-        tl.store(par(ms, mc, P_NF, k), nf, mask=m)
+            tl.store(sc.req.hits + k, hits, mask=m)
+        tl.store(sc.req.need + k, need, mask=m)
+        tl.store(sc.req.eff + k, eff, mask=m)
+        tl.store(sc.req.popoff + k, pcarry + cpops - pops, mask=m)
+        tl.store(sc.req.nf + k, nf, mask=m)
         if any_reserved:
             take = tl.minimum(own, pops + zref)  # drawn from its own reservation first, if admitted
-            tl.store(par(ms, mc, P_RLEFT, k), own - take, mask=m)
-            tl.store(par(ms, mc, P_TAKE, k), take, mask=m)
+            tl.store(sc.req.rleft + k, own - take, mask=m)
+            tl.store(sc.req.take + k, take, mask=m)
         pcarry += tl.sum(pops, axis=0)
         ccarry += tl.sum(csize, axis=0)
         if mc.SW:
             rcarry += tl.sum(rsize, axis=0)
         i += mc.BLOCK
-    tl.store(par(ms, mc, P_POPOFF, nb), pcarry)
-    tl.store(pkg(ms, mc, G_COFF, nb * mc.G), ccarry)
-    tl.store(pkg(ms, mc, G_RELOFF, nb * mc.G), rcarry)
+    tl.store(sc.req.popoff + nb, pcarry)
+    tl.store(sc.grp.coff + nb * mc.G, ccarry)
+    tl.store(sc.grp.reloff + nb * mc.G, rcarry)
     return pcarry, zcarry, ccarry, fail, sw, reach_first, partial, rel_total, sw_bad, pre_first
 
 
 @triton.jit
 def cache_item(ms, mc: tl.constexpr, nseg, f, m):
     """(segment, request, group, slot, block position) of flattened caching items ``f``."""
-    j = ld(ms.s_map + MAP_CACHE * mc.MAPS + f, m)
+    sc = scratch_views(ms, mc)
+    j = ld(sc.maps.cache + f, m)
     k = j // mc.G
     g = j % mc.G
-    pos = ld(pkg(ms, mc, G_START, j), m) + f - ld(pkg(ms, mc, G_COFF, j), m)
-    return j, k, g, ld(par(ms, mc, P_SLOT, k), m), pos
+    pos = ld(sc.grp.start + j, m) + f - ld(sc.grp.coff + j, m)
+    return j, k, g, ld(sc.req.slot + k, m), pos
 
 
 @triton.jit
@@ -464,6 +427,7 @@ def scan_cached(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_items, use_f
     """Per (request, group): the old keys that caching removes and the keys it stores (event rows);
     with ``use_filter``, each stored key's request into the batch's key filter (``atomic_min``).
     Returns the old keys removed by all ``nb`` requests (a bound for any prefix of them)."""
+    sc = scratch_views(ms, mc)
     offs = tl.arange(0, pc.BLOCK)
     removed = tl.zeros([], tl.int32)
     i = 0
@@ -471,12 +435,12 @@ def scan_cached(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_items, use_f
         f = i + offs
         m = f < num_items
         j, k, g, r, pos = cache_item(ms, mc, nb * mc.G, f, m)
-        pre = m & (pos < ld(par(ms, mc, P_NBLK, k), m))  # blocks the row held before (else: popped now)
+        pre = m & (pos < ld(sc.req.nblk + k, m))  # blocks the row held before (else: popped now)
         b = tl.load(row_of(ms, mc, g, r) + pos, mask=pre, other=0)
-        act = m & ((pre == 0) | ((b != 0) & (pos >= ld(pkg(ms, mc, G_NSKIP, j), m))))
-        tl.atomic_add(pkg(ms, mc, G_ST, j), 1, mask=act)
+        act = m & ((pre == 0) | ((b != 0) & (pos >= ld(sc.grp.nskip + j, m))))
+        tl.atomic_add(sc.grp.st + j, 1, mask=act)
         nk = ld(ps.num_keys + b, act & pre)
-        tl.atomic_add(pkg(ms, mc, G_RM, j), nk, mask=act & pre)
+        tl.atomic_add(sc.grp.rm + j, nk, mask=act & pre)
         removed += tl.sum(nk, axis=0)
         if use_filter:
             ka = keys_of(mc, g, r) + (pos + 1).to(tl.int64) * mc.K - 1
@@ -490,15 +454,16 @@ def scan_cached(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_items, use_f
 def first_cached_miss(ms, mc: tl.constexpr, nb):
     """The first request whose first lookup miss is a key an earlier request of the batch caches
     (then its sequential lookup would hit further)."""
+    sc = scratch_views(ms, mc)
     offs = tl.arange(0, mc.BLOCK)
     first = tl.full([], BIG, tl.int32)
     i = 0
     while i < nb:
         k = i + offs
         m = k < nb
-        t = ld(par(ms, mc, P_MISS, k), m)
-        m = m & (t < ld(par(ms, mc, P_CAP, k), m))
-        r = ld(par(ms, mc, P_SLOT, k), m)
+        t = ld(sc.req.miss + k, m)
+        m = m & (t < ld(sc.req.cap + k, m))
+        r = ld(sc.req.slot + k, m)
         for g in tl.static_range(mc.G):
             ka = keys_of(mc, g, r) + (t + 1).to(tl.int64) * mc.K - 1
             s = ld(ms.s_filter + key_home(ld(ms.req_lo + ka, m), tl.zeros_like(k) + g, mc.FS), m)
@@ -512,6 +477,7 @@ def first_popped_hit(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_lookups
     """The first request with a zero-ref hit that an earlier request's pops could take: the block's
     rank among the queue's live blocks is below that request's earlier pops plus earlier unlinks
     (conservative). Ranks of the first ``limit`` live blocks go to ``s_last`` and back to -1."""
+    sc = scratch_views(ms, mc)
     offs = tl.arange(0, pc.BLOCK)
     head = tl.load(ps.ctrl + HEAD)
     tail = tl.load(ps.ctrl + TAIL)
@@ -538,8 +504,8 @@ def first_popped_hit(ps, pc: tl.constexpr, ms, mc: tl.constexpr, nb, num_lookups
                 f = i + offs
                 m = f < num_lookups
                 k, t, r = lookup_item(ms, mc, nb, f, m)
-                m = m & (t < ld(par(ms, mc, P_HITS, k), m))
-                before = ld(par(ms, mc, P_POPOFF, k), m) + ld(par(ms, mc, P_ZOFF, k), m)
+                m = m & (t < ld(sc.req.hits + k, m))
+                before = ld(sc.req.popoff + k, m) + ld(sc.req.zoff + k, m)
                 for g in tl.static_range(mc.G):
                     b = tl.load(row_of(ms, mc, g, r) + t, mask=m, other=0)
                     rank = tl.load(ps.s_last + b, mask=m, other=-1)
@@ -578,6 +544,7 @@ def event_layout(ms, mc: tl.constexpr, split, ev0):
     """Event rows in request order: request k's evictions (its pops), then per group the caching's
     removed keys, one BlockStored header and its items. Writes the offsets; returns (the end row,
     the old keys the caching removes)."""
+    sc = scratch_views(ms, mc)
     offs = tl.arange(0, mc.BLOCK)
     ecarry = ev0
     qcarry = tl.zeros([], tl.int32)
@@ -587,32 +554,32 @@ def event_layout(ms, mc: tl.constexpr, split, ev0):
     while i < split:
         k = i + offs
         m = k < split
-        evict = ld(par(ms, mc, P_EVICT, k), m)
-        nf = ld(par(ms, mc, P_NF, k), m)
+        evict = ld(sc.req.evict + k, m)
+        nf = ld(sc.req.nf + k, m)
         rows = evict
         rm_k = tl.zeros_like(k)
         st_k = tl.zeros_like(k)
         for g in tl.static_range(mc.G):
             j = k * mc.G + g
-            rm = ld(pkg(ms, mc, G_RM, j), m)
-            st = ld(pkg(ms, mc, G_ST, j), m)
-            rows += tl.where(m & (nf > ld(pkg(ms, mc, G_START, j), m)), 1 + rm + st, 0)
+            rm = ld(sc.grp.rm + j, m)
+            st = ld(sc.grp.st + j, m)
+            rows += tl.where(m & (nf > ld(sc.grp.start + j, m)), 1 + rm + st, 0)
             rm_k += rm
             st_k += st
         base = ecarry + tl.cumsum(rows, axis=0) - rows
         rmb = rmcarry + tl.cumsum(rm_k, axis=0) - rm_k
         stb = stcarry + tl.cumsum(st_k, axis=0) - st_k
-        tl.store(par(ms, mc, P_EVBASE, k), base, mask=m)
-        tl.store(par(ms, mc, P_QOFF, k), qcarry + tl.cumsum(evict, axis=0) - evict, mask=m)
+        tl.store(sc.req.evbase + k, base, mask=m)
+        tl.store(sc.req.qoff + k, qcarry + tl.cumsum(evict, axis=0) - evict, mask=m)
         base += evict
         for g in tl.static_range(mc.G):
             j = k * mc.G + g
-            rm = ld(pkg(ms, mc, G_RM, j), m)
-            st = ld(pkg(ms, mc, G_ST, j), m)
-            tl.store(pkg(ms, mc, G_EV, j), base, mask=m)
-            tl.store(pkg(ms, mc, G_RMOFF, j), rmb, mask=m)
-            tl.store(pkg(ms, mc, G_STOFF, j), stb, mask=m)
-            base += tl.where(m & (nf > ld(pkg(ms, mc, G_START, j), m)), 1 + rm + st, 0)
+            rm = ld(sc.grp.rm + j, m)
+            st = ld(sc.grp.st + j, m)
+            tl.store(sc.grp.ev + j, base, mask=m)
+            tl.store(sc.grp.rmoff + j, rmb, mask=m)
+            tl.store(sc.grp.stoff + j, stb, mask=m)
+            base += tl.where(m & (nf > ld(sc.grp.start + j, m)), 1 + rm + st, 0)
             rmb += rm
             stb += st
         ecarry += tl.sum(rows, axis=0)
@@ -620,7 +587,7 @@ def event_layout(ms, mc: tl.constexpr, split, ev0):
         rmcarry += tl.sum(rm_k, axis=0)
         stcarry += tl.sum(st_k, axis=0)
         i += mc.BLOCK
-    tl.store(par(ms, mc, P_EVBASE, split), ecarry)
+    tl.store(sc.req.evbase + split, ecarry)
     tl.debug_barrier()
     return ecarry, rmcarry
 
@@ -628,11 +595,12 @@ def event_layout(ms, mc: tl.constexpr, split, ev0):
 @triton.jit
 def pop_item(ms, mc: tl.constexpr, split, f, m):
     """(request, group, row position, slot) of popped blocks ``f``."""
-    k = ld(ms.s_map + MAP_POP * mc.MAPS + f, m)
-    o = f - ld(par(ms, mc, P_POPOFF, k), m)
-    need = tl.maximum(ld(par(ms, mc, P_NEED, k), m), 1)
-    pos = ld(par(ms, mc, P_NBLK, k), m) + ld(par(ms, mc, P_HITS, k), m) + o % need
-    return k, o // need, pos, ld(par(ms, mc, P_SLOT, k), m)
+    sc = scratch_views(ms, mc)
+    k = ld(sc.maps.pop + f, m)
+    o = f - ld(sc.req.popoff + k, m)
+    need = tl.maximum(ld(sc.req.need + k, m), 1)
+    pos = ld(sc.req.nblk + k, m) + ld(sc.req.hits + k, m) + o % need
+    return k, o // need, pos, ld(sc.req.slot + k, m)
 
 
 @triton.jit
@@ -641,9 +609,10 @@ def allocate_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, num_pops, he
     evictions' rows per request (events on), claims, and the blocks scattered into the rows.
     ``removed``: a bound on the old keys ``cache_all`` removes (``scan_cached``). Returns (the head,
     the old keys ``cache_all`` removes: exact with events on (``event_layout``), else ``removed``)."""
+    sc = scratch_views(ms, mc)
     offs = tl.arange(0, pc.BLOCK)
     new_head = ring_scan_pop(ps, pc, head, tail, ms.s_ids, 0, num_pops)
-    segment_ids(par(ms, mc, P_POPOFF, 0), split, num_pops, ms.s_map + MAP_POP * mc.MAPS, pc.BLOCK)
+    segment_ids(sc.req.popoff, split, num_pops, sc.maps.pop, pc.BLOCK)
     if pc.EVENTS:
         if pc.CACHING:
             i = 0
@@ -651,8 +620,8 @@ def allocate_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, num_pops, he
                 f = i + offs
                 m = f < num_pops
                 b = tl.load(ms.s_ids + f, mask=m, other=0)
-                k = ld(ms.s_map + MAP_POP * mc.MAPS + f, m)
-                tl.atomic_add(par(ms, mc, P_EVICT, k), ld(ps.num_keys + b, m), mask=m)
+                k = ld(sc.maps.pop + f, m)
+                tl.atomic_add(sc.req.evict + k, ld(ps.num_keys + b, m), mask=m)
                 i += pc.BLOCK
             tl.debug_barrier()
         _, removed = event_layout(ms, mc, split, tl.load(ps.ctrl + EV_COUNT).to(tl.int32))
@@ -666,7 +635,7 @@ def allocate_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, num_pops, he
         k, g, pos, r = pop_item(ms, mc, split, f, m)
         ev = tl.zeros_like(f)
         if pc.EVENTS:
-            ev = ld(par(ms, mc, P_EVBASE, k), m) - ld(par(ms, mc, P_QOFF, k), m) + carry
+            ev = ld(sc.req.evbase + k, m) - ld(sc.req.qoff + k, m) + carry
         dropped, reuse_pos = claim_tile(ps, pc, b, m, ev, reuse_pos)
         carry += dropped.to(tl.int32)
         tl.store(row_of(ms, mc, g, r) + pos, b, mask=m)
@@ -681,9 +650,10 @@ def allocate_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, num_pops, he
 def released_item(ms, mc: tl.constexpr, f, m):
     """Row pointer of flattened released blocks ``f``: segment (k, g) is ``row[lead:nskip]`` reversed
     (segments of the items in the lookup map, free once lookups are done)."""
-    j = ld(ms.s_map + MAP_LOOKUP * mc.MAPS + f, m)
-    r = ld(par(ms, mc, P_SLOT, j // mc.G), m)
-    pos = ld(pkg(ms, mc, G_NSKIP, j), m) - 1 - (f - ld(pkg(ms, mc, G_RELOFF, j), m))
+    sc = scratch_views(ms, mc)
+    j = ld(sc.maps.lookup + f, m)
+    r = ld(sc.req.slot + j // mc.G, m)
+    pos = ld(sc.grp.nskip + j, m) - 1 - (f - ld(sc.grp.reloff + j, m))
     return row_of(ms, mc, j % mc.G, r) + pos
 
 
@@ -692,10 +662,11 @@ def remove_skipped_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, head, 
     """vLLM's ``remove_skipped_blocks`` for requests [0, split) as one batched free: segment (k, g)
     is the blocks that left group g's window, tail first; then nulls in the rows. Returns (head, tail,
     released)."""
+    sc = scratch_views(ms, mc)
     offs = tl.arange(0, pc.BLOCK)
     nseg = split * mc.G
-    n = tl.load(pkg(ms, mc, G_RELOFF, nseg))
-    segment_ids(pkg(ms, mc, G_RELOFF, 0), nseg, n, ms.s_map + MAP_LOOKUP * mc.MAPS, pc.BLOCK)
+    n = tl.load(sc.grp.reloff + nseg)
+    segment_ids(sc.grp.reloff, nseg, n, sc.maps.lookup, pc.BLOCK)
     i = 0
     while i < n:
         f = i + offs
@@ -705,11 +676,11 @@ def remove_skipped_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, head, 
     tl.debug_barrier()
     count_ids(ps, ms.s_ids, n, pc.BLOCK)
     tl.debug_barrier()
-    nf, nl, _, _ = release_scan(ps, pc, ms.s_ids, n, ms.s_pf, ms.s_map + MAP_POP * mc.MAPS, True)
+    nf, nl, _, _ = release_scan(ps, pc, ms.s_ids, n, ms.s_pf, sc.maps.pop, True)
     tl.debug_barrier()
     tail = ring_make_room(ps, pc, head, tail, nf + nl)
-    tail = release_place(ps, pc, ms.s_ids, n, ms.s_pf, ms.s_map + MAP_POP * mc.MAPS, pkg(ms, mc, G_RELOFF, 0),
-                         ms.s_map + MAP_LOOKUP * mc.MAPS, head, tail, nf, True, True)
+    tail = release_place(ps, pc, ms.s_ids, n, ms.s_pf, sc.maps.pop, sc.grp.reloff,
+                         sc.maps.lookup, head, tail, nf, True, True)
     tl.debug_barrier()
     reset_ids(ps, ms.s_ids, n, pc.N, pc.BLOCK)
     i = 0
@@ -729,9 +700,10 @@ def cache_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, seq0, removed):
     ``removed``: the old keys (``event_layout``, or a bound from ``scan_cached`` with events off);
     with none, as in a decode step whose newly full blocks were never keyed, the removal pass is
     skipped. Returns the keys stored."""
+    sc = scratch_views(ms, mc)
     offs = tl.arange(0, pc.BLOCK)
     nseg = split * mc.G
-    n = tl.load(pkg(ms, mc, G_COFF, nseg))
+    n = tl.load(sc.grp.coff + nseg)
     if pc.EVENTS:
         i = 0
         while i < nseg:  # headers, also of ranges holding only null blocks
@@ -739,12 +711,12 @@ def cache_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, seq0, removed):
             m = j < nseg
             k = j // mc.G
             g = j % mc.G
-            r = ld(par(ms, mc, P_SLOT, k), m)
-            start = ld(pkg(ms, mc, G_START, j), m)
-            m = m & (ld(par(ms, mc, P_NF, k), m) > start)
+            r = ld(sc.req.slot + k, m)
+            start = ld(sc.grp.start + j, m)
+            m = m & (ld(sc.req.nf + k, m) > start)
             pa = m & (start > 0)
             ka = keys_of(mc, g, r) + start.to(tl.int64) * mc.K - 1
-            write_stored_header(ps.ev, ld(pkg(ms, mc, G_EV, j), m) + ld(pkg(ms, mc, G_RM, j), m), pa.to(tl.int64),
+            write_stored_header(ps.ev, ld(sc.grp.ev + j, m) + ld(sc.grp.rm + j, m), pa.to(tl.int64),
                                 ld(ms.req_hi + ka, pa), ld(ms.req_lo + ka, pa), g.to(tl.int64), mc.BS, m)
             i += pc.BLOCK
     stored = tl.zeros([], tl.int32)
@@ -763,7 +735,7 @@ def cache_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, seq0, removed):
             if phase == 0:
                 ev = tl.zeros_like(f)
                 if pc.EVENTS:
-                    ev = ld(pkg(ms, mc, G_EV, j), m) - ld(pkg(ms, mc, G_RMOFF, j), m) + carry
+                    ev = ld(sc.grp.ev + j, m) - ld(sc.grp.rmoff + j, m) + carry
                 carry += drop_keys(ps, pc, b, act, ev).to(tl.int32)
             else:
                 a = act.to(tl.int32)
@@ -775,8 +747,8 @@ def cache_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, split, seq0, removed):
                 put_key(ps, pc, b, 0, hi, lo, g64, seq0 + rank, (pos + 1).to(tl.int64) * mc.BS, act)
                 tl.store(ps.num_keys + b, tl.full([pc.BLOCK], 1, tl.int32), mask=act)
                 if pc.EVENTS:
-                    ev = ld(pkg(ms, mc, G_EV, j), m) + ld(pkg(ms, mc, G_RM, j), m) + 1 + rank - \
-                        ld(pkg(ms, mc, G_STOFF, j), m)
+                    ev = ld(sc.grp.ev + j, m) + ld(sc.grp.rm + j, m) + 1 + rank - \
+                        ld(sc.grp.stoff + j, m)
                     write_stored_item(ps.ev, ev, b, hi, lo, g64, act)
                 carry += tl.sum(a, axis=0)
             i += pc.BLOCK
@@ -791,26 +763,27 @@ def finish_requests(ms, mc: tl.constexpr, batch, split, any_reserved, CACHING: t
     ``any_reserved`` (a scalar flag: some reservation held, so ``plan_requests`` stored the fields),
     each one's reservation less the blocks it took off the free queue (pops and zero-ref hits, drawn
     from it first). Returns the blocks drawn from reservations."""
+    sc = scratch_views(ms, mc)
     offs = tl.arange(0, mc.BLOCK)
     drawn = tl.zeros([], tl.int32)
     i = 0
     while i < split:
         k = i + offs
         m = k < split
-        r = ld(par(ms, mc, P_SLOT, k), m)
-        hits = ld(par(ms, mc, P_HITS, k), m)
-        nf = ld(par(ms, mc, P_NF, k), m)
-        nblk = ld(par(ms, mc, P_NBLK, k), m)
-        need = ld(par(ms, mc, P_NEED, k), m)
-        eff = ld(par(ms, mc, P_EFF, k), m)
+        r = ld(sc.req.slot + k, m)
+        hits = ld(sc.req.hits + k, m)
+        nf = ld(sc.req.nf + k, m)
+        nblk = ld(sc.req.nblk + k, m)
+        need = ld(sc.req.need + k, m)
+        eff = ld(sc.req.eff + k, m)
         tl.store(ms.num_blocks + r, nblk + hits + need, mask=m)
         tl.store(ms.num_computed + r, eff, mask=m)
         tl.store(batch.admitted + k, tl.full([mc.BLOCK], 1, tl.int32), mask=m)
         if any_reserved:
-            tl.store(ms.reserved + r, ld(par(ms, mc, P_RLEFT, k), m), mask=m)
-            drawn += tl.sum(ld(par(ms, mc, P_TAKE, k), m), axis=0)
+            tl.store(ms.reserved + r, ld(sc.req.rleft + k, m), mask=m)
+            drawn += tl.sum(ld(sc.req.take + k, m), axis=0)
         for g in tl.static_range(mc.G):
-            start = ld(pkg(ms, mc, G_START, k * mc.G + g), m)
+            start = ld(sc.grp.start + k * mc.G + g, m)
             if CACHING:
                 start = tl.maximum(start, nf)
             tl.store(ms.num_cached + g * mc.R + r, start, mask=m)
@@ -835,6 +808,7 @@ def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, c
     same program, the flag saying whether the step may go on and ``num`` its request count.
     ``NO_LOOKUP``: the batch's ``lookup`` flags are all 0 (a decode step), so no pass for lookups
     runs. Returns the split (0 on an error)."""
+    sc = scratch_views(ms, mc)
     split = tl.zeros([], tl.int32)
     if checked is None:
         nb, err = check_allocate_batch(ps, pc, ms, mc, batch, cap)
@@ -857,18 +831,18 @@ def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, c
             num_lookups, rel_total, sw_bad, pre_first = scan_requests(ps, pc, ms, mc, batch, nb)
             tl.debug_barrier()
             if num_lookups > 0:
-                segment_ids(par(ms, mc, P_LOFF, 0), nb, num_lookups, ms.s_map + MAP_LOOKUP * mc.MAPS, pc.BLOCK)
+                segment_ids(sc.req.loff, nb, num_lookups, sc.maps.lookup, pc.BLOCK)
                 find_hits(ps, pc, ms, mc, nb, num_lookups)
             any_hits = count_zero_ref_hits(ps, pc, ms, mc, nb, num_lookups)
             num_pops, num_zref, num_items, fail, sw, reach, partial, _, _, _ = \
                 plan_requests(ps, pc, ms, mc, batch, nb, num_free, unreserved, any_hits, False)
         tl.debug_barrier()
-        segment_ids(pkg(ms, mc, G_COFF, 0), nb * mc.G, num_items, ms.s_map + MAP_CACHE * mc.MAPS, pc.BLOCK)
+        segment_ids(sc.grp.coff, nb * mc.G, num_items, sc.maps.cache, pc.BLOCK)
         sw = tl.minimum(sw, sw_bad)
         if rel_total > 0:  # pops that reach blocks released to the tail in this batch
             sw = tl.minimum(sw, reach)
         if pre_first < BIG:  # an un-hashed release goes to the head: no pops after it
-            if num_pops > tl.load(par(ms, mc, P_POPOFF, pre_first)):
+            if num_pops > tl.load(sc.req.popoff + pre_first):
                 sw = tl.minimum(sw, pre_first)
         prefix = tl.full([], BIG, tl.int32)
         if num_lookups > 0:
@@ -901,14 +875,14 @@ def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, c
         if split > 0:
             unlinked = tl.zeros([], tl.int32)
             if num_lookups > 0:
-                unlinked = touch_hits(ps, pc, ms, mc, split, tl.load(par(ms, mc, P_LOFF, split)))
+                unlinked = touch_hits(ps, pc, ms, mc, split, tl.load(sc.req.loff + split))
             pops = num_pops
             if split < nb:
-                pops = tl.load(par(ms, mc, P_POPOFF, split))
+                pops = tl.load(sc.req.popoff + split)
             head, removed = allocate_all(ps, pc, ms, mc, split, pops, head, tail, removed)
             released = tl.zeros([], tl.int32)
             if mc.SW:
-                if tl.load(pkg(ms, mc, G_RELOFF, split * mc.G)) > 0:
+                if tl.load(sc.grp.reloff + split * mc.G) > 0:
                     head, tail, released = remove_skipped_all(ps, pc, ms, mc, split, head, tail)
             stored = tl.zeros([], tl.int32)
             if pc.CACHING:
@@ -920,7 +894,7 @@ def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, c
             tl.store(ps.ctrl + NUM_FREE, num_free + released - pops - unlinked)
             tl.store(ps.ctrl + KEY_SEQ, key_seq + stored)
             if pc.EVENTS:
-                tl.store(ps.ctrl + EV_COUNT, tl.load(par(ms, mc, P_EVBASE, split)))
+                tl.store(ps.ctrl + EV_COUNT, tl.load(sc.req.evbase + split))
     return split
 
 
