@@ -17,7 +17,7 @@ from ..layout import OP_DECODE_STEP
 from .checks import check_batch, check_step, with_event_room
 from .exact import allocate_slots_exact
 from .free import free_requests
-from .parallel import allocate_slots_parallel
+from .parallel import allocate_slots_parallel_checked
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def decode_step_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, f
     tl.debug_barrier()
     ok = free_requests(ps, pc, ms, mc, finished, num_finished, fcap, ok, nf)
     tl.debug_barrier()
-    split = allocate_slots_parallel(ps, pc, ms, mc, batch, cap, FORCE_EXACT, ok, nb, True)
+    split = allocate_slots_parallel_checked(ps, pc, ms, mc, batch, FORCE_EXACT=FORCE_EXACT, ok=ok, num=nb)
     tl.debug_barrier()
     allocate_slots_exact(ps, pc, ms, mc, batch, cap, False, slot_mapping, ok, split, nb)
 
@@ -97,7 +97,7 @@ def decode_burst_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, src, src_ori
             set_status(ps.status, err, OP_DECODE_STEP, val)
         ok = err == 0
     tl.debug_barrier()
-    split = allocate_slots_parallel(ps, pc, ms, mc, dst, cap, FORCE_EXACT, ok, nb, True)
+    split = allocate_slots_parallel_checked(ps, pc, ms, mc, dst, FORCE_EXACT=FORCE_EXACT, ok=ok, num=nb)
     tl.debug_barrier()
     allocate_slots_exact(ps, pc, ms, mc, dst, cap, False, dst_map, ok, split, nb)
     tl.debug_barrier()
