@@ -118,32 +118,98 @@ def _max_combine(a, b):
 
 
 @triton.jit
+def lanes(i, n, BLOCK: tl.constexpr):
+    """Tile ``i`` of a list of ``n``: the indices ``i .. i + BLOCK - 1`` and the mask of those ``< n``."""
+    idx = i + tl.arange(0, BLOCK)
+    return idx, idx < n
+
+
+@triton.jit
+def _segment_clear(out, total, i, BLOCK: tl.constexpr):
+    """``out[i : i + BLOCK] = -1`` (below ``total``)."""
+    idx, m = lanes(i, total, BLOCK)
+    tl.store(out + idx, tl.full([BLOCK], -1, tl.int32), mask=m)
+
+
+@triton.jit
+def _segment_heads(seg_off, nseg, total, i, BLOCK: tl.constexpr):
+    """Segments ``j`` of tile ``i``, their first index and whether they mark it (non-empty, inside):
+    loads only, so two maps' loads can be issued back to back before either's stores."""
+    j, m = lanes(i, nseg, BLOCK)
+    o = tl.load(seg_off + j, mask=m, other=0)
+    return j, o, m & (o < total) & (tl.load(seg_off + j + 1, mask=m, other=0) > o)
+
+
+@triton.jit
+def _segment_marks(out, total, i, BLOCK: tl.constexpr):
+    """Tile ``i`` of the marks (a load; :func:`_running_max` folds it)."""
+    f, m = lanes(i, total, BLOCK)
+    return f, m, tl.load(out + f, mask=m, other=-1)
+
+
+@triton.jit
+def _running_max(x, carry):
+    return tl.maximum(tl.associative_scan(x, 0, _max_combine), carry)
+
+
+@triton.jit
 def segment_ids(seg_off, nseg, total, out, BLOCK: tl.constexpr):
     """``out[f]`` = the segment holding flat index ``f < total`` (``seg_off[j] <= f < seg_off[j + 1]``,
     nondecreasing offsets from 0): each non-empty segment marks its first index, then a running max
     fills the rest. O(total) work with no dependent chain per item (a binary search per item costs
     log2(nseg) dependent loads in every pass that needs the mapping)."""
-    offs = tl.arange(0, BLOCK)
     i = 0
     while i < total:
-        tl.store(out + i + offs, tl.full([BLOCK], -1, tl.int32), mask=(i + offs) < total)
+        _segment_clear(out, total, i, BLOCK)
         i += BLOCK
     tl.debug_barrier()
     i = 0
     while i < nseg:
-        j = i + offs
-        m = j < nseg
-        o = tl.load(seg_off + j, mask=m, other=0)
-        tl.store(out + o, j, mask=m & (o < total) & (tl.load(seg_off + j + 1, mask=m, other=0) > o))
+        j, o, mark = _segment_heads(seg_off, nseg, total, i, BLOCK)
+        tl.store(out + o, j, mask=mark)
         i += BLOCK
     tl.debug_barrier()
     carry = tl.full([], -1, tl.int32)
     i = 0
     while i < total:
-        f = i + offs
-        m = f < total
-        run = tl.maximum(tl.associative_scan(tl.load(out + f, mask=m, other=-1), 0, _max_combine), carry)
+        f, m, x = _segment_marks(out, total, i, BLOCK)
+        run = _running_max(x, carry)
         tl.store(out + f, run, mask=m)
         carry = tl.max(run, axis=0)
+        i += BLOCK
+    tl.debug_barrier()
+
+
+@triton.jit
+def segment_ids_pair(seg_a, nseg_a, total_a, out_a, seg_b, nseg_b, total_b, out_b, BLOCK: tl.constexpr):
+    """:func:`segment_ids` of two independent maps in one walk: each pass loads both maps' tiles before
+    storing either's, so the two maps share each pass's memory wait and its barrier (three barriers,
+    not six)."""
+    i = 0
+    while i < tl.maximum(total_a, total_b):
+        _segment_clear(out_a, total_a, i, BLOCK)
+        _segment_clear(out_b, total_b, i, BLOCK)
+        i += BLOCK
+    tl.debug_barrier()
+    i = 0
+    while i < tl.maximum(nseg_a, nseg_b):
+        ja, oa, mark_a = _segment_heads(seg_a, nseg_a, total_a, i, BLOCK)
+        jb, ob, mark_b = _segment_heads(seg_b, nseg_b, total_b, i, BLOCK)
+        tl.store(out_a + oa, ja, mask=mark_a)
+        tl.store(out_b + ob, jb, mask=mark_b)
+        i += BLOCK
+    tl.debug_barrier()
+    carry_a = tl.full([], -1, tl.int32)
+    carry_b = tl.full([], -1, tl.int32)
+    i = 0
+    while i < tl.maximum(total_a, total_b):
+        fa, ma, xa = _segment_marks(out_a, total_a, i, BLOCK)
+        fb, mb, xb = _segment_marks(out_b, total_b, i, BLOCK)
+        run_a = _running_max(xa, carry_a)
+        run_b = _running_max(xb, carry_b)
+        tl.store(out_a + fa, run_a, mask=ma)
+        tl.store(out_b + fb, run_b, mask=mb)
+        carry_a = tl.max(run_a, axis=0)
+        carry_b = tl.max(run_b, axis=0)
         i += BLOCK
     tl.debug_barrier()

@@ -17,7 +17,7 @@ from ..layout import OP_DECODE_STEP
 from .checks import check_batch_counts, check_step, with_event_room
 from .exact import allocate_slots_exact_checked
 from .free import free_requests_checked
-from .parallel import allocate_slots_parallel
+from .parallel import allocate_slots_parallel_checked
 from .slot_mapping import slot_mapping_checked
 
 
@@ -39,7 +39,7 @@ def decode_step_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, f
     tl.debug_barrier()
     ok = free_requests_checked(ps, pc, ms, mc, finished, num=nf, ok=ok)
     tl.debug_barrier()
-    split = allocate_slots_parallel(ps, pc, ms, mc, batch, cap, FORCE_EXACT, ok, nb, True)
+    split = allocate_slots_parallel_checked(ps, pc, ms, mc, batch, FORCE_EXACT=FORCE_EXACT, ok=ok, num=nb)
     tl.debug_barrier()
     allocate_slots_exact_checked(ps, pc, ms, mc, batch, STOP_ON_FAILURE=False, num=nb, split=split, ok=ok)
     tl.debug_barrier()
@@ -108,7 +108,7 @@ def decode_burst_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, src, src_ori
             set_status(ps.status, code=err, op=OP_DECODE_STEP, value=val)
         ok = err == 0
     tl.debug_barrier()
-    split = allocate_slots_parallel(ps, pc, ms, mc, dst, cap, FORCE_EXACT, ok, nb, True)
+    split = allocate_slots_parallel_checked(ps, pc, ms, mc, dst, FORCE_EXACT=FORCE_EXACT, ok=ok, num=nb)
     tl.debug_barrier()
     allocate_slots_exact_checked(ps, pc, ms, mc, dst, STOP_ON_FAILURE=False, num=nb, split=split, ok=ok)
     tl.debug_barrier()
