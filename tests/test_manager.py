@@ -297,12 +297,19 @@ def draw_alloc_entry(data, p: Pair, r: int) -> tuple[int, int, bool]:
     return p.known[r], tg, rare(data, "lookup on a running request", 8)
 
 
-def op_allocate(data, p: Pair) -> None:
+def draw_batch(data, p: Pair) -> list[int]:
+    """A batch of the slots in use: a size from 1, then an order (empty when none is in use)."""
     act = p.active()
     if not act:
-        return
+        return []
     k = data.draw(st.integers(1, len(act)), label="batch size")
-    slots = data.draw(st.permutations(act), label="order")[:k]
+    return data.draw(st.permutations(act), label="order")[:k]
+
+
+def op_allocate(data, p: Pair) -> None:
+    slots = draw_batch(data, p)
+    if not slots:
+        return
     entries = [draw_alloc_entry(data, p, r) for r in slots]
     nts, tgs, lks = ([e[i] for e in entries] for i in range(3))
     sof = data.draw(st.booleans(), label="stop_on_failure")
@@ -394,11 +401,9 @@ def free_both(p: Pair, slots: list[int], tensors: bool, desc: str) -> None:
 
 
 def op_free(data, p: Pair) -> None:
-    act = p.active()
-    if not act:
+    slots = draw_batch(data, p)
+    if not slots:
         return
-    k = data.draw(st.integers(1, len(act)), label="batch size")
-    slots = data.draw(st.permutations(act), label="order")[:k]
     free_both(p, slots, data.draw(st.booleans(), label="tensor args"), "free")
     for r in slots:
         p.chain[r] = None

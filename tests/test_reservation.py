@@ -22,8 +22,8 @@ from gpupool.events import BlockRemoved
 from gpupool.graph import DecodeStep
 from pool_helpers import call_both, fill_step, pool_state
 from test_manager import (
-    GROUP_KINDS, HASH, OPS as MANAGER_OPS, Pair, add, admitted_norm, alloc, append_hashes, free_both, i32, note,
-    op_add, rare,
+    GROUP_KINDS, HASH, OPS as MANAGER_OPS, Pair, add, admitted_norm, alloc, append_hashes, draw_batch, free_both, i32,
+    note, op_add, rare,
 )
 
 
@@ -414,11 +414,9 @@ def test_decode_step_frees_the_finished_requests_reservations():
 # =================================================================================================
 
 def op_reserve(data, p: Pair) -> None:
-    act = p.active()
-    if not act:
+    slots = draw_batch(data, p)
+    if not slots:
         return
-    k = data.draw(st.integers(1, len(act)), label="batch size")
-    slots = data.draw(st.permutations(act), label="order")[:k]
     nts = []
     for r in slots:
         left = p.max_tokens - p.ref.num_computed[r]

@@ -30,6 +30,19 @@ def new_token_slots(ms, mc: tl.constexpr, batch, nb, out):
 
 
 @triton.jit
+def allocate_decode_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, num, ok, out, FORCE_EXACT: tl.constexpr):
+    """A decode step's allocation of its checked batch (``num`` requests, ``ok`` the step's flag):
+    the request-parallel ``allocate_slots`` up to the split, the exact path from there, then the
+    slot of each admitted request's newest token into ``out: int64[cap]`` (:func:`new_token_slots`).
+    Step 0 and every burst step run it."""
+    split = allocate_slots_parallel_checked(ps, pc, ms, mc, batch, FORCE_EXACT=FORCE_EXACT, ok=ok, num=num)
+    tl.debug_barrier()
+    allocate_slots_exact_checked(ps, pc, ms, mc, batch, STOP_ON_FAILURE=False, num=num, split=split, ok=ok)
+    tl.debug_barrier()
+    new_token_slots(ms, mc, batch, num, out)
+
+
+@triton.jit
 def decode_step_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished, num_finished, fcap,
                        slot_mapping, FORCE_EXACT: tl.constexpr):
     """``batch`` (AllocateBatch, capacity ``cap``): the running requests, ``target = num_tokens``;
@@ -39,11 +52,7 @@ def decode_step_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, f
     tl.debug_barrier()
     ok = free_requests_checked(ps, pc, ms, mc, finished, num=nf, ok=ok)
     tl.debug_barrier()
-    split = allocate_slots_parallel_checked(ps, pc, ms, mc, batch, FORCE_EXACT=FORCE_EXACT, ok=ok, num=nb)
-    tl.debug_barrier()
-    allocate_slots_exact_checked(ps, pc, ms, mc, batch, STOP_ON_FAILURE=False, num=nb, split=split, ok=ok)
-    tl.debug_barrier()
-    new_token_slots(ms, mc, batch, nb, slot_mapping)
+    allocate_decode_batch(ps, pc, ms, mc, batch, num=nb, ok=ok, out=slot_mapping, FORCE_EXACT=FORCE_EXACT)
 
 
 @triton.jit
@@ -108,11 +117,7 @@ def decode_burst_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, src, src_ori
             set_status(ps.status, code=err, op=OP_DECODE_STEP, value=val)
         ok = err == 0
     tl.debug_barrier()
-    split = allocate_slots_parallel_checked(ps, pc, ms, mc, dst, FORCE_EXACT=FORCE_EXACT, ok=ok, num=nb)
-    tl.debug_barrier()
-    allocate_slots_exact_checked(ps, pc, ms, mc, dst, STOP_ON_FAILURE=False, num=nb, split=split, ok=ok)
-    tl.debug_barrier()
-    new_token_slots(ms, mc, dst, nb, dst_map)
+    allocate_decode_batch(ps, pc, ms, mc, dst, num=nb, ok=ok, out=dst_map, FORCE_EXACT=FORCE_EXACT)
     tl.debug_barrier()
     i = 0
     while i < nb:

@@ -14,6 +14,7 @@ from ..keytable import key_home, lookup_blocks
 from ..layout import BIG, HEAD, TAIL
 from .parallel_scratch import first_index, ld
 from .rows import keys_of, row_of
+from .steps import get_num_blocks_to_allocate, max_cache_hit_length
 
 
 class TileScan(NamedTuple):
@@ -85,7 +86,7 @@ def scan_tile(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, batch, k, m, LOOKU
     nhash = ld(ms.num_hashes + r, m)
     cap = tl.zeros_like(k)
     if LOOKUP and pc.CACHING:
-        cap = tl.where(look & (nblk == 0), tl.minimum(tl.maximum(nt - 1, 0) // mc.BS, nhash // mc.K), 0)
+        cap = tl.where(look & (nblk == 0), max_cache_hit_length(nt, nhash, BS=mc.BS, K=mc.K), 0)
     rel = tl.zeros_like(k)
     bad = m & False
     pre = m & False
@@ -305,8 +306,9 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, batch, nb, num
         own = tl.zeros([mc.BLOCK], tl.int32)
         if any_reserved:
             own = ld(ms.reserved + r, m)
-        eff = tl.maximum(tg, hits * mc.BS)
-        need = tl.where(m, tl.maximum((eff + mc.BS - 1) // mc.BS - nblk - hits, 0), 0)
+        alloc = get_num_blocks_to_allocate(tg, hits, zero_ref=zref, num_blocks=nblk, G=mc.G, BS=mc.BS)
+        eff = alloc.eff
+        need = tl.where(m, alloc.need, 0)
         pops = need * mc.G
         cpops = tl.cumsum(pops, axis=0)
         # the admission check, every earlier request admitted: what each takes off the free queue
