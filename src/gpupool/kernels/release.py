@@ -320,6 +320,16 @@ def launch_release(ps, pc, ids, num_ids, seg_off, *, unpin: bool, op: int):
 
 
 @triton.jit
+def touch_tile(ps, b, m):
+    """vLLM's ``touch`` of one tile of blocks ``b`` (lanes ``m``, non-null, any order): each raises
+    its block's ref count by one (an atomic); the lane that finds it at 0 unlinks the block from the
+    free queue. Returns the blocks unlinked."""
+    was_free = m & (tl.atomic_add(ps.ref_cnt + b, 1, mask=m) == 0)
+    ring_unlink(ps, b, was_free)
+    return tl.sum(was_free.to(tl.int32), axis=0)
+
+
+@triton.jit
 def touch_checked(ps, pc: tl.constexpr, ids, n):
     """``touch(ids[:n])`` of already validated ids: every non-null occurrence raises its block's ref
     count by one (an atomic); the one lane that finds it at 0 unlinks the block from the ring. One
@@ -331,10 +341,7 @@ def touch_checked(ps, pc: tl.constexpr, ids, n):
     while i < n:
         m = (i + offs) < n
         b = tl.load(ids + i + offs, mask=m, other=0)
-        m = m & (b != 0)
-        was_free = m & (tl.atomic_add(ps.ref_cnt + b, 1, mask=m) == 0)
-        ring_unlink(ps, b, was_free)
-        unlinked += tl.sum(was_free.to(tl.int32), axis=0)
+        unlinked += touch_tile(ps, b, m & (b != 0))
         i += pc.BLOCK
     tl.debug_barrier()
     return unlinked

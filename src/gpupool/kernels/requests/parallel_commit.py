@@ -12,8 +12,8 @@ from ..common import lanes, segment_ids
 from ..events import write_stored_header, write_stored_item
 from ..keytable import drop_keys, put_key
 from ..layout import EV_COUNT, REUSE_COUNT
-from ..queue import ring_make_room, ring_scan_pop, ring_unlink
-from ..release import count_ids, release_place, release_scan, reset_ids
+from ..queue import ring_make_room, ring_scan_pop
+from ..release import count_ids, release_place, release_scan, reset_ids, touch_tile
 from .parallel_scan import cache_item, hit_item
 from .parallel_scratch import ld
 from .rows import keys_of, row_of
@@ -30,9 +30,7 @@ def touch_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, num_lookups):
         k, t, r, m = hit_item(sc, num_lookups, i + offs)
         for g in tl.static_range(mc.G):
             b = tl.load(row_of(ms, mc, g, r) + t, mask=m, other=0)
-            first = m & (tl.atomic_add(ps.ref_cnt + b, 1, mask=m) == 0)
-            ring_unlink(ps, b, first)
-            unlinked += tl.sum(first.to(tl.int32), axis=0)
+            unlinked += touch_tile(ps, b, m)
         i += pc.BLOCK
     tl.debug_barrier()
     return unlinked
