@@ -45,6 +45,18 @@ def tile_of(ptr, idx, n):
 
 
 @triton.jit
+def ld(ptr, m):
+    """``ptr[...]`` on lanes ``m``, 0 elsewhere."""
+    return tl.load(ptr, mask=m, other=0)
+
+
+@triton.jit
+def first_index(cur, bad, k):
+    """The lower of ``cur`` and the first lane index where ``bad`` holds."""
+    return tl.minimum(cur, tl.min(tl.where(bad, k, BIG), axis=0))
+
+
+@triton.jit
 def raw_count(count_ptr, cap):
     """The count as given (``cap`` when ``count_ptr`` is None), for error values."""
     if count_ptr is None:

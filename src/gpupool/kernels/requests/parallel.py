@@ -224,7 +224,7 @@ def allocate_slots_parallel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, c
 def allocate_slots_parallel_checked(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, FORCE_EXACT: tl.constexpr,
                                     ok, num):
     """:func:`allocate_slots_parallel` of a decode step's batch: checked (and ``admitted`` zeroed) by
-    ``check_step`` (or a burst step's ``check_batch``) earlier in the same program, ``ok`` (a scalar
+    ``check_step`` (or a burst step's ``check_batch_counts``) earlier in the same program, ``ok`` (a scalar
     flag) saying whether the step may go on and ``num`` its request count; its ``lookup`` flags are
     all 0, so no pass for lookups runs (:func:`analyse_decode_batch`). Returns the split (0 unless
     ``ok``)."""

@@ -8,14 +8,13 @@ import triton
 import triton.language as tl
 
 from ..alloc import claim_tile
-from ..common import lanes, segment_ids
+from ..common import lanes, ld, segment_ids
 from ..events import write_stored_header, write_stored_item
 from ..keytable import drop_keys, put_key
 from ..layout import EV_COUNT, REUSE_COUNT
 from ..queue import ring_make_room, ring_scan_pop
 from ..release import count_ids, release_place, release_scan, reset_ids, touch_tile
 from .parallel_scan import cache_item, hit_item
-from .parallel_scratch import ld
 from .rows import keys_of, row_of
 
 

@@ -8,11 +8,10 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from ..common import lanes
+from ..common import first_index, lanes, ld
 from ..groups import num_skipped_blocks
 from ..keytable import key_home, lookup_blocks
 from ..layout import BIG, HEAD, TAIL
-from .parallel_scratch import first_index, ld
 from .rows import keys_of, row_of
 from .steps import get_num_blocks_to_allocate, max_cache_hit_length
 
@@ -149,9 +148,6 @@ def scan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, batch, nb):
     """:func:`scan_tile` of every request, and the lookups' offsets. Returns (lookups, :class:`Releases`)."""
     lcarry = tl.zeros([], tl.int32)
     rels = no_releases()
-    rel_total = rels.total
-    sw_bad = rels.sw_bad
-    pre_first = rels.prepend
     i = 0
     while i < nb:
         k, m = lanes(i, nb, mc.BLOCK)
@@ -159,10 +155,10 @@ def scan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, batch, nb):
         scan_store(mc, sc, k, m, ts.slot, ts.nblk, ts.cap, ts.rel)
         tl.store(sc.req.loff + k, lcarry + tl.cumsum(ts.cap, axis=0) - ts.cap, mask=m)
         lcarry += tl.sum(ts.cap, axis=0)
-        rel_total, sw_bad, pre_first = fold_releases(Releases(rel_total, sw_bad, pre_first), ts, k)
+        rels = fold_releases(rels, ts, k)
         i += mc.BLOCK
     tl.store(sc.req.loff + nb, lcarry)
-    return lcarry, Releases(rel_total, sw_bad, pre_first)
+    return lcarry, rels
 
 
 @triton.jit
@@ -274,9 +270,6 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, batch, nb, num
     sw = tl.full([], BIG, tl.int32)
     reach_first = tl.full([], BIG, tl.int32)
     partial = tl.full([], BIG, tl.int32)
-    rel_total = rels.total
-    sw_bad = rels.sw_bad
-    pre_first = rels.prepend
     i = 0
     while i < nb:
         k, m = lanes(i, nb, mc.BLOCK)
@@ -291,7 +284,7 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, batch, nb, num
             hits = tl.zeros_like(k)
             zref = tl.zeros_like(k)
             if mc.SW:
-                rel_total, sw_bad, pre_first = fold_releases(Releases(rel_total, sw_bad, pre_first), ts, k)
+                rels = fold_releases(rels, ts, k)
                 tl.debug_barrier()  # the windows' fields are read back below
         else:
             r = ld(sc.req.slot + k, m)
@@ -382,7 +375,7 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, batch, nb, num
     tl.store(sc.req.popoff + nb, pcarry)
     tl.store(sc.grp.coff + nb * mc.G, ccarry)
     tl.store(sc.grp.reloff + nb * mc.G, rcarry)
-    return Plan(pcarry, zcarry, ccarry, fail, sw, reach_first, partial, Releases(rel_total, sw_bad, pre_first))
+    return Plan(pcarry, zcarry, ccarry, fail, sw, reach_first, partial, rels)
 
 
 @triton.jit

@@ -16,7 +16,6 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from ..layout import BIG
 
 
 class RequestScratch(NamedTuple):
@@ -92,14 +91,3 @@ def scratch_views(ms, mc: tl.constexpr):
     maps = MapScratch(ms.s_map, ms.s_map + mc.MAPS, ms.s_map + 2 * mc.MAPS)
     return Scratch(req, grp, maps)
 
-
-@triton.jit
-def ld(ptr, m):
-    """``ptr[...]`` on lanes ``m``, 0 elsewhere."""
-    return tl.load(ptr, mask=m, other=0)
-
-
-@triton.jit
-def first_index(cur, bad, k):
-    """The lower of ``cur`` and the first lane index where ``bad`` holds."""
-    return tl.minimum(cur, tl.min(tl.where(bad, k, BIG), axis=0))
