@@ -115,12 +115,18 @@ class KVCacheBlock:
     def pool(self) -> "BlockPool":
         return self._pool
 
-    @property
-    def ref_cnt(self) -> int:
+    def _mirror_slot(self, why: str):
+        """(pool, this block's mirror slot), the mirror made exact first where it may not be for this
+        block (a free block of a deferred pool after a pop that may have evicted it)."""
         p = self._pool
         if p._dirty and p._ref[self._s] == 0:
-            p._need_exact("ref_cnt")
-        return p._ref[self._s]
+            p._need_exact(why)
+        return p, self._s
+
+    @property
+    def ref_cnt(self) -> int:
+        p, s = self._mirror_slot("ref_cnt")
+        return p._ref[s]
 
     @ref_cnt.setter
     def ref_cnt(self, value: int) -> None:
@@ -128,18 +134,14 @@ class KVCacheBlock:
 
     @property
     def block_hash(self) -> bytes | None:
-        p = self._pool
-        if p._dirty and p._ref[self._s] == 0:
-            p._need_exact("block_hash")
-        keys = p._keys[self._s]
+        p, s = self._mirror_slot("block_hash")
+        keys = p._keys[s]
         return keys[0] if keys else None
 
     @property
     def block_hash_num_tokens(self) -> int | None:
-        p = self._pool
-        if p._dirty and p._ref[self._s] == 0:
-            p._need_exact("block_hash_num_tokens")
-        return p._ntok[self._s]
+        p, s = self._mirror_slot("block_hash_num_tokens")
+        return p._ntok[s]
 
     @property
     def prev_free_block(self):

@@ -136,13 +136,9 @@ class DeferredBlockPool(BlockPool):
         return t.to(torch.int32)
 
     def _h2d(self, values, dtype) -> torch.Tensor:
-        """A host list on the device without a stream synchronisation (PyTorch synchronises after a
-        blocking copy from pageable memory; a pinned buffer and ``non_blocking`` do not)."""
-        t = torch.tensor(values, dtype=dtype)
-        dev = self._dev.device
-        if dev.type == "cuda":
-            return t.pin_memory().to(dev, non_blocking=True)
-        return t.to(dev)
+        """A host list on the device without a stream synchronisation (``gpupool.BlockPool._tensor``:
+        pinned and ``non_blocking`` on CUDA)."""
+        return self._dev._tensor(values, dtype)
 
     def _ref_ids(self, slots: list[int]) -> list[int]:
         n = self.num_gpu_blocks
@@ -367,13 +363,12 @@ class DeferredBlockPool(BlockPool):
         self._touched = set()
         predicted = self._num_free
         self._version += 1
-        all_ids = list(dict.fromkeys(known + ids))
         if self.backend == "device":
             self._num_free = num_free
             self._apply_rows(known + ids, rows)
             self._unkeyed = run
         else:
-            self._refresh_reference(all_ids)
+            self._refresh_reference(list(dict.fromkeys(known + ids)))
             self._unkeyed = self._read_unkeyed_run()
         self._dirty = False
         if self.backend == "device":
@@ -412,14 +407,10 @@ class DeferredBlockPool(BlockPool):
 
     def get_cached_block(self, block_hash, kv_cache_group_ids):
         """From the mirror (a hit on a free block while dirty synchronises first, in the key map's
-        view); ``device_lookups=True``
-        synchronises and looks up on the device."""
+        view); ``device_lookups=True`` synchronises and looks up on the device."""
         if self.device_lookups:
             self.sync("op:get_cached_block")
         return super().get_cached_block(block_hash, kv_cache_group_ids)
-
-    def take_events(self) -> list:
-        return super().take_events()  # events on: not deferred, so the queue is current
 
 
 __all__ = ["DeferredBlockPool", "PendingBlock"]
