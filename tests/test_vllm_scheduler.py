@@ -45,9 +45,12 @@ def test_scheduler_is_lazy_and_needs_vllm():
         assert out.stdout.strip() == "import vllm", out.stdout
 
 
-def _distribution(steps):
-    """{device-to-host reads in a step: number of steps}."""
-    return dict(sorted(Counter(s["gpupool_ops"]["d2h"] for s in steps).items()))
+def _distribution(steps, what="d2h"):
+    """{device-to-host reads (or another count of ``gpupool_ops``) in a step: number of steps}."""
+    return dict(sorted(Counter(s["gpupool_ops"][what] for s in steps).items()))
+
+
+BATCHED = ("allocate_batched", "free_batched", "touch_batched", "cache_blocks_batched")
 
 
 @pytest.mark.slow
@@ -100,6 +103,11 @@ def test_same_decisions_as_vllm_async_scheduler(tmp_path):
         assert max(_distribution(r[mode])) == 1, (mode, _distribution(r[mode]))  # the bound: one read per step
         for s in r[mode]:  # each read is one sync() of the pool (nothing else reads the device)
             assert s["gpupool_ops"]["d2h"] == sum(s["gpupool_ops"]["syncs"].values()), s
+    for mode in ("device", "heavy_device"):  # every launch is one of a flush's four kernels
+        for s in r[mode]:
+            o = s["gpupool_ops"]
+            assert set(o) <= {*BATCHED, "flushes", "syncs", "d2h"}, o
+            assert all(o.get(k, 0) <= o["flushes"] for k in BATCHED) and (o["flushes"] > 0) <= sum(o.get(k, 0) for k in BATCHED), o
     per_call = r["device_percall"]
     assert max(_distribution(per_call)) > 1  # the per-call path: one op + check() + mirror copy per call
     ops = Counter()
@@ -113,6 +121,7 @@ def test_same_decisions_as_vllm_async_scheduler(tmp_path):
           f"{sum(s['gpupool_ops']['d2h'] for s in r['device'])}), decode-heavy fast path "
           f"{_distribution(r['heavy_device'])}, per-call path {_distribution(per_call)} (total "
           f"{sum(s['gpupool_ops']['d2h'] for s in per_call)}); fast-path sync reasons {dict(fast_syncs)}; "
-          f"gpupool ops: fast {dict(fast_ops)}, per-call {dict(ops)}; reads by caller {r['d2h_where']}; time "
+          f"gpupool ops: fast {dict(fast_ops)}, per-call {dict(ops)}; flushes per step {{flushes: steps}}: fast "
+          f"{_distribution(r['device'], 'flushes')}, decode-heavy {_distribution(r['heavy_device'], 'flushes')}; reads by caller {r['d2h_where']}; time "
           f"stock {r['stock_s']:.2f} s, reference {r['reference_s']:.2f} s, device (interpreter) {r['device_s']:.2f} s, "
           f"per-call device {r['device_percall_s']:.2f} s, decode-heavy device {r['heavy_device_s']:.2f} s")

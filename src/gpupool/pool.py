@@ -424,6 +424,48 @@ class BlockPool:
             self._launch_cache_full(a, ids, Op.CACHE_FULL_BLOCKS)
 
     @locked
+    def cache_blocks_batched(self, ids: torch.Tensor, calls) -> None:
+        """Many ``cache_full_blocks`` calls in one launch, not waiting (docs/semantics.md section 2,
+        batched forms). ``calls``: host tuples ``(block_hashes, num_cached_blocks, num_full_blocks,
+        block_size, group_id)`` in call order; ``ids: int32[M]`` on the pool's device is the
+        concatenation of each call's ``blocks[num_cached_blocks:num_full_blocks]`` (``M`` their total:
+        no-op calls add none), e.g. gathered from ``allocate_batched``'s output. A no-op when caching
+        is off.
+
+        Equals the calls in order, except that a block listed twice in the whole batch is an error
+        (the calls would re-key it). The host values are checked here as ``cache_full_blocks`` checks
+        them (raising at once: InvalidArgumentError, ArgumentTypeError, InvalidCountError, nothing
+        changed); InvalidArgumentError too when ``M`` is not the ranges' total or the pool records KV
+        events (each call's BlockStored names its parent: use ``cache_full_blocks_batched``). A bad id,
+        a duplicate or a hash conflict goes to the status word (raised by :meth:`check`, nothing changed)."""
+        op = "cache_blocks_batched"
+        ids = self._device_i32(op, ids, "ids")
+        if self.enable_kv_cache_events:
+            raise InvalidArgumentError(op, "a pool with KV events caches request by request (cache_full_blocks_batched)")
+        if not self.enable_caching:
+            return  # a no-op, as each cache_full_blocks call
+        keys, ntok = [], []
+        for call in calls:
+            if not isinstance(call, (tuple, list)) or len(call) != 5:
+                raise ArgumentTypeError(op, "each call is (block_hashes, num_cached_blocks, num_full_blocks, "
+                                            f"block_size, group_id), got {call!r}")
+            hashes, nc, nf, bs, g = call
+            n = nf if isinstance(nf, int) and not isinstance(nf, bool) and nf > 0 else 0
+            a = cache_full_args(op, self.num_blocks, self.enable_caching, [0] * n, hashes, nc, nf, bs, g, None)
+            if not a.noop:
+                keys += [(a.stored_hash(i), a.group) for i in range(a.nc, a.nf)]
+                ntok += [(i + 1) * a.block_size for i in range(a.nc, a.nf)]
+        if len(keys) != ids.numel():
+            raise InvalidArgumentError(op, f"ids has {ids.numel()} entries, the calls' ranges {len(keys)}", ids.numel())
+        if not keys:
+            return
+        dev = [self.registry.register(h, g) for h, g in keys]
+        k_cache.launch_cache_blocks(self.state, self.config, ids, self._tensor([k[0] for k in dev], torch.int64),
+                                    self._tensor([k[1] for k in dev], torch.int64),
+                                    self._tensor([g for _, g in keys], torch.int64), self._tensor(ntok, torch.int64),
+                                    op=Op.CACHE_BLOCKS_BATCHED)
+
+    @locked
     def touch_batched(self, ids: torch.Tensor, num_ids: torch.Tensor | None = None) -> None:
         """``touch`` of many blocks (order-free: one launch equals any sequence of touches)."""
         op = "touch_batched"

@@ -131,6 +131,7 @@ def run(sched, stream, counts=None, d2h=None):
             counts.clear()
         pool = sched.kv_cache_manager.block_pool
         syncs0 = Counter(getattr(pool, "syncs", {}))
+        flushes0 = getattr(pool, "flushes", 0)
         if d2h is not None:  # the step: arrivals, aborts, schedule(), update_from_output()
             d2h.on, n0 = True, d2h.n
         for arr, rid, prompt, mt, abort in [s for s in pending if s[0] <= step]:
@@ -177,6 +178,7 @@ def run(sched, stream, counts=None, d2h=None):
         if counts is not None:
             rec["gpupool_ops"] = dict(counts)
             rec["gpupool_ops"]["syncs"] = dict(Counter(getattr(pool, "syncs", {})) - syncs0)
+            rec["gpupool_ops"]["flushes"] = getattr(pool, "flushes", 0) - flushes0
             if d2h is not None:
                 rec["gpupool_ops"]["d2h"] = d2h.n - n0
         steps.append(rec)

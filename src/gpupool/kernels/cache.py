@@ -31,6 +31,33 @@ def range_block(ids, mask, nc, nf, idx, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
+def key_tile_errors(ps, b, act, idx, ntok, err, err_val, bad_i):
+    """Fold one tile of a caching into the first error by position: a block listed twice (its first
+    occurrence marked in ``s_first``: E_INVALID_ARG, vLLM asserts) or keyed at >= the ``ntok`` tokens
+    it would now cover (E_HASH_CONFLICT). Returns the new (err, err_val, bad_i)."""
+    dup = act & (tl.load(ps.s_first + b, mask=act, other=0) != idx)
+    nk = tl.load(ps.num_keys + b, mask=act, other=0)
+    old = tl.load(ps.hash_ntok + b, mask=act, other=0).to(tl.int64)
+    conflict = act & (nk > 0) & (old >= ntok)
+    anyb, bi, bv = first_bad(dup | conflict, idx, b)
+    code_here = tl.where(tl.sum((dup & (idx == bi)).to(tl.int32), axis=0) > 0, E_INVALID_ARG, E_HASH_CONFLICT)
+    take = anyb & (bi < bad_i)
+    return tl.where(take, code_here, err), tl.where(take, bv, err_val), tl.where(take, bi, bad_i)
+
+
+@triton.jit
+def key_tile(ps, pc: tl.constexpr, b, act, hi, lo, g, seq, ntok):
+    """Give each active lane's block (keys already dropped) its one key ``(hi, lo, g)`` covering
+    ``ntok`` tokens, insertion seqs from ``seq`` in lane order. Returns (each lane's rank among the
+    active ones, how many)."""
+    a64 = act.to(tl.int64)
+    rank = tl.cumsum(a64, axis=0) - a64
+    put_key(ps, pc, b, 0, hi, lo, g, seq + rank, ntok, act)
+    tl.store(ps.num_keys + b, tl.full(b.shape, 1, tl.int32), mask=act)
+    return rank, tl.sum(a64, axis=0)
+
+
+@triton.jit
 def cache_range_needs(ps, pc: tl.constexpr, ids, mask, nc, nf, HAS_MASK: tl.constexpr):
     """(keys removed, keys stored) by ``cache_range``: its event rows are these plus one header."""
     offs = tl.arange(0, pc.BLOCK)
@@ -72,15 +99,12 @@ def cache_range(ps, pc: tl.constexpr, ids, mask, nc, nf, khi, klo, kbase, kstrid
         b, act = range_block(ids, mask, nc, nf, idx, HAS_MASK)
         hi = tl.load(khi + kbase + idx.to(tl.int64) * kstride, mask=act, other=0)
         lo = tl.load(klo + kbase + idx.to(tl.int64) * kstride, mask=act, other=0)
-        a64 = act.to(tl.int64)
-        rank = tl.cumsum(a64, axis=0) - a64
         g = tl.zeros([pc.BLOCK], tl.int64) + grp
-        put_key(ps, pc, b, 0, hi, lo, g, seq + rank, (idx + 1).to(tl.int64) * bs, act)
-        tl.store(ps.num_keys + b, tl.full([pc.BLOCK], 1, tl.int32), mask=act)
+        rank, count = key_tile(ps, pc, b, act, hi, lo, g, seq, (idx + 1).to(tl.int64) * bs)
         if pc.EVENTS:
             write_stored_item(ps.ev, ev_pos + rank, b, hi, lo, g, act)
-        seq += tl.sum(a64, axis=0)
-        ev_pos += tl.sum(a64, axis=0)
+        seq += count
+        ev_pos += count
         tl.debug_barrier()
         i += pc.BLOCK
     return ev_pos, seq
@@ -125,17 +149,8 @@ def cache_full_kernel(ps, pc: tl.constexpr, ids, key_hi, key_lo, mask, p, OP: tl
             while i < nf:
                 idx = i + offs
                 b, act = range_block(ids, mask, nc, nf, idx, HAS_MASK)
-                dup = act & (tl.load(ps.s_first + b, mask=act, other=0) != idx)
-                nk = tl.load(ps.num_keys + b, mask=act, other=0)
-                ntok = tl.load(ps.hash_ntok + b, mask=act, other=0).to(tl.int64)
-                conflict = act & (nk > 0) & (ntok >= (idx + 1) * bs)
-                anyb, bi, bv = first_bad(dup | conflict, idx, b)
-                code_here = tl.where(tl.sum((dup & (idx == bi)).to(tl.int32), axis=0) > 0, E_INVALID_ARG,
-                                     E_HASH_CONFLICT)
-                take = anyb & (bi < bad_i)
-                err = tl.where(take, code_here, err)
-                err_val = tl.where(take, bv, err_val)
-                bad_i = tl.where(take, bi, bad_i)
+                err, err_val, bad_i = key_tile_errors(ps, b, act, idx, (idx + 1).to(tl.int64) * bs, err, err_val,
+                                                      bad_i)
                 i += pc.BLOCK
             tl.debug_barrier()
             i = nc
@@ -163,6 +178,75 @@ def launch_cache_full(ps, pc, ids, key_hi, key_lo, mask, p, *, op: int):
     """Launch ``cache_full_kernel`` (one program); ``mask`` None when every block is cached."""
     cache_full_kernel[(1,)](ps, pc, ids, key_hi, key_lo, ids if mask is None else mask, p, OP=op,
                             HAS_MASK=mask is not None, num_warps=warps_for(pc.BLOCK))
+
+
+@triton.jit
+def cache_blocks_kernel(ps, pc: tl.constexpr, ids, key_hi, key_lo, key_group, ntok, n, OP: tl.constexpr):
+    """Many ``cache_full_blocks`` calls in one launch, flattened (``BlockPool.cache_blocks_batched``):
+    item ``i < n`` keys block ``ids[i]`` (``int32``; null: skipped) under ``(key_hi[i], key_lo[i],
+    key_group[i])`` (``int64``) covering ``ntok[i]`` tokens (``int64``) as its only key (old keys
+    dropped), insertion seqs in item order. No events: the host refuses a pool that records them.
+
+    Errors, then nothing changes: a bad id (E_INVALID_ID); a non-null block listed twice
+    (E_INVALID_ARG); a block keyed at >= its new token count (E_HASH_CONFLICT).
+    """
+    if status_clear(ps.status):
+        offs = tl.arange(0, pc.BLOCK)
+        err, err_val, _bad_at = check_ids(ps, ids, n, pc.N, False, False, pc.BLOCK)
+        if err == 0:
+            i = 0
+            while i < n:
+                b, act = range_block(ids, ids, 0, n, i + offs, False)
+                tl.atomic_min(ps.s_first + b, i + offs, mask=act)
+                i += pc.BLOCK
+            tl.debug_barrier()
+            bad_i = tl.full([], BIG, tl.int32)
+            i = 0
+            while i < n:
+                idx = i + offs
+                b, act = range_block(ids, ids, 0, n, idx, False)
+                err, err_val, bad_i = key_tile_errors(ps, b, act, idx, tl.load(ntok + idx, mask=act, other=0),
+                                                      err, err_val, bad_i)
+                i += pc.BLOCK
+            tl.debug_barrier()
+            i = 0
+            while i < n:
+                b, act = range_block(ids, ids, 0, n, i + offs, False)
+                tl.store(ps.s_first + b, tl.full([pc.BLOCK], BIG, tl.int32), mask=act)
+                i += pc.BLOCK
+            tl.debug_barrier()
+            if err == 0:
+                i = 0
+                while i < n:
+                    b, act = range_block(ids, ids, 0, n, i + offs, False)
+                    drop_keys(ps, pc, b, act, 0)
+                    i += pc.BLOCK
+                tl.debug_barrier()
+                # strict: benign, read by every thread before any store (the barrier above)
+                seq = tl.load(ps.ctrl + KEY_SEQ)
+                i = 0
+                while i < n:
+                    idx = i + offs
+                    b, act = range_block(ids, ids, 0, n, idx, False)
+                    rank, count = key_tile(ps, pc, b, act, tl.load(key_hi + idx, mask=act, other=0),
+                                        tl.load(key_lo + idx, mask=act, other=0),
+                                        tl.load(key_group + idx, mask=act, other=0), seq,
+                                        tl.load(ntok + idx, mask=act, other=0))
+                    seq += count
+                    tl.debug_barrier()
+                    i += pc.BLOCK
+                tl.store(ps.ctrl + KEY_SEQ, seq)
+        if err != 0:
+            set_status(ps.status, err, OP, err_val)
+
+
+def launch_cache_blocks(ps, pc, ids, key_hi, key_lo, key_group, ntok, *, op: int):
+    """Launch ``cache_blocks_kernel`` (one program) over all of ``ids``; the pool has no KV events
+    (``pc.EVENTS`` off)."""
+    if pc.EVENTS:
+        raise ValueError("cache_blocks_kernel writes no events")
+    cache_blocks_kernel[(1,)](ps, pc, ids, key_hi, key_lo, key_group, ntok, ids.numel(), OP=op,
+                              num_warps=warps_for(pc.BLOCK))
 
 
 @triton.jit

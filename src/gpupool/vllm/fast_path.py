@@ -61,6 +61,28 @@ if (Ctrl.NUM_FREE, Ctrl.KEY_SEQ, Ctrl.EV_COUNT, Ctrl.REUSE_COUNT) != (2, 3, 4, 5
 _PREDICTED_SEQ = 1 << 62
 
 
+class _Batch:
+    """The device ops since the last launch, run as one flush in the order free, touch, pop, cache
+    (``DeferredBlockPool._flush``). The adapter flushes before an op that this order would move past
+    one it must follow: a free or a touch after a pop, a free after a touch or of a block cached in
+    the batch. Everything else commutes (docs/vllm.md, "The fast path"): a pop takes free blocks and
+    a caching keys held ones."""
+
+    __slots__ = ("free", "seg", "touch", "demands", "cache_slots", "cache_calls", "cached")
+
+    def __init__(self):
+        self.free: list[int] = []  # slots, the free calls one after another
+        self.seg = [0]  # free call j is free[seg[j]:seg[j + 1]]
+        self.touch: list[int] = []
+        self.demands: list[int] = []  # get_new_blocks counts, in call order
+        self.cache_slots: list[int] = []  # each caching call's range, one after another
+        self.cache_calls: list[tuple] = []  # (block_hashes, num_cached, num_full, block_size, group)
+        self.cached: set[int] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.free or self.touch or self.demands or self.cache_calls)
+
+
 class PendingBlock(KVCacheBlock):
     """A block ``get_new_blocks`` handed out whose id the device has not reported yet. Reading
     ``block_id`` synchronises the pool once (all placeholders are bound together); ``ref_cnt`` and
@@ -97,8 +119,10 @@ class DeferredBlockPool(BlockPool):
         self._touched: set[int] = set()
         self._unkeyed = 0  # lower bound of the free queue's leading run of un-keyed blocks
         self._pseq = _PREDICTED_SEQ
-        self._pend_dev = None  # device: int32 ids of the placeholders, in order
+        self._pend_dev = None  # device: int32 ids of the placeholders of launched pops, in order
         self._pend_ref: list[int] = []  # reference backend: the same, on the host
+        self._batch = _Batch()  # device backend: ops not launched yet
+        self.flushes = 0  # launches of a batch (each up to four kernels, no synchronisation)
         self._watched = False  # unpin_blocks was called: pops run per call from then on
         if self.deferred:
             self._unkeyed = self._read_unkeyed_run()
@@ -130,9 +154,10 @@ class DeferredBlockPool(BlockPool):
         ``allocate_batched`` outputs (no synchronisation)."""
         n = self.num_gpu_blocks
         t = self._h2d(slots, torch.int64)
-        if self._pending and max(slots, default=0) >= n:
-            pend = self._pend_dev[: len(self._pending)].long()
-            t = torch.where(t < n, t, pend[(t - n).clamp(0, len(self._pending) - 1)])
+        if max(slots, default=0) >= n:
+            # only placeholders of launched pops are asked for (_Batch's order)
+            pend = self._pend_dev.long()
+            t = torch.where(t < n, t, pend[(t - n).clamp(0, pend.numel() - 1)])
         return t.to(torch.int32)
 
     def _h2d(self, values, dtype) -> torch.Tensor:
@@ -161,9 +186,7 @@ class DeferredBlockPool(BlockPool):
             return []
         k0 = len(self._pending)
         if self.backend == "device":
-            blocks, _ = self._dev.allocate_batched(self._h2d([num_blocks], torch.int32))
-            new = blocks[:num_blocks]
-            self._pend_dev = new if self._pend_dev is None or not k0 else torch.cat([self._pend_dev[:k0], new])
+            self._batch.demands.append(num_blocks)
         else:
             ids = self._dev.get_new_blocks(num_blocks)
             self._pend_ref.extend(ids.tolist() if isinstance(ids, torch.Tensor) else ids)
@@ -246,7 +269,8 @@ class DeferredBlockPool(BlockPool):
         if block_mask is None and len(rng) == nf - nc and isinstance(block_size, int) and block_size > 0 \
                 and all(isinstance(b, KVCacheBlock) and b._pool is self and not b.is_null for b in rng):
             slots = self._slots(rng)
-            if len(set(slots)) == len(slots) and not any(self._keys[s] for s in slots):
+            # held blocks only: a pop may then run before the caching (_Batch)
+            if len(set(slots)) == len(slots) and not any(self._keys[s] or self._ref[s] <= 0 for s in slots):
                 try:
                     hashes = _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf)
                 except PoolError:
@@ -258,8 +282,10 @@ class DeferredBlockPool(BlockPool):
             return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
         g = kv_cache_group_id
         if self.backend == "device":
-            ids = self._device_ids([0] * nc + slots)
-            self._dev.cache_full_blocks_batched(ids, hashes, nc, nf, block_size, g)
+            b = self._batch
+            b.cache_slots += slots
+            b.cache_calls.append((hashes, nc, nf, block_size, g))
+            b.cached.update(slots)
         else:
             self._dev.cache_full_blocks([0] * nc + self._ref_ids(slots), hashes, nc, nf, block_size, g)
         holders = self._holders
@@ -282,15 +308,40 @@ class DeferredBlockPool(BlockPool):
             if s < self.num_gpu_blocks:
                 self._touched.add(s)
         if self.backend == "device":
-            ids = self._device_ids(slots)
+            b = self._batch
+            if b.demands or (kind == "free" and (b.touch or not b.cached.isdisjoint(slots))):
+                self._flush()
+                b = self._batch
             if kind == "touch":
-                self._dev.touch_batched(ids)
+                b.touch += slots
             else:
-                self._dev.free_batched(ids, self._h2d([0, len(slots)], torch.int32))
+                b.free += slots
+                b.seg.append(len(b.free))
         elif kind == "touch":
             self._dev.touch(self._ref_ids(slots))
         else:
             self._dev.free_blocks(self._ref_ids(slots))
+
+    def _flush(self) -> None:
+        """Launch the batch: ``free_batched`` (every free call a segment), ``touch_batched``,
+        ``allocate_batched`` (every pop a demand; the placeholders' ids gathered from its output) and
+        ``cache_blocks_batched``, each only when it has work, none waiting."""
+        b = self._batch
+        if not b:
+            return
+        self._batch = _Batch()
+        self.flushes += 1
+        dev = self._dev
+        if b.free:
+            dev.free_batched(self._device_ids(b.free), self._h2d(b.seg, torch.int32))
+        if b.touch:
+            dev.touch_batched(self._device_ids(b.touch))
+        if b.demands:
+            blocks, _ = dev.allocate_batched(self._h2d(b.demands, torch.int32))
+            new = blocks[: sum(b.demands)]
+            self._pend_dev = new if self._pend_dev is None else torch.cat([self._pend_dev, new])
+        if b.cache_calls:
+            dev.cache_blocks_batched(self._device_ids(b.cache_slots), b.cache_calls)
 
     # ---- the synchronisation -----------------------------------------------------------------------
     def _unkeyed_run_dev(self) -> torch.Tensor:
@@ -320,6 +371,7 @@ class DeferredBlockPool(BlockPool):
         checked on the host first) and PoolError if the host's free count disagrees with the device's."""
         if not (self._pending or self._touched or self._dirty):
             return
+        self._flush()
         self.syncs[why] += 1
         n = self.num_gpu_blocks
         known = sorted(self._touched)
