@@ -12,7 +12,10 @@ needs, ``gpupool.BlockPool.cache_full_blocks_batched``.
 * errors: a double free raises gpupool's DoubleFreeError with the pool unchanged; get_new_blocks past
   the free count raises OutOfBlocksError at the call;
 * the core op: ``cache_full_blocks_batched`` over device ids leaves the state ``cache_full_blocks``
-  leaves, and records a bad id in the status word (raised by ``check()``, nothing changed).
+  leaves, and records a bad id in the status word (raised by ``check()``, nothing changed);
+* batching (device backend): the ops between launches run as one flush (free, touch, pop, cache);
+  each rule that forces an earlier flush pinned on a sequence, and a decode step of 32 requests is
+  one flush of three kernels where the per-call adapter makes 66 ops.
 """
 import sys
 from pathlib import Path
@@ -197,3 +200,85 @@ def test_cache_full_blocks_batched_equals_cache_full_blocks():
     assert [pools[1].block_keys(b) for b in range(8)] == keys
     with pytest.raises(Exception):  # host-checked arguments raise at once
         pools[1].cache_full_blocks_batched(torch.tensor([2], dtype=torch.int64), hashes, 0, 1, 16, 0)
+
+
+def test_batch_flushes_where_the_order_requires():
+    """The device backend's batch (fast_path._Batch) runs free, touch, pop, cache in that order, one
+    flush each: pops and cachings pile up in one batch; a free or a touch after a pop, a free after a
+    touch and a free of a block cached in the batch flush first. The sequence runs on the per-call
+    pool too: same ids, same final state; and the flush counts are the ones the rules give."""
+    pools = [DeferredBlockPool(16, True, BS, device="cpu"), BlockPool(16, True, BS, device="cpu")]
+    got = []
+    for p in pools:
+        ra, rb, rc = (driver.request(driver.tokens_of(i)[: 2 * BS]) for i in (1, 2, 3))
+        flushes = []
+
+        def mark():
+            flushes.append(getattr(p, "flushes", 0))
+        a = p.get_new_blocks(2)
+        p.cache_full_blocks(ra, a, 0, 2, BS, 0)
+        b = p.get_new_blocks(2)
+        p.cache_full_blocks(rb, b, 0, 1, BS, 0)
+        d = p.get_new_blocks(1)
+        mark()  # 0: pops and cachings, one batch
+        p.free_blocks(list(reversed(a)))
+        mark()  # 1: a free after a pop (of blocks cached in the batch, too)
+        hit = [p.get_cached_block(hh, [0])[0] for hh in ra.block_hashes[:2]]
+        p.touch(hit[:1])
+        c = p.get_new_blocks(1)
+        mark()  # 1: the touch and the pop join the free
+        p.touch(hit[1:])
+        mark()  # 2: a touch after a pop
+        p.free_blocks(d)
+        mark()  # 3: a free after a touch
+        e = p.get_new_blocks(1)
+        p.free_blocks(list(reversed(b)))
+        mark()  # 4: a free after a pop
+        ids = [x.block_id for x in a + b + d + hit + c + e]
+        mark()  # 5: the block_id read's synchronisation
+        x = p.get_new_blocks(1)
+        ids.append(x[0].block_id)  # 6
+        p.cache_full_blocks(rb, b[:1] + x, 1, 2, BS, 0)
+        p.free_blocks(x)
+        mark()  # 7: a free of a block cached in the batch
+        if isinstance(p, DeferredBlockPool):
+            p.sync()  # 8
+            assert flushes == [0, 1, 1, 2, 3, 4, 5, 7] and p.flushes == 8, (flushes, p.flushes)
+            p.device_pool.validate()
+        got.append((ids, driver.snapshot(p)))
+    assert got[0] == got[1]
+
+
+def test_a_decode_step_is_one_flush():
+    """vLLM's decode step over 32 running requests, each crossing into a new block (``get_new_blocks(1)``)
+    and caching the block it filled (``cache_full_blocks``), after the frees of 2 finished requests:
+    one flush, of three kernels (``free_batched``, ``allocate_batched``, ``cache_blocks_batched``), where
+    the per-call adapter launches 66 ops; ids and state equal."""
+    n, nreq = 80, 32
+    pools = [DeferredBlockPool(n, True, BS, device="cpu"), BlockPool(n, True, BS, device="cpu")]
+    got = []
+    for p in pools:
+        reqs = [driver.request(driver.tokens_of(i)[: 2 * BS]) for i in range(nreq + 2)]
+        rows = [p.get_new_blocks(1) for _ in reqs]
+        [blk.block_id for row in rows for blk in row]
+        if isinstance(p, DeferredBlockPool):
+            flushes0 = p.flushes
+            counts = {}
+            dev = p._dev
+            for name in ("allocate_batched", "free_batched", "touch_batched", "cache_blocks_batched"):
+                def counted(*a, _f=getattr(dev, name), _n=name, **k):
+                    counts[_n] = counts.get(_n, 0) + 1
+                    return _f(*a, **k)
+                setattr(dev, name, counted)
+        for row in rows[nreq:]:  # update_from_output: two requests finished
+            p.free_blocks(list(reversed(row)))
+        for r, row in zip(reqs, rows[:nreq]):  # schedule(): allocate_slots per running request
+            row += p.get_new_blocks(1)
+            p.cache_full_blocks(r, row, 0, 1, BS, 0)
+        ids = [[blk.block_id for blk in row] for row in rows[:nreq]]
+        if isinstance(p, DeferredBlockPool):
+            assert p.flushes - flushes0 == 1 and counts == {"free_batched": 1, "allocate_batched": 1,
+                                                            "cache_blocks_batched": 1}, (p.flushes, counts)
+            p.device_pool.validate()
+        got.append((ids, driver.snapshot(p)))
+    assert got[0] == got[1]

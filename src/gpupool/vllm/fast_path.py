@@ -19,10 +19,13 @@ deciding depend only on counts and on keys the host already knows:
   of a ref count, a key or a lookup synchronises first (counted).
 
 So ``get_new_blocks`` returns placeholder :class:`PendingBlock` proxies whose ``block_id`` is bound at
-the next synchronisation; ``get_new_blocks``, ``touch``, ``free_blocks`` and ``cache_full_blocks`` are
-launched at once as gpupool's non-waiting batched ops (``allocate_batched``, ``touch_batched``,
-``free_batched``, ``cache_full_blocks_batched``), placeholder ids gathered on the device from the
-``allocate_batched`` outputs, in call order with no synchronisation between them. One
+the next synchronisation. ``get_new_blocks``, ``touch``, ``free_blocks`` and ``cache_full_blocks`` are
+gathered on the host into a batch, launched as one *flush* of gpupool's non-waiting batched ops in
+the order free, touch, pop, cache (``free_batched`` with a segment per call, ``touch_batched``,
+``allocate_batched`` with a demand per call, ``cache_blocks_batched``), placeholder ids gathered on
+the device from the ``allocate_batched`` output. A flush happens at a synchronisation, and before an
+op the fixed order would move past one it must follow (:class:`_Batch`); a scheduler step is
+typically one flush, a decode step's pops and cachings for every running request included. One
 synchronisation (:meth:`DeferredBlockPool.sync`) is ONE device-to-host transfer: the placeholders'
 ids, the mirror rows of every block the ops since the last one touched, the free count, the status
 word, the reuse and event counters and the leading un-keyed run. It happens when vLLM first reads a
