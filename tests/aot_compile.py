@@ -66,6 +66,9 @@ def drive_pool(num_blocks=64, **kw):  # noqa: C901
     p.touch_batched(torch.tensor([1], dtype=i32))
     if not kw.get("enable_kv_cache_events"):
         p.cache_blocks_batched(torch.tensor([1, 2], dtype=i32), [(h, 0, 2, 16, 0)])
+        p.apply_batched(free_ids=torch.tensor([1], dtype=i32), free_offsets=torch.tensor([0, 1], dtype=i32),
+                        touch_ids=torch.tensor([2], dtype=i32), demands=[1, 1],
+                        cache_ids=torch.tensor([num_blocks, num_blocks + 1], dtype=i32), cache_calls=[(h, 0, 2, 16, 0)])
     if num_blocks >= 4096:  # batches of 4,096 ids take wide tiles (kernels/common.py batch_config)
         wide = torch.ones(4096, dtype=i32)
         p.touch_batched(wide)

@@ -15,7 +15,7 @@ needs, ``gpupool.BlockPool.cache_full_blocks_batched``.
   leaves, and records a bad id in the status word (raised by ``check()``, nothing changed);
 * batching (device backend): the ops between launches run as one flush (free, touch, pop, cache);
   each rule that forces an earlier flush pinned on a sequence, and a decode step of 32 requests is
-  one flush of three kernels where the per-call adapter makes 66 ops.
+  one flush (one ``apply_batched`` launch) where the per-call adapter makes 66 ops.
 """
 import sys
 from pathlib import Path
@@ -252,8 +252,8 @@ def test_batch_flushes_where_the_order_requires():
 def test_a_decode_step_is_one_flush():
     """vLLM's decode step over 32 running requests, each crossing into a new block (``get_new_blocks(1)``)
     and caching the block it filled (``cache_full_blocks``), after the frees of 2 finished requests:
-    one flush, of three kernels (``free_batched``, ``allocate_batched``, ``cache_blocks_batched``), where
-    the per-call adapter launches 66 ops; ids and state equal."""
+    one flush, ONE ``apply_batched`` launch, where the per-call adapter launches 66 ops; ids and state
+    equal."""
     n, nreq = 80, 32
     pools = [DeferredBlockPool(n, True, BS, device="cpu"), BlockPool(n, True, BS, device="cpu")]
     got = []
@@ -265,7 +265,7 @@ def test_a_decode_step_is_one_flush():
             flushes0 = p.flushes
             counts = {}
             dev = p._dev
-            for name in ("allocate_batched", "free_batched", "touch_batched", "cache_blocks_batched"):
+            for name in ("apply_batched", "allocate_batched", "free_batched", "touch_batched", "cache_blocks_batched"):
                 def counted(*a, _f=getattr(dev, name), _n=name, **k):
                     counts[_n] = counts.get(_n, 0) + 1
                     return _f(*a, **k)
@@ -277,8 +277,7 @@ def test_a_decode_step_is_one_flush():
             p.cache_full_blocks(r, row, 0, 1, BS, 0)
         ids = [[blk.block_id for blk in row] for row in rows[:nreq]]
         if isinstance(p, DeferredBlockPool):
-            assert p.flushes - flushes0 == 1 and counts == {"free_batched": 1, "allocate_batched": 1,
-                                                            "cache_blocks_batched": 1}, (p.flushes, counts)
+            assert p.flushes - flushes0 == 1 and counts == {"apply_batched": 1}, (p.flushes, counts)
             p.device_pool.validate()
         got.append((ids, driver.snapshot(p)))
     assert got[0] == got[1]

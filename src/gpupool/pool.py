@@ -31,6 +31,7 @@ from .errors import ArgumentTypeError, InvalidArgumentError, InvalidCountError, 
 from .events import AllBlocksCleared, BlockRemoved, BlockStored
 from .kernels import alloc as k_alloc
 from .kernels import cache as k_cache
+from .kernels import flush as k_flush
 from .kernels import lookup as k_lookup
 from .kernels import release as k_release
 from .kernels.layout import Ctrl, Event, Op, op_name
@@ -444,6 +445,15 @@ class BlockPool:
             raise InvalidArgumentError(op, "a pool with KV events caches request by request (cache_full_blocks_batched)")
         if not self.enable_caching:
             return  # a no-op, as each cache_full_blocks call
+        keys, ntok = self._cache_items(op, calls)
+        if len(keys) != ids.numel():
+            raise InvalidArgumentError(op, f"ids has {ids.numel()} entries, the calls' ranges {len(keys)}", ids.numel())
+        if keys:
+            k_cache.launch_cache_blocks(self.state, self.config, ids, *self._key_tensors(keys, ntok),
+                                        op=Op.CACHE_BLOCKS_BATCHED)
+
+    def _cache_items(self, op: str, calls) -> tuple[list, list]:
+        """``cache_blocks_batched``'s host checks: ((hash, group) and tokens covered per cached block)."""
         keys, ntok = [], []
         for call in calls:
             if not isinstance(call, (tuple, list)) or len(call) != 5:
@@ -455,15 +465,58 @@ class BlockPool:
             if not a.noop:
                 keys += [(a.stored_hash(i), a.group) for i in range(a.nc, a.nf)]
                 ntok += [(i + 1) * a.block_size for i in range(a.nc, a.nf)]
-        if len(keys) != ids.numel():
-            raise InvalidArgumentError(op, f"ids has {ids.numel()} entries, the calls' ranges {len(keys)}", ids.numel())
-        if not keys:
-            return
-        dev = [self.registry.register(h, g) for h, g in keys]
-        k_cache.launch_cache_blocks(self.state, self.config, ids, self._tensor([k[0] for k in dev], torch.int64),
-                                    self._tensor([k[1] for k in dev], torch.int64),
-                                    self._tensor([g for _, g in keys], torch.int64), self._tensor(ntok, torch.int64),
-                                    op=Op.CACHE_BLOCKS_BATCHED)
+        return keys, ntok
+
+    def _key_tensors(self, keys, ntok) -> list[torch.Tensor]:
+        """(key_hi, key_lo, key_group, ntok): ``int64[len(keys)]`` each (at least one entry) on the device."""
+        dev = [self.registry.register(h, g) for h, g in keys] or [(0, 0)]
+        return [self._tensor([k[0] for k in dev], torch.int64), self._tensor([k[1] for k in dev], torch.int64),
+                self._tensor([g for _, g in keys] or [0], torch.int64), self._tensor(ntok or [0], torch.int64)]
+
+    @locked
+    def apply_batched(self, *, free_ids: torch.Tensor | None = None, free_offsets: torch.Tensor | None = None,
+                      touch_ids: torch.Tensor | None = None, demands=(), cache_ids: torch.Tensor | None = None,
+                      cache_calls=()) -> tuple[torch.Tensor, torch.Tensor]:
+        """``free_batched(free_ids, free_offsets)``, ``touch_batched(touch_ids)``,
+        ``allocate_batched(demands)`` and ``cache_blocks_batched(cache_ids, cache_calls)`` in that
+        order, as ONE launch, not waiting (docs/semantics.md section 2, batched forms; the vLLM fast
+        path's flush, docs/vllm.md). Every part is optional and is that op exactly; a part that fails
+        records its error in the status word and the later parts do nothing, as four launches would.
+
+        ``demands``: host ints (the pops' sum sizes the output without a wait). ``cache_ids: int32[M]``
+        may name this call's popped blocks: ``num_blocks + k`` is the k-th. Returns ``(blocks:
+        int32[sum(demands)], offsets: int32[len(demands) + 1])`` as ``allocate_batched``'s.
+
+        Raises at once (nothing changed) what the four ops raise for bad host values, and
+        InvalidArgumentError for a pool with KV events (the caching part writes none), InvalidCountError
+        for a negative demand; device errors go to the status word (raised by :meth:`check`)."""
+        op = "apply_batched"
+        if self.enable_kv_cache_events:
+            raise InvalidArgumentError(op, "a pool with KV events runs the ops one by one")
+        one = self._tensor([0])
+        fids = one if free_ids is None else self._device_i32(op, free_ids, "free_ids")
+        if free_ids is None:
+            seg = one
+        elif free_offsets is None:
+            raise InvalidArgumentError(op, "free_ids needs free_offsets (as free_batched's seg_offsets)")
+        else:
+            seg = self._device_i32(op, free_offsets, "free_offsets")
+            if seg.numel() < 1:
+                raise InvalidArgumentError(op, "free_offsets needs at least one entry (0)")
+        tids = one if touch_ids is None else self._device_i32(op, touch_ids, "touch_ids")
+        dem = [as_int(op, d, "demand") for d in demands]
+        bad = [d for d in dem if d < 0]
+        if bad:
+            raise InvalidCountError(op, f"a demand must be >= 0, got {bad[0]}", bad[0])
+        cids = one if cache_ids is None else self._device_i32(op, cache_ids, "cache_ids")
+        keys, ntok = self._cache_items(op, cache_calls) if self.enable_caching else ([], [])
+        n_cache = cids.numel() if cache_ids is not None else 0
+        if self.enable_caching and len(keys) != n_cache:
+            raise InvalidArgumentError(op, f"cache_ids has {n_cache} entries, the calls' ranges {len(keys)}", n_cache)
+        return k_flush.launch_flush(
+            self.state, self.config, fids, seg, tids, self._tensor(dem or [0]), cids, *self._key_tensors(keys, ntok),
+            n_free=0 if free_ids is None else fids.numel(), n_touch=0 if touch_ids is None else tids.numel(),
+            n_demands=len(dem), n_cache=len(keys), total=sum(dem))
 
     @locked
     def touch_batched(self, ids: torch.Tensor, num_ids: torch.Tensor | None = None) -> None:

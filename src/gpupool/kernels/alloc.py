@@ -123,52 +123,61 @@ def alloc_kernel(ps, pc: tl.constexpr, demands, num_demands, cap, out_blocks, ou
             used = tl.where(status_clear(ps.status), demand_sum(num_demands, cap, demands, 1024), 0)
             fill_minus_one(out_blocks, used, pc.N + 1, (pid - 1).to(tl.int64) * FILL, FILL)
     elif status_clear(ps.status):
-        offs = tl.arange(0, pc.BLOCK)
-        nd, nd_ok = checked_count(num_demands, cap)
-        free = tl.load(ps.ctrl + NUM_FREE)
-        total = tl.zeros([], tl.int64)
-        err = tl.where(nd_ok, 0, E_INVALID_ARG)
-        err_val = tl.where(nd_ok, 0, raw_count(num_demands, cap)).to(tl.int64)
-        tl.store(out_offsets, 0)
-        i = 0
-        while i < nd:
-            idx = i + offs
-            m = idx < nd
-            d = tl.load(demands + idx, mask=m, other=0)
-            cum = tl.cumsum(tl.maximum(d, 0).to(tl.int64), axis=0) + total
-            anyn, ni, nv = first_bad(m & (d < 0), idx, d)
-            anyo, oi, ov = first_bad(m & (cum > free), idx, cum)
-            new_err = (err == 0) & (anyn | anyo)
-            neg_first = ni < oi
-            err = tl.where(new_err, tl.where(neg_first, E_INVALID_COUNT, E_OUT_OF_BLOCKS), err)
-            err_val = tl.where(new_err, tl.where(neg_first, nv, ov), err_val)
-            tl.store(out_offsets + 1 + idx, cum.to(tl.int32), mask=m)
-            total += tl.sum(tl.maximum(d, 0).to(tl.int64), axis=0)
-            i += pc.BLOCK
-        if err == 0:
-            head = tl.load(ps.ctrl + HEAD)
-            new_head = ring_scan_pop(ps, pc, head, tl.load(ps.ctrl + TAIL), out_blocks, 0, total)
-            tl.debug_barrier()
-            if pc.EVENTS and pc.CACHING:
-                nk = claim_needs(ps, pc, out_blocks, 0, total)
-                full = tl.load(ps.ctrl + EV_COUNT) + nk > pc.EV_CAP
-                err = tl.where(full, E_BUFFER_FULL, err)
-                err_val = tl.where(full, nk, err_val)
-            if err == 0:
-                ev_pos, reuse_pos = claim_blocks(ps, pc, out_blocks, 0, total, tl.load(ps.ctrl + EV_COUNT),
-                                                 tl.load(ps.ctrl + REUSE_COUNT))
-                tl.debug_barrier()  # strict: orders the reads of EV_COUNT / REUSE_COUNT above before these stores
-                tl.store(ps.ctrl + EV_COUNT, ev_pos)
-                tl.store(ps.ctrl + REUSE_COUNT, reuse_pos)
-                tl.store(ps.ctrl + HEAD, new_head)
-                tl.store(ps.ctrl + NUM_FREE, free - total)
-        if err != 0:
-            set_status(ps.status, err, OP, err_val)
-            if FILL > 0:  # the other programs filled from the demands' sum on
+        err, total = alloc_batch(ps, pc, demands, num_demands, cap, out_blocks, out_offsets, OP)
+        if FILL > 0:
+            if err != 0:  # the other programs filled from the demands' sum on
                 i = 0
                 while i < tl.minimum(total, pc.N + 1):
                     fill_minus_one(out_blocks, 0, tl.minimum(total, pc.N + 1), i, pc.BLOCK)
                     i += pc.BLOCK
+
+
+@triton.jit
+def alloc_batch(ps, pc: tl.constexpr, demands, num_demands, cap, out_blocks, out_offsets, OP: tl.constexpr):
+    """Program 0's part of ``alloc_kernel`` (its docstring), the status word clear: the offsets, the
+    pops and their claims, or the error in the status word. Returns (error code, demands' sum)."""
+    offs = tl.arange(0, pc.BLOCK)
+    nd, nd_ok = checked_count(num_demands, cap)
+    free = tl.load(ps.ctrl + NUM_FREE)
+    total = tl.zeros([], tl.int64)
+    err = tl.where(nd_ok, 0, E_INVALID_ARG)
+    err_val = tl.where(nd_ok, 0, raw_count(num_demands, cap)).to(tl.int64)
+    tl.store(out_offsets, 0)
+    i = 0
+    while i < nd:
+        idx = i + offs
+        m = idx < nd
+        d = tl.load(demands + idx, mask=m, other=0)
+        cum = tl.cumsum(tl.maximum(d, 0).to(tl.int64), axis=0) + total
+        anyn, ni, nv = first_bad(m & (d < 0), idx, d)
+        anyo, oi, ov = first_bad(m & (cum > free), idx, cum)
+        new_err = (err == 0) & (anyn | anyo)
+        neg_first = ni < oi
+        err = tl.where(new_err, tl.where(neg_first, E_INVALID_COUNT, E_OUT_OF_BLOCKS), err)
+        err_val = tl.where(new_err, tl.where(neg_first, nv, ov), err_val)
+        tl.store(out_offsets + 1 + idx, cum.to(tl.int32), mask=m)
+        total += tl.sum(tl.maximum(d, 0).to(tl.int64), axis=0)
+        i += pc.BLOCK
+    if err == 0:
+        head = tl.load(ps.ctrl + HEAD)
+        new_head = ring_scan_pop(ps, pc, head, tl.load(ps.ctrl + TAIL), out_blocks, 0, total)
+        tl.debug_barrier()
+        if pc.EVENTS and pc.CACHING:
+            nk = claim_needs(ps, pc, out_blocks, 0, total)
+            full = tl.load(ps.ctrl + EV_COUNT) + nk > pc.EV_CAP
+            err = tl.where(full, E_BUFFER_FULL, err)
+            err_val = tl.where(full, nk, err_val)
+        if err == 0:
+            ev_pos, reuse_pos = claim_blocks(ps, pc, out_blocks, 0, total, tl.load(ps.ctrl + EV_COUNT),
+                                             tl.load(ps.ctrl + REUSE_COUNT))
+            tl.debug_barrier()  # strict: orders the reads of EV_COUNT / REUSE_COUNT above before these stores
+            tl.store(ps.ctrl + EV_COUNT, ev_pos)
+            tl.store(ps.ctrl + REUSE_COUNT, reuse_pos)
+            tl.store(ps.ctrl + HEAD, new_head)
+            tl.store(ps.ctrl + NUM_FREE, free - total)
+    if err != 0:
+        set_status(ps.status, err, OP, err_val)
+    return err, total
 
 
 FILL_PER_PROGRAM = 1024

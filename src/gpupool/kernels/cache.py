@@ -182,7 +182,13 @@ def launch_cache_full(ps, pc, ids, key_hi, key_lo, mask, p, *, op: int):
 
 @triton.jit
 def cache_blocks_kernel(ps, pc: tl.constexpr, ids, key_hi, key_lo, key_group, ntok, n, OP: tl.constexpr):
-    """Many ``cache_full_blocks`` calls in one launch, flattened (``BlockPool.cache_blocks_batched``):
+    """Many ``cache_full_blocks`` calls in one launch: :func:`cache_blocks_batch`."""
+    cache_blocks_batch(ps, pc, ids, key_hi, key_lo, key_group, ntok, n, OP)
+
+
+@triton.jit
+def cache_blocks_batch(ps, pc: tl.constexpr, ids, key_hi, key_lo, key_group, ntok, n, OP: tl.constexpr):
+    """Many ``cache_full_blocks`` calls, flattened (``BlockPool.cache_blocks_batched``):
     item ``i < n`` keys block ``ids[i]`` (``int32``; null: skipped) under ``(key_hi[i], key_lo[i],
     key_group[i])`` (``int64``) covering ``ntok[i]`` tokens (``int64``) as its only key (old keys
     dropped), insertion seqs in item order. No events: the host refuses a pool that records them.

@@ -247,6 +247,13 @@ def check_segments(seg_off, nseg, n, BLOCK: tl.constexpr):
 @triton.jit
 def release_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, seg_off, nseg, pf, seg_of, code, OP: tl.constexpr,
                    UNPIN: tl.constexpr):
+    """Batched ``free_blocks`` or one ``unpin_blocks``: :func:`release_batch`."""
+    release_batch(ps, pc, ids, num_ids, cap, seg_off, nseg, pf, seg_of, code, OP, UNPIN)
+
+
+@triton.jit
+def release_batch(ps, pc: tl.constexpr, ids, num_ids, cap, seg_off, nseg, pf, seg_of, code, OP: tl.constexpr,
+                  UNPIN: tl.constexpr):
     """Batched ``free_blocks`` (segments: ``seg_off: int32[nseg + 1]``) or one ``unpin_blocks``.
 
     Reads the first ``num_ids[0]`` (at most ``cap``) of ``ids: int32[cap]``; ``pf: int32[cap + 1]``
@@ -349,6 +356,12 @@ def touch_checked(ps, pc: tl.constexpr, ids, n):
 
 @triton.jit
 def touch_kernel(ps, pc: tl.constexpr, ids, num_ids, cap, OP: tl.constexpr):
+    """Batched ``touch``: :func:`touch_batch`."""
+    touch_batch(ps, pc, ids, num_ids, cap, OP)
+
+
+@triton.jit
+def touch_batch(ps, pc: tl.constexpr, ids, num_ids, cap, OP: tl.constexpr):
     """``touch`` of the first ``num_ids[0]`` (at most ``cap``) of ``ids: int32[cap]`` (order-free: one
     launch equals any sequence of touches). An out-of-range id or count sets the status word and
     changes nothing; the other blocks keep their queue order (tombstones)."""

@@ -20,10 +20,10 @@ deciding depend only on counts and on keys the host already knows:
 
 So ``get_new_blocks`` returns placeholder :class:`PendingBlock` proxies whose ``block_id`` is bound at
 the next synchronisation. ``get_new_blocks``, ``touch``, ``free_blocks`` and ``cache_full_blocks`` are
-gathered on the host into a batch, launched as one *flush* of gpupool's non-waiting batched ops in
-the order free, touch, pop, cache (``free_batched`` with a segment per call, ``touch_batched``,
-``allocate_batched`` with a demand per call, ``cache_blocks_batched``), placeholder ids gathered on
-the device from the ``allocate_batched`` output. A flush happens at a synchronisation, and before an
+gathered on the host into a batch, launched as one *flush*: ONE non-waiting ``apply_batched`` (one
+kernel: ``free_batched`` with a segment per call, ``touch_batched``, ``allocate_batched`` with a
+demand per call, ``cache_blocks_batched``, in that order), placeholder ids gathered on the device from
+its output. A flush happens at a synchronisation, and before an
 op the fixed order would move past one it must follow (:class:`_Batch`); a scheduler step is
 typically one flush, a decode step's pops and cachings for every running request included. One
 synchronisation (:meth:`DeferredBlockPool.sync`) is ONE device-to-host transfer: the placeholders'
@@ -65,8 +65,8 @@ _PREDICTED_SEQ = 1 << 62
 
 
 class _Batch:
-    """The device ops since the last launch, run as one flush in the order free, touch, pop, cache
-    (``DeferredBlockPool._flush``). The adapter flushes before an op that this order would move past
+    """The device ops since the last launch, run as one flush (one ``apply_batched``) in the order
+    free, touch, pop, cache (``DeferredBlockPool._flush``). The adapter flushes before an op that this order would move past
     one it must follow: a free or a touch after a pop, a free after a touch or of a block cached in
     the batch. Everything else commutes (docs/vllm.md, "The fast path"): a pop takes free blocks and
     a caching keys held ones."""
@@ -125,7 +125,7 @@ class DeferredBlockPool(BlockPool):
         self._pend_dev = None  # device: int32 ids of the placeholders of launched pops, in order
         self._pend_ref: list[int] = []  # reference backend: the same, on the host
         self._batch = _Batch()  # device backend: ops not launched yet
-        self.flushes = 0  # launches of a batch (each up to four kernels, no synchronisation)
+        self.flushes = 0  # launches of a batch (one apply_batched each, no synchronisation)
         self._watched = False  # unpin_blocks was called: pops run per call from then on
         if self.deferred:
             self._unkeyed = self._read_unkeyed_run()
@@ -326,25 +326,34 @@ class DeferredBlockPool(BlockPool):
             self._dev.free_blocks(self._ref_ids(slots))
 
     def _flush(self) -> None:
-        """Launch the batch: ``free_batched`` (every free call a segment), ``touch_batched``,
-        ``allocate_batched`` (every pop a demand; the placeholders' ids gathered from its output) and
-        ``cache_blocks_batched``, each only when it has work, none waiting."""
+        """Launch the batch as ONE ``apply_batched`` (free: every call a segment; touch; pop: every
+        call a demand; cache), not waiting; the placeholders of its pops get their ids from its
+        output, and a caching names them as ``num_blocks + k``."""
         b = self._batch
         if not b:
             return
         self._batch = _Batch()
         self.flushes += 1
-        dev = self._dev
-        if b.free:
-            dev.free_batched(self._device_ids(b.free), self._h2d(b.seg, torch.int32))
-        if b.touch:
-            dev.touch_batched(self._device_ids(b.touch))
+        k0 = 0 if self._pend_dev is None else self._pend_dev.numel()
+        ids = self._device_ids
+        blocks, _ = self._dev.apply_batched(
+            free_ids=ids(b.free) if b.free else None, free_offsets=self._h2d(b.seg, torch.int32),
+            touch_ids=ids(b.touch) if b.touch else None, demands=b.demands,
+            cache_ids=self._cache_ids(b.cache_slots, k0) if b.cache_calls else None, cache_calls=b.cache_calls)
         if b.demands:
-            blocks, _ = dev.allocate_batched(self._h2d(b.demands, torch.int32))
-            new = blocks[: sum(b.demands)]
-            self._pend_dev = new if self._pend_dev is None else torch.cat([self._pend_dev, new])
-        if b.cache_calls:
-            dev.cache_blocks_batched(self._device_ids(b.cache_slots), b.cache_calls)
+            self._pend_dev = blocks if self._pend_dev is None else torch.cat([self._pend_dev, blocks])
+
+    def _cache_ids(self, slots: list[int], k0: int) -> torch.Tensor:
+        """``int32[len(slots)]`` on the device for the flush's caching: known ids, launched
+        placeholders gathered, this flush's k-th pop as ``num_blocks + k`` (``apply_batched``)."""
+        n = self.num_gpu_blocks
+        if all(s < n + k0 for s in slots):
+            return self._device_ids(slots)
+        earlier = [s if s < n + k0 else 0 for s in slots]
+        t = self._device_ids(earlier) if any(s >= n for s in earlier) else None
+        mine = self._h2d([s - k0 if s >= n + k0 else -1 for s in slots], torch.int32)
+        base = self._h2d(earlier, torch.int32) if t is None else t
+        return torch.where(mine >= 0, mine, base)
 
     # ---- the synchronisation -----------------------------------------------------------------------
     def _unkeyed_run_dev(self) -> torch.Tensor:

@@ -1,0 +1,129 @@
+"""``gpupool.BlockPool.apply_batched``: ``free_batched``, ``touch_batched``, ``allocate_batched`` and
+``cache_blocks_batched`` in one launch (docs/semantics.md section 2, batched forms), against the
+reference pool making the single calls in that order.
+
+* differential (hypothesis): from a pool with held, keyed-free and un-keyed-free blocks, random parts
+  (frees of held blocks in segments, touches of free and held blocks, demands, cachings over held
+  blocks and over this call's own pops named ``num_blocks + k``): the same popped blocks and the same
+  whole state (free-queue order, ref counts, keys and token counts, lookups);
+* a part that fails records its error and the later parts do nothing (a double free: nothing at
+  all; a duplicate in the caching: the frees, touches and pops stay), as the single calls stopping
+  at the first error would;
+* host errors raise at the call with the pool unchanged.
+"""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpupool import BlockPool as DevicePool
+from gpupool.errors import DoubleFreeError, InvalidArgumentError, InvalidCountError
+from gpupool.reference import ReferenceBlockPool
+
+from pool_helpers import h, pool_state
+
+N = 24
+BS = 4
+
+
+def i32(xs):
+    return torch.tensor(xs, dtype=torch.int32)
+
+
+def setup():
+    """Both pools: 6 blocks keyed and freed (at the queue's back), 6 held (4 of them keyed)."""
+    ref, dev = ReferenceBlockPool(N), DevicePool(N, device="cpu")
+    for p in (ref, dev):
+        old = [int(b) for b in p.get_new_blocks(6)]
+        p.cache_full_blocks(old, [h(f"old{i}") for i in range(6)], 0, 6, BS, 0)
+        p.free_blocks(old[::-1])
+        held = [int(b) for b in p.get_new_blocks(6)]
+        p.cache_full_blocks(held, [h(f"held{i}") for i in range(6)], 0, 4, BS, 0)
+    assert pool_state(ref) == pool_state(dev)
+    return ref, dev, old, held
+
+
+def reference_apply(ref, segments, touches, demands, calls, cache_ids):
+    """The single calls in order; returns the popped blocks."""
+    for seg in segments:
+        ref.free_blocks(seg)
+    if touches:
+        ref.touch(touches)
+    popped = []
+    for d in demands:
+        popped += [int(b) for b in ref.get_new_blocks(d)]
+    ids = [popped[c - N] if c >= N else c for c in cache_ids]
+    pos = 0
+    for hs, nc, nf, bs, g in calls:
+        ref.cache_full_blocks([0] * nc + ids[pos:pos + nf - nc], hs, nc, nf, bs, g)
+        pos += nf - nc
+    return popped
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_one_launch_equals_the_single_calls(data):
+    ref, dev, old, held = setup()
+    nfree = data.draw(st.integers(0, 2), label="held blocks freed")
+    segments = [[b] for b in held[:nfree]]
+    touches = data.draw(st.lists(st.sampled_from(old + held[nfree:]), max_size=4), label="touches")
+    demands = data.draw(st.lists(st.integers(0, 3), max_size=3), label="demands")
+    total = sum(demands)
+    # cachings: an un-keyed held block (held[4:]) and this call's pops, each listed once
+    pool = [c for c in held[4:] if c not in held[:nfree]] + [N + k for k in range(total)]
+    chosen = data.draw(st.permutations(pool), label="order")[: data.draw(st.integers(0, len(pool)))]
+    calls, cache_ids = [], []
+    for j, c in enumerate(chosen):
+        calls.append(([h(f"new{j}-{i}") for i in range(2)], 1, 2, BS, 0))
+        cache_ids.append(c)
+    popped = reference_apply(ref, segments, touches, demands, calls, cache_ids)
+    flat = [b for seg in segments for b in seg]
+    offsets = [0]
+    for seg in segments:
+        offsets.append(offsets[-1] + len(seg))
+    blocks, offs = dev.apply_batched(free_ids=i32(flat) if segments else None, free_offsets=i32(offsets),
+                                     touch_ids=i32(touches) if touches else None, demands=demands,
+                                     cache_ids=i32(cache_ids) if calls else None, cache_calls=calls)
+    dev.check()
+    assert blocks.tolist() == popped
+    assert offs.tolist()[: len(demands) + 1] == [sum(demands[:k]) for k in range(len(demands) + 1)]
+    assert pool_state(dev) == pool_state(ref)
+    dev.validate()
+    for hs, *_ in calls:
+        a, b = ref.get_cached_block(hs[1], [0]), dev.get_cached_block(hs[1], [0])
+        assert (None if a is None else [int(x) for x in a]) == (None if b is None else [int(x) for x in b])
+
+
+def test_a_failing_part_stops_the_later_ones():
+    ref, dev, old, held = setup()
+    before = pool_state(dev)
+    # a double free in the free part: nothing at all
+    dev.apply_batched(free_ids=i32([held[0], held[0]]), free_offsets=i32([0, 2]), touch_ids=i32([old[0]]),
+                      demands=[2])
+    with pytest.raises(DoubleFreeError):
+        dev.check()
+    assert pool_state(dev) == before
+    # a block twice in the caching: the free, the touch and the pop stay, the caching does not
+    calls = [([h("x0"), h("x1")], 1, 2, BS, 0), ([h("y0"), h("y1")], 1, 2, BS, 0)]
+    dev.apply_batched(free_ids=i32([held[0]]), free_offsets=i32([0, 1]), touch_ids=i32([old[0]]), demands=[1],
+                      cache_ids=i32([N, N]), cache_calls=calls)
+    with pytest.raises(InvalidArgumentError):
+        dev.check()
+    reference_apply(ref, [[held[0]]], [old[0]], [1], [], [])
+    assert pool_state(dev) == pool_state(ref)
+    dev.validate()
+
+
+def test_host_errors_raise_at_the_call():
+    _, dev, old, held = setup()
+    before = pool_state(dev)
+    with pytest.raises(InvalidCountError):
+        dev.apply_batched(demands=[1, -1])
+    with pytest.raises(InvalidArgumentError):  # frees without their offsets
+        dev.apply_batched(free_ids=i32([held[0]]))
+    with pytest.raises(InvalidArgumentError):  # 1 id, a range of 2
+        dev.apply_batched(cache_ids=i32([held[4]]), cache_calls=[([h("a"), h("b")], 0, 2, BS, 0)])
+    with pytest.raises(InvalidArgumentError):
+        DevicePool(N, device="cpu", enable_kv_cache_events=True).apply_batched(demands=[1])
+    assert pool_state(dev) == before
+    dev.check()
