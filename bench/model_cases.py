@@ -43,6 +43,14 @@ Cases:
   hashes, all hits.
 * ``touch_4096``: ``touch_batched`` of 4,096 distinct cached free blocks chosen at random (they are
   unlinked from the middle of the free queue).
+* ``vllm_flush`` / ``vllm_per_call`` (B = ``--sizes``): the vLLM fast path's device work for a decode
+  step of B running requests (docs/vllm.md, "The fast path") on the warm pool: ``max(1, B // 128)``
+  finished requests of 32 held blocks each freed (tail first), ``B // 16`` requests crossing into a
+  new block (one pop each) and ``B // 16`` caching the block they filled (held, un-keyed: one block
+  each, ``cache_full_blocks`` of ``[k, k + 1)``). ``vllm_flush``: ONE ``apply_batched``, as the fast
+  path flushes it; ``vllm_per_call``: one launch per vLLM call (``free_batched`` per finished request,
+  ``allocate_batched`` per crossing one, ``cache_full_blocks_batched`` per filling one), as the fast
+  path launched before the flush. Compare the eager figures (the fast path launches eagerly).
 * ``replay`` (``--replay-requests``, default 1,000): ``replay_on_device`` of the bundled trace's first
   requests on a fresh ``BlockPool(16384)`` (the CLI's default model), recorded whole and compared
   with the reference pool's report. Its target is the eager figure (host round trips counted).
@@ -90,7 +98,8 @@ BLOCK_SIZE = 16
 MAX_BLOCKS_PER_REQ = 168
 SEED = 20240611
 WARM_CHUNK = 16_384
-CASES = ("decode_step", "decode_multi", "reserve", "alloc_4096x1", "alloc_64x64", "free_4096", "lookup_10000", "touch_4096", "replay")
+CASES = ("decode_step", "decode_multi", "reserve", "alloc_4096x1", "alloc_64x64", "free_4096", "lookup_10000", "touch_4096",
+         "replay", "vllm_flush", "vllm_per_call")
 COUNT_KINDS = ("ld", "at", "red", "scan", "bar", "br", "it")
 
 
@@ -490,6 +499,47 @@ def case_touch(gp, gc, args) -> dict:
     return summarize(gc, rec, "touch_4096", {"blocks": 4096, "cached_free": True}, build_s, record_s, {})
 
 
+def case_vllm(gp, gc, B: int, args, flush: bool) -> dict:
+    """``vllm_flush`` / ``vllm_per_call`` (module docstring)."""
+    import torch
+    pool, owner, build_s = warm_block_pool(gp)
+    t0 = time.perf_counter()
+    n_fin, n_cross, n_fill, per = max(1, B // 128), B // 16, B // 16, 32
+    out, _ = pool.allocate_batched(i32([per] * n_fin + [1] * n_fill))
+    held = out[: n_fin * per + n_fill].tolist()
+    fin = [held[k * per:(k + 1) * per][::-1] for k in range(n_fin)]  # each request tail first
+    fill = held[n_fin * per:]
+    hashes = Hashes("vllm")
+    calls = [(hashes.take(2), 1, 2, BLOCK_SIZE, 0) for _ in fill]  # block 1 of a request: [1, 2)
+    fin_ids = [i32(f) for f in fin]
+    fill_ids = [i32([0, b]) for b in fill]
+    one = i32([1])
+    pool.check()
+    free0 = pool.get_num_free_blocks()
+    build_s += time.perf_counter() - t0
+
+    def fused():
+        return pool.apply_batched(free_ids=i32([b for f in fin for b in f]),
+                                  free_offsets=i32(range(0, n_fin * per + 1, per)), demands=[1] * n_cross,
+                                  cache_ids=i32(fill), cache_calls=calls)
+
+    def per_call():
+        for ids in fin_ids:
+            pool.free_batched(ids, i32([0, per]))
+        for _ in range(n_cross):
+            pool.allocate_batched(one)
+        for ids, (hs, nc, nf, bs, g) in zip(fill_ids, calls):
+            pool.cache_full_blocks_batched(ids, hs, nc, nf, bs, g)
+
+    name = "vllm_flush" if flush else "vllm_per_call"
+    rec, _, record_s = record(gc, fused if flush else per_call, args.report, f"{name} B={B}", state=(pool.state,))
+    pool.check()
+    assert pool.get_num_free_blocks() == free0 + n_fin * per - n_cross
+    assert all(len(pool.block_keys(b)) == 1 for b in fill)
+    params = {"B": B, "finished": n_fin, "freed_blocks": n_fin * per, "popped": n_cross, "cached": n_fill}
+    return summarize(gc, rec, f"{name} B={B}", params, build_s, record_s, {})
+
+
 def case_replay(gp, gc, args) -> dict:
     """The device replay loop on the bundled trace's first ``--replay-requests`` requests (default
     pool and model settings), recorded whole: upload, launches, host syncs, the final digest."""
@@ -613,6 +663,8 @@ def main(argv=None) -> int:
             jobs.append((c, lambda: case_touch(gp, gc, args)))
         elif c == "replay":
             jobs.append((c, lambda: case_replay(gp, gc, args)))
+        elif c in ("vllm_flush", "vllm_per_call"):
+            jobs += [(f"{c} B={B}", lambda B=B, c=c: case_vllm(gp, gc, B, args, c == "vllm_flush")) for B in sizes]
     for name, job in jobs:
         print(f"[{time.strftime('%H:%M:%S')}] {name}: building and recording ...", file=sys.stderr, flush=True)
         r = job()

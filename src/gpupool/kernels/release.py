@@ -100,6 +100,18 @@ def reset_ids(ps, ids, n, N: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def to_front(ps, pc: tl.constexpr, b, m):
+    """Lanes ``m`` whose released block goes to the queue's front: an un-hashed block (reused first,
+    LIFO), every block with caching off; hashed ones go to the back (evicted LRU). vLLM 0.33's
+    ``free_blocks`` order (docs/semantics.md section 2)."""
+    if pc.CACHING:
+        front = m & (tl.load(ps.num_keys + b, mask=m, other=0) == 0)
+    else:
+        front = m
+    return front
+
+
+@triton.jit
 def release_flags(ps, pc: tl.constexpr, b, idx, m, TO_FRONT: tl.constexpr):
     """Per lane: (releases its block, to the front). A lane releases at its block's last occurrence
     when the count equals the ref count; to the front when the block has no key (or caching is off),
@@ -110,10 +122,7 @@ def release_flags(ps, pc: tl.constexpr, b, idx, m, TO_FRONT: tl.constexpr):
     last = m & (tl.load(ps.s_last + b, mask=m, other=-1) == idx)
     rel = last & (cnt == ref)
     if TO_FRONT:
-        if pc.CACHING:
-            front = rel & (tl.load(ps.num_keys + b, mask=m, other=0) == 0)
-        else:
-            front = rel
+        front = to_front(ps, pc, b, rel)
     else:
         front = rel & False
     return last, rel, front, cnt, ref

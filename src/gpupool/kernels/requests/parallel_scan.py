@@ -12,6 +12,7 @@ from ..common import first_index, lanes, ld
 from ..groups import num_skipped_blocks
 from ..keytable import key_home, lookup_blocks
 from ..layout import BIG, HEAD, TAIL
+from ..release import to_front
 from .rows import keys_of, row_of
 from .steps import get_num_blocks_to_allocate, max_cache_hit_length
 
@@ -104,11 +105,8 @@ def scan_tile(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, batch, k, m, LOOKU
             while t < most:  # the released blocks (usually none or one per request)
                 a = m & (lead + t < nskip)
                 b = tl.load(row + lead + t, mask=a, other=0)
-                bad = bad | (a & (ld(ps.ref_cnt + b, a) != 1))
-                if pc.CACHING:
-                    pre = pre | (a & (ld(ps.num_keys + b, a) == 0))
-                else:
-                    pre = pre | a
+                bad = bad | (a & (ld(ps.ref_cnt + b, a) != 1))  # shared: release_flags' count != ref
+                pre = pre | to_front(ps, pc, b, a)
                 t += 1
     return TileScan(r, nt, tg, nblk, nhash, cap, rel, bad, pre)
 
