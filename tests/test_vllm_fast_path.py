@@ -204,9 +204,11 @@ def test_cache_full_blocks_batched_equals_cache_full_blocks():
 
 def test_batch_flushes_where_the_order_requires():
     """The device backend's batch (fast_path._Batch) runs free, touch, pop, cache in that order, one
-    flush each: pops and cachings pile up in one batch; a free or a touch after a pop, a free after a
-    touch and a free of a block cached in the batch flush first. The sequence runs on the per-call
-    pool too: same ids, same final state; and the flush counts are the ones the rules give."""
+    flush each (``DeferredBlockPool._must_flush``): pops and cachings pile up in one batch, and so do
+    touches and frees of keyed blocks after pops that stayed in the queue's un-keyed front run; a free
+    of a block cached in the batch, and an un-keyed free block freed or touched after a pop, flush
+    first. The sequence runs on the per-call pool too: same ids, same final state; and the flush
+    counts are the ones the rules give."""
     pools = [DeferredBlockPool(16, True, BS, device="cpu"), BlockPool(16, True, BS, device="cpu")]
     got = []
     for p in pools:
@@ -228,22 +230,24 @@ def test_batch_flushes_where_the_order_requires():
         c = p.get_new_blocks(1)
         mark()  # 1: the touch and the pop join the free
         p.touch(hit[1:])
-        mark()  # 2: a touch after a pop
+        mark()  # 1: a touch of a keyed free block after a pop (of the un-keyed run): same batch
         p.free_blocks(d)
-        mark()  # 3: a free after a touch
+        mark()  # 2: an un-keyed block freed (to the front) after a pop
         e = p.get_new_blocks(1)
-        p.free_blocks(list(reversed(b)))
-        mark()  # 4: a free after a pop
+        p.free_blocks(b[:1])
+        mark()  # 2: a keyed block freed (to the back) after a pop: same batch
+        p.free_blocks(b[1:])
+        mark()  # 3: an un-keyed block freed after a pop
         ids = [x.block_id for x in a + b + d + hit + c + e]
-        mark()  # 5: the block_id read's synchronisation
+        mark()  # 4: the block_id read's synchronisation
         x = p.get_new_blocks(1)
-        ids.append(x[0].block_id)  # 6
+        ids.append(x[0].block_id)  # 5
         p.cache_full_blocks(rb, b[:1] + x, 1, 2, BS, 0)
         p.free_blocks(x)
-        mark()  # 7: a free of a block cached in the batch
+        mark()  # 6: a free of a block cached in the batch
         if isinstance(p, DeferredBlockPool):
-            p.sync()  # 8
-            assert flushes == [0, 1, 1, 2, 3, 4, 5, 7] and p.flushes == 8, (flushes, p.flushes)
+            p.sync()  # 7
+            assert flushes == [0, 1, 1, 1, 2, 2, 3, 4, 6] and p.flushes == 7, (flushes, p.flushes)
             p.device_pool.validate()
         got.append((ids, driver.snapshot(p)))
     assert got[0] == got[1]

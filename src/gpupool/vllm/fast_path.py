@@ -66,17 +66,18 @@ _PREDICTED_SEQ = 1 << 62
 
 class _Batch:
     """The device ops since the last launch, run as one flush (one ``apply_batched``) in the order
-    free, touch, pop, cache (``DeferredBlockPool._flush``). The adapter flushes before an op that this order would move past
-    one it must follow: a free or a touch after a pop, a free after a touch or of a block cached in
-    the batch. Everything else commutes (docs/vllm.md, "The fast path"): a pop takes free blocks and
-    a caching keys held ones."""
+    free, touch, pop, cache (``DeferredBlockPool._flush``). The adapter flushes first where this
+    order would move an op before one it must follow (``DeferredBlockPool._must_flush``); otherwise
+    the order commutes (docs/vllm.md, "The fast path"): a pop takes free blocks and a caching keys
+    held ones."""
 
-    __slots__ = ("free", "seg", "touch", "demands", "cache_slots", "cache_calls", "cached")
+    __slots__ = ("free", "seg", "touch", "touched", "demands", "cache_slots", "cache_calls", "cached")
 
     def __init__(self):
         self.free: list[int] = []  # slots, the free calls one after another
         self.seg = [0]  # free call j is free[seg[j]:seg[j + 1]]
         self.touch: list[int] = []
+        self.touched: set[int] = set()
         self.demands: list[int] = []  # get_new_blocks counts, in call order
         self.cache_slots: list[int] = []  # each caching call's range, one after another
         self.cache_calls: list[tuple] = []  # (block_hashes, num_cached, num_full, block_size, group)
@@ -221,13 +222,15 @@ class DeferredBlockPool(BlockPool):
         ref = self._ref
         if self._dirty and any(ref[s] == 0 for s in slots):
             self.sync("touch")  # a ref-0 block may have been taken by a pop since: read it
+        front = False  # an un-keyed free block touched: it sits in the queue's leading run
         for s in slots:
             if ref[s] == 0:
                 self._num_free -= 1
                 if not self._keys[s]:
                     self._unkeyed = max(self._unkeyed - 1, 0)
+                    front = True
             ref[s] += 1
-        self._launch("touch", slots)
+        self._launch("touch", slots, front)
 
     def free_blocks(self, ordered_blocks) -> None:
         """Release one reference per block, launched as ``free_batched``; a release below 0 is checked
@@ -246,14 +249,16 @@ class DeferredBlockPool(BlockPool):
         if any(ref[s] < c for s, c in need.items()):
             self.sync("op:free_blocks")
             return super().free_blocks(mine + others)
+        front = False
         for s in slots:
             ref[s] -= 1
             if ref[s] == 0:
                 self._num_free += 1
                 if not self._keys[s]:
                     self._unkeyed += 1  # un-keyed blocks go to the queue's front (docs/semantics.md)
+                    front = True
         if slots:
-            self._launch("free", slots)
+            self._launch("free", slots, front)
         if others:
             super().free_blocks(others)
 
@@ -306,17 +311,20 @@ class DeferredBlockPool(BlockPool):
             if s < self.num_gpu_blocks:
                 self._touched.add(s)
 
-    def _launch(self, kind: str, slots: list[int]) -> None:
+    def _launch(self, kind: str, slots: list[int], front: bool) -> None:
+        """Queue a touch or a free of ``slots`` (``front``: one of them is, or becomes, an un-keyed
+        free block, at the queue's front) in the batch, flushing it first where :meth:`_must_flush`."""
         for s in slots:
             if s < self.num_gpu_blocks:
                 self._touched.add(s)
         if self.backend == "device":
             b = self._batch
-            if b.demands or (kind == "free" and (b.touch or not b.cached.isdisjoint(slots))):
+            if self._must_flush(kind, slots, front):
                 self._flush()
                 b = self._batch
             if kind == "touch":
                 b.touch += slots
+                b.touched.update(slots)
             else:
                 b.free += slots
                 b.seg.append(len(b.free))
@@ -324,6 +332,22 @@ class DeferredBlockPool(BlockPool):
             self._dev.touch(self._ref_ids(slots))
         else:
             self._dev.free_blocks(self._ref_ids(slots))
+
+    def _must_flush(self, kind: str, slots: list[int], front: bool) -> bool:
+        """Whether a touch or free of ``slots`` must wait for the batch to launch, its fixed order
+        (free, touch, pop, cache) moving it before an op it follows (docs/vllm.md, "The fast path"):
+        a free of a block the batch touches or caches; past the batch's pops, an op on a block they
+        took (its id is not known before the launch) or one with ``front``. Otherwise it commutes with
+        the pops: a block freed to the queue's back is never among the first n blocks that a pop of
+        n takes; a touched free block is keyed, and the pops took only blocks of the queue's leading
+        un-keyed run (``touch`` synchronises first when a pop went past it: the mirror dirty)."""
+        b = self._batch
+        if kind == "free" and not (b.cached.isdisjoint(slots) and b.touched.isdisjoint(slots)):
+            return True
+        if not b.demands:
+            return False
+        mine = self.num_gpu_blocks + (0 if self._pend_dev is None else self._pend_dev.numel())
+        return front or any(s >= mine for s in slots)
 
     def _flush(self) -> None:
         """Launch the batch as ONE ``apply_batched`` (free: every call a segment; touch; pop: every
