@@ -66,25 +66,18 @@ from gpupool.errors import (  # noqa: E402
 )
 from gpupool.keys import device_key  # noqa: E402
 
-from pool_helpers import assert_lookups_agree, assert_pools_agree, h, ints, pool_state, reuse_callbacks  # noqa: E402
+from harness.compare import assert_pools_agree  # noqa: E402
+from harness.device import DEVICE, i32, i64  # noqa: E402
+from harness.keys import h  # noqa: E402
+from harness.sizes import pow2_at_least  # noqa: E402
+from harness.state import ints, pool_state  # noqa: E402
+from harness.twins import pool_twin  # noqa: E402
+from harness.watchers import reuse_callbacks  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CTRL_COMPACTIONS = Ctrl.COMPACTIONS
 UNIVERSE = [h(f"fault{i}") for i in range(12)]  # small: keys repeat, collide and get promoted
 ANY = object()  # "do not check the offending value"
 BIG_BS = 1 << 12  # a block size whose token counts exceed every count the generators create
-
-
-def pow2_at_least(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def i32(values) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int32, device=DEVICE)
-
-
-def i64(values) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int64, device=DEVICE)
 
 
 # =================================================================================================
@@ -177,10 +170,8 @@ class Pair:
 
     def __init__(self, n, *, caching=True, events=False, mk=4, ring=None, chunks=None, log=None):
         self.n, self.mk, self.caching, self.events = n, mk, caching, events
-        self.ref = ReferenceBlockPool(n, enable_caching=caching, enable_kv_cache_events=events,
-                                      max_keys_per_block=mk)
-        self.dev = BlockPool(n, enable_caching=caching, enable_kv_cache_events=events, max_keys_per_block=mk,
-                             device=DEVICE, ring_capacity=ring, num_chunks=chunks)
+        self.ref, self.dev = pool_twin(n, enable_caching=caching, enable_kv_cache_events=events,
+                                       max_keys_per_block=mk, ring_capacity=ring, num_chunks=chunks)
         self.table_cap = None if chunks is None else 16 * chunks
         self.fired = {"ref": [], "dev": []}
         self.used: set[bytes] = set()
@@ -227,16 +218,9 @@ class Pair:
     # ---- comparing ---------------------------------------------------------------------------------
     def compare(self, full: bool = True) -> None:
         """Observable state, events and watcher firings equal; with ``full`` also ``validate()`` of
-        both, usage and a lookup of every hash used so far in groups 0 and 1."""
-        ref, dev = self.ref, self.dev
-        assert_pools_agree(ref, dev, self.fired, self.where())
-        if not full:
-            return
-        ref.validate()
-        dev.validate()
-        assert dev.get_usage() == pytest.approx(ref.get_usage())
-        if self.used:
-            assert_lookups_agree(ref, dev, self.used, self.where())
+        both, usage and a lookup of every hash used so far in groups 0 and 1
+        (harness.compare.assert_pools_agree)."""
+        assert_pools_agree(self.ref, self.dev, self.fired, self.where(), full=full, used=self.used)
 
     # ---- an op expected to fail ------------------------------------------------------------------
     def expect_fail(self, desc, op, exc, ref_fn, dev_fn, value=ANY, full=True) -> None:

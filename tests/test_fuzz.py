@@ -36,7 +36,10 @@ from gpupool.errors import PoolError
 from gpupool.graph import DecodeStep
 from gpupool.keys import device_key
 from gpupool.manager import KVCacheManager
-from pool_helpers import assert_consistent, h, pool_state, raw_state, same_raw_state, sized
+from harness.compare import assert_consistent
+from harness.keys import h
+from harness.sizes import sized
+from harness.state import pool_state, raw_state, same_raw_state
 
 EXAMPLES = int(os.environ.get("GPUPOOL_FUZZ_EXAMPLES") or sized(4, 2))  # per op; dev: 2, ci: 4
 LONG_EXAMPLES = int(os.environ.get("GPUPOOL_FUZZ_LONG") or 0)

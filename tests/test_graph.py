@@ -11,20 +11,32 @@ import torch
 from gpupool.errors import InvalidArgumentError
 from gpupool.graph import DecodeStep
 from gpupool.manager import KVCacheManager
-from gpupool.reference import ReferenceKVCacheManager
-from pool_helpers import fill_step as fill, h, pool_state, sized
+from harness.compare import assert_managers_agree
+from harness.keys import h
+from harness.ops import fill_step as fill
+from harness.sizes import sized
+from harness.state import pool_state
+from harness.twins import manager_twin
 
 BS = 4
 
 
-def make(cls, groups=("full",), n=48, **kw):
-    return cls(n, block_size=BS, max_num_reqs=6, max_blocks_per_req=16, groups=groups, **kw)
+CONFIG = dict(block_size=BS, max_num_reqs=6, max_blocks_per_req=16)
+
+
+def make(groups=("full",), n=48, **kw) -> KVCacheManager:
+    return KVCacheManager(n, groups=groups, **CONFIG, **kw)
+
+
+def twin(groups=("full",), n=48, **kw):
+    """A reference and a device manager with this file's configuration (harness.twins.manager_twin)."""
+    return manager_twin(n, groups=groups, **CONFIG, **kw)
 
 
 def drive(step_fn, ref, dev, steps, seed, dev_manager):
     """Random decode traffic: requests join (prefill through allocate_slots), decode one token per
-    step through the DecodeStep, and finish; after each step the two managers must agree (KV events
-    too). Returns the number of KV events seen."""
+    step through the DecodeStep, and finish; after each step the two managers must agree on the
+    whole state (harness.compare.assert_managers_agree: tables, counters, pool, KV events, validate). Returns the number of KV events seen."""
     rng = random.Random(seed)
     tokens: dict[int, int] = {}
     num_events = 0
@@ -67,17 +79,12 @@ def drive(step_fn, ref, dev, steps, seed, dev_manager):
                 ref.free([r])
                 dev_manager.free([r])
                 del tokens[r]
-        for g in range(len(ref.groups)):
-            assert dev_manager.rows(g) == ref.block_table(g), step
         expect = [ref.slot_mapping([r], [tokens_r - 1])[0] for r, tokens_r, ok in
                   zip(decoding, [tokens.get(r, 1) for r in decoding], ref_adm) if ok]
         got = [s for s, ok in zip(dev.slot_mapping[: len(decoding)].tolist(), ref_adm) if ok]
         assert got == expect, step
-        assert pool_state(dev_manager.pool) == pool_state(ref.pool), step
-        ev = dev_manager.pool.take_events()
-        assert ev == ref.pool.take_events(), step  # [] with events off
+        ev = assert_managers_agree(ref, dev_manager, where=f"step {step}")  # events: [] with events off
         num_events += len(ev)
-    dev_manager.pool.validate()
     return num_events
 
 
@@ -87,7 +94,7 @@ def test_eager_decode_step_equals_reference(groups, events):
     """Full groups only (``ManagerConfig.SW`` off: no window passes) and with a window; KV events
     off (no event layout) and on (every event row compared)."""
     kw = {"enable_kv_cache_events": events}
-    ref, dev_m = make(ReferenceKVCacheManager, groups, **kw), make(KVCacheManager, groups, **kw)
+    ref, dev_m = twin(groups, **kw)
     step = DecodeStep(dev_m, max_batch=6)
 
     def run(decoding, ntok, finished):
@@ -99,7 +106,7 @@ def test_eager_decode_step_equals_reference(groups, events):
 
 
 def test_decode_step_error_changes_nothing_and_is_raised_at_check():
-    dev_m = make(KVCacheManager)
+    dev_m = make()
     dev_m.add_request(0, [h(1)])
     dev_m.allocate_slots([0], [5], [5], [1])
     step = DecodeStep(dev_m, max_batch=2)
@@ -118,7 +125,7 @@ def test_decode_step_error_changes_nothing_and_is_raised_at_check():
 def test_capture_needs_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the graph tests below run instead")
-    step = DecodeStep(make(KVCacheManager), max_batch=2)
+    step = DecodeStep(make(), max_batch=2)
     with pytest.raises(InvalidArgumentError):
         step.capture()
 
@@ -126,7 +133,7 @@ def test_capture_needs_cuda():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_captured_decode_step_replays_like_the_reference_for_1000_steps():
-    ref, dev_m = make(ReferenceKVCacheManager, n=256), make(KVCacheManager, n=256, device="cuda")
+    ref, dev_m = twin(n=256, device="cuda")
     step = DecodeStep(dev_m, max_batch=6)
     step.capture()
 

@@ -20,7 +20,10 @@ from gpupool import BlockPool, ReferenceBlockPool
 from gpupool.errors import ArgumentTypeError, BufferFullError, InvalidArgumentError, PoolError
 from gpupool.events import BlockStored
 from gpupool.kernels.layout import Ctrl
-from pool_helpers import assert_consistent, h, pool_state, run_in_threads
+from harness.compare import assert_consistent
+from harness.keys import h
+from harness.ops import run_in_threads
+from harness.state import pool_state
 
 POOLS = [ReferenceBlockPool, BlockPool]
 POOL_IDS = ["reference", "device"]

@@ -18,9 +18,10 @@ from gpupool.graph import DecodeStep
 from gpupool.kernels.layout import Ctrl
 from gpupool.manager import KVCacheManager
 from gpupool.reference import ReferenceKVCacheManager
-from pool_helpers import (
-    assert_consistent, fill_step as fill, h, pool_state, raw_state, run_in_threads, same_raw_state,
-)
+from harness.compare import assert_consistent
+from harness.keys import h
+from harness.ops import fill_step as fill, run_in_threads
+from harness.state import pool_state, raw_state, same_raw_state
 
 BS = 4
 SW = ("sliding_window", 8)

@@ -20,7 +20,8 @@ from hypothesis.control import currently_in_test_context
 from gpupool.errors import InvalidArgumentError, InvalidCountError, OutOfBlocksError
 from gpupool.events import BlockRemoved
 from gpupool.graph import DecodeStep
-from pool_helpers import call_both, fill_step, pool_state
+from harness.ops import call_both, fill_step
+from harness.state import pool_state
 from test_manager import (
     GROUP_KINDS, HASH, OPS as MANAGER_OPS, Pair, add, admitted_norm, alloc, append_hashes, draw_batch, free_both, i32,
     note, op_add, rare,

@@ -32,8 +32,9 @@ from collections import Counter  # noqa: E402
 
 import pytest  # noqa: E402
 
+from harness.sizes import pow2_at_least  # noqa: E402
 from test_faults import (  # noqa: E402
-    CTRL_COMPACTIONS, UNIVERSE, Pair, RandChooser, VALID, pow2_at_least, step, total_keys,
+    CTRL_COMPACTIONS, UNIVERSE, Pair, RandChooser, VALID, step, total_keys,
 )
 
 DEFAULT_OPS = 800  # per configuration; the two configurations take about 50 s on two cores

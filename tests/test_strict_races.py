@@ -16,6 +16,9 @@ from gpupool.replay import TraceRequest, replay
 from gpupool.replay.device import replay_on_device
 from strict import Checker
 
+from harness.compare import assert_pools_agree, assert_replays_agree
+from harness.twins import pool_twin
+
 import test_manager as tm
 
 KERNELS = pathlib.Path(gpupool.kernels.__file__).resolve().parent
@@ -91,8 +94,7 @@ def replay_scenario():
     pool = BlockPool(16)
     dev = replay_on_device(pool, TRACE, block_size=4, tpot_ms=1.0)
     pool.validate()
-    for f in ("admitted", "rejected", "hit_blocks", "free_queue_sha256", "waited", "peak_blocks_in_use"):
-        assert getattr(ref, f) == getattr(dev, f), f
+    assert_replays_agree(ref, dev)
 
 
 @pytest.fixture
@@ -134,7 +136,8 @@ def test_a_block_listed_in_two_tiles_is_benign_and_matches_the_reference(op):
     two threads with no barrier between, each the same value, so the order does not matter. The
     checker sees them (marked ``# strict: benign``), nothing unmarked, and both pools agree; the
     failing free (a double free past the tile) takes the recount path, ``reset_ids`` over the batch."""
-    pools = [BlockPool(16, device="cpu"), ReferenceBlockPool(16)]  # tiles of 16 lanes
+    ref, dev = pool_twin(16, device="cpu")  # tiles of 16 lanes
+    pools = [dev, ref]
     for p in pools:
         p.get_new_blocks(15)
         p.touch([1] * 19)  # block 1 held 20 times
@@ -152,5 +155,4 @@ def test_a_block_listed_in_two_tiles_is_benign_and_matches_the_reference(op):
     assert ("WAW", "reset_ids") in flagged, flagged  # the pattern is there, and marked
     if op == "unpin_blocks":
         assert ("WAW", "release_kernel") in flagged, flagged
-    from pool_helpers import pool_state
-    assert pool_state(pools[0]) == pool_state(pools[1])
+    assert_pools_agree(ref, dev)

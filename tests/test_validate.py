@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpupool import BlockPool, InvariantError
-from pool_helpers import h
+from harness.keys import h
 
 
 def busy_pool():
