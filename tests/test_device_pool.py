@@ -17,6 +17,10 @@ of the first failing call.
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET).
 The default hypothesis profile keeps this file to a couple of minutes on two CPU cores;
 ``GPUPOOL_HYPOTHESIS_PROFILE=deep`` runs many more examples.
+
+The side-by-side comparison is :func:`harness.compare.assert_pools_agree` (plus the host-side layout
+check, ``harness.compare.host_check_layout``); scenario tests follow the property tests, and at the
+end, watchers as per-block flags (many ``unpin_blocks`` calls).
 """
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ from gpupool.errors import (  # noqa: E402
 )
 from gpupool.keys import device_key  # noqa: E402
 
-from harness.compare import assert_pools_agree  # noqa: E402
+from harness.compare import assert_consistent, assert_pools_agree  # noqa: E402
 from harness.device import DEVICE, i32, i64  # noqa: E402
 from harness.keys import h  # noqa: E402
 from harness.ops import call_both  # noqa: E402
@@ -1181,3 +1185,20 @@ def test_device_errors_name_the_same_block_as_the_reference(case):
     assert dev.value == ref.value, (str(ref), str(dev))
     named = _named_block(str(dev))
     assert named is not None and int(named) == ref.value, (str(ref), str(dev))
+
+
+# =================================================================================================
+# Watchers are flags
+# =================================================================================================
+
+@pytest.mark.slow
+def test_unpin_many_watchers():
+    """Watchers are flags, not counted ids: many unpin calls keep working."""
+    p = BlockPool(4)
+    fired = []
+    for _ in range(50):
+        b = p.get_new_blocks(1)
+        p.unpin_blocks(b, fired.append)
+    assert p.num_watchers() <= 3
+    assert_consistent(p)
+

@@ -15,13 +15,14 @@ from gpupool.replay.trace import TraceError
 from gpupool.replay.device import replay_on_device
 from harness.compare import assert_replays_agree
 from harness.sizes import sized
+from harness.twins import pool_twin
 
 
 def both(trace, num_blocks, block_size=4, tpot_ms=1.0, points=3, launches=2, **pool_kw):
     """Reference and device replays of ``trace``; the device loop stops every ``points`` time points
     and syncs every ``launches`` launches, so resuming from saved state is exercised too."""
-    ref = replay(ReferenceBlockPool(num_blocks), trace, block_size=block_size, tpot_ms=tpot_ms)
-    pool = BlockPool(num_blocks, **pool_kw)
+    ref_pool, pool = pool_twin(num_blocks, **pool_kw)
+    ref = replay(ref_pool, trace, block_size=block_size, tpot_ms=tpot_ms)
     dev = replay_on_device(pool, trace, block_size=block_size, tpot_ms=tpot_ms, time_points_per_launch=points,
                            launches_per_sync=launches)
     pool.validate()

@@ -2,7 +2,11 @@
 differential test drives op for op (docs/semantics.md: the reference is the oracle)."""
 from __future__ import annotations
 
+from gpupool import BlockPool, ReferenceBlockPool
 from harness.device import DEVICE
+
+POOLS = [ReferenceBlockPool, BlockPool]  # for tests parametrized over both pools
+POOL_IDS = ["reference", "device"]
 
 
 def pool_twin(num_blocks: int, *, ring_capacity: int | None = None, num_chunks: int | None = None,
@@ -10,8 +14,6 @@ def pool_twin(num_blocks: int, *, ring_capacity: int | None = None, num_chunks: 
     """``(ReferenceBlockPool, BlockPool)`` with the same ``config`` (``enable_caching``,
     ``enable_kv_cache_events``, ``max_keys_per_block``, ...); ``ring_capacity``, ``num_chunks`` and
     ``device`` size the device pool only (the reference has no ring or key table)."""
-    from gpupool import BlockPool, ReferenceBlockPool
-
     return (ReferenceBlockPool(num_blocks, **config),
             BlockPool(num_blocks, **config, device=device, ring_capacity=ring_capacity, num_chunks=num_chunks))
 

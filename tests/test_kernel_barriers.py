@@ -1,7 +1,10 @@
-"""The three races the first hazard run found (fixed in 7f4ccec, ../shared/hazards-first-run.md rows
-1-3): with each ``# strict: orders ...`` barrier removed from a fresh copy of its kernel module, the
-strict checker flags the race under ``detect`` and a real scenario (device against the reference)
-goes wrong under ``stale`` (the two RAWs) or ``lag`` (the WAR); with the barrier, it does not."""
+"""The kernels' barriers and benign-race marks, under the strict checker (tests/strict/; README,
+"Strict mode"; docs/design.md, "Without a GPU"). The three races the first hazard run found
+(fixed in 7f4ccec, ../shared/hazards-first-run.md rows 1-3): with each ``# strict: orders ...``
+barrier removed from a fresh copy of its kernel module, the strict checker flags the race under
+``detect`` and a real scenario (device against the reference) goes wrong under ``stale`` (the two
+RAWs) or ``lag`` (the WAR); with the barrier, it does not. And a block listed in two tiles of one
+release: the checker sees the ``# strict: benign`` stores and both pools agree."""
 import importlib.util
 import pathlib
 import re
@@ -11,7 +14,6 @@ import pytest
 import gpupool.kernels
 import gpupool.kernels.requests.exact
 import gpupool.replay.device
-from gpupool import BlockPool, ReferenceBlockPool
 from gpupool.replay import TraceRequest, replay
 from gpupool.replay.device import replay_on_device
 from strict import Checker
@@ -19,7 +21,7 @@ from strict import Checker
 from harness.compare import assert_pools_agree, assert_replays_agree
 from harness.twins import pool_twin
 
-import test_manager as tm
+import test_kv_cache_manager as tm
 
 KERNELS = pathlib.Path(gpupool.kernels.__file__).resolve().parent
 
@@ -90,8 +92,8 @@ TRACE = [TraceRequest(0, 9, 2, (1, 2, 3)), TraceRequest(0, 5, 1, (4, 5)), TraceR
 
 
 def replay_scenario():
-    ref = replay(ReferenceBlockPool(16), TRACE, block_size=4, tpot_ms=1.0)
-    pool = BlockPool(16)
+    ref_pool, pool = pool_twin(16)
+    ref = replay(ref_pool, TRACE, block_size=4, tpot_ms=1.0)
     dev = replay_on_device(pool, TRACE, block_size=4, tpot_ms=1.0)
     pool.validate()
     assert_replays_agree(ref, dev)

@@ -19,7 +19,7 @@ from harness.ops import fill_step as fill
 from harness.sizes import sized
 from harness.state import pool_state
 from harness.twins import manager_twin
-from test_graph import LaunchCounter
+from test_decode_step import LaunchCounter
 
 BS = 4
 R = 6

@@ -24,7 +24,9 @@ Deterministic tests cover ``get_computed_blocks``, ``slot_mapping`` against the 
 word of the batched ops, and stop_on_failure with preemption. The tests at the end pin the defects
 these tests found once (BlockStored parents after a leading null block, tensor slots with events,
 slots not in use, copies chained through the queue, unchecked get_computed_blocks slots, partial
-keys past max_keys_per_block), now fixed.
+keys past max_keys_per_block), now fixed; the last ones show that a recorded error (the sticky
+status word) loses nothing: pending copies stay pending, ``free(list)`` changes nothing until it
+succeeds.
 
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET);
 the default hypothesis profile keeps this file near a minute on two CPU cores.
@@ -40,8 +42,6 @@ if "TRITON_INTERPRET" not in os.environ:  # normally done by tests/conftest.py
     if not _torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
-import hashlib  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -50,23 +50,23 @@ from hypothesis.control import currently_in_test_context  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from gpupool.errors import (  # noqa: E402
-    InvalidArgumentError, InvalidCountError,
+    InvalidArgumentError, InvalidCountError, PoolError,
 )
 from gpupool.graph import DecodeStep  # noqa: E402
-from harness.ops import call_both, fill_step  # noqa: E402
 from harness.compare import assert_managers_agree  # noqa: E402
 from harness.device import DEVICE, i32  # noqa: E402
-from harness.state import ints, manager_state  # noqa: E402
+from harness.keys import h  # noqa: E402
+from harness.ops import call_both, fail_a_batched_op, fill_step  # noqa: E402
+from harness.state import ints, manager_snapshot, manager_state, raw_state, same_raw_state  # noqa: E402
 from harness.strategies import draw_batch, note, rare  # noqa: E402
-from harness.twins import manager_twin  # noqa: E402
+from harness.twins import SW, manager_twin, small_manager  # noqa: E402
 
 
 # =================================================================================================
 # Hashes and small helpers
 # =================================================================================================
 
-def H(i) -> bytes:
-    return hashlib.sha256(str(i).encode()).digest()
+H = h  # a test key's block hash
 
 
 # Request chains (one hash id per hash block) are a template's prefix plus a random tail: prefixes are
@@ -637,9 +637,6 @@ def alloc(p: Pair, slots, nts, tgs, lks=None, sof=True):
                 lambda: p.dev.allocate_slots(slots, nts, tgs, lks, stop_on_failure=sof), admitted_norm)
 
 
-SW = ("sliding_window", 8)
-
-
 @pytest.mark.parametrize("groups", [("full",), ("full", "full"), ("full", SW)], ids=["full", "full+full", "full+sw"])
 def test_get_computed_blocks_agree(groups):
     """Shared prefixes, a repeated hash (one block hit twice), every num_tokens cap, any slot order."""
@@ -900,3 +897,47 @@ def test_partial_key_that_does_not_fit_is_skipped():
     assert alloc(p, [0], [12], [12]) == [True]
     assert alloc(p, [0], [8], [40]) == [True]
     p.compare()
+
+
+# ---- a recorded error (the sticky status word) loses nothing ------------------------------------
+
+def test_run_pending_copies_keeps_copies_past_a_recorded_error():
+    m = small_manager()
+    m.add_request(0, [h(1)])
+    m.allocate_slots([0], [4], [4], [1])
+    m.pool.check()
+    src = m.rows(0)[0][0]
+    m.add_request(1, [])
+    m.allocate_slots([1], [1], [1])
+    m.cow_append(1, [src])
+    fail_a_batched_op(m)
+    with pytest.raises(PoolError):
+        m.run_pending_copies([])
+    assert int(m.num_copies[0]) == 1
+    m.validate()
+    assert m.run_pending_copies([]) == 1
+    m.free([0, 1])
+    assert m.pool.get_num_free_blocks() == 31
+    m.validate()
+
+
+def test_free_list_after_a_recorded_error_keeps_the_slot():
+    """``free(list)`` while an error is recorded raises it and changes nothing on host or device; the
+    slot is then freed and reused normally."""
+    m = small_manager()
+    m.add_request(0, [h(1)])
+    m.allocate_slots([0], [4], [4], [1])
+    m.pool.check()
+    before = manager_snapshot(m)
+    fail_a_batched_op(m)
+    raw = raw_state(m.pool, m)
+    with pytest.raises(PoolError):
+        m.free([0])
+    assert same_raw_state(raw, raw_state(m.pool, m)) == []
+    assert manager_snapshot(m) == before
+    m.free([0])
+    m.add_request(0, [h(2)])
+    m.allocate_slots([0], [4], [4], [1])
+    m.pool.check()
+    m.validate()
+
