@@ -15,11 +15,11 @@ from gpupool.graph import DecodeStep
 from gpupool.manager import KVCacheManager
 from harness.compare import assert_managers_agree
 from harness.keys import h
+from harness.launches import LaunchCounter
 from harness.ops import fill_step as fill
 from harness.sizes import sized
 from harness.state import pool_state
 from harness.twins import manager_twin
-from test_decode_step import LaunchCounter
 
 BS = 4
 R = 6

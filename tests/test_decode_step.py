@@ -20,6 +20,7 @@ from gpupool.graph import DecodeStep
 from gpupool.manager import KVCacheManager
 from harness.compare import assert_managers_agree
 from harness.keys import h
+from harness.launches import LaunchCounter
 from harness.device import cpu_i32
 from harness.ops import fail_a_batched_op, fill_step as fill
 from harness.sizes import sized
@@ -154,43 +155,6 @@ def test_captured_decode_step_replays_like_the_reference_for_1000_steps():
             torch.cuda.set_sync_debug_mode("default")
 
     drive(run, ref, step, steps=1000, seed=9, dev_manager=dev_m)
-
-
-class LaunchCounter:
-    """Counts Triton launches (interpreter) and host reads of device tensors inside the block."""
-
-    SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__")
-
-    def __enter__(self):
-        import triton.runtime.interpreter as interp
-
-        self.launches = self.syncs = 0
-        self._cls = interp.InterpretedFunction
-        self._getitem = self._cls.__getitem__
-        counter = self
-
-        def getitem(fn, grid):
-            counter.launches += 1
-            return counter._getitem(fn, grid)
-
-        self._cls.__getitem__ = getitem
-        self._saved = {}
-        for name in self.SYNC_METHODS:
-            orig = getattr(torch.Tensor, name)
-            self._saved[name] = orig
-
-            def wrapped(t, *a, _orig=orig, **kw):
-                counter.syncs += 1
-                return _orig(t, *a, **kw)
-
-            setattr(torch.Tensor, name, wrapped)
-        return self
-
-    def __exit__(self, *exc):
-        self._cls.__getitem__ = self._getitem
-        for name, orig in self._saved.items():
-            setattr(torch.Tensor, name, orig)
-        return False
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts interpreter launches")

@@ -6,10 +6,12 @@
 * :mod:`harness.state`: a pool's / manager's observable state through the conformance surface, and raw
   device-tensor snapshots;
 * :mod:`harness.compare`: the one whole-state comparison of a reference and a device pool / manager;
-* :mod:`harness.twins`: a reference and a device pool / manager built with one configuration;
+* :mod:`harness.twins`: a reference and a device pool / manager built with one configuration, and the
+  small manager of the single-scenario tests;
 * :mod:`harness.ops`: running ops (on both sides, expected to fail, request admission, decode steps,
   threads);
 * :mod:`harness.watchers`: reuse-watcher callbacks that log what fired;
+* :mod:`harness.launches`: counting Triton launches and host syncs in a block of code;
 * :mod:`harness.strategies`: hypothesis draws shared by several test files.
 
 Import from the module (``from harness.compare import assert_pools_agree``); this file exports nothing.
