@@ -1,11 +1,14 @@
 """``gpupool.kernels.copy_blocks``: all pending block copies of all layers in one launch, against torch
-indexing (``cache[dst] = cache[src]`` per layer, every copy reading the pre-copy contents), bitwise."""
+indexing (``cache[dst] = cache[src]`` per layer, every copy reading the pre-copy contents), bitwise;
+the unchecked path (``check=False``, the captured decode step's) skips an out-of-range pair instead of
+touching memory outside the caches."""
 import pytest
 import torch
 
 from gpupool.errors import InvalidArgumentError
 from gpupool.kernels import copy_blocks as cb
 from gpupool.kernels.copy_blocks import copy_blocks
+from harness.device import cpu_i32
 
 I32 = torch.int32
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
@@ -202,3 +205,23 @@ def test_tiles_loop_and_layer_split_past_the_grid_limit(monkeypatch):
     src, dst = _ids(0, 5), _ids(3, 1)
     copy_blocks(caches, src, dst)
     assert_copied(caches, before, src, dst, 2)
+
+
+# ---- the unchecked path of the captured step ---------------------------------------------------
+
+def test_unchecked_copy_blocks_never_touches_memory_outside_the_caches():
+    """``copy_blocks(check=False)`` (the captured step's path) skips a pair with an id outside the
+    caches instead of reading or writing past them; the valid pairs are copied."""
+    from gpupool.kernels.copy_blocks import copy_blocks
+
+    big = torch.arange(12 * 8, dtype=torch.float32).reshape(12, 8)
+    layer, guard = big[:4], big[4:].clone()
+    src, dst = cpu_i32([1, 2, -1, 3]), cpu_i32([6, 3, 0, 0])  # 1 -> 6 and -1 -> 0: out of range; 3 -> 0 valid
+    want = layer.clone()
+    want[0] = layer[3]
+    copy_blocks([layer], src[[0, 2, 3]].contiguous(), dst[[0, 2, 3]].contiguous(), check=False)
+    assert torch.equal(big[4:], guard)
+    assert torch.equal(layer, want)
+    copy_blocks([layer], cpu_i32([2**31 - 1]), cpu_i32([1]), num_copies=cpu_i32([1]), check=False)
+    assert torch.equal(big[4:], guard) and torch.equal(layer, want)
+

@@ -15,7 +15,10 @@ from gpupool.kernels.common import forced_warps
 from gpupool.errors import OutOfBlocksError
 from gpupool.replay import load_trace, replay
 from gpupool.replay.device import replay_on_device
-from pool_helpers import h, pool_state
+from harness.compare import assert_pools_agree, assert_replays_agree
+from harness.keys import h
+from harness.state import pool_state
+from harness.twins import pool_twin
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEV = "cuda"
@@ -32,8 +35,7 @@ def random_run(seed, num_warps=None, n=64, steps=150):
         with forced_warps(num_warps):
             return random_run(seed, None, n, steps)
     rng = random.Random(seed)
-    dev = BlockPool(n, max_keys_per_block=2, device=DEV, ring_capacity=64)
-    ref = ReferenceBlockPool(n, max_keys_per_block=2)
+    ref, dev = pool_twin(n, max_keys_per_block=2, device=DEV, ring_capacity=64)
     held: list[int] = []
     for _ in range(steps):
         op = rng.random()
@@ -69,8 +71,7 @@ def random_run(seed, num_warps=None, n=64, steps=150):
             ref.evict_blocks(ids)
             dev.evict_blocks(ids)
         assert dev.free_queue() == ref.free_queue()
-    dev.validate()
-    assert pool_state(dev) == pool_state(ref)
+    assert_pools_agree(ref, dev)
     return dev, ref
 
 
@@ -174,4 +175,4 @@ def test_replay_full_trace_matches_reference_on_cuda():
     trace = load_trace()
     ref = replay(ReferenceBlockPool(16384), trace)
     dev = replay_on_device(BlockPool(16384, device=DEV), trace)
-    assert (dev.hit_blocks, dev.free_queue_sha256) == (ref.hit_blocks, ref.free_queue_sha256)
+    assert_replays_agree(ref, dev)

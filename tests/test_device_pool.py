@@ -17,6 +17,10 @@ of the first failing call.
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET).
 The default hypothesis profile keeps this file to a couple of minutes on two CPU cores;
 ``GPUPOOL_HYPOTHESIS_PROFILE=deep`` runs many more examples.
+
+The side-by-side comparison is :func:`harness.compare.assert_pools_agree` (plus the host-side layout
+check, ``harness.compare.host_check_layout``); scenario tests follow the property tests, and at the
+end, watchers as per-block flags (many ``unpin_blocks`` calls).
 """
 from __future__ import annotations
 
@@ -28,53 +32,37 @@ if "TRITON_INTERPRET" not in os.environ:  # normally done by tests/conftest.py
     if not _torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
-import hashlib  # noqa: E402
 import random  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import event as _event  # noqa: E402
-from hypothesis import note as _note  # noqa: E402
 from hypothesis.control import currently_in_test_context  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from gpupool import BlockPool, ReferenceBlockPool  # noqa
+from gpupool import BlockPool  # noqa: E402
 from gpupool.kernels.layout import Ctrl  # noqa: E402
 from gpupool.errors import (  # noqa: E402
     DoubleFreeError, InvalidArgumentError, InvalidBlockIdError, InvalidCountError, OutOfBlocksError, PoolError,
 )
 from gpupool.keys import device_key  # noqa: E402
 
-from pool_helpers import (  # noqa: E402
-    assert_lookups_agree, assert_pools_agree, call_both, ints, pool_state, reuse_callbacks, sized,
-)
+from harness.compare import assert_consistent, assert_pools_agree  # noqa: E402
+from harness.device import DEVICE, i32, i64  # noqa: E402
+from harness.keys import h  # noqa: E402
+from harness.ops import call_both  # noqa: E402
+from harness.sizes import pow2_at_least, sized  # noqa: E402
+from harness.strategies import note  # noqa: E402
+from harness.twins import pool_twin  # noqa: E402
+from harness.state import ints, pool_state  # noqa: E402
+from harness.watchers import reuse_callbacks  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-CTRL_HEAD, CTRL_TAIL, CTRL_COMPACTIONS = Ctrl.HEAD, Ctrl.TAIL, Ctrl.COMPACTIONS
+CTRL_HEAD, CTRL_COMPACTIONS = Ctrl.HEAD, Ctrl.COMPACTIONS
 BS = 16
 NUM_HASHES = 10  # the hash universe: small, so keys collide, repeat and get promoted
-
-
-def H(i) -> bytes:
-    return hashlib.sha256(str(i).encode()).digest()
-
-
+H = h
 HASHES = [H(i) for i in range(NUM_HASHES)]
-
-
-def i32(values) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int32, device=DEVICE)
-
-
-def i64(values) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int64, device=DEVICE)
-
-
-def note(msg: str) -> None:
-    """hypothesis' ``note`` inside a hypothesis test, nothing in a plain one."""
-    if currently_in_test_context():
-        _note(msg)
 
 
 def event(desc: str, err) -> None:
@@ -83,66 +71,10 @@ def event(desc: str, err) -> None:
         _event(f"{desc.split('(')[0]}: {type(err).__name__ if err is not None else 'ok'}")
 
 
-def pow2_at_least(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
 # How often compare() runs the device pool's own validate() (a kernel: ~40 ms in the interpreter);
-# the host-side layout check below runs after every op. Every op under the deep profile.
+# the host-side layout check (harness.compare.host_check_layout) runs after every op. Every op
+# under the deep profile.
 DEVICE_VALIDATE_EVERY = 1 if os.environ.get("GPUPOOL_HYPOTHESIS_PROFILE") == "deep" else 4
-BIG = 2**31 - 1
-
-
-def host_check_layout(pool) -> None:
-    """An independent host-side check of the device layout (docs/algorithms.md sections 1 and 4), read
-    from the tensors: ring R1-R5, key rows against table words, overflow counts along every probe
-    path, the kernels' scratch back at its idle values, the status word clear and the event /
-    reuse buffers drained (the caller has called an inspection method first)."""
-    s = pool.state
-    n, mk, c, nch = pool.num_blocks, pool.max_keys_per_block, pool.config.C, pool.config.NCHUNK
-    ctrl = s.ctrl.tolist()
-    head, tail, num_free = ctrl[CTRL_HEAD], ctrl[CTRL_TAIL], ctrl[2]
-    assert s.status.tolist()[0] == 0, "status word left set"
-    assert ctrl[4] == 0 and ctrl[5] == 0, f"event / reuse counts not drained: {ctrl[4]}, {ctrl[5]}"
-    ring, qslot, ref = s.ring.tolist(), s.qslot.tolist(), s.ref_cnt.tolist()
-    assert 0 <= tail - head <= c, f"R1: window [{head}, {tail}) vs capacity {c}"
-    live = 0
-    for p in range(head, tail):
-        v = ring[p & (c - 1)]
-        if v == -1:
-            continue
-        assert 0 < v < n and qslot[v] == (p & (c - 1)), f"R2: slot {p & (c - 1)} holds {v}"
-        live += 1
-    assert live == num_free, f"R4: num_free {num_free} != live slots {live}"
-    assert qslot[0] == -1
-    for b in range(1, n):
-        assert ref[b] >= 0
-        assert (qslot[b] != -1) == (ref[b] == 0), f"R3: block {b} qslot {qslot[b]} ref {ref[b]}"
-        if qslot[b] != -1:
-            assert ((qslot[b] - head) & (c - 1)) < tail - head, f"R5: block {b} slot outside the window"
-    assert s.s_cnt.tolist() == [0] * n, "scratch s_cnt not reset"
-    assert s.s_last.tolist() == [-1] * n, "scratch s_last not reset"
-    assert s.s_first.tolist() == [BIG] * n, "scratch s_first not reset"
-    nk, ntok = s.num_keys.tolist(), s.hash_ntok.tolist()
-    keys, table, overflow = s.keys.tolist(), s.table.tolist(), s.overflow.tolist()
-    assert nk[0] == 0
-    seen = set()
-    expect_overflow = [0] * nch
-    for b in range(n):
-        assert 0 <= nk[b] <= mk
-        assert (nk[b] > 0) == (ntok[b] >= 0), f"block {b}: {nk[b]} keys, hash_num_tokens {ntok[b]}"
-        for j in range(nk[b]):
-            hi, lo, grp, _seq, slot = keys[b * mk + j]
-            e = b * mk + j
-            assert 0 <= slot < nch * 16 and table[slot] & 0xFFFFFFFF == e + 1, f"block {b} key {j}: slot {slot}"
-            assert table[slot] >> 32 == (hi >> 32) & 0x7FFFFFFF, f"block {b} key {j}: tag"
-            seen.add(slot)
-            home = (lo ^ (grp * 0x9E3779B1)) & (nch - 1)
-            for d in range(((slot // 16) - home) & (nch - 1)):
-                expect_overflow[(home + d) & (nch - 1)] += 1
-    occupied = sum(1 for w in table[: nch * 16] if w != 0)
-    assert occupied == len(seen), f"table holds {occupied} words, key rows {len(seen)}"
-    assert overflow == expect_overflow, f"overflow counts {overflow} != probe paths {expect_overflow}"
 
 
 # =================================================================================================
@@ -154,10 +86,8 @@ class Pair:
 
     def __init__(self, n, *, caching=True, events=False, mk=4, ring=None, chunks=None, check_lookups=True):
         self.n = n
-        self.ref = ReferenceBlockPool(n, enable_caching=caching, enable_kv_cache_events=events,
-                                      max_keys_per_block=mk)
-        self.dev = BlockPool(n, enable_caching=caching, enable_kv_cache_events=events, max_keys_per_block=mk,
-                             device=DEVICE, ring_capacity=ring, num_chunks=chunks)
+        self.ref, self.dev = pool_twin(n, enable_caching=caching, enable_kv_cache_events=events,
+                                       max_keys_per_block=mk, ring_capacity=ring, num_chunks=chunks)
         self.fired = {"ref": [], "dev": []}
         self.used: set[bytes] = set()  # every hash handed to a caching op so far
         self.check_lookups = check_lookups
@@ -176,16 +106,12 @@ class Pair:
         return "after ops:\n  " + "\n  ".join(self.ops[-12:])
 
     def compare(self) -> None:
-        ref, dev = self.ref, self.dev
-        assert_pools_agree(ref, dev, self.fired, self.where())
-        ref.validate()
-        host_check_layout(dev)
+        """The whole state (harness.compare.assert_pools_agree) plus the host-side layout check; the
+        device's validate() every DEVICE_VALIDATE_EVERY compares; lookups when ``check_lookups``."""
         self.compares += 1
-        if self.compares % DEVICE_VALIDATE_EVERY == 0:
-            dev.validate()
-        assert dev.get_usage() == pytest.approx(ref.get_usage())
-        if self.check_lookups and self.used:
-            assert_lookups_agree(ref, dev, self.used, self.where())
+        assert_pools_agree(self.ref, self.dev, self.fired, self.where(), layout=True,
+                           dev_validate=self.compares % DEVICE_VALIDATE_EVERY == 0,
+                           used=self.used if self.check_lookups else None)
 
     def snapshot(self):
         return pool_state(self.ref)
@@ -1245,8 +1171,7 @@ def test_device_errors_name_the_same_block_as_the_reference(case):
     reference pool's message does (same class, same block id), and changes nothing."""
     setup, fail = _BAD_INPUTS[case]
     errs = []
-    for make in (ReferenceBlockPool, BlockPool):
-        pool = make(16, enable_caching=True, max_keys_per_block=1)
+    for pool in pool_twin(16, enable_caching=True, max_keys_per_block=1):
         setup(pool)
         before = _pool_state(pool)
         with pytest.raises(PoolError) as e:
@@ -1260,3 +1185,20 @@ def test_device_errors_name_the_same_block_as_the_reference(case):
     assert dev.value == ref.value, (str(ref), str(dev))
     named = _named_block(str(dev))
     assert named is not None and int(named) == ref.value, (str(ref), str(dev))
+
+
+# =================================================================================================
+# Watchers are flags
+# =================================================================================================
+
+@pytest.mark.slow
+def test_unpin_many_watchers():
+    """Watchers are flags, not counted ids: many unpin calls keep working."""
+    p = BlockPool(4)
+    fired = []
+    for _ in range(50):
+        b = p.get_new_blocks(1)
+        p.unpin_blocks(b, fired.append)
+    assert p.num_watchers() <= 3
+    assert_consistent(p)
+

@@ -39,7 +39,7 @@ def test_differential_tests_pass_after_importing_triton_first():
     """The decode step's differential test (two groups, KV events on, against the reference manager)
     in a process that imported triton before gpupool."""
     p = _run("import sys, triton, triton.language, pytest\n"
-             "sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', 'tests/test_graph.py::"
+             "sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', 'tests/test_decode_step.py::"
              "test_eager_decode_step_equals_reference[groups1-events]']))\n")
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     assert "1 passed" in p.stdout

@@ -17,10 +17,12 @@ from gpupool.errors import (
 )
 from gpupool.events import AllBlocksCleared, BlockRemoved, BlockStored
 
-from pool_helpers import (
-    BLOCK_SIZE, WatcherLog, admit, assert_consistent, expect_error, free_request, h, hashes, lookup,
-    pool_state, request_hashes, state_digest,
-)
+from harness.compare import assert_consistent
+from harness.keys import h, hashes, request_hashes
+from harness.ops import admit, expect_error, free_request
+from harness.sizes import BLOCK_SIZE
+from harness.state import lookup, pool_state, state_digest
+from harness.watchers import WatcherLog
 
 BS = BLOCK_SIZE
 

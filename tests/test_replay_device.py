@@ -13,26 +13,20 @@ from gpupool import BlockPool, ReferenceBlockPool, cli
 from gpupool.replay import TraceRequest, load_trace, replay
 from gpupool.replay.trace import TraceError
 from gpupool.replay.device import replay_on_device
-from pool_helpers import sized
-
-FIELDS = ("requests", "admitted", "rejected", "prompt_blocks", "hit_blocks", "free_queue_sha256", "waited",
-          "peak_blocks_in_use", "time_points")
+from harness.compare import assert_replays_agree
+from harness.sizes import sized
+from harness.twins import pool_twin
 
 
 def both(trace, num_blocks, block_size=4, tpot_ms=1.0, points=3, launches=2, **pool_kw):
     """Reference and device replays of ``trace``; the device loop stops every ``points`` time points
     and syncs every ``launches`` launches, so resuming from saved state is exercised too."""
-    ref = replay(ReferenceBlockPool(num_blocks), trace, block_size=block_size, tpot_ms=tpot_ms)
-    pool = BlockPool(num_blocks, **pool_kw)
+    ref_pool, pool = pool_twin(num_blocks, **pool_kw)
+    ref = replay(ref_pool, trace, block_size=block_size, tpot_ms=tpot_ms)
     dev = replay_on_device(pool, trace, block_size=block_size, tpot_ms=tpot_ms, time_points_per_launch=points,
                            launches_per_sync=launches)
     pool.validate()
     return ref, dev
-
-
-def assert_same(ref, dev):
-    for f in FIELDS:
-        assert getattr(ref, f) == getattr(dev, f), f
 
 
 def test_hand_made_trace_with_hits_waits_and_a_rejection():
@@ -45,7 +39,7 @@ def test_hand_made_trace_with_hits_waits_and_a_rejection():
     ]
     ref, dev = both(trace, 10)
     assert ref.rejected == 1 and ref.hit_blocks > 0 and ref.waited > 0
-    assert_same(ref, dev)
+    assert_replays_agree(ref, dev)
     assert dev.pool == "BlockPool (device loop)" and dev.end_time_ms == ref.end_time_ms
 
 
@@ -64,7 +58,7 @@ def test_random_traces_match_the_reference(data):
     kw = {"ring_capacity": 1 << max(1, (n - 1).bit_length())} if small_ring else {}
     tpot = data.draw(st.sampled_from([0.0, 0.5, 1.0, 0.1]), label="tpot_ms")  # 0.1: inexact float sums
     ref, dev = both(trace, n, tpot_ms=tpot, points=data.draw(st.integers(1, 8)), **kw)
-    assert_same(ref, dev)
+    assert_replays_agree(ref, dev)
     assert dev.end_time_ms == ref.end_time_ms
 
 
@@ -73,7 +67,7 @@ def test_bundled_trace_prefix_on_a_small_pool_matches():
     trace = load_trace(limit=60)
     ref, dev = both(trace, 300, block_size=512, tpot_ms=20.0)
     assert ref.waited > 0  # the pool is small enough to make requests wait
-    assert_same(ref, dev)
+    assert_replays_agree(ref, dev)
 
 
 def test_zero_output_and_zero_tpot_finish_at_their_admission_time():
@@ -81,7 +75,7 @@ def test_zero_output_and_zero_tpot_finish_at_their_admission_time():
     trace = [TraceRequest(0, 8, 0, (1, 2)), TraceRequest(0, 8, 3, (1, 2)), TraceRequest(0, 9, 0, (1, 2, 3))]
     for tpot in (1.0, 0.0):
         ref, dev = both(trace, 8, tpot_ms=tpot)
-        assert_same(ref, dev)
+        assert_replays_agree(ref, dev)
         assert ref.hit_blocks > 0
 
 
@@ -92,7 +86,7 @@ def test_equal_timestamps_and_heavy_eviction():
              for t in range(40)]
     ref, dev = both(trace, 9, points=1, launches=1)
     assert ref.waited > 0 and ref.hit_blocks > 0
-    assert_same(ref, dev)
+    assert_replays_agree(ref, dev)
 
 
 def test_one_launch_runs_the_whole_trace():
@@ -148,4 +142,4 @@ def test_a_request_too_large_for_int32_is_rejected_on_both():
     trace = [TraceRequest(0.0, 2**40, 0, ()), TraceRequest(1.0, 8, 1, (1, 2))]
     ref, dev = both(trace, 8)
     assert ref.rejected == dev.rejected == 1
-    assert_same(ref, dev)
+    assert_replays_agree(ref, dev)

@@ -4,7 +4,7 @@ request's next tokens as a count held against the free blocks (nothing popped, n
 from it first while the other requests' admissions see ``num_free - reserved``.
 
 Hand-written scenarios pin exact behaviour on the reference and the device manager side by side
-(the ``Pair`` harness of tests/test_manager.py compares the whole state after every op: block
+(the ``Pair`` harness of tests/test_kv_cache_manager.py compares the whole state after every op: block
 tables, counters, reservations, pending copies, free queue, ref counts, keys, events); a hypothesis
 workload mixes reservations with every manager op, decode steps and bursts (``DecodeStep(steps=K)``).
 """
@@ -20,10 +20,12 @@ from hypothesis.control import currently_in_test_context
 from gpupool.errors import InvalidArgumentError, InvalidCountError, OutOfBlocksError
 from gpupool.events import BlockRemoved
 from gpupool.graph import DecodeStep
-from pool_helpers import call_both, fill_step, pool_state
-from test_manager import (
-    GROUP_KINDS, HASH, OPS as MANAGER_OPS, Pair, add, admitted_norm, alloc, append_hashes, draw_batch, free_both, i32,
-    note, op_add, rare,
+from harness.device import i32
+from harness.ops import call_both, fill_step
+from harness.state import pool_state
+from harness.strategies import draw_batch, note, rare
+from test_kv_cache_manager import (
+    GROUP_KINDS, HASH, OPS as MANAGER_OPS, Pair, add, admitted_norm, alloc, append_hashes, free_both, op_add,
 )
 
 

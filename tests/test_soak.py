@@ -1,7 +1,7 @@
 """Long-run soak of the device pool against the reference pool (docs/semantics.md sections 1-3).
 
 A seeded random run of thousands of ops, valid and invalid mixed (every fault kind of
-``tests/test_faults.py``, single and batched, with the sticky status word), on small device pools
+``tests/test_errors.py``, single and batched, with the sticky status word), on small device pools
 built to reach the rare paths:
 
 * ``ring_capacity`` = the smallest power of two >= ``num_blocks``: touch / free cycles fill the ring
@@ -32,8 +32,9 @@ from collections import Counter  # noqa: E402
 
 import pytest  # noqa: E402
 
-from test_faults import (  # noqa: E402
-    CTRL_COMPACTIONS, UNIVERSE, Pair, RandChooser, VALID, pow2_at_least, step, total_keys,
+from harness.sizes import pow2_at_least  # noqa: E402
+from test_errors import (  # noqa: E402
+    CTRL_COMPACTIONS, UNIVERSE, Pair, RandChooser, VALID, step, total_keys,
 )
 
 DEFAULT_OPS = 800  # per configuration; the two configurations take about 50 s on two cores

@@ -1,11 +1,16 @@
 """``validate()`` of the device pool reports each kind of corruption (docs/semantics.md section 1 invariants,
-docs/algorithms.md ring and key-table invariants); a healthy pool passes."""
+docs/algorithms.md ring and key-table invariants); a healthy pool passes. ``validate()`` of both
+managers checks every block's ref count against its references from the block tables and the pending
+copies, with any number of KV-cache groups (README, "Errors")."""
 from __future__ import annotations
 
 import pytest
 
 from gpupool import BlockPool, InvariantError
-from pool_helpers import h
+from gpupool.manager import KVCacheManager
+from gpupool.reference import ReferenceKVCacheManager
+from harness.keys import h
+from harness.twins import SMALL_GROUP_IDS, SMALL_GROUPS, small_manager
 
 
 def busy_pool():
@@ -79,3 +84,31 @@ def test_healthy_pool_after_many_ops_validates():
     p.evict_blocks([a[2]])
     p.get_new_blocks(5)
     p.validate()
+
+
+# ---- both managers: every ref count against the block tables and pending copies -----------------
+
+@pytest.mark.parametrize("cls", [ReferenceKVCacheManager, KVCacheManager], ids=["reference", "device"])
+@pytest.mark.parametrize("groups", SMALL_GROUPS, ids=SMALL_GROUP_IDS)
+def test_validate_sees_a_leaked_reference(groups, cls):
+    """validate() of both managers works with any number of groups and checks every block's ref count
+    against its references from block tables and pending copies."""
+    m = small_manager(cls, groups=groups)
+    m.add_request(0, [h(1), h(2)])
+    m.add_request(1, [h(1), h(3)])
+    m.allocate_slots([0, 1], [9, 9], [9, 9], [1, 1])
+    m.validate()
+    m.cow_move(0, 0)
+    m.validate()
+    leaked = m.block_table(0)[0][0] if cls is ReferenceKVCacheManager else m.rows(0)[0][0]
+    m.pool.touch([leaked])  # a reference no table or copy holds
+    with pytest.raises(InvariantError):
+        m.validate()
+    m.pool.free_blocks([leaked])
+    m.validate()
+    extra = int(m.pool.get_new_blocks(1)[0])  # a block held by no one
+    with pytest.raises(InvariantError):
+        m.validate()
+    m.pool.free_blocks([extra])
+    m.validate()
+

@@ -32,7 +32,7 @@ zmq = pytest.importorskip("zmq", reason="gpupool[vllm] needs pyzmq (pip install 
 import gpupool  # noqa: E402
 from gpupool import events as gp_events  # noqa: E402
 from gpupool.vllm import KVEventBatch, ZmqEventPublisher, to_vllm_events  # noqa: E402
-from pool_helpers import hashes  # noqa: E402
+from harness.keys import hashes  # noqa: E402
 
 SDIST_URL = ("https://files.pythonhosted.org/packages/f7/25/aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/"
              "vllm-0.33.0.tar.gz")

@@ -1,7 +1,10 @@
-"""The three races the first hazard run found (fixed in 7f4ccec, ../shared/hazards-first-run.md rows
-1-3): with each ``# strict: orders ...`` barrier removed from a fresh copy of its kernel module, the
-strict checker flags the race under ``detect`` and a real scenario (device against the reference)
-goes wrong under ``stale`` (the two RAWs) or ``lag`` (the WAR); with the barrier, it does not."""
+"""The kernels' barriers and benign-race marks, under the strict checker (tests/strict/; README,
+"Strict mode"; docs/design.md, "Without a GPU"). The three races the first hazard run found
+(fixed in 7f4ccec, ../shared/hazards-first-run.md rows 1-3): with each ``# strict: orders ...``
+barrier removed from a fresh copy of its kernel module, the strict checker flags the race under
+``detect`` and a real scenario (device against the reference) goes wrong under ``stale`` (the two
+RAWs) or ``lag`` (the WAR); with the barrier, it does not. And a block listed in two tiles of one
+release: the checker sees the ``# strict: benign`` stores and both pools agree."""
 import importlib.util
 import pathlib
 import re
@@ -11,12 +14,14 @@ import pytest
 import gpupool.kernels
 import gpupool.kernels.requests.exact
 import gpupool.replay.device
-from gpupool import BlockPool, ReferenceBlockPool
 from gpupool.replay import TraceRequest, replay
 from gpupool.replay.device import replay_on_device
 from strict import Checker
 
-import test_manager as tm
+from harness.compare import assert_pools_agree, assert_replays_agree
+from harness.twins import pool_twin
+
+import test_kv_cache_manager as tm
 
 KERNELS = pathlib.Path(gpupool.kernels.__file__).resolve().parent
 
@@ -87,12 +92,11 @@ TRACE = [TraceRequest(0, 9, 2, (1, 2, 3)), TraceRequest(0, 5, 1, (4, 5)), TraceR
 
 
 def replay_scenario():
-    ref = replay(ReferenceBlockPool(16), TRACE, block_size=4, tpot_ms=1.0)
-    pool = BlockPool(16)
+    ref_pool, pool = pool_twin(16)
+    ref = replay(ref_pool, TRACE, block_size=4, tpot_ms=1.0)
     dev = replay_on_device(pool, TRACE, block_size=4, tpot_ms=1.0)
     pool.validate()
-    for f in ("admitted", "rejected", "hit_blocks", "free_queue_sha256", "waited", "peak_blocks_in_use"):
-        assert getattr(ref, f) == getattr(dev, f), f
+    assert_replays_agree(ref, dev)
 
 
 @pytest.fixture
@@ -134,7 +138,8 @@ def test_a_block_listed_in_two_tiles_is_benign_and_matches_the_reference(op):
     two threads with no barrier between, each the same value, so the order does not matter. The
     checker sees them (marked ``# strict: benign``), nothing unmarked, and both pools agree; the
     failing free (a double free past the tile) takes the recount path, ``reset_ids`` over the batch."""
-    pools = [BlockPool(16, device="cpu"), ReferenceBlockPool(16)]  # tiles of 16 lanes
+    ref, dev = pool_twin(16, device="cpu")  # tiles of 16 lanes
+    pools = [dev, ref]
     for p in pools:
         p.get_new_blocks(15)
         p.touch([1] * 19)  # block 1 held 20 times
@@ -152,5 +157,4 @@ def test_a_block_listed_in_two_tiles_is_benign_and_matches_the_reference(op):
     assert ("WAW", "reset_ids") in flagged, flagged  # the pattern is there, and marked
     if op == "unpin_blocks":
         assert ("WAW", "release_kernel") in flagged, flagged
-    from pool_helpers import pool_state
-    assert pool_state(pools[0]) == pool_state(pools[1])
+    assert_pools_agree(ref, dev)

@@ -1,14 +1,14 @@
 """The request-parallel ``allocate_slots`` (kernels/requests/parallel.py): hand-written batches that take
 the parallel path, and one per fallback reason, each compared with ``ReferenceKVCacheManager`` on the
 whole state (rows, counters, free-queue order, ref counts, keys, events) by the side-by-side harness
-of ``test_manager.py``; the device's path counters say which path ran. The random differential tests
-(``test_manager.py``) drive both paths too."""
+of ``test_kv_cache_manager.py``; the device's path counters say which path ran. The random differential tests
+(``test_kv_cache_manager.py``) drive both paths too."""
 from __future__ import annotations
 
 import pytest
 
 from gpupool.kernels.requests.parallel import Fallback
-from test_manager import HASH, Pair, add, alloc, small_pair
+from test_kv_cache_manager import HASH, Pair, add, alloc, small_pair
 
 
 def stats(p: Pair) -> tuple[int, int, list[int]]:

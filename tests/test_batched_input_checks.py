@@ -1,4 +1,4 @@
-"""Garbage into every device input of every batched op (issue #11, "Done when").
+"""The batched ops' input checks: garbage into every device input, and hand-written bad inputs.
 
 Each batched op of :class:`gpupool.BlockPool` (``allocate_batched``, ``free_batched``,
 ``touch_batched``, ``lookup_batched``, ``longest_prefix_batched``) and of
@@ -21,6 +21,11 @@ must give the error. Default: a few examples per op (``GPUPOOL_FUZZ_EXAMPLES``, 
 default run stays short (about 30 s on two cores); ``test_fuzz_long`` (``@slow``, skipped unless
 ``GPUPOOL_FUZZ_LONG=<examples per op>`` is set: 40 per op take about ten minutes on two cores) runs
 the large one.
+
+Hand-written cases at the end: a chain length past its array and group ids out of range read on the
+device (``longest_prefix_batched``), empty count tensors, output buffers shorter than the batch, ids
+or flags that a dtype would narrow, bad ``slot_mapping`` slots and positions: each a typed error
+(raised on the host, or at ``check()``) that changes nothing.
 """
 from __future__ import annotations
 
@@ -32,11 +37,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpupool import BlockPool
-from gpupool.errors import PoolError
+from gpupool.errors import InvalidArgumentError, PoolError
 from gpupool.graph import DecodeStep
 from gpupool.keys import device_key
 from gpupool.manager import KVCacheManager
-from pool_helpers import assert_consistent, h, pool_state, raw_state, same_raw_state, sized
+from harness.compare import assert_consistent
+from harness.device import cpu_i32
+from harness.keys import h
+from harness.sizes import sized
+from harness.state import manager_snapshot, pool_state, raw_state, same_raw_state
+from harness.twins import small_manager
 
 EXAMPLES = int(os.environ.get("GPUPOOL_FUZZ_EXAMPLES") or sized(4, 2))  # per op; dev: 2, ci: 4
 LONG_EXAMPLES = int(os.environ.get("GPUPOOL_FUZZ_LONG") or 0)
@@ -303,3 +313,122 @@ def test_fuzz(op, data):
 @given(data=st.data())
 def test_fuzz_long(op, data):
     OPS[op](data)
+
+
+# =================================================================================================
+# Host-side checks of the batched ops' device inputs and outputs: lengths and group ids read on the
+# device, empty count tensors, short output buffers, narrowing dtypes, slot_mapping's slots / positions
+# =================================================================================================
+
+def test_longest_prefix_length_past_its_array():
+    """The issue's repro: a length past the chain (100000 for L = 2) reads nothing past the buffers and
+    records a typed error; the pool is unchanged."""
+    p = BlockPool(16)
+    before = pool_state(p)
+    k = torch.zeros((2, 1, 2), dtype=torch.int64)
+    hits, blocks, zero_ref = p.longest_prefix_batched(k, k, cpu_i32([0]), cpu_i32([0, 100000]))
+    with pytest.raises(InvalidArgumentError):
+        p.check()
+    assert hits.tolist() == [0, 0] and zero_ref.tolist() == [0, 0]
+    assert pool_state(p) == before
+    for bad in (-1, 3, -(2**31)):
+        p.longest_prefix_batched(k, k, cpu_i32([0]), cpu_i32([bad, 1]))
+        with pytest.raises(InvalidArgumentError):
+            p.check()
+    assert pool_state(p) == before
+    assert_consistent(p)
+
+
+def test_longest_prefix_group_ids_out_of_range():
+    """A group id read from the device that no pool accepts finds nothing (no crash)."""
+    p = BlockPool(16)
+    b = p.get_new_blocks(1)
+    p.cache_full_blocks(b, [h(1)], 0, 1, 16, 0)
+    from gpupool.keys import device_key
+    hi, lo = device_key(h(1), 0)
+    kh = torch.tensor([[[hi]]], dtype=torch.int64)
+    kl = torch.tensor([[[lo]]], dtype=torch.int64)
+    before = pool_state(p)
+    for g in (-1, 2**31 - 1, -(2**31)):
+        hits, _, _ = p.longest_prefix_batched(kh, kl, cpu_i32([g]), cpu_i32([1]))
+        try:
+            p.check()
+        except PoolError:
+            pass
+        assert hits.tolist() == [0]
+    assert pool_state(p) == before
+
+
+def test_empty_count_tensors_are_refused():
+    """A device count must have its one entry (the kernel reads ``count[0]``)."""
+    p = BlockPool(8)
+    empty = torch.zeros(0, dtype=torch.int32)
+    before = pool_state(p)
+    for fn in (lambda: p.allocate_batched(cpu_i32([1]), empty), lambda: p.free_batched(cpu_i32([1]), cpu_i32([0, 1]), empty),
+               lambda: p.touch_batched(cpu_i32([1]), empty),
+               lambda: p.lookup_batched(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                                        cpu_i32([0]), empty)):
+        with pytest.raises(InvalidArgumentError):
+            fn()
+    p.check()
+    assert pool_state(p) == before
+
+
+def test_manager_rejects_short_buffers_and_empty_counts():
+    """An empty count tensor, an ``admitted`` / ``out`` buffer shorter than the batch and a release
+    list of another dtype are refused on the host (the kernel would read or write past them, or the
+    ids would be narrowed), changing nothing."""
+    m = small_manager()
+    m.add_request(0, [h(1)])
+    m.allocate_slots([0], [5], [5], [1])
+    m.pool.check()
+    before = manager_snapshot(m)
+    empty = torch.zeros(0, dtype=torch.int32)
+    cases = [
+        lambda: m.allocate_slots(cpu_i32([0]), cpu_i32([6]), cpu_i32([6]), num_reqs=empty),
+        lambda: m.allocate_slots(cpu_i32([0, 1]), cpu_i32([6, 6]), cpu_i32([6, 6]), admitted=torch.zeros(1, dtype=torch.int32)),
+        lambda: m.allocate_slots(cpu_i32([0]), cpu_i32([6]), cpu_i32([6]), admitted=torch.zeros(1, dtype=torch.int64)),
+        lambda: m.allocate_slots(cpu_i32([0]), cpu_i32([6]), cpu_i32([6]), admitted=torch.zeros(4, dtype=torch.int32)[::2]),
+        lambda: m.free(cpu_i32([0]), num_reqs=empty),
+        lambda: m.slot_mapping(cpu_i32([0, 0]), cpu_i32([1, 2]), out=torch.zeros(1, dtype=torch.int64)),
+        lambda: m.slot_mapping(cpu_i32([0, 0]), cpu_i32([1, 2]), out=torch.zeros(2, dtype=torch.int32)),
+        lambda: m.slot_mapping(cpu_i32([0, 0]), cpu_i32([1, 2]), admitted=cpu_i32([1])),
+        lambda: m.slot_mapping(cpu_i32([0]), cpu_i32([1]), num=empty),
+        lambda: m.release_copied(torch.tensor([2**32 + 1], dtype=torch.int64)),
+        lambda: m.release_copied(torch.tensor([1.0])),
+    ]
+    for i, fn in enumerate(cases):
+        with pytest.raises(InvalidArgumentError):
+            fn()
+        assert manager_snapshot(m) == before, i
+
+
+def test_lookup_flags_are_not_narrowed():
+    """A lookup flag of 256 in an int32 tensor means "look up" (not 256 -> int8 0)."""
+    m = small_manager()
+    m.add_request(0, [h(1), h(2)])
+    m.allocate_slots([0], [9], [9], [1])
+    m.add_request(1, [h(1), h(2)])
+    m.allocate_slots(cpu_i32([1]), cpu_i32([9]), cpu_i32([9]), cpu_i32([256]))
+    m.pool.check()
+    assert m.rows(0)[1][:2] == m.rows(0)[0][:2]
+    m.validate()
+
+
+@pytest.mark.parametrize("slot,pos", [(4, 0), (-1, 0), (2**31 - 1, 0), (0, -1), (0, 8), (0, 2**31 - 1), (1, 0)])
+def test_slot_mapping_bad_slot_or_position_is_a_pool_error(slot, pos):
+    m = small_manager()
+    m.add_request(0, [h(1)])
+    m.allocate_slots([0], [5], [5], [1])
+    m.pool.check()
+    before = manager_snapshot(m)
+    out = m.slot_mapping(cpu_i32([0, slot]), cpu_i32([0, pos]))
+    with pytest.raises(InvalidArgumentError):
+        m.pool.check()
+    assert out[1].item() == -1
+    assert manager_snapshot(m) == before
+    for dt in (torch.int64,):  # no narrowing of int64 inputs
+        out = m.slot_mapping(torch.tensor([slot + 2**32], dtype=dt), torch.tensor([pos], dtype=dt))
+        with pytest.raises(InvalidArgumentError):
+            m.pool.check()
+

@@ -13,9 +13,13 @@ import torch
 from gpupool.errors import InvalidArgumentError, InvalidCountError
 from gpupool.graph import DecodeStep
 from gpupool.manager import KVCacheManager
-from gpupool.reference import ReferenceKVCacheManager
-from pool_helpers import fill_step as fill, h, pool_state, sized
-from test_graph import LaunchCounter
+from harness.compare import assert_managers_agree
+from harness.keys import h
+from harness.launches import LaunchCounter
+from harness.ops import fill_step as fill
+from harness.sizes import sized
+from harness.state import pool_state
+from harness.twins import manager_twin
 
 BS = 4
 R = 6
@@ -23,8 +27,11 @@ M = 16
 GROUPS = {"full": ("full",), "full+full": ("full", "full"), "full+sliding": ("full", ("sliding_window", 6))}
 
 
-def make(cls, groups, n, **kw):
-    return cls(n, block_size=BS, max_num_reqs=R, max_blocks_per_req=M, groups=groups, **kw)
+CONFIG = dict(block_size=BS, max_num_reqs=R, max_blocks_per_req=M)
+
+
+def make(groups, n, **kw) -> KVCacheManager:
+    return KVCacheManager(n, groups=groups, **CONFIG, **kw)
 
 
 def manager_tensors(m: KVCacheManager) -> dict:
@@ -79,8 +86,8 @@ def single_steps(step1, decoding, ntok, finished, K):
 
 def run_bursts(groups, events, K, seed, rounds, n_blocks):
     kw = {"enable_kv_cache_events": events}
-    ref = make(ReferenceKVCacheManager, groups, n_blocks, **kw)
-    dk, d1 = make(KVCacheManager, groups, n_blocks, **kw), make(KVCacheManager, groups, n_blocks, **kw)
+    ref, dk = manager_twin(n_blocks, groups=groups, **CONFIG, **kw)
+    d1 = make(groups, n_blocks, **kw)
     burst, step1 = DecodeStep(dk, max_batch=R, steps=K), DecodeStep(d1, max_batch=R)
     managers = (ref, dk, d1)
     rng = random.Random(seed)
@@ -131,13 +138,9 @@ def run_bursts(groups, events, K, seed, rounds, n_blocks):
         got_sm = burst.slot_mapping_steps[:, :B].tolist()
         assert got_adm == expect_adm == single_adm, rnd
         assert got_sm == expect_sm == single_sm, rnd
-        # the whole state after the burst
-        assert pool_state(dk.pool) == pool_state(ref.pool) == pool_state(d1.pool), rnd
-        for g in range(len(groups)):
-            assert dk.rows(g) == ref.block_table(g), rnd
+        # the whole state after the burst: both device managers against the reference, and their tensors
+        ev = assert_managers_agree(ref, dk, d1, where=f"round {rnd}")
         assert manager_tensors(dk) == manager_tensors(d1), rnd
-        ev = dk.pool.take_events()
-        assert ev == ref.pool.take_events() == d1.pool.take_events(), rnd
         stats["events"] += len(ev)
         # host: finished leave, requests a step did not admit are preempted, the rest grew
         for r in finished:
@@ -189,7 +192,7 @@ def test_burst_equals_single_steps_and_reference(kind, events, K):
 def test_burst_token_count_past_the_row_fails_at_that_step():
     """A count that passes ``max_blocks_per_req * block_size`` during the burst: the steps before it
     committed, that step and the later ones do nothing, the error is raised at check()."""
-    m = make(KVCacheManager, ("full",), 40)
+    m = make(("full",), 40)
     m.add_request(0, [])
     m.allocate_slots([0], [M * BS - 2], [M * BS - 2])
     burst = DecodeStep(m, max_batch=2, steps=4)
@@ -204,7 +207,7 @@ def test_burst_token_count_past_the_row_fails_at_that_step():
 
 def test_burst_launches_and_syncs():
     """K steps: step 0's launch and its copy release, then one launch per further step; no host sync."""
-    m = make(KVCacheManager, ("full",), 60)
+    m = make(("full",), 60)
     for r in range(3):
         m.add_request(r, [])
     m.allocate_slots([0, 1, 2], [3, 4, 5], [3, 4, 5])
@@ -220,14 +223,14 @@ def test_burst_launches_and_syncs():
 
 def test_steps_must_be_positive():
     with pytest.raises(InvalidArgumentError):
-        DecodeStep(make(KVCacheManager, ("full",), 20), max_batch=2, steps=0)
+        DecodeStep(make(("full",), 20), max_batch=2, steps=0)
 
 
 def test_single_step_keeps_its_one_dimensional_outputs():
-    step = DecodeStep(make(KVCacheManager, ("full",), 20), max_batch=3)
+    step = DecodeStep(make(("full",), 20), max_batch=3)
     assert step.admitted.shape == (3,) and step.slot_mapping.shape == (3,)
     assert step.admitted_steps.shape == (1, 3)
-    burst = DecodeStep(make(KVCacheManager, ("full",), 20), max_batch=3, steps=2)
+    burst = DecodeStep(make(("full",), 20), max_batch=3, steps=2)
     assert burst.admitted.shape == (2, 3) and burst.slot_mapping.shape == (2, 3)
 
 
@@ -237,7 +240,7 @@ def test_captured_burst_replays_like_the_eager_burst():
     """The burst captured in one CUDA graph: replays equal an eager burst on a twin manager (every
     output and the whole state), with no host sync inside the replay."""
     K = 4
-    mg, me = make(KVCacheManager, ("full",), 64, device="cuda"), make(KVCacheManager, ("full",), 64, device="cuda")
+    mg, me = make(("full",), 64, device="cuda"), make(("full",), 64, device="cuda")
     for m in (mg, me):
         for r in range(4):
             m.add_request(r, [])

@@ -24,7 +24,9 @@ Deterministic tests cover ``get_computed_blocks``, ``slot_mapping`` against the 
 word of the batched ops, and stop_on_failure with preemption. The tests at the end pin the defects
 these tests found once (BlockStored parents after a leading null block, tensor slots with events,
 slots not in use, copies chained through the queue, unchecked get_computed_blocks slots, partial
-keys past max_keys_per_block), now fixed.
+keys past max_keys_per_block), now fixed; the last ones show that a recorded error (the sticky
+status word) loses nothing: pending copies stay pending, ``free(list)`` changes nothing until it
+succeeds.
 
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET);
 the default hypothesis profile keeps this file near a minute on two CPU cores.
@@ -40,31 +42,31 @@ if "TRITON_INTERPRET" not in os.environ:  # normally done by tests/conftest.py
     if not _torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
-import hashlib  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import note as _note  # noqa: E402
 from hypothesis import event as _event  # noqa: E402
 from hypothesis.control import currently_in_test_context  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from gpupool.errors import (  # noqa: E402
-    InvalidArgumentError, InvalidCountError,
+    InvalidArgumentError, InvalidCountError, PoolError,
 )
 from gpupool.graph import DecodeStep  # noqa: E402
-from gpupool.manager import KVCacheManager  # noqa: E402
-from gpupool.reference import ReferenceKVCacheManager  # noqa: E402
-from pool_helpers import call_both, fill_step, ints, pool_state  # noqa: E402
+from harness.compare import assert_managers_agree  # noqa: E402
+from harness.device import DEVICE, i32  # noqa: E402
+from harness.keys import h  # noqa: E402
+from harness.ops import call_both, fail_a_batched_op, fill_step  # noqa: E402
+from harness.state import ints, manager_snapshot, manager_state, raw_state, same_raw_state  # noqa: E402
+from harness.strategies import draw_batch, note, rare  # noqa: E402
+from harness.twins import SW, manager_twin, small_manager  # noqa: E402
 
 
 # =================================================================================================
 # Hashes and small helpers
 # =================================================================================================
 
-def H(i) -> bytes:
-    return hashlib.sha256(str(i).encode()).digest()
+H = h  # a test key's block hash
 
 
 # Request chains (one hash id per hash block) are a template's prefix plus a random tail: prefixes are
@@ -80,39 +82,6 @@ TEMPLATES = [
 TAIL = [0, 1, 2, 3, 20, 30, 40, 41]
 ALPHABET = sorted({x for t in TEMPLATES for x in t} | set(TAIL))
 HASH = {i: H(i) for i in ALPHABET}
-
-
-def i32(values) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int32, device=DEVICE)
-
-
-def manager_state(m) -> dict:
-    """Block tables, per-request counters, pending copies, reservations (docs/semantics.md section 8)
-    and the pool state of either manager."""
-    G = len(m.groups)
-    if isinstance(m, KVCacheManager):
-        n = int(m.num_copies[0])
-        return {
-            "rows": [m.rows(g) for g in range(G)],
-            "num_computed": ints(m.num_computed),
-            "num_cached": [ints(x) for x in m.num_cached],
-            "pending": list(zip(ints(m.copy_src[:n]), ints(m.copy_dst[:n]), ints(m.copy_release[:n]))),
-            "reserved": ints(m.reserved),
-            "num_reserved": int(m.num_reserved[0]),
-            "pool": pool_state(m.pool),
-        }
-    return {
-        "rows": [m.block_table(g) for g in range(G)],
-        "num_computed": list(m.num_computed),
-        "num_cached": [list(x) for x in m.num_cached],
-        "pending": [tuple(c) for c in m.pending_copies],
-        "reserved": list(m.reserved),
-        "num_reserved": m.num_reserved,
-        "pool": pool_state(m.pool),
-    }
-
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # =================================================================================================
@@ -133,8 +102,7 @@ class Pair:
         self.hbs = hash_block_size or block_size
         self.K = block_size // self.hbs  # hashes per block
         self.L = max_blocks_per_req * self.K  # most hashes a request can have
-        self.ref = ReferenceKVCacheManager(num_blocks, **kw)
-        self.dev = KVCacheManager(num_blocks, **kw)
+        self.ref, self.dev = manager_twin(num_blocks, **kw)
         self.N, self.bs, self.R, self.M, self.G = num_blocks, block_size, max_num_reqs, max_blocks_per_req, len(groups)
         self.max_tokens = max_blocks_per_req * block_size
         self.caching, self.events = caching, events
@@ -166,16 +134,8 @@ class Pair:
         return "after ops:\n  " + "\n  ".join(self.ops[-15:])
 
     def compare(self) -> None:
-        rs, ds = manager_state(self.ref), manager_state(self.dev)
-        for k in ("rows", "num_computed", "num_cached", "pending", "reserved", "num_reserved"):
-            assert ds[k] == rs[k], f"{k} differs: device {ds[k]} != reference {rs[k]}; {self.where()}"
-        for k in rs["pool"]:
-            assert ds["pool"][k] == rs["pool"][k], (
-                f"pool {k} differs: device {ds['pool'][k]} != reference {rs['pool'][k]}; {self.where()}")
-        rev, dev_ev = self.ref.pool.take_events(), self.dev.pool.take_events()
-        assert dev_ev == rev, f"events differ:\n device    {dev_ev}\n reference {rev}\n{self.where()}"
-        self.ref.pool.validate()
-        self.dev.pool.validate()
+        """The whole state of both managers (harness.compare.assert_managers_agree)."""
+        assert_managers_agree(self.ref, self.dev, where=self.where())
 
     def do(self, desc: str, ref_fn, dev_fn, norm=lambda x: x):
         """Run the op on both sides (the device's batched errors surface at ``pool.check()``). Both
@@ -196,11 +156,6 @@ class Pair:
             assert norm(d_val) == norm(r_val), f"{desc}: device returned {norm(d_val)!r}, reference {norm(r_val)!r}"
         self.compare()
         return None if r_err is not None else r_val
-
-
-def note(msg: str) -> None:
-    if currently_in_test_context():
-        _note(msg)
 
 
 def event(desc: str, err, val=None) -> None:
@@ -233,10 +188,6 @@ def copies_norm(out):
 # =================================================================================================
 # Op generators: each draws one op and runs it on both managers
 # =================================================================================================
-
-def rare(data, label: str, odds: int = 6) -> bool:
-    return data.draw(st.integers(0, odds - 1), label=label) == 0
-
 
 def draw_chain(data, p: Pair) -> list[int]:
     t = data.draw(st.sampled_from(TEMPLATES), label="template")
@@ -295,15 +246,6 @@ def draw_alloc_entry(data, p: Pair, r: int) -> tuple[int, int, bool]:
             append_hashes(p, r, p.known[r] // p.hbs)
     tg = min(T, p.known[r] + data.draw(st.sampled_from([0, 0, 0, 1, p.bs]), label="lookahead"))
     return p.known[r], tg, rare(data, "lookup on a running request", 8)
-
-
-def draw_batch(data, p: Pair) -> list[int]:
-    """A batch of the slots in use: a size from 1, then an order (empty when none is in use)."""
-    act = p.active()
-    if not act:
-        return []
-    k = data.draw(st.integers(1, len(act)), label="batch size")
-    return data.draw(st.permutations(act), label="order")[:k]
 
 
 def op_allocate(data, p: Pair) -> None:
@@ -695,9 +637,6 @@ def alloc(p: Pair, slots, nts, tgs, lks=None, sof=True):
                 lambda: p.dev.allocate_slots(slots, nts, tgs, lks, stop_on_failure=sof), admitted_norm)
 
 
-SW = ("sliding_window", 8)
-
-
 @pytest.mark.parametrize("groups", [("full",), ("full", "full"), ("full", SW)], ids=["full", "full+full", "full+sw"])
 def test_get_computed_blocks_agree(groups):
     """Shared prefixes, a repeated hash (one block hit twice), every num_tokens cap, any slot order."""
@@ -958,3 +897,47 @@ def test_partial_key_that_does_not_fit_is_skipped():
     assert alloc(p, [0], [12], [12]) == [True]
     assert alloc(p, [0], [8], [40]) == [True]
     p.compare()
+
+
+# ---- a recorded error (the sticky status word) loses nothing ------------------------------------
+
+def test_run_pending_copies_keeps_copies_past_a_recorded_error():
+    m = small_manager()
+    m.add_request(0, [h(1)])
+    m.allocate_slots([0], [4], [4], [1])
+    m.pool.check()
+    src = m.rows(0)[0][0]
+    m.add_request(1, [])
+    m.allocate_slots([1], [1], [1])
+    m.cow_append(1, [src])
+    fail_a_batched_op(m)
+    with pytest.raises(PoolError):
+        m.run_pending_copies([])
+    assert int(m.num_copies[0]) == 1
+    m.validate()
+    assert m.run_pending_copies([]) == 1
+    m.free([0, 1])
+    assert m.pool.get_num_free_blocks() == 31
+    m.validate()
+
+
+def test_free_list_after_a_recorded_error_keeps_the_slot():
+    """``free(list)`` while an error is recorded raises it and changes nothing on host or device; the
+    slot is then freed and reused normally."""
+    m = small_manager()
+    m.add_request(0, [h(1)])
+    m.allocate_slots([0], [4], [4], [1])
+    m.pool.check()
+    before = manager_snapshot(m)
+    fail_a_batched_op(m)
+    raw = raw_state(m.pool, m)
+    with pytest.raises(PoolError):
+        m.free([0])
+    assert same_raw_state(raw, raw_state(m.pool, m)) == []
+    assert manager_snapshot(m) == before
+    m.free([0])
+    m.add_request(0, [h(2)])
+    m.allocate_slots([0], [4], [4], [1])
+    m.pool.check()
+    m.validate()
+

@@ -29,7 +29,10 @@ firings, lookups of every hash used) and ``validate()`` passes on both.
 The harness (:class:`Pair`, the op generators) is shared with ``tests/test_soak.py``: generators
 draw through a small chooser, backed by hypothesis here and by a seeded ``random.Random`` there.
 
-Regression tests for the defects found while writing this file are at the end.
+Regression tests for the defects found while writing this file follow; at the end, bad Python
+arguments (``None``, floats, non-bytes hashes) raise a typed :class:`PoolError` (``ArgumentTypeError``
+for a wrong type) on both pools and both managers, changing nothing; int64 id tensors are accepted;
+a pool larger than int32 ids allow is refused.
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py). The default hypothesis
 profile keeps this file near a minute on two cores; ``GPUPOOL_HYPOTHESIS_PROFILE=deep`` runs more.
 """
@@ -65,26 +68,21 @@ from gpupool.errors import (  # noqa: E402
     KeyCapacityError, NullBlockError, OutOfBlocksError, PoolError,
 )
 from gpupool.keys import device_key  # noqa: E402
+from gpupool.manager import KVCacheManager  # noqa: E402
+from gpupool.reference import ReferenceKVCacheManager  # noqa: E402
 
-from pool_helpers import assert_lookups_agree, assert_pools_agree, h, ints, pool_state, reuse_callbacks  # noqa: E402
+from harness.compare import assert_pools_agree  # noqa: E402
+from harness.device import DEVICE, i32, i64  # noqa: E402
+from harness.keys import h  # noqa: E402
+from harness.sizes import pow2_at_least  # noqa: E402
+from harness.state import ints, pool_state  # noqa: E402
+from harness.twins import POOL_IDS, POOLS, pool_twin, small_manager  # noqa: E402
+from harness.watchers import reuse_callbacks  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CTRL_COMPACTIONS = Ctrl.COMPACTIONS
 UNIVERSE = [h(f"fault{i}") for i in range(12)]  # small: keys repeat, collide and get promoted
 ANY = object()  # "do not check the offending value"
 BIG_BS = 1 << 12  # a block size whose token counts exceed every count the generators create
-
-
-def pow2_at_least(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def i32(values) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int32, device=DEVICE)
-
-
-def i64(values) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int64, device=DEVICE)
 
 
 # =================================================================================================
@@ -177,10 +175,8 @@ class Pair:
 
     def __init__(self, n, *, caching=True, events=False, mk=4, ring=None, chunks=None, log=None):
         self.n, self.mk, self.caching, self.events = n, mk, caching, events
-        self.ref = ReferenceBlockPool(n, enable_caching=caching, enable_kv_cache_events=events,
-                                      max_keys_per_block=mk)
-        self.dev = BlockPool(n, enable_caching=caching, enable_kv_cache_events=events, max_keys_per_block=mk,
-                             device=DEVICE, ring_capacity=ring, num_chunks=chunks)
+        self.ref, self.dev = pool_twin(n, enable_caching=caching, enable_kv_cache_events=events,
+                                       max_keys_per_block=mk, ring_capacity=ring, num_chunks=chunks)
         self.table_cap = None if chunks is None else 16 * chunks
         self.fired = {"ref": [], "dev": []}
         self.used: set[bytes] = set()
@@ -227,16 +223,9 @@ class Pair:
     # ---- comparing ---------------------------------------------------------------------------------
     def compare(self, full: bool = True) -> None:
         """Observable state, events and watcher firings equal; with ``full`` also ``validate()`` of
-        both, usage and a lookup of every hash used so far in groups 0 and 1."""
-        ref, dev = self.ref, self.dev
-        assert_pools_agree(ref, dev, self.fired, self.where())
-        if not full:
-            return
-        ref.validate()
-        dev.validate()
-        assert dev.get_usage() == pytest.approx(ref.get_usage())
-        if self.used:
-            assert_lookups_agree(ref, dev, self.used, self.where())
+        both, usage and a lookup of every hash used so far in groups 0 and 1
+        (harness.compare.assert_pools_agree)."""
+        assert_pools_agree(self.ref, self.dev, self.fired, self.where(), full=full, used=self.used)
 
     # ---- an op expected to fail ------------------------------------------------------------------
     def expect_fail(self, desc, op, exc, ref_fn, dev_fn, value=ANY, full=True) -> None:
@@ -1226,3 +1215,87 @@ def test_tensor_on_another_device_is_rejected():
                    ("touch_batched", lambda dev: dev.touch_batched(cpu)),
                    ("free_batched", lambda dev: dev.free_batched(cpu, torch.tensor([0, 1], dtype=torch.int32)))):
         p.expect_fail(f"{op}(cpu tensor)", op, InvalidArgumentError, None, fn)
+
+
+# =================================================================================================
+# Typed errors for bad Python arguments: both pools, both managers
+# =================================================================================================
+
+@pytest.mark.parametrize("cls", POOLS, ids=POOL_IDS)
+def test_typed_errors_for_bad_python_arguments(cls):
+    p = cls(8)
+    b = [int(x) for x in p.get_new_blocks(2)]
+    before = pool_state(p)
+    cases = [
+        lambda: p.cache_full_blocks(b, None, 0, 2, 16, 0),
+        lambda: p.cache_full_blocks(b, [h(1), None], 0, 2, 16, 0),
+        lambda: p.get_cached_block(h(1), None),
+        lambda: p.get_cached_block(h(1), 0),
+        lambda: p.get_cached_block(None, [0]),
+        lambda: p.get_new_blocks(None),
+        lambda: p.get_new_blocks(1.5),
+        lambda: p.free_blocks(None),
+        lambda: p.touch([None]),
+        lambda: p.cache_partial_block(b[0], None, 16, 0, 16, 16),
+    ]
+    for i, fn in enumerate(cases):
+        with pytest.raises(PoolError) as info:
+            fn()
+        assert isinstance(info.value, (TypeError, ValueError)), (i, info.value)
+        assert isinstance(info.value, ArgumentTypeError) or not isinstance(info.value, TypeError), i
+    assert pool_state(p) == before
+
+
+def test_both_pools_accept_int64_id_tensors():
+    ref, dev = pool_twin(8)
+    for p in (ref, dev):
+        b = p.get_new_blocks(3)
+        ids = torch.tensor([int(x) for x in b], dtype=torch.int64)
+        p.touch(ids)
+        p.free_blocks(ids)
+        p.cache_full_blocks(ids, [h(1), h(2), h(3)], 0, 3, 16, 0)
+        p.free_blocks(torch.flip(ids, [0]))
+        p.evict_blocks(ids[:1])
+    assert_pools_agree(ref, dev)
+
+
+@pytest.mark.parametrize("cls", [ReferenceBlockPool, BlockPool])
+def test_pool_size_is_bounded_by_int32_ids(cls):
+    """Block ids are int32 on the device: both pools refuse more than 2**31 - 1 blocks before
+    allocating anything (a typed error, not a MemoryError or an overflow later)."""
+    for n in (2**31, 10**11, 0, -1):
+        with pytest.raises(InvalidArgumentError, match="num_blocks"):
+            cls(n)
+    with pytest.raises(ArgumentTypeError):
+        cls(16.0)
+
+
+@pytest.mark.parametrize("cls", [ReferenceKVCacheManager, KVCacheManager], ids=["reference", "device"])
+def test_manager_typed_errors(cls):
+    """Bad Python arguments raise a PoolError subclass (ArgumentTypeError, also a TypeError, for a
+    wrong type) on both managers, changing nothing; a group or length the other rejects too."""
+    m = small_manager(cls, groups=("full", "full"))
+    m.add_request(0, [h(1)])
+    m.allocate_slots([0], [5], [5], [1])
+    rows = [m.block_table(g) if cls is ReferenceKVCacheManager else m.rows(g) for g in range(2)]
+    cases = [
+        lambda: m.add_request(1, None), lambda: m.add_request(1, [None]), lambda: m.add_request(None, []),
+        lambda: m.append_block_hashes(0, None), lambda: m.allocate_slots(None, [1], [1]),
+        lambda: m.allocate_slots([0], None, [6]), lambda: m.allocate_slots([0], [6], None),
+        lambda: m.allocate_slots([0], [6], [6], 5), lambda: m.allocate_slots([0], [6], [6], [None]),
+        lambda: m.free(None), lambda: m.free([1.5]), lambda: m.slot_mapping(None, [0]),
+        lambda: m.slot_mapping([0], [0], None), lambda: m.cow_append(0, None), lambda: m.cow_move(0, None),
+        lambda: m.get_computed_blocks(None, [1]), lambda: m.get_computed_blocks([0], None),
+        lambda: m.release_copied(None),
+    ]
+    for i, fn in enumerate(cases):
+        with pytest.raises(PoolError) as info:
+            fn()
+        assert isinstance(info.value, TypeError), (i, info.value)
+    for fn in (lambda: m.slot_mapping([0], [1], 2), lambda: m.slot_mapping([0], [1], -1),
+               lambda: m.slot_mapping([0, 0], [1])):
+        with pytest.raises(InvalidArgumentError):
+            fn()
+    assert rows == [m.block_table(g) if cls is ReferenceKVCacheManager else m.rows(g) for g in range(2)]
+    m.validate()
+
