@@ -18,9 +18,11 @@ from hypothesis import strategies as st
 
 from gpupool import BlockPool as DevicePool
 from gpupool.errors import DoubleFreeError, InvalidArgumentError, InvalidCountError
-from gpupool.reference import ReferenceBlockPool
 
-from pool_helpers import h, pool_state
+from harness.compare import assert_pools_agree
+from harness.keys import h
+from harness.state import pool_state
+from harness.twins import pool_twin
 
 N = 24
 BS = 4
@@ -32,14 +34,14 @@ def i32(xs):
 
 def setup():
     """Both pools: 6 blocks keyed and freed (at the queue's back), 6 held (4 of them keyed)."""
-    ref, dev = ReferenceBlockPool(N), DevicePool(N, device="cpu")
+    ref, dev = pool_twin(N, device="cpu")
     for p in (ref, dev):
         old = [int(b) for b in p.get_new_blocks(6)]
         p.cache_full_blocks(old, [h(f"old{i}") for i in range(6)], 0, 6, BS, 0)
         p.free_blocks(old[::-1])
         held = [int(b) for b in p.get_new_blocks(6)]
         p.cache_full_blocks(held, [h(f"held{i}") for i in range(6)], 0, 4, BS, 0)
-    assert pool_state(ref) == pool_state(dev)
+    assert_pools_agree(ref, dev)
     return ref, dev, old, held
 
 
@@ -87,11 +89,7 @@ def test_one_launch_equals_the_single_calls(data):
     dev.check()
     assert blocks.tolist() == popped
     assert offs.tolist()[: len(demands) + 1] == [sum(demands[:k]) for k in range(len(demands) + 1)]
-    assert pool_state(dev) == pool_state(ref)
-    dev.validate()
-    for hs, *_ in calls:
-        a, b = ref.get_cached_block(hs[1], [0]), dev.get_cached_block(hs[1], [0])
-        assert (None if a is None else [int(x) for x in a]) == (None if b is None else [int(x) for x in b])
+    assert_pools_agree(ref, dev, used={x for hs, *_ in calls for x in hs})  # the whole state, lookups included
 
 
 def test_a_failing_part_stops_the_later_ones():
@@ -110,8 +108,7 @@ def test_a_failing_part_stops_the_later_ones():
     with pytest.raises(InvalidArgumentError):
         dev.check()
     reference_apply(ref, [[held[0]]], [old[0]], [1], [], [])
-    assert pool_state(dev) == pool_state(ref)
-    dev.validate()
+    assert_pools_agree(ref, dev)
 
 
 def test_host_errors_raise_at_the_call():

@@ -15,16 +15,18 @@ from hypothesis import strategies as st
 
 from gpupool import BlockPool as DevicePool
 from gpupool.errors import ArgumentTypeError, HashConflictError, InvalidArgumentError, InvalidBlockIdError
-from gpupool.reference import ReferenceBlockPool
 
-from pool_helpers import h, pool_state
+from harness.compare import assert_pools_agree
+from harness.keys import h
+from harness.state import pool_state
+from harness.twins import pool_twin
 
 N = 24
 BS = 4
 
 
 def twins():
-    return ReferenceBlockPool(N), DevicePool(N, device="cpu")
+    return pool_twin(N, device="cpu")
 
 
 def both(ref, dev, fn):
@@ -71,8 +73,7 @@ def test_one_launch_equals_the_calls_in_order(data):
         pos += nf - nc
     dev.cache_blocks_batched(torch.tensor(ids, dtype=torch.int32), calls)
     dev.check()
-    assert pool_state(dev) == pool_state(ref)
-    dev.validate()
+    assert_pools_agree(ref, dev, used={x for hs, *_ in calls for x in hs})  # the whole state, lookups included
     for r, (hs, nc, nf, bs, g) in enumerate(calls):
         for x in hs:
             a, b = ref.get_cached_block(x, [g]), dev.get_cached_block(x, [g])

@@ -133,8 +133,8 @@ def test_replay_with_its_barrier_passes_under_lag():
 @pytest.mark.strict_gpu_off  # runs its own checker
 @pytest.mark.parametrize("op", ["unpin_blocks", "free_blocks_failing"])
 def test_a_block_listed_in_two_tiles_is_benign_and_matches_the_reference(op):
-    """``release_kernel`` over more ids than one tile (``pc.BLOCK`` lanes), one block listed in two
-    tiles: the ``ps.watched`` stores (unpin) and ``reset_ids``' scratch resets write that block from
+    """``release_kernel`` (its body ``release_batch``) over more ids than one tile (``pc.BLOCK``
+    lanes), one block listed in two tiles: the ``ps.watched`` stores (unpin) and ``reset_ids``' scratch resets write that block from
     two threads with no barrier between, each the same value, so the order does not matter. The
     checker sees them (marked ``# strict: benign``), nothing unmarked, and both pools agree; the
     failing free (a double free past the tile) takes the recount path, ``reset_ids`` over the batch."""
@@ -156,5 +156,5 @@ def test_a_block_listed_in_two_tiles_is_benign_and_matches_the_reference(op):
     flagged = {(h.kind, h.a[-1][2]) for h in c.hazards()}
     assert ("WAW", "reset_ids") in flagged, flagged  # the pattern is there, and marked
     if op == "unpin_blocks":
-        assert ("WAW", "release_kernel") in flagged, flagged
+        assert ("WAW", "release_batch") in flagged, flagged
     assert_pools_agree(ref, dev)
