@@ -134,8 +134,9 @@ def test_replay_with_its_barrier_passes_under_lag():
 @pytest.mark.parametrize("op", ["unpin_blocks", "free_blocks_failing"])
 def test_a_block_listed_in_two_tiles_is_benign_and_matches_the_reference(op):
     """``release_kernel`` (its body ``release_batch``) over more ids than one tile (``pc.BLOCK``
-    lanes), one block listed in two tiles: the ``ps.watched`` stores (unpin) and ``reset_ids``' scratch resets write that block from
-    two threads with no barrier between, each the same value, so the order does not matter. The
+    lanes), one block listed in two tiles: the ``ps.watched`` stores (unpin) and ``reset_ids``'
+    scratch resets write that block from two threads with no barrier between, each the same value,
+    so the order does not matter. The
     checker sees them (marked ``# strict: benign``), nothing unmarked, and both pools agree; the
     failing free (a double free past the tile) takes the recount path, ``reset_ids`` over the batch."""
     ref, dev = pool_twin(16, device="cpu")  # tiles of 16 lanes
