@@ -31,6 +31,20 @@ def range_block(ids, mask, nc, nf, idx, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
+def mark_first(ps, pc: tl.constexpr, ids, n):
+    """``s_first[b]`` = the first index of each non-null block ``b`` of ``ids[:n]`` (scratch at BIG
+    before, ``reset_ids`` after); ends with a barrier, so every lane can read any block's mark."""
+    offs = tl.arange(0, pc.BLOCK)
+    i = 0
+    while i < n:
+        idx = i + offs
+        b = tl.load(ids + idx, mask=idx < n, other=0)
+        tl.atomic_min(ps.s_first + b, idx, mask=(idx < n) & (b != 0))
+        i += pc.BLOCK
+    tl.debug_barrier()
+
+
+@triton.jit
 def key_tile_errors(ps, b, act, idx, ntok, err, err_val, bad_i):
     """Fold one tile of a caching into the first error by position: a block listed twice (its first
     occurrence marked in ``s_first``: E_INVALID_ARG, vLLM asserts) or keyed at >= the ``ntok`` tokens
@@ -200,12 +214,7 @@ def cache_blocks_batch(ps, pc: tl.constexpr, ids, key_hi, key_lo, key_group, nto
         offs = tl.arange(0, pc.BLOCK)
         err, err_val, _bad_at = check_ids(ps, ids, n, pc.N, False, False, pc.BLOCK)
         if err == 0:
-            i = 0
-            while i < n:
-                b, act = range_block(ids, ids, 0, n, i + offs, False)
-                tl.atomic_min(ps.s_first + b, i + offs, mask=act)
-                i += pc.BLOCK
-            tl.debug_barrier()
+            mark_first(ps, pc, ids, n)
             bad_i = tl.full([], BIG, tl.int32)
             i = 0
             while i < n:
@@ -215,11 +224,7 @@ def cache_blocks_batch(ps, pc: tl.constexpr, ids, key_hi, key_lo, key_group, nto
                                                       err, err_val, bad_i)
                 i += pc.BLOCK
             tl.debug_barrier()
-            i = 0
-            while i < n:
-                b, act = range_block(ids, ids, 0, n, i + offs, False)
-                tl.store(ps.s_first + b, tl.full([pc.BLOCK], BIG, tl.int32), mask=act)
-                i += pc.BLOCK
+            reset_ids(ps, ids, n, pc.N, pc.BLOCK)
             tl.debug_barrier()
             if err == 0:
                 i = 0
@@ -345,14 +350,7 @@ def evict_kernel(ps, pc: tl.constexpr, ids, n, OP: tl.constexpr):
         offs = tl.arange(0, pc.BLOCK)
         err, err_val, _ = check_ids(ps, ids, n, pc.N, False, False, pc.BLOCK)
         if err == 0:
-            # first occurrences only
-            i = 0
-            while i < n:
-                idx = i + offs
-                b = tl.load(ids + idx, mask=idx < n, other=0)
-                tl.atomic_min(ps.s_first + b, idx, mask=(idx < n) & (b != 0))
-                i += pc.BLOCK
-            tl.debug_barrier()
+            mark_first(ps, pc, ids, n)  # first occurrences only
             n_rm = tl.zeros([], tl.int64)
             i = 0
             while i < n:
