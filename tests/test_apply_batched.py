@@ -62,7 +62,7 @@ def reference_apply(ref, segments, touches, demands, calls, cache_ids):
     return popped
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(data=st.data())
 def test_one_launch_equals_the_single_calls(data):
     ref, dev, old, held = setup()

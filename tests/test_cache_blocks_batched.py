@@ -45,7 +45,7 @@ def hashes(tag, n):
     return [h(f"{tag}-{i}") for i in range(n)]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(data=st.data())
 def test_one_launch_equals_the_calls_in_order(data):
     ref, dev = twins()

@@ -80,8 +80,8 @@ def test_deferred_equals_per_call_reference(ops, caching):
     _check_same(ops, caching, "reference")
 
 
-@settings(max_examples=4, deadline=None)
-@given(ops=st.lists(OPS, min_size=4, max_size=12), caching=st.just(True))
+@settings(max_examples=8, deadline=None)
+@given(ops=st.lists(OPS, min_size=4, max_size=16), caching=st.just(True))
 def test_deferred_equals_per_call_device(ops, caching):
     _check_same(ops, caching, "device")
 
