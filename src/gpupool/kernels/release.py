@@ -122,7 +122,7 @@ def release_flags(ps, pc: tl.constexpr, b, idx, m, TO_FRONT: tl.constexpr):
     last = m & (tl.load(ps.s_last + b, mask=m, other=-1) == idx)
     rel = last & (cnt == ref)
     if TO_FRONT:
-        front = to_front(ps, pc, b, rel)
+        front = rel & to_front(ps, pc, b, m)  # the key count's load needs only m: issued with the others
     else:
         front = rel & False
     return last, rel, front, cnt, ref
