@@ -285,3 +285,21 @@ def test_a_decode_step_is_one_flush():
             p.device_pool.validate()
         got.append((ids, driver.snapshot(p)))
     assert got[0] == got[1]
+
+
+def test_the_unkeyed_run_is_counted_in_a_window():
+    """The leading un-keyed run is counted in the first ``UNKEYED_WINDOW`` ring slots only (a lower
+    bound, so a synchronisation's work does not grow with the pool): a fresh pool larger than the
+    window starts with exactly the window; a pop within it keeps the mirror clean, one past it makes
+    the mirror dirty (conservative: the true run is longer), and the ids still match the per-call pool."""
+    from gpupool.vllm.fast_path import UNKEYED_WINDOW
+    n = UNKEYED_WINDOW + 64
+    pool, ref = DeferredBlockPool(n, True, BS, device="cpu"), BlockPool(n, True, BS, device="cpu")
+    assert pool._unkeyed == UNKEYED_WINDOW
+    a = pool.get_new_blocks(UNKEYED_WINDOW - 1)
+    assert not pool._dirty
+    b = pool.get_new_blocks(2)
+    assert pool._dirty
+    want = ref.get_new_blocks(UNKEYED_WINDOW - 1) + ref.get_new_blocks(2)
+    assert [x.block_id for x in a + b] == [x.block_id for x in want]
+    assert pool._unkeyed == n - 1 - (UNKEYED_WINDOW + 1)  # exact again after the sync (all of it in the window)

@@ -63,6 +63,10 @@ if (Ctrl.NUM_FREE, Ctrl.KEY_SEQ, Ctrl.EV_COUNT, Ctrl.REUSE_COUNT) != (2, 3, 4, 5
 # the next synchronisation replaces them with the device's
 _PREDICTED_SEQ = 1 << 62
 
+# ring slots from the head in which the leading un-keyed run is counted at a synchronisation: more than
+# a step pops in practice (a pop past the counted run only makes the mirror dirty)
+UNKEYED_WINDOW = 4096
+
 
 class _Batch:
     """The device ops since the last launch, run as one flush (one ``apply_batched``) in the order
@@ -128,6 +132,7 @@ class DeferredBlockPool(BlockPool):
         self._batch = _Batch()  # device backend: ops not launched yet
         self.flushes = 0  # launches of a batch (one apply_batched each, no synchronisation)
         self._watched = False  # unpin_blocks was called: pops run per call from then on
+        self._window = None  # ring offsets 0 .. UNKEYED_WINDOW - 1 on the device (_unkeyed_run_dev)
         if self.deferred:
             self._unkeyed = self._read_unkeyed_run()
 
@@ -381,10 +386,14 @@ class DeferredBlockPool(BlockPool):
 
     # ---- the synchronisation -----------------------------------------------------------------------
     def _unkeyed_run_dev(self) -> torch.Tensor:
-        """``int64[1]`` on the device: how many free blocks at the queue's head have no key."""
+        """``int64[1]`` on the device: how many free blocks at the queue's head have no key, counted in
+        the first ``UNKEYED_WINDOW`` ring slots only (a lower bound, as the host needs; the work per
+        synchronisation does not grow with the pool)."""
         st, c = self._dev.state, self._dev.config.C
         head, tail = st.ctrl[Ctrl.HEAD].long(), st.ctrl[Ctrl.TAIL].long()
-        rel = torch.arange(c, dtype=torch.int64, device=self._dev.device)
+        if self._window is None:
+            self._window = torch.arange(min(c, UNKEYED_WINDOW), dtype=torch.int64, device=self._dev.device)
+        rel = self._window
         v = st.ring[(head + rel) & (c - 1)].long()
         live = (rel < tail - head) & (v >= 0)
         keyed = live & (st.num_keys[v.clamp(min=0)] > 0)
