@@ -468,10 +468,13 @@ class BlockPool:
         return keys, ntok
 
     def _key_tensors(self, keys, ntok) -> list[torch.Tensor]:
-        """(key_hi, key_lo, key_group, ntok): ``int64[len(keys)]`` each (at least one entry) on the device."""
+        """(key_hi, key_lo, key_group, ntok): ``int64[len(keys)]`` each (at least one entry) on the
+        device, four views of ONE host-to-device copy."""
         dev = [self.registry.register(h, g) for h, g in keys] or [(0, 0)]
-        return [self._tensor([k[0] for k in dev], torch.int64), self._tensor([k[1] for k in dev], torch.int64),
-                self._tensor([g for _, g in keys] or [0], torch.int64), self._tensor(ntok or [0], torch.int64)]
+        m = len(dev)
+        flat = self._tensor([k[0] for k in dev] + [k[1] for k in dev] + ([g for _, g in keys] or [0])
+                            + (ntok or [0]), torch.int64)
+        return [flat[i * m:(i + 1) * m] for i in range(4)]
 
     @locked
     def apply_batched(self, *, free_ids: torch.Tensor | None = None, free_offsets: torch.Tensor | None = None,
@@ -493,7 +496,12 @@ class BlockPool:
         op = "apply_batched"
         if self.enable_kv_cache_events:
             raise InvalidArgumentError(op, "a pool with KV events runs the ops one by one")
-        one = self._tensor([0])
+        dem = [as_int(op, d, "demand") for d in demands]
+        bad = [d for d in dem if d < 0]
+        if bad:
+            raise InvalidCountError(op, f"a demand must be >= 0, got {bad[0]}", bad[0])
+        small = self._tensor([0] + dem)  # one copy: a placeholder entry for empty parts, the demands
+        one = small[:1]
         fids = one if free_ids is None else self._device_i32(op, free_ids, "free_ids")
         if free_ids is None:
             seg = one
@@ -504,19 +512,16 @@ class BlockPool:
             if seg.numel() < 1:
                 raise InvalidArgumentError(op, "free_offsets needs at least one entry (0)")
         tids = one if touch_ids is None else self._device_i32(op, touch_ids, "touch_ids")
-        dem = [as_int(op, d, "demand") for d in demands]
-        bad = [d for d in dem if d < 0]
-        if bad:
-            raise InvalidCountError(op, f"a demand must be >= 0, got {bad[0]}", bad[0])
         cids = one if cache_ids is None else self._device_i32(op, cache_ids, "cache_ids")
         keys, ntok = self._cache_items(op, cache_calls) if self.enable_caching else ([], [])
         n_cache = cids.numel() if cache_ids is not None else 0
         if self.enable_caching and len(keys) != n_cache:
             raise InvalidArgumentError(op, f"cache_ids has {n_cache} entries, the calls' ranges {len(keys)}", n_cache)
+        n_free, n_touch = (0 if t is None else t.numel() for t in (free_ids, touch_ids))
         return k_flush.launch_flush(
-            self.state, self.config, fids, seg, tids, self._tensor(dem or [0]), cids, *self._key_tensors(keys, ntok),
-            n_free=0 if free_ids is None else fids.numel(), n_touch=0 if touch_ids is None else tids.numel(),
-            n_demands=len(dem), n_cache=len(keys), total=sum(dem))
+            self.state, self.config, fids if n_free else one, seg, tids if n_touch else one,
+            small[1:] if dem else one, cids if keys else one, *self._key_tensors(keys, ntok),
+            n_free=n_free, n_touch=n_touch, n_demands=len(dem), n_cache=len(keys), total=sum(dem))
 
     @locked
     def touch_batched(self, ids: torch.Tensor, num_ids: torch.Tensor | None = None) -> None:

@@ -364,10 +364,11 @@ class DeferredBlockPool(BlockPool):
         self._batch = _Batch()
         self.flushes += 1
         k0 = 0 if self._pend_dev is None else self._pend_dev.numel()
-        ids = self._device_ids
+        nf = len(b.free)
+        ids = self._device_ids(b.free + b.touch) if nf or b.touch else None  # one copy for both parts
         blocks, _ = self._dev.apply_batched(
-            free_ids=ids(b.free) if b.free else None, free_offsets=self._h2d(b.seg, torch.int32),
-            touch_ids=ids(b.touch) if b.touch else None, demands=b.demands,
+            free_ids=ids[:nf] if nf else None, free_offsets=self._h2d(b.seg, torch.int32) if nf else None,
+            touch_ids=ids[nf:] if b.touch else None, demands=b.demands,
             cache_ids=self._cache_ids(b.cache_slots, k0) if b.cache_calls else None, cache_calls=b.cache_calls)
         if b.demands:
             self._pend_dev = blocks if self._pend_dev is None else torch.cat([self._pend_dev, blocks])
