@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpupool import BlockPool as DevicePool
-from gpupool.errors import DoubleFreeError, InvalidArgumentError, InvalidCountError
+from gpupool.errors import DoubleFreeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError
 
 from harness.compare import assert_pools_agree
 from harness.keys import h
@@ -122,5 +122,36 @@ def test_host_errors_raise_at_the_call():
         dev.apply_batched(cache_ids=i32([held[4]]), cache_calls=[([h("a"), h("b")], 0, 2, BS, 0)])
     with pytest.raises(InvalidArgumentError):
         DevicePool(N, device="cpu", enable_kv_cache_events=True).apply_batched(demands=[1])
+    assert pool_state(dev) == before
+    dev.check()
+
+
+def test_skipped_or_failed_pops_return_minus_one():
+    """``blocks`` is all -1 when the pop part fails or an earlier part's error skips it, as
+    ``allocate_batched``'s (the docstring's promise; was uninitialised memory, which can look like
+    valid ids to a caller that reads it before ``check()``)."""
+    _, dev, old, held = setup()
+    # an earlier part fails (a double free): the pops are skipped
+    blocks, _ = dev.apply_batched(free_ids=i32([held[0], held[0]]), free_offsets=i32([0, 2]), demands=[3, 2])
+    assert blocks.tolist() == [-1] * 5
+    with pytest.raises(DoubleFreeError):
+        dev.check()
+    # the pop part itself fails (more than the free count)
+    blocks, _ = dev.apply_batched(demands=[1, N])
+    assert blocks.tolist() == [-1] * (N + 1)
+    with pytest.raises(OutOfBlocksError):
+        dev.check()
+
+
+def test_a_demand_past_int32_is_a_count_error():
+    """The demands and offsets are int32 on the device: a demand, or a sum of demands, past 2**31 - 1
+    is InvalidCountError at the call (was torch's RuntimeError, or an int32 offset that wraps),
+    nothing changed and nothing allocated for it."""
+    _, dev, old, held = setup()
+    before = pool_state(dev)
+    with pytest.raises(InvalidCountError):
+        dev.apply_batched(demands=[2**31])
+    with pytest.raises(InvalidCountError):
+        dev.apply_batched(demands=[2**30, 2**30])
     assert pool_state(dev) == before
     dev.check()

@@ -34,7 +34,7 @@ from .kernels import cache as k_cache
 from .kernels import flush as k_flush
 from .kernels import lookup as k_lookup
 from .kernels import release as k_release
-from .kernels.layout import Ctrl, Event, Op, op_name
+from .kernels.layout import INT32_MAX, Ctrl, Event, Op, op_name
 from .locking import locked, new_lock
 from .registry import KeyRegistry
 from .state import PoolConfig, PoolState, allocate_state, make_config, metadata_bytes
@@ -489,7 +489,8 @@ class BlockPool:
 
         Raises at once (nothing changed) what the four ops raise for bad host values, and
         InvalidArgumentError for a pool with KV events (the caching part writes none), InvalidCountError
-        for a negative demand; device errors go to the status word (raised by :meth:`check`)."""
+        for a negative demand or a sum past 2**31 - 1 (int32 on the device); device errors go to the
+        status word (raised by :meth:`check`)."""
         op = "apply_batched"
         if self.enable_kv_cache_events:
             raise InvalidArgumentError(op, "a pool with KV events runs the ops one by one")
@@ -508,6 +509,8 @@ class BlockPool:
         bad = [d for d in dem if d < 0]
         if bad:
             raise InvalidCountError(op, f"a demand must be >= 0, got {bad[0]}", bad[0])
+        if sum(dem) > INT32_MAX:  # the demands and offsets are int32 on the device
+            raise InvalidCountError(op, f"the demands' sum {sum(dem)} exceeds {INT32_MAX}", sum(dem))
         cids = one if cache_ids is None else self._device_i32(op, cache_ids, "cache_ids")
         keys, ntok = self._cache_items(op, cache_calls) if self.enable_caching else ([], [])
         n_cache = cids.numel() if cache_ids is not None else 0
