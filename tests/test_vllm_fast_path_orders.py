@@ -25,15 +25,16 @@ import driver  # noqa: E402
 
 BS = driver.BLOCK_SIZE
 R = st.integers(0, 7)  # a request, modulo the live ones
-ALLOC = st.tuples(st.just("alloc"), st.integers(1, 3), R, st.integers(0, 3))  # get_new_blocks, cache c of them
+SEED = st.integers(0, 3)  # a request's tokens (driver.tokens_of): few seeds, so hits are frequent
+ALLOC = st.tuples(st.just("alloc"), st.integers(1, 3), SEED, st.integers(0, 3))  # get_new_blocks, cache c of them
 FREE = st.tuples(st.just("free"), R)  # the request ends
 IDS = st.tuples(st.just("ids"), R)  # block_id, ref_cnt, block_hash of a request's blocks: a synchronisation
 OPS = st.one_of(  # pops, frees and id reads weighted up: a read between batches gives known un-keyed ids
     ALLOC, ALLOC, ALLOC, FREE, FREE, IDS, IDS,
     st.tuples(st.just("cache"), R, st.integers(1, 3)),  # cache_full_blocks of the next blocks
     st.tuples(st.just("free1"), R, st.integers(0, 3)),  # one block freed, the null block in its place
-    st.tuples(st.just("hit"), R),  # prefix hit, touch: a new request
-    st.tuples(st.just("hitfree"), R),  # prefix hit, touch, freed at once
+    st.tuples(st.just("hit"), SEED),  # prefix hit, touch: a new request
+    st.tuples(st.just("hitfree"), SEED),  # prefix hit, touch, freed at once
     st.tuples(st.just("share"), R),  # touch of a request's held blocks: a new request sharing them
     st.tuples(st.just("cow"), R),  # ref_cnt += 1 of a request's first block
     st.tuples(st.just("refs"), R),  # ref_cnt, block_hash only
