@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpupool import BlockPool as DevicePool
-from gpupool.errors import DoubleFreeError, InvalidArgumentError, InvalidCountError
+from gpupool.errors import DoubleFreeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError
 
 from harness.compare import assert_pools_agree
 from harness.keys import h
@@ -123,4 +123,36 @@ def test_host_errors_raise_at_the_call():
     with pytest.raises(InvalidArgumentError):
         DevicePool(N, device="cpu", enable_kv_cache_events=True).apply_batched(demands=[1])
     assert pool_state(dev) == before
+    dev.check()
+
+
+def test_skipped_or_failed_pops_return_minus_one():
+    """``blocks`` is all -1 when the pop part fails or an earlier part's error skips it, as
+    ``allocate_batched``'s (the docstring's promise; was uninitialised memory, which can look like
+    valid ids to a caller that reads it before ``check()``)."""
+    _, dev, old, held = setup()
+    # an earlier part fails (a double free): the pops are skipped
+    blocks, _ = dev.apply_batched(free_ids=i32([held[0], held[0]]), free_offsets=i32([0, 2]), demands=[3, 2])
+    assert blocks.tolist() == [-1] * 5
+    with pytest.raises(DoubleFreeError):
+        dev.check()
+    # the pop part itself fails on the device (more than the free count, within the pool's size)
+    free = dev.get_num_free_blocks()
+    blocks, _ = dev.apply_batched(demands=[1, free])
+    assert blocks.tolist() == [-1] * (free + 1)
+    with pytest.raises(OutOfBlocksError):
+        dev.check()
+
+
+def test_demands_past_the_pool_raise_at_the_call():
+    """A demands' sum above the pool's ``num_blocks - 1`` blocks can never fit, whatever the frees
+    before it: OutOfBlocksError at the call, nothing changed and no output allocated for it (a demand
+    past 2**31 - 1 was torch's RuntimeError, a sum past it an int32 offset that wraps, and a huge sum
+    allocated its whole output)."""
+    _, dev, old, held = setup()
+    before = pool_state(dev)
+    for demands in ([2**31], [2**30, 2**30], [N], [1, N - 1]):
+        with pytest.raises(OutOfBlocksError):
+            dev.apply_batched(free_ids=i32([held[0]]), free_offsets=i32([0, 1]), demands=demands)
+        assert pool_state(dev) == before
     dev.check()

@@ -14,7 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpupool import BlockPool as DevicePool
-from gpupool.errors import ArgumentTypeError, HashConflictError, InvalidArgumentError, InvalidBlockIdError
+from gpupool.errors import (
+    ArgumentTypeError, HashConflictError, InvalidArgumentError, InvalidBlockIdError, InvalidCountError,
+)
 
 from harness.compare import assert_pools_agree
 from harness.keys import h
@@ -121,3 +123,29 @@ def test_host_errors_raise_at_the_call():
         DevicePool(N, device="cpu", enable_kv_cache_events=True).cache_blocks_batched(t[:0], [])
     assert pool_state(dev) == before
     dev.check()
+
+
+def test_host_values_are_checked_with_caching_off():
+    """With caching off every call is a no-op, but its host values are still checked, as
+    ``cache_full_blocks`` checks them on such a pool (the docstring's promise; a bad block size or a
+    negative count was accepted by the batched forms); ``calls`` that are not a sequence of tuples and
+    ``demands`` that are not a sequence are ArgumentTypeError (was Python's TypeError)."""
+    pool = DevicePool(N, device="cpu", enable_caching=False)
+    before = pool_state(pool)
+    one = torch.tensor([1], dtype=torch.int32)
+    with pytest.raises(InvalidArgumentError):
+        pool.cache_full_blocks([1], [h("a")], 0, 1, 0)  # block size 0: the single op
+    with pytest.raises(InvalidArgumentError):
+        pool.cache_blocks_batched(one, [([h("a")], 0, 1, 0, 0)])
+    with pytest.raises(InvalidCountError):
+        pool.cache_blocks_batched(one, [([h("a")], -1, 1, BS, 0)])
+    with pytest.raises(InvalidArgumentError):
+        pool.apply_batched(cache_ids=one, cache_calls=[([h("a")], 0, 1, 0, 0)])
+    with pytest.raises(ArgumentTypeError):
+        pool.cache_blocks_batched(one, 5)
+    with pytest.raises(ArgumentTypeError):
+        DevicePool(N, device="cpu").cache_blocks_batched(one, 5)
+    with pytest.raises(ArgumentTypeError):
+        pool.apply_batched(demands=None)
+    assert pool_state(pool) == before
+    pool.check()

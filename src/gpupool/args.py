@@ -108,6 +108,13 @@ def as_hash_list(op: str, hashes) -> Sequence:
     return hashes
 
 
+def as_host_list(op: str, xs, what: str) -> list:
+    """A host sequence (list, tuple, any iterable but a string) as a list; else ArgumentTypeError."""
+    if isinstance(xs, (str, bytes)) or not isinstance(xs, Iterable):
+        raise ArgumentTypeError(op, f"{what} must be a sequence, got {type(xs).__name__}")
+    return list(xs)
+
+
 def as_id_list(op: str, ids) -> list[int]:
     """Block ids (a sequence of ints, or an integer tensor / array of any integer dtype) as Python ints."""
     if hasattr(ids, "tolist") and not isinstance(ids, list):

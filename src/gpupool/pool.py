@@ -24,7 +24,7 @@ import torch
 
 from . import _backend
 from .args import (
-    NULL_BLOCK, as_groups, as_id_list, as_int, cache_full_args, check_block_id, check_hash, device_arg,
+    NULL_BLOCK, as_groups, as_host_list, as_id_list, as_int, cache_full_args, check_block_id, check_hash, device_arg,
     num_blocks_arg, partial_block_args,
 )
 from .errors import ArgumentTypeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError, PoolError
@@ -443,9 +443,9 @@ class BlockPool:
         ids = self._device_i32(op, ids, "ids")
         if self.enable_kv_cache_events:
             raise InvalidArgumentError(op, "a pool with KV events caches request by request (cache_full_blocks_batched)")
+        keys, ntok = self._cache_items(op, calls)  # checked with caching off too, as cache_full_blocks
         if not self.enable_caching:
             return  # a no-op, as each cache_full_blocks call
-        keys, ntok = self._cache_items(op, calls)
         if len(keys) != ids.numel():
             raise InvalidArgumentError(op, f"ids has {ids.numel()} entries, the calls' ranges {len(keys)}", ids.numel())
         if keys:
@@ -455,7 +455,7 @@ class BlockPool:
     def _cache_items(self, op: str, calls) -> tuple[list, list]:
         """``cache_blocks_batched``'s host checks: ((hash, group) and tokens covered per cached block)."""
         keys, ntok = [], []
-        for call in calls:
+        for call in as_host_list(op, calls, "calls"):
             if not isinstance(call, (tuple, list)) or len(call) != 5:
                 raise ArgumentTypeError(op, "each call is (block_hashes, num_cached_blocks, num_full_blocks, "
                                             f"block_size, group_id), got {call!r}")
@@ -492,14 +492,19 @@ class BlockPool:
 
         Raises at once (nothing changed) what the four ops raise for bad host values, and
         InvalidArgumentError for a pool with KV events (the caching part writes none), InvalidCountError
-        for a negative demand; device errors go to the status word (raised by :meth:`check`)."""
+        for a negative demand, OutOfBlocksError for a demands' sum above the pool's ``num_blocks - 1``
+        blocks (it can never fit, whatever the frees before it); device errors, a sum above the free
+        blocks among them, go to the status word (raised by :meth:`check`)."""
         op = "apply_batched"
         if self.enable_kv_cache_events:
             raise InvalidArgumentError(op, "a pool with KV events runs the ops one by one")
-        dem = [as_int(op, d, "demand") for d in demands]
+        dem = [as_int(op, d, "demand") for d in as_host_list(op, demands, "demands")]
         bad = [d for d in dem if d < 0]
         if bad:
             raise InvalidCountError(op, f"a demand must be >= 0, got {bad[0]}", bad[0])
+        if sum(dem) > self.num_blocks - 1:  # never fits (a free cannot make more blocks free); sizes the output
+            raise OutOfBlocksError(op, f"the demands' sum {sum(dem)} exceeds the pool's {self.num_blocks - 1} "
+                                       "blocks", sum(dem))
         small = self._tensor([0] + dem)  # one copy: a placeholder entry for empty parts, the demands
         one = small[:1]
         fids = one if free_ids is None else self._device_i32(op, free_ids, "free_ids")
@@ -513,7 +518,7 @@ class BlockPool:
                 raise InvalidArgumentError(op, "free_offsets needs at least one entry (0)")
         tids = one if touch_ids is None else self._device_i32(op, touch_ids, "touch_ids")
         cids = one if cache_ids is None else self._device_i32(op, cache_ids, "cache_ids")
-        keys, ntok = self._cache_items(op, cache_calls) if self.enable_caching else ([], [])
+        keys, ntok = self._cache_items(op, cache_calls)  # none with caching off (each call a no-op)
         n_cache = cids.numel() if cache_ids is not None else 0
         if self.enable_caching and len(keys) != n_cache:
             raise InvalidArgumentError(op, f"cache_ids has {n_cache} entries, the calls' ranges {len(keys)}", n_cache)

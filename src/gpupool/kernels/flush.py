@@ -11,7 +11,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from .alloc import alloc_batch
+from .alloc import alloc_batch, fill_minus_one
 from .cache import cache_blocks_batch
 from .common import batch_config, status_clear, warps_for
 from .layout import OP_ALLOCATE_BATCHED, OP_CACHE_BLOCKS_BATCHED, OP_FREE_BATCHED, OP_TOUCH_BATCHED
@@ -57,19 +57,28 @@ def resolve_popped(pc: tl.constexpr, ids, out, n, popped, total):
 
 
 @triton.jit
-def flush_kernel(ps, pc: tl.constexpr, fr, touch_ids, pop, ca, n_free, nseg, n_touch, n_demands, n_cache):
+def flush_kernel(ps, pc: tl.constexpr, fr, touch_ids, pop, ca, n_free, nseg, n_touch, n_demands, n_cache,
+                 want):
     """``free_batched`` of ``fr.ids[:n_free]`` (``nseg`` segments), ``touch_batched`` of
-    ``touch_ids[:n_touch]``, ``allocate_batched`` of ``pop.demands[:n_demands]`` and
-    ``cache_blocks_batched`` of ``ca``'s first ``n_cache`` items, in that order (module docstring)."""
+    ``touch_ids[:n_touch]``, ``allocate_batched`` of ``pop.demands[:n_demands]`` (their sum ``want``)
+    and ``cache_blocks_batched`` of ``ca``'s first ``n_cache`` items, in that order (module
+    docstring). ``pop.blocks[:want]`` is -1 when the pops fail or are skipped (as ``allocate_batched``)."""
     release_batch(ps, pc, fr.ids, None, n_free, fr.seg_off, nseg, fr.pf, fr.seg_of, fr.code, OP_FREE_BATCHED,
                   False)
     tl.debug_barrier()
     touch_batch(ps, pc, touch_ids, None, n_touch, OP_TOUCH_BATCHED)
     tl.debug_barrier()
+    err_pop = tl.full([], 1, tl.int32)  # not run
     total = tl.zeros([], tl.int64)
     if status_clear(ps.status):
         err_pop, total = alloc_batch(ps, pc, pop.demands, None, n_demands, pop.blocks, pop.offsets,
                                      OP_ALLOCATE_BATCHED)
+    total = tl.where(err_pop == 0, total, 0)  # blocks popped: none when the part failed (nothing to resolve)
+    if err_pop != 0:
+        i = 0
+        while i < want:
+            fill_minus_one(pop.blocks, 0, want, i, pc.BLOCK)
+            i += pc.BLOCK
     tl.debug_barrier()
     resolve_popped(pc, ca.ids, ca.resolved, n_cache, pop.blocks, total)
     tl.debug_barrier()
@@ -82,7 +91,8 @@ def launch_flush(ps, pc, free_ids, seg_off, touch_ids, demands, cache_ids, key_h
     """Launch ``flush_kernel`` (one program; the pool has no KV events). Every argument is a device
     tensor with at least one entry, of which the first ``n_*`` count (``seg_off``: all of it, the
     free calls' offsets); ``total``: the demands' sum, checked on the host (sizes the output).
-    Returns ``(blocks: int32[total], offsets: int32[n_demands + 1])``."""
+    Returns ``(blocks: int32[total], offsets: int32[n_demands + 1])``; ``blocks`` all -1 when the pops
+    fail or are skipped."""
     import torch
 
     if pc.EVENTS:
@@ -96,5 +106,5 @@ def launch_flush(ps, pc, free_ids, seg_off, touch_ids, demands, cache_ids, key_h
     fr = FreePart(free_ids, seg_off, scratch[: nf + 1], scratch[nf + 1: 2 * nf + 1], scratch[2 * nf + 1: 3 * nf + 1])
     ca = CachePart(cache_ids, scratch[3 * nf + 1:], key_hi, key_lo, key_group, ntok)
     flush_kernel[(1,)](ps, pc, fr, touch_ids, PopPart(demands, blocks, offsets), ca, n_free, seg_off.numel() - 1,
-                       n_touch, n_demands, n_cache, num_warps=warps_for(pc.BLOCK))
+                       n_touch, n_demands, n_cache, total, num_warps=warps_for(pc.BLOCK))
     return blocks[:total], offsets
