@@ -504,16 +504,21 @@ def _alloc_batched(p, c, demands, followups=(), single=None):
               followups, single)
 
 
-def v_free_batched(p, c):
+def held_segments(p, c, min_segs: int, label: str) -> list[list[int]]:
+    """Up to 3 segments of up to 3 held blocks each (a block's references split among them)."""
     pool = p.held_multiset()
     segs = []
-    for _ in range(c.int(0, 3, "nseg")):
-        k = c.int(0, min(3, len(pool)), "seg_len")
+    for _ in range(c.int(min_segs, 3, label + "nseg")):
+        k = c.int(0, min(3, len(pool)), label + "seg_len")
         seg = c.shuffled(pool)[:k]
         for b in seg:
             pool.remove(b)
         segs.append(seg)
-    _free_batched(p, segs)
+    return segs
+
+
+def v_free_batched(p, c):
+    _free_batched(p, held_segments(p, c, 0, ""))
 
 
 def _free_batched(p, segs, followups=(), single=None):
@@ -916,14 +921,7 @@ def f_allocate_batched(p, c):
 
 
 def f_free_batched(p, c):
-    pool = p.held_multiset()
-    segs = []
-    for _ in range(c.int(1, 3, "fnseg")):
-        k = c.int(0, min(3, len(pool)), "fseg_len")
-        seg = c.shuffled(pool)[:k]
-        for b in seg:
-            pool.remove(b)
-        segs.append(seg)
+    segs = held_segments(p, c, 1, "f")
     j = c.int(0, len(segs) - 1, "bad_seg")
     kind = c.pick(["bad", "double", "free"], "fb_kind")
     if kind == "bad":

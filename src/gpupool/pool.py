@@ -443,17 +443,16 @@ class BlockPool:
         ids = self._device_i32(op, ids, "ids")
         if self.enable_kv_cache_events:
             raise InvalidArgumentError(op, "a pool with KV events caches request by request (cache_full_blocks_batched)")
-        keys, ntok = self._cache_items(op, calls)  # checked with caching off too, as cache_full_blocks
-        if not self.enable_caching:
-            return  # a no-op, as each cache_full_blocks call
-        if len(keys) != ids.numel():
-            raise InvalidArgumentError(op, f"ids has {ids.numel()} entries, the calls' ranges {len(keys)}", ids.numel())
+        keys, ntok = self._cache_items(op, calls, ids.numel(), "ids")  # none with caching off (a no-op)
         if keys:
             k_cache.launch_cache_blocks(self.state, self.config, ids, *self._key_tensors(keys, ntok),
                                         op=Op.CACHE_BLOCKS_BATCHED)
 
-    def _cache_items(self, op: str, calls) -> tuple[list, list]:
-        """``cache_blocks_batched``'s host checks: ((hash, group) and tokens covered per cached block)."""
+    def _cache_items(self, op: str, calls, n_ids: int, what: str) -> tuple[list, list]:
+        """``cache_blocks_batched``'s host checks, made with caching off too (as ``cache_full_blocks``
+        makes them): ((hash, group) and tokens covered per cached block; none with caching off).
+        Raises InvalidArgumentError when caching is on and ``n_ids`` (``what``'s length) is not the
+        calls' ranges' total."""
         keys, ntok = [], []
         for call in as_host_list(op, calls, "calls"):
             if not isinstance(call, (tuple, list)) or len(call) != 5:
@@ -465,6 +464,8 @@ class BlockPool:
             if not a.noop:
                 keys += [(a.stored_hash(i), a.group) for i in range(a.nc, a.nf)]
                 ntok += [(i + 1) * a.block_size for i in range(a.nc, a.nf)]
+        if self.enable_caching and len(keys) != n_ids:
+            raise InvalidArgumentError(op, f"{what} has {n_ids} entries, the calls' ranges {len(keys)}", n_ids)
         return keys, ntok
 
     def _key_tensors(self, keys, ntok) -> list[torch.Tensor]:
@@ -502,9 +503,10 @@ class BlockPool:
         bad = [d for d in dem if d < 0]
         if bad:
             raise InvalidCountError(op, f"a demand must be >= 0, got {bad[0]}", bad[0])
-        if sum(dem) > self.num_blocks - 1:  # never fits (a free cannot make more blocks free); sizes the output
-            raise OutOfBlocksError(op, f"the demands' sum {sum(dem)} exceeds the pool's {self.num_blocks - 1} "
-                                       "blocks", sum(dem))
+        total = sum(dem)
+        if total > self.num_blocks - 1:  # never fits (a free cannot make more blocks free); sizes the output
+            raise OutOfBlocksError(op, f"the demands' sum {total} exceeds the pool's {self.num_blocks - 1} blocks",
+                                   total)
         small = self._tensor([0] + dem)  # one copy: a placeholder entry for empty parts, the demands
         one = small[:1]
         fids = one if free_ids is None else self._device_i32(op, free_ids, "free_ids")
@@ -518,15 +520,12 @@ class BlockPool:
                 raise InvalidArgumentError(op, "free_offsets needs at least one entry (0)")
         tids = one if touch_ids is None else self._device_i32(op, touch_ids, "touch_ids")
         cids = one if cache_ids is None else self._device_i32(op, cache_ids, "cache_ids")
-        keys, ntok = self._cache_items(op, cache_calls)  # none with caching off (each call a no-op)
-        n_cache = cids.numel() if cache_ids is not None else 0
-        if self.enable_caching and len(keys) != n_cache:
-            raise InvalidArgumentError(op, f"cache_ids has {n_cache} entries, the calls' ranges {len(keys)}", n_cache)
+        keys, ntok = self._cache_items(op, cache_calls, 0 if cache_ids is None else cids.numel(), "cache_ids")
         n_free, n_touch = (0 if t is None else t.numel() for t in (free_ids, touch_ids))
         return k_flush.launch_flush(
             self.state, self.config, fids if n_free else one, seg, tids if n_touch else one,
             small[1:] if dem else one, cids if keys else one, *self._key_tensors(keys, ntok),
-            n_free=n_free, n_touch=n_touch, n_demands=len(dem), n_cache=len(keys), total=sum(dem))
+            n_free=n_free, n_touch=n_touch, n_demands=len(dem), n_cache=len(keys), total=total)
 
     @locked
     def touch_batched(self, ids: torch.Tensor, num_ids: torch.Tensor | None = None) -> None:

@@ -103,6 +103,15 @@ def fill_minus_one(out, lo, hi, start, FILL: tl.constexpr):
 
 
 @triton.jit
+def fill_head_minus_one(out, n, BLOCK: tl.constexpr):
+    """``out[:n] = -1`` (the blocks of a failed or skipped pop), one tile after another."""
+    i = 0
+    while i < n:
+        fill_minus_one(out, 0, n, i, BLOCK)
+        i += BLOCK
+
+
+@triton.jit
 def alloc_kernel(ps, pc: tl.constexpr, demands, num_demands, cap, out_blocks, out_offsets, OP: tl.constexpr,
                  FILL: tl.constexpr):
     """Batched ``get_new_blocks``.
@@ -126,10 +135,7 @@ def alloc_kernel(ps, pc: tl.constexpr, demands, num_demands, cap, out_blocks, ou
         err, total = alloc_batch(ps, pc, demands, num_demands, cap, out_blocks, out_offsets, OP)
         if FILL > 0:
             if err != 0:  # the other programs filled from the demands' sum on
-                i = 0
-                while i < tl.minimum(total, pc.N + 1):
-                    fill_minus_one(out_blocks, 0, tl.minimum(total, pc.N + 1), i, pc.BLOCK)
-                    i += pc.BLOCK
+                fill_head_minus_one(out_blocks, tl.minimum(total, pc.N + 1), pc.BLOCK)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from .alloc import alloc_batch, fill_minus_one
+from .alloc import alloc_batch, fill_head_minus_one
 from .cache import cache_blocks_batch
 from .common import batch_config, status_clear, warps_for
 from .layout import OP_ALLOCATE_BATCHED, OP_CACHE_BLOCKS_BATCHED, OP_FREE_BATCHED, OP_TOUCH_BATCHED
@@ -75,10 +75,7 @@ def flush_kernel(ps, pc: tl.constexpr, fr, touch_ids, pop, ca, n_free, nseg, n_t
                                      OP_ALLOCATE_BATCHED)
     total = tl.where(err_pop == 0, total, 0)  # blocks popped: none when the part failed (nothing to resolve)
     if err_pop != 0:
-        i = 0
-        while i < want:
-            fill_minus_one(pop.blocks, 0, want, i, pc.BLOCK)
-            i += pc.BLOCK
+        fill_head_minus_one(pop.blocks, want, pc.BLOCK)
     tl.debug_barrier()
     resolve_popped(pc, ca.ids, ca.resolved, n_cache, pop.blocks, total)
     tl.debug_barrier()

@@ -14,8 +14,8 @@ deciding depend only on counts and on keys the host already knows:
   from the free queue's head, and un-hashed blocks are freed to the front, hashed ones to the back
   (docs/semantics.md section 2), so a pop of at most ``U`` blocks, ``U`` the length of the queue's
   leading run of un-keyed blocks, evicts no key and changes no mirrored field of a known block. The
-  adapter keeps a lower bound of ``U`` on the host (exact after each synchronisation, read on the
-  device). A pop past it may evict keyed blocks: the mirror is then marked *dirty*, and the next read
+  adapter keeps a lower bound of ``U`` on the host (read on the device at each synchronisation, in
+  the first ``UNKEYED_WINDOW`` ring slots). A pop past it may evict keyed blocks: the mirror is then marked *dirty*, and the next read
   of a ref count, a key or a lookup synchronises first (counted).
 
 So ``get_new_blocks`` returns placeholder :class:`PendingBlock` proxies whose ``block_id`` is bound at
@@ -160,7 +160,7 @@ class DeferredBlockPool(BlockPool):
 
     def _device_ids(self, slots: list[int]) -> torch.Tensor:
         """``int32[len(slots)]`` on the device: known ids as they are, placeholders gathered from the
-        ``allocate_batched`` outputs (no synchronisation)."""
+        launched flushes' pops (no synchronisation)."""
         n = self.num_gpu_blocks
         t = self._h2d(slots, torch.int64)
         if max(slots, default=0) >= n:
@@ -180,8 +180,8 @@ class DeferredBlockPool(BlockPool):
 
     # ---- the fast ops --------------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """vLLM's ``get_new_blocks`` as placeholders (ids bound at the next :meth:`sync`); launched
-        at once as ``allocate_batched``. Raises OutOfBlocksError past the (exact) free count."""
+        """vLLM's ``get_new_blocks`` as placeholders (ids bound at the next :meth:`sync`), a demand of
+        the batch's pop part. Raises OutOfBlocksError past the (exact) free count."""
         if not self.deferred:
             return super().get_new_blocks(num_blocks)
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0 or self._watched:
@@ -217,7 +217,7 @@ class DeferredBlockPool(BlockPool):
         return out
 
     def touch(self, blocks) -> None:
-        """A prefix hit, launched as ``touch_batched``; ref counts and the free count kept on the host."""
+        """A prefix hit, queued in the batch's touch part; ref counts and the free count kept on the host."""
         if not self.deferred:
             return super().touch(blocks)
         blocks = list(blocks)
@@ -235,10 +235,10 @@ class DeferredBlockPool(BlockPool):
                     self._unkeyed = max(self._unkeyed - 1, 0)
                     front = True
             ref[s] += 1
-        self._launch("touch", slots, front)
+        self._queue("touch", slots, front)
 
     def free_blocks(self, ordered_blocks) -> None:
-        """Release one reference per block, launched as ``free_batched``; a release below 0 is checked
+        """Release one reference per block, a segment of the batch's free part; a release below 0 is checked
         on the device first (synchronising) and raised by the base class, nothing changed."""
         if not self.deferred:
             return super().free_blocks(ordered_blocks)
@@ -263,15 +263,15 @@ class DeferredBlockPool(BlockPool):
                     self._unkeyed += 1  # un-keyed blocks go to the queue's front (docs/semantics.md)
                     front = True
         if slots:
-            self._launch("free", slots, front)
+            self._queue("free", slots, front)
         if others:
             super().free_blocks(others)
 
     def cache_full_blocks(self, request, blocks, num_cached_blocks: int, num_full_blocks: int, block_size: int,
                           kv_cache_group_id: int, block_mask=None) -> None:
-        """vLLM's ``cache_full_blocks``, launched as ``cache_full_blocks_batched`` with the keys added
-        on the host, when every block in the range is non-null, un-keyed and listed once and there is
-        no mask; otherwise synchronise and run as the base class."""
+        """vLLM's ``cache_full_blocks``, queued in the batch's caching part with the keys added
+        on the host, when every block in the range is non-null, held, un-keyed and listed once and
+        there is no mask; otherwise synchronise and run as the base class."""
         nc, nf = num_cached_blocks, num_full_blocks
         if not self.deferred or nc >= nf:
             return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
@@ -316,7 +316,7 @@ class DeferredBlockPool(BlockPool):
             if s < self.num_gpu_blocks:
                 self._touched.add(s)
 
-    def _launch(self, kind: str, slots: list[int], front: bool) -> None:
+    def _queue(self, kind: str, slots: list[int], front: bool) -> None:
         """Queue a touch or a free of ``slots`` (``front``: one of them is, or becomes, an un-keyed
         free block, at the queue's front) in the batch, flushing it first where :meth:`_must_flush`."""
         for s in slots:
