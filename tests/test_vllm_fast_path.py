@@ -7,8 +7,10 @@ needs, ``gpupool.BlockPool.cache_full_blocks_batched``.
   run (free counts, ref counts and hashes of hit blocks, lookups) and, at the end, every block id
   handed out, the whole mirror and the device state are equal; over the reference backend
   (many lists) and the device pool (Triton's interpreter, few);
-* synchronisations: a batch of allocations, caches, touches and frees costs one device-to-host
-  transfer (counted by patching torch.Tensor's readers), none before a ``block_id`` is read;
+* synchronisations: a batch of allocations, caches, touches and frees costs no device-to-host
+  transfer (counted by patching torch.Tensor's readers), ids included; ``sync()`` is one and checks
+  the host's claims (a corrupted copy of the free queue is caught); a pop past the copy hands out
+  placeholders and dirties the mirror; ``end_step`` refills the copy and verifies on schedule;
 * errors: a double free raises gpupool's DoubleFreeError with the pool unchanged; get_new_blocks past
   the free count raises OutOfBlocksError at the call;
 * the core op: ``cache_full_blocks_batched`` over device ids leaves the state ``cache_full_blocks``
@@ -104,9 +106,10 @@ class _D2H:
             monkeypatch.setattr(torch.Tensor, name, f)
 
 
-def test_one_transfer_per_batch(monkeypatch):
-    """Requests allocated, cached, hit and freed with no read of an id cost no device read; the first
-    ``block_id`` read binds every placeholder with ONE transfer; the result equals the per-call pool's."""
+def test_no_transfer_per_batch(monkeypatch):
+    """Requests allocated, cached, hit and freed cost no device read: every answer, the ids included,
+    comes from the host (its copy of the free queue), the blocks handed out are the canonical proxies;
+    ``sync()`` afterwards is ONE transfer and confirms every claim; the result equals the per-call pool's."""
     pool = DeferredBlockPool(16, True, BS, device="cpu")
     ref = BlockPool(16, True, BS, device="cpu")
     d2h = _D2H(monkeypatch)
@@ -115,40 +118,97 @@ def test_one_transfer_per_batch(monkeypatch):
         a = p.get_new_blocks(3)
         ra = driver.request(driver.tokens_of(5)[: 3 * BS])
         p.cache_full_blocks(ra, a, 0, 3, BS, 0)
-        hit = p.get_cached_block(ra.block_hashes[0], [0])  # a placeholder, found by its predicted key
+        hit = p.get_cached_block(ra.block_hashes[0], [0])
         p.touch(hit)
         b = p.get_new_blocks(2)
         p.free_blocks(list(reversed(a)))
         p.free_blocks(hit)
-        outs.append((a, b, hit))
+        c = p.get_new_blocks(1)  # the queue's head: none of a (keyed, at the back)
+        outs.append((a, b, hit, c))
         if p is pool:
-            assert d2h.n == 0 and pool.syncs == {} and isinstance(hit[0], PendingBlock) and hit[0] is a[0]
-            assert pool.get_num_free_blocks() == 16 - 1 - 2 and a[1].ref_cnt == 0 and a[0].block_hash is not None
-            ids = [blk.block_id for blk in a + b]
-            assert d2h.n == 1 and dict(pool.syncs) == {"block_id": 1}
-            assert pool.blocks[ids[0]] is a[0]  # the placeholder is now the block's canonical proxy
+            ids = [blk.block_id for blk in a + b + c]
+            # two flushes (_must_flush): the hit touches a block popped in the batch, then a is freed
+            # while touched in the next one
+            assert d2h.n == 0 and pool.syncs == {} and pool.flushes == 2
+            assert all(pool.blocks[i] is blk for i, blk in zip(ids, a + b + c)) and hit[0] is a[0]
+            assert pool.get_num_free_blocks() == 16 - 1 - 3 and a[1].ref_cnt == 0 and a[0].block_hash is not None
+            pool.end_step()  # launches the batch; the copy holds the whole queue: no refill
+            assert d2h.n == 0 and pool.flushes == 3
+            pool.sync()
+            assert d2h.n == 1 and dict(pool.syncs) == {"sync": 1}
     assert [[x.block_id for x in blks] for blks in outs[0]] == [[x.block_id for x in blks] for blks in outs[1]]
     assert driver.snapshot(pool) == driver.snapshot(ref)
     pool.device_pool.validate()
 
 
-def test_dirty_mirror_syncs_only_for_free_blocks():
-    """A pop past the queue's leading un-keyed run may evict keys: a lookup that would answer a free
-    block synchronises first (and gets the device's answer); a miss or a held block does not."""
+@pytest.mark.parametrize("backend", ["reference", "device"])
+def test_a_wrong_prediction_is_caught(backend):
+    """The host's ids are claims the device checks: with the host's copy of the queue corrupted (two
+    ids swapped), the pop is refused (reference: at the call) or found at the next synchronisation
+    (device: the popped ids compared on the device), as PoolError; the copy is then read again."""
+    kw = dict(device="cpu") if backend == "device" else dict(backend="reference")
+    pool = DeferredBlockPool(8, True, BS, **kw)
+    first = list(pool._q)
+    pool._q = type(pool._q).fromkeys([first[1], first[0]] + first[2:])
+    with pytest.raises(PoolError, match="pop"):
+        pool.get_new_blocks(1)
+        pool.sync()
+    pool.sync("again", window=True)
+    assert list(pool._q) == pool.device_pool.free_queue()[: len(pool._q)]
+
+
+def test_dirty_mirror_syncs_only_for_free_blocks(monkeypatch):
+    """A pop past the host's copy of the queue (here a window of 2) hands out placeholders, and may
+    evict keys: a lookup that would answer a free block synchronises first (and gets the device's
+    answer); a miss or a held block does not."""
+    from gpupool.vllm import fast_path
+    monkeypatch.setattr(fast_path, "FREE_WINDOW", 2)
     pool = DeferredBlockPool(8, True, BS, backend="reference")
     r = driver.request(driver.tokens_of(3)[: 4 * BS])
-    a = pool.get_new_blocks(4)
+    a = pool.get_new_blocks(4)  # past the copy even after a refill: placeholders
+    assert dict(pool.syncs) == {"free_queue": 1} and isinstance(a[0], PendingBlock) and a[0]._s >= 8
     pool.cache_full_blocks(r, a, 0, 4, BS, 0)
     held = pool.get_new_blocks(1)
     pool.free_blocks(list(reversed(a)))  # 4 keyed blocks at the back, 2 un-keyed in front
     pool.sync()
+    assert len(pool._q) == 2
     pool.syncs.clear()
-    pool.get_new_blocks(3)  # 2 un-keyed + the first keyed one (a[3], freed first): dirty
-    assert pool._dirty and pool.syncs == {}
-    assert pool.get_cached_block(b"\x00" * 32, [0]) is None and pool.syncs == {}  # a miss: exact
-    assert held[0].ref_cnt == 1 and pool.syncs == {}  # a held block: exact
+    pool.get_new_blocks(3)  # 2 un-keyed + the first keyed one (a[3], freed first): past the copy, dirty
+    assert pool._dirty and dict(pool.syncs) == {"free_queue": 1}
+    assert pool.get_cached_block(b"\x00" * 32, [0]) is None and dict(pool.syncs) == {"free_queue": 1}  # a miss
+    assert held[0].ref_cnt == 1 and dict(pool.syncs) == {"free_queue": 1}  # a held block: exact
     assert pool.get_cached_block(r.block_hashes[3], [0]) is None  # a[3] was evicted by the pop
-    assert dict(pool.syncs) == {"get_one_block": 1} and not pool._dirty
+    assert dict(pool.syncs) == {"free_queue": 1, "get_one_block": 1} and not pool._dirty
+
+
+def test_end_step_refills_and_verifies(monkeypatch):
+    """``end_step`` launches the batch; it synchronises when the host's copy of the queue fell below
+    half of its last refill (and is not the whole queue), or when ``verify_every`` steps passed with
+    ops to check, and not otherwise."""
+    from gpupool.vllm import fast_path
+    monkeypatch.setattr(fast_path, "FREE_WINDOW", 8)
+    pool = DeferredBlockPool(20, True, BS, backend="reference")
+    assert len(pool._q) == 8 and pool._low_mark == 4
+    pool.get_new_blocks(4)
+    pool.end_step()
+    assert pool.syncs == {} and len(pool._q) == 4
+    pool.get_new_blocks(1)
+    pool.end_step()  # 3 < 4 and 14 free: refill
+    assert dict(pool.syncs) == {"end_step": 1} and list(pool._q) == list(range(6, 14))
+    pool.verify_every = 3
+    got = pool.get_new_blocks(1)
+    pool.free_blocks(got)  # back at the front: the copy is unchanged
+    pool.end_step()
+    pool.end_step()
+    assert dict(pool.syncs) == {"end_step": 1} and list(pool._q) == list(range(6, 14))
+    pool.end_step()  # the third step since the last synchronisation: verify
+    assert dict(pool.syncs) == {"end_step": 2}
+    for step in range(4):
+        pool.end_step()  # nothing to check: no synchronisation
+    assert dict(pool.syncs) == {"end_step": 2}
+    pool.get_new_blocks(len(pool._q))  # empties the copy (not the queue): the next pop refills first
+    pool.get_new_blocks(1)
+    assert dict(pool.syncs) == {"end_step": 2, "free_queue": 1}
 
 
 def test_errors_leave_the_pool_unchanged():
@@ -205,10 +265,10 @@ def test_cache_full_blocks_batched_equals_cache_full_blocks():
 def test_batch_flushes_where_the_order_requires():
     """The device backend's batch (fast_path._Batch) runs free, touch, pop, cache in that order, one
     flush each (``DeferredBlockPool._must_flush``): pops and cachings pile up in one batch, and so do
-    touches and frees of keyed blocks after pops that stayed in the queue's un-keyed front run; a free
-    of a block cached in the batch, and an un-keyed free block freed or touched after a pop, flush
-    first. The sequence runs on the per-call pool too: same ids, same final state; and the flush
-    counts are the ones the rules give."""
+    touches of free blocks and frees of keyed blocks after pops; a free of a block cached in the
+    batch, an un-keyed block freed (to the front) after a pop, and a touch or free of a block popped
+    in the batch flush first. The sequence runs on the per-call pool too: same ids, same final state;
+    and the flush counts are the ones the rules give."""
     pools = [DeferredBlockPool(16, True, BS, device="cpu"), BlockPool(16, True, BS, device="cpu")]
     got = []
     for p in pools:
@@ -230,7 +290,7 @@ def test_batch_flushes_where_the_order_requires():
         c = p.get_new_blocks(1)
         mark()  # 1: the touch and the pop join the free
         p.touch(hit[1:])
-        mark()  # 1: a touch of a keyed free block after a pop (of the un-keyed run): same batch
+        mark()  # 1: a touch of a free block after a pop: same batch
         p.free_blocks(d)
         mark()  # 2: an un-keyed block freed (to the front) after a pop
         e = p.get_new_blocks(1)
@@ -239,15 +299,23 @@ def test_batch_flushes_where_the_order_requires():
         p.free_blocks(b[1:])
         mark()  # 3: an un-keyed block freed after a pop
         ids = [x.block_id for x in a + b + d + hit + c + e]
-        mark()  # 4: the block_id read's synchronisation
+        mark()  # 3: the ids are known on the host: no synchronisation, no flush
         x = p.get_new_blocks(1)
-        ids.append(x[0].block_id)  # 5
+        ids.append(x[0].block_id)
         p.cache_full_blocks(rb, b[:1] + x, 1, 2, BS, 0)
         p.free_blocks(x)
-        mark()  # 6: a free of a block cached in the batch
+        mark()  # 4: a free of a block cached (and popped) in the batch
+        y = p.get_new_blocks(1)
+        p.touch(y)
+        mark()  # 5: a touch of a block popped in the batch
+        p.free_blocks(y)
+        p.free_blocks(y)
+        mark()  # 6: a free of a block touched in the batch
+        ids.append(y[0].block_id)
         if isinstance(p, DeferredBlockPool):
+            assert p.syncs == {}
             p.sync()  # 7
-            assert flushes == [0, 1, 1, 1, 2, 2, 3, 4, 6] and p.flushes == 7, (flushes, p.flushes)
+            assert flushes == [0, 1, 1, 1, 2, 2, 3, 3, 4, 5, 6] and p.flushes == 7, (flushes, p.flushes)
             p.device_pool.validate()
         got.append((ids, driver.snapshot(p)))
     assert got[0] == got[1]
@@ -287,19 +355,21 @@ def test_a_decode_step_is_one_flush():
     assert got[0] == got[1]
 
 
-def test_the_unkeyed_run_is_counted_in_a_window():
-    """The leading un-keyed run is counted in the first ``UNKEYED_WINDOW`` ring slots only (a lower
-    bound, so a synchronisation's work does not grow with the pool): a fresh pool larger than the
-    window starts with exactly the window; a pop within it keeps the mirror clean, one past it makes
-    the mirror dirty (conservative: the true run is longer), and the ids still match the per-call pool."""
-    from gpupool.vllm.fast_path import UNKEYED_WINDOW
-    n = UNKEYED_WINDOW + 64
+def test_the_free_queue_copy_is_a_window():
+    """The host's copy of the free queue is read from the first ``FREE_WINDOW`` ring slots only (the
+    work per refill does not grow with the pool): a fresh pool larger than the window starts with
+    exactly the window; pops within it need no synchronisation, one past it refills the copy first
+    (one synchronisation, the rest of the queue now whole), and the ids match the per-call pool's."""
+    from gpupool.vllm.fast_path import FREE_WINDOW
+    n = FREE_WINDOW + 64
     pool, ref = DeferredBlockPool(n, True, BS, device="cpu"), BlockPool(n, True, BS, device="cpu")
-    assert pool._unkeyed == UNKEYED_WINDOW
-    a = pool.get_new_blocks(UNKEYED_WINDOW - 1)
-    assert not pool._dirty
+    assert list(pool._q) == list(range(1, FREE_WINDOW + 1))
+    a = pool.get_new_blocks(FREE_WINDOW - 1)
+    assert pool.syncs == {} and not pool._dirty
     b = pool.get_new_blocks(2)
-    assert pool._dirty
-    want = ref.get_new_blocks(UNKEYED_WINDOW - 1) + ref.get_new_blocks(2)
+    assert dict(pool.syncs) == {"free_queue": 1} and not pool._dirty
+    want = ref.get_new_blocks(FREE_WINDOW - 1) + ref.get_new_blocks(2)
     assert [x.block_id for x in a + b] == [x.block_id for x in want]
-    assert pool._unkeyed == n - 1 - (UNKEYED_WINDOW + 1)  # exact again after the sync (all of it in the window)
+    assert len(pool._q) == pool.get_num_free_blocks() == n - 1 - (FREE_WINDOW + 1)
+    pool.sync()
+    pool.device_pool.validate()

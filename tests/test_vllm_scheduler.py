@@ -64,7 +64,7 @@ def test_same_decisions_as_vllm_async_scheduler(tmp_path):
 
     root = vllm_tree()
     env = dict(os.environ, GPUPOOL_VLLM_SRC=str(root), TRITON_INTERPRET="1", NUM_BLOCKS="12", NREQ="20",
-               BACKENDS="reference,device,device_percall", DECODE_HEAVY="6,40")
+               BACKENDS="reference,device,device_percall,device_w4", DECODE_HEAVY="6,40")
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     out = tmp_path / "sched.json"
     proc = subprocess.run([sys.executable, str(PLUGIN_DIR / "sched_driver.py"), str(out)], cwd=root, env=env,
@@ -83,26 +83,33 @@ def test_same_decisions_as_vllm_async_scheduler(tmp_path):
     assert len({n[0] for s in stock for n in s["new"]}) == 20
     heavy = r["heavy_stock"]
     assert len({n[0] for s in heavy for n in s["new"]}) == 6 and len(heavy) > 60
-    for mode, base in (("reference", stock), ("device", stock), ("device_percall", stock), ("heavy_device", heavy)):
+    for mode, base in (("reference", stock), ("device", stock), ("device_percall", stock), ("device_w4", stock),
+                       ("heavy_device", heavy)):
         ours = r[mode]
         assert len(ours) == len(base)
         for a, b in zip(base, ours):
             ops = b.pop("gpupool_ops")
             assert a == b, (mode, a["step"])
             b["gpupool_ops"] = ops
-    # the fast path's synchronisations, by reason: a placeholder's block_id (building the output) or a
-    # lookup answering a free block after a pop that may have evicted keys
+    # the fast path's synchronisations, by reason: with the default window the host's copy of the free
+    # queue holds the whole queue, so only end_step's verification every verify_every (64) steps
     fast_syncs = Counter()
     for mode in ("reference", "device", "heavy_device"):
         for s in r[mode]:
             fast_syncs.update(s["gpupool_ops"]["syncs"])
             assert sum(s["gpupool_ops"]["syncs"].values()) <= 1, (mode, s["step"], s["gpupool_ops"])
-    assert set(fast_syncs) <= {"block_id", "get_one_block"}, fast_syncs
-    for mode in ("device", "heavy_device"):
-        assert max(_distribution(r[mode])) == 1, (mode, _distribution(r[mode]))  # the bound: one read per step
+        assert sum(sum(s["gpupool_ops"]["syncs"].values()) for s in r[mode]) <= len(r[mode]) // 64 + 1, mode
+    assert set(fast_syncs) <= {"end_step"}, fast_syncs
+    # a window of 4 ring slots: refills at end_step and before pops, placeholders past it (then block_id
+    # reads and lookups of free blocks synchronise); the decisions above stay vLLM's
+    small = Counter()
+    for s in r["device_w4"]:
+        small.update(s["gpupool_ops"]["syncs"])
+    assert small["free_queue"] > 0 and small["end_step"] > 0, small
+    for mode in ("device", "heavy_device", "device_w4"):
         for s in r[mode]:  # each read is one sync() of the pool (nothing else reads the device)
             assert s["gpupool_ops"]["d2h"] == sum(s["gpupool_ops"]["syncs"].values()), s
-    for mode in ("device", "heavy_device"):  # the only device op: one apply_batched launch per flush
+    for mode in ("device", "heavy_device", "device_w4"):  # the only device op: one apply_batched launch per flush
         for s in r[mode]:
             o = s["gpupool_ops"]
             assert set(o) <= {"apply_batched", "flushes", "syncs", "d2h"}, o
@@ -118,7 +125,8 @@ def test_same_decisions_as_vllm_async_scheduler(tmp_path):
     print(f"\n{len(stock)} steps (differential stream), {len(heavy)} (decode-heavy). Device-to-host reads per "
           f"step, {{reads: steps}}: fast path {_distribution(r['device'])} (total "
           f"{sum(s['gpupool_ops']['d2h'] for s in r['device'])}), decode-heavy fast path "
-          f"{_distribution(r['heavy_device'])}, per-call path {_distribution(per_call)} (total "
+          f"{_distribution(r['heavy_device'])}, window-4 fast path {_distribution(r['device_w4'])} (reasons "
+          f"{dict(small)}), per-call path {_distribution(per_call)} (total "
           f"{sum(s['gpupool_ops']['d2h'] for s in per_call)}); fast-path sync reasons {dict(fast_syncs)}; "
           f"gpupool ops: fast {dict(fast_ops)}, per-call {dict(ops)}; flushes per step {{flushes: steps}}: fast "
           f"{_distribution(r['device'], 'flushes')}, decode-heavy {_distribution(r['heavy_device'], 'flushes')}; reads by caller {r['d2h_where']}; time "

@@ -265,9 +265,13 @@ def main():
         res["heavy_stock"] = run(make_scheduler(AsyncScheduler, nblk), heavy)
         res["heavy_stock_s"] = time.perf_counter() - t
         runs.append(("heavy_device", heavy, nblk))
+    from gpupool.vllm import fast_path
+    default_window = fast_path.FREE_WINDOW
     for mode, stream_, nblk in runs:
         backend = "reference" if mode == "reference" else "device"
         fast = not mode.endswith("percall")
+        # "_w<W>": the host's copy of the free queue only W ring slots long (refills, placeholders)
+        fast_path.FREE_WINDOW = int(mode.rsplit("_w", 1)[1]) if "_w" in mode else default_window
         os.environ["GPUPOOL_VLLM_BACKEND"] = backend
         os.environ["GPUPOOL_VLLM_FAST_PATH"] = "1" if fast else "0"
         counts = Counter()

@@ -351,6 +351,10 @@ class BlockPool:
         """The proxy of a mirror slot (a block id here)."""
         return self.blocks[slot]
 
+    def end_step(self) -> None:
+        """The end of a scheduler step (``GpuPoolScheduler`` calls it after each ``schedule()``); the
+        per-call pool has nothing waiting (the fast path launches its batch here, docs/vllm.md)."""
+
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
                  enable_kv_cache_events: bool = False, metrics_collector: Any = None,
                  num_hash_lookahead_tokens: int = 0, medium: str = MEDIUM_GPU, *,

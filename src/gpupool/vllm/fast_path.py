@@ -1,53 +1,56 @@
-"""``DeferredBlockPool``: the drop-in vLLM ``BlockPool`` with its device work deferred, so that a vLLM
-scheduler step makes at most one device-to-host synchronisation in the common case (docs/vllm.md,
-"The fast path").
+"""``DeferredBlockPool``: the drop-in vLLM ``BlockPool`` with its device work deferred and its answers
+known on the host, so that a vLLM scheduler step needs no device-to-host synchronisation in the
+common case and at most one when a step pops up to ``FREE_WINDOW // 2`` blocks (docs/vllm.md, "The
+fast path").
 
-vLLM's scheduler decides request by request on the pool's answers, but the answers it needs while
-deciding depend only on counts and on keys the host already knows:
+vLLM's scheduler decides request by request on the pool's answers. The host computes them all:
 
-* ``get_num_free_blocks`` (does ``allocate_slots`` fit; when to preempt) is exact on the host:
-  ``get_new_blocks(n)`` takes n, a ``touch`` of a ref-0 block takes 1, a ``free_blocks`` that brings
-  a block to 0 gives 1 (docs/semantics.md section 2).
-* ``block.ref_cnt`` / ``block_hash`` and ``get_cached_block`` come from the host mirror, which the
-  adapter updates on the host for the fast ops (ref counts; a ``cache_full_blocks`` key on an
-  un-keyed block). What the host cannot know is *which* blocks ``get_new_blocks`` takes. It takes
-  from the free queue's head, and un-hashed blocks are freed to the front, hashed ones to the back
-  (docs/semantics.md section 2), so a pop of at most ``U`` blocks, ``U`` the length of the queue's
-  leading run of un-keyed blocks, evicts no key and changes no mirrored field of a known block. The
-  adapter keeps a lower bound of ``U`` on the host (read on the device at each synchronisation, in
-  the first ``UNKEYED_WINDOW`` ring slots). A pop past it may evict keyed blocks: the mirror is then marked *dirty*, and the next read
-  of a ref count, a key or a lookup synchronises first (counted).
+* ``get_num_free_blocks`` (does ``allocate_slots`` fit; when to preempt): ``get_new_blocks(n)`` takes
+  n, a ``touch`` of a ref-0 block takes 1, a ``free_blocks`` that brings a block to 0 gives 1
+  (docs/semantics.md section 2).
+* *which* blocks ``get_new_blocks`` takes: the free queue's head. Each synchronisation reads the
+  queue's first ids (the first ``FREE_WINDOW`` ring slots) into a host copy, ``_q``, which the host
+  keeps exact with the queue rules of docs/semantics.md section 2: a pop of n takes ``_q``'s first n
+  (their keys leave the mirror: evicted); a free puts the blocks that reach 0 without a key at the
+  front, the first one the new head, and keyed ones at the back (in ``_q`` only when it holds the
+  whole queue, else they lie past it); a touch of a free block unlinks it. So ``get_new_blocks``
+  hands out the blocks themselves (canonical proxies, exact ids) and the mirror (``ref_cnt``,
+  ``block_hash``, ``get_cached_block``) stays exact.
+* The device runs the same ops and checks the host's claim: the ids its pops take are compared with
+  the predicted ones on the device, and at the next synchronisation a mismatch, another free count,
+  another ref count or key count of a block the ops changed, or a queue window that does not continue
+  the host's copy raises PoolError.
 
-So ``get_new_blocks`` returns placeholder :class:`PendingBlock` proxies whose ``block_id`` is bound at
-the next synchronisation. ``get_new_blocks``, ``touch``, ``free_blocks`` and ``cache_full_blocks`` are
-gathered on the host into a batch, launched as one *flush*: ONE non-waiting ``apply_batched`` (one
-kernel: ``free_batched`` with a segment per call, ``touch_batched``, ``allocate_batched`` with a
-demand per call, ``cache_blocks_batched``, in that order), placeholder ids gathered on the device from
-its output. A flush happens at a synchronisation, and before an
-op the fixed order would move past one it must follow (:class:`_Batch`); a scheduler step is
-typically one flush, a decode step's pops and cachings for every running request included. One
-synchronisation (:meth:`DeferredBlockPool.sync`) is ONE device-to-host transfer: the placeholders'
-ids, the mirror rows of every block the ops since the last one touched, the free count, the status
-word, the reuse and event counters and the leading un-keyed run. It happens when vLLM first reads a
-placeholder's ``block_id`` (building the ``SchedulerOutput``), when a read needs the dirty mirror, or
-before any other op (``evict_blocks``, ``reset_prefix_cache``, ``cache_partial_block``,
-``move_block_hashes``, ``unpin_blocks``, ``ref_cnt`` writes, a ``cache_full_blocks`` onto a keyed
-block or with a mask, the free-queue and prefix-cache views), which then runs as in
-:class:`gpupool.vllm.BlockPool` (one op, one mirror transfer).
+Only a pop of more blocks than ``_q`` holds (after a refill, if nothing is pending) falls back to
+placeholder :class:`PendingBlock` proxies whose ``block_id`` is bound at the next synchronisation;
+the mirror is then *dirty* (those pops may evict keys) and a read of a free block's fields, or a
+lookup answering one, synchronises first (counted).
 
-After a synchronisation a placeholder becomes the canonical proxy of its block (``pool.blocks[id]``),
-so vLLM's ``is`` comparisons hold: one proxy object per held block. At each synchronisation the
-host's predicted free count is compared with the device's (a mismatch raises PoolError: the
-prediction is a claim, checked).
+``get_new_blocks``, ``touch``, ``free_blocks`` and ``cache_full_blocks`` are gathered on the host into
+a batch, launched as one *flush*: ONE non-waiting ``apply_batched`` (one kernel: ``free_batched`` with
+a segment per call, ``touch_batched``, ``allocate_batched`` with a demand per call,
+``cache_blocks_batched``, in that order). The adapter flushes first where this fixed order would move
+an op before one it must follow (:meth:`DeferredBlockPool._must_flush`). :meth:`DeferredBlockPool.
+end_step` (``GpuPoolScheduler`` calls it after each ``schedule()``) launches the step's batch and
+synchronises only to refill ``_q`` (fewer than ``FREE_WINDOW // 2`` ids and not the whole queue) or,
+every ``verify_every`` steps, to check. One synchronisation (:meth:`DeferredBlockPool.sync`) is ONE
+device-to-host transfer: the placeholders' ids, the mirror rows of every block the ops since the
+last one changed, the free count, the status word, the pop check, the reuse and event counters and,
+when refilling, the queue window. It also happens before any op outside the fast path
+(``evict_blocks``, ``reset_prefix_cache``, ``cache_partial_block``, ``move_block_hashes``,
+``unpin_blocks``, ``ref_cnt`` writes, a ``cache_full_blocks`` onto a keyed block or with a mask, the
+free-queue and prefix-cache views), which then runs as in :class:`gpupool.vllm.BlockPool` (one op,
+one mirror transfer).
 
 Not deferred (the whole pool runs per call, as :class:`gpupool.vllm.BlockPool`): with KV events or a
 metrics collector (both need each op's device answer with the request at hand). Over the reference
-backend the same code runs with the CPU oracle (ids known at once; the synchronisation is a host
-copy), which is how vLLM's tests exercise it without Triton's interpreter.
+backend the same code runs with the CPU oracle (its answer to each pop compared with the host's at
+the call; the synchronisation is a host copy), which is how vLLM's tests exercise it without Triton's
+interpreter.
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 
 import torch
 
@@ -63,26 +66,28 @@ if (Ctrl.NUM_FREE, Ctrl.KEY_SEQ, Ctrl.EV_COUNT, Ctrl.REUSE_COUNT) != (2, 3, 4, 5
 # the next synchronisation replaces them with the device's
 _PREDICTED_SEQ = 1 << 62
 
-# ring slots from the head in which the leading un-keyed run is counted at a synchronisation: more than
-# a step pops in practice (a pop past the counted run only makes the mirror dirty)
-UNKEYED_WINDOW = 4096
+# ring slots from the head read into the host's copy of the free queue at a refill: a step pops fewer
+# in practice (vLLM's default 8,192-token budget is 512 blocks of 16); the work per refill does not
+# grow with the pool
+FREE_WINDOW = 2048
 
 
 class _Batch:
     """The device ops since the last launch, run as one flush (one ``apply_batched``) in the order
     free, touch, pop, cache (``DeferredBlockPool._flush``). The adapter flushes first where this
-    order would move an op before one it must follow (``DeferredBlockPool._must_flush``); otherwise
-    the order commutes (docs/vllm.md, "The fast path"): a pop takes free blocks and a caching keys
-    held ones."""
+    order would move an op before one it must follow (``DeferredBlockPool._must_flush``)."""
 
-    __slots__ = ("free", "seg", "touch", "touched", "demands", "cache_slots", "cache_calls", "cached")
+    __slots__ = ("free", "seg", "touch", "touched", "demands", "pred", "popped", "cache_slots", "cache_calls",
+                 "cached")
 
     def __init__(self):
         self.free: list[int] = []  # slots, the free calls one after another
         self.seg = [0]  # free call j is free[seg[j]:seg[j + 1]]
         self.touch: list[int] = []
         self.touched: set[int] = set()
-        self.demands: list[int] = []  # get_new_blocks counts, in call order
+        self.demands: list[int] = []  # get_new_blocks counts, in call order: predicted ones first
+        self.pred: list[int] = []  # the ids the host predicted for the predicted demands, in order
+        self.popped: set[int] = set()
         self.cache_slots: list[int] = []  # each caching call's range, one after another
         self.cache_calls: list[tuple] = []  # (block_hashes, num_cached, num_full, block_size, group)
         self.cached: set[int] = set()
@@ -92,9 +97,9 @@ class _Batch:
 
 
 class PendingBlock(KVCacheBlock):
-    """A block ``get_new_blocks`` handed out whose id the device has not reported yet. Reading
-    ``block_id`` synchronises the pool once (all placeholders are bound together); ``ref_cnt`` and
-    ``block_hash`` are answered from the host mirror as for any block."""
+    """A block ``get_new_blocks`` handed out past the host's copy of the free queue, whose id the device
+    has not reported yet. Reading ``block_id`` synchronises the pool once (all placeholders are bound
+    together); ``ref_cnt`` and ``block_hash`` are answered from the host mirror as for any block."""
 
     __slots__ = ()
 
@@ -112,29 +117,37 @@ class PendingBlock(KVCacheBlock):
 
 
 class DeferredBlockPool(BlockPool):
-    """:class:`gpupool.vllm.BlockPool` with the fast ops deferred (module docstring; docs/vllm.md).
+    """:class:`gpupool.vllm.BlockPool` with the fast ops deferred and predicted (module docstring;
+    docs/vllm.md, "The fast path").
 
-    Same constructor. ``syncs`` counts the synchronisations by reason (``block_id``,
-    ``ref_cnt``, ``get_one_block``, ``op:<name>``, ...); ``deferred`` is False when KV events or a
-    metrics collector are on (then every call runs as in the base class).
+    Same constructor. ``syncs`` counts the synchronisations by reason (``end_step``, ``free_queue``
+    (a refill before a pop), ``block_id``, ``ref_cnt``, ``get_one_block``, ``op:<name>``, ...);
+    ``flushes`` the launches; ``deferred`` is False when KV events or a metrics collector are on (then
+    every call runs as in the base class). ``verify_every`` (default 64): :meth:`end_step`
+    synchronises at least every this many steps while ops wait to be checked.
     """
+
+    verify_every = 64
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.deferred = not (self.enable_kv_cache_events or self.metrics_collector)
         self.syncs: Counter = Counter()
+        self.flushes = 0  # launches of a batch (one apply_batched each, no synchronisation)
+        self.steps_since_sync = 0
         self._pending: list[PendingBlock] = []
-        self._touched: set[int] = set()
-        self._unkeyed = 0  # lower bound of the free queue's leading run of un-keyed blocks
+        self._touched: set[int] = set()  # blocks the ops since the last synchronisation changed
+        self._q: OrderedDict | None = None  # the free queue's first ids, exactly (None: not known)
+        self._low_mark = 0  # _q below this (and not the whole queue): refill at the next end_step
         self._pseq = _PREDICTED_SEQ
         self._pend_dev = None  # device: int32 ids of the placeholders of launched pops, in order
         self._pend_ref: list[int] = []  # reference backend: the same, on the host
         self._batch = _Batch()  # device backend: ops not launched yet
-        self.flushes = 0  # launches of a batch (one apply_batched each, no synchronisation)
+        self._bad = None  # device: int64[1], popped ids that differed from the host's since the last sync
         self._watched = False  # unpin_blocks was called: pops run per call from then on
-        self._window = None  # ring offsets 0 .. UNKEYED_WINDOW - 1 on the device (_unkeyed_run_dev)
+        self._window = None  # ring offsets 0 .. FREE_WINDOW - 1 on the device (_window_dev)
         if self.deferred:
-            self._unkeyed = self._read_unkeyed_run()
+            self._set_window(self._window_dev().tolist() if self.backend == "device" else self._window_ref())
 
     # ---- the hooks of the base class ---------------------------------------------------------------
     def _need_exact(self, why: str) -> None:
@@ -178,33 +191,116 @@ class DeferredBlockPool(BlockPool):
         n = self.num_gpu_blocks
         return [s if s < n else self._pend_ref[s - n] for s in slots]
 
+    # ---- the host's copy of the free queue ----------------------------------------------------------
+    def _window_dev(self) -> torch.Tensor:
+        """``int64[min(C, FREE_WINDOW)]`` on the device: the ids in the ring's first ``FREE_WINDOW``
+        slots from the head, -1 for holes (free blocks a touch unlinked) and slots past the tail; the
+        live ones are the free queue's first ids, in order (docs/DESIGN-NOTES.md, ring invariants)."""
+        st, c = self._dev.state, self._dev.config.C
+        head, tail = st.ctrl[Ctrl.HEAD].long(), st.ctrl[Ctrl.TAIL].long()
+        if self._window is None:
+            self._window = torch.arange(min(c, FREE_WINDOW), dtype=torch.int64, device=self._dev.device)
+        rel = self._window
+        v = st.ring[(head + rel) & (c - 1)].long()
+        return torch.where((rel < tail - head) & (v >= 0), v, -1)
+
+    def _window_ref(self) -> list[int]:
+        return list(self._dev.free_queue())[:FREE_WINDOW]
+
+    def _set_window(self, ids) -> None:
+        q = OrderedDict.fromkeys(v for v in ids if v >= 0)
+        self._q, self._low_mark = q, len(q) // 2
+
+    def _window_low(self) -> bool:
+        """Whether the next synchronisation should refill ``_q``: unknown, or below the low mark and
+        not the whole queue (a whole copy stays whole: every rule keeps it exact)."""
+        q = self._q
+        return q is None or (len(q) < self._low_mark and len(q) < self._num_free)
+
+    def _requeue(self, front: list[int], back: list[int], num_free_before: int) -> None:
+        """A free call's blocks that reached 0 in ``_q``: ``front`` (no key) to the front, its first
+        element the new head; ``back`` (keyed) to the back, known only when ``_q`` was the whole queue
+        (docs/semantics.md section 2)."""
+        q = self._q
+        if q is None or not (front or back):
+            return
+        if any(s >= self.num_gpu_blocks for s in front + back):  # a placeholder's id is not known
+            self._q = None
+            return
+        whole = len(q) == num_free_before
+        for s in reversed(front):
+            q[s] = None
+            q.move_to_end(s, last=False)
+        if whole:
+            q.update(dict.fromkeys(back))
+
     # ---- the fast ops --------------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """vLLM's ``get_new_blocks`` as placeholders (ids bound at the next :meth:`sync`), a demand of
-        the batch's pop part. Raises OutOfBlocksError past the (exact) free count."""
+        """vLLM's ``get_new_blocks``: the first ``num_blocks`` blocks of the host's copy of the free
+        queue (their keys leave the mirror), a demand of the batch's pop part; past the copy (after
+        refilling it with one synchronisation when nothing is pending), placeholders bound at the next
+        :meth:`sync`. Raises OutOfBlocksError past the (exact) free count."""
         if not self.deferred:
             return super().get_new_blocks(num_blocks)
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0 or self._watched:
             # a bad count raises the per-call pool's error; with reuse watchers registered (unpin_blocks)
             # a pop must call them at once, as vLLM does, so it runs per call
             self.sync("op:get_new_blocks")
-            return super().get_new_blocks(num_blocks)
+            out = super().get_new_blocks(num_blocks)
+            q = self._q
+            if q is not None and num_blocks <= len(q):
+                for _ in range(num_blocks):
+                    q.popitem(last=False)
+            else:
+                self._q = None
+            return out
         if num_blocks > self._num_free:
             raise OutOfBlocksError("get_new_blocks", f"Cannot get {num_blocks} free blocks from the pool", num_blocks)
         if num_blocks == 0:
             return []
+        q = self._q
+        if (q is None or num_blocks > len(q)) and not self._pending:
+            self.sync("free_queue", window=True)
+            q = self._q
+        self._num_free -= num_blocks
+        if q is not None and num_blocks <= len(q):
+            return self._pop_known(num_blocks)
+        return self._pop_pending(num_blocks)
+
+    def _pop_known(self, num_blocks: int) -> list[KVCacheBlock]:
+        q, holders = self._q, self._holders
+        ids = [q.popitem(last=False)[0] for _ in range(num_blocks)]
+        if self.backend == "device":
+            b = self._batch
+            b.demands.append(num_blocks)
+            b.pred += ids
+            b.popped.update(ids)
+        else:
+            got = self._dev.get_new_blocks(num_blocks)
+            got = got.tolist() if isinstance(got, torch.Tensor) else list(got)
+            if got != ids:  # the pool's answer stands: its blocks' rows are read at the next sync
+                self._q, self._dirty = None, True
+                self._touched.update(got)
+                raise PoolError("DeferredBlockPool.get_new_blocks", f"the host predicted the pop of {ids}, the pool took {got}")
+        for x in ids:
+            for key in self._keys[x]:  # evicted by the pop (docs/semantics.md section 2)
+                hs = holders[key]
+                hs.pop(x, None)
+                if not hs:
+                    del holders[key]
+            self._keys[x], self._ntok[x], self._ref[x] = (), None, 1
+            self._touched.add(x)
+        return [self.blocks[x] for x in ids]
+
+    def _pop_pending(self, num_blocks: int) -> list[KVCacheBlock]:
         k0 = len(self._pending)
         if self.backend == "device":
             self._batch.demands.append(num_blocks)
         else:
             ids = self._dev.get_new_blocks(num_blocks)
             self._pend_ref.extend(ids.tolist() if isinstance(ids, torch.Tensor) else ids)
-        self._num_free -= num_blocks
-        if num_blocks <= self._unkeyed:
-            self._unkeyed -= num_blocks  # only un-keyed blocks were taken: no known block changed
-        else:
-            self._unkeyed = 0
-            self._dirty = True  # keyed blocks may have been evicted: reads of the mirror wait for a sync
+        self._q = None
+        self._dirty = True  # keyed blocks may have been evicted: reads of free blocks wait for a sync
         n = self.num_gpu_blocks
         out = []
         for j in range(num_blocks):
@@ -217,7 +313,8 @@ class DeferredBlockPool(BlockPool):
         return out
 
     def touch(self, blocks) -> None:
-        """A prefix hit, queued in the batch's touch part; ref counts and the free count kept on the host."""
+        """A prefix hit, queued in the batch's touch part; ref counts, the free count and the host's
+        copy of the queue (a free block unlinked) kept on the host."""
         if not self.deferred:
             return super().touch(blocks)
         blocks = list(blocks)
@@ -227,19 +324,19 @@ class DeferredBlockPool(BlockPool):
         ref = self._ref
         if self._dirty and any(ref[s] == 0 for s in slots):
             self.sync("touch")  # a ref-0 block may have been taken by a pop since: read it
-        front = False  # an un-keyed free block touched: it sits in the queue's leading run
+        q = self._q
         for s in slots:
             if ref[s] == 0:
                 self._num_free -= 1
-                if not self._keys[s]:
-                    self._unkeyed = max(self._unkeyed - 1, 0)
-                    front = True
+                if q is not None:
+                    q.pop(s, None)  # past the copy if absent: the copy stays the queue's prefix
             ref[s] += 1
-        self._queue("touch", slots, front)
+        self._queue("touch", slots, False)
 
     def free_blocks(self, ordered_blocks) -> None:
-        """Release one reference per block, a segment of the batch's free part; a release below 0 is checked
-        on the device first (synchronising) and raised by the base class, nothing changed."""
+        """Release one reference per block, a segment of the batch's free part (the blocks that reach
+        0 requeued in the host's copy); a release below 0 is checked on the device first
+        (synchronising) and raised by the base class, nothing changed."""
         if not self.deferred:
             return super().free_blocks(ordered_blocks)
         mine, others = [], []
@@ -254,16 +351,16 @@ class DeferredBlockPool(BlockPool):
         if any(ref[s] < c for s, c in need.items()):
             self.sync("op:free_blocks")
             return super().free_blocks(mine + others)
-        front = False
+        front, back = [], []
         for s in slots:
             ref[s] -= 1
             if ref[s] == 0:
-                self._num_free += 1
-                if not self._keys[s]:
-                    self._unkeyed += 1  # un-keyed blocks go to the queue's front (docs/semantics.md)
-                    front = True
+                (back if self._keys[s] else front).append(s)
+        nf0 = self._num_free
+        self._num_free += len(front) + len(back)
+        self._requeue(front, back, nf0)
         if slots:
-            self._queue("free", slots, front)
+            self._queue("free", slots, bool(front))
         if others:
             super().free_blocks(others)
 
@@ -317,8 +414,8 @@ class DeferredBlockPool(BlockPool):
                 self._touched.add(s)
 
     def _queue(self, kind: str, slots: list[int], front: bool) -> None:
-        """Queue a touch or a free of ``slots`` (``front``: one of them is, or becomes, an un-keyed
-        free block, at the queue's front) in the batch, flushing it first where :meth:`_must_flush`."""
+        """Queue a touch or a free of ``slots`` (``front``: a block it frees goes to the queue's
+        front) in the batch, flushing it first where :meth:`_must_flush`."""
         for s in slots:
             if s < self.num_gpu_blocks:
                 self._touched.add(s)
@@ -342,102 +439,121 @@ class DeferredBlockPool(BlockPool):
         """Whether a touch or free of ``slots`` must wait for the batch to launch, its fixed order
         (free, touch, pop, cache) moving it before an op it follows (docs/vllm.md, "The fast path"):
         a free of a block the batch touches or caches; past the batch's pops, an op on a block they
-        took (its id is not known before the launch) or one with ``front``. Otherwise it commutes with
-        the pops: a block freed to the queue's back is never among the first n blocks that a pop of
-        n takes; a touched free block is keyed, and the pops took only blocks of the queue's leading
-        un-keyed run (``touch`` synchronises first when a pop went past it: the mirror dirty)."""
+        took, or a free to the queue's front (the pops would take it). Otherwise it commutes with the
+        pops: a pop of n takes the queue's first n blocks, and a block freed to the back or a free
+        block touched (still free after the pops, so not among their first n) leaves those alone."""
         b = self._batch
         if kind == "free" and not (b.cached.isdisjoint(slots) and b.touched.isdisjoint(slots)):
             return True
         if not b.demands:
             return False
         mine = self.num_gpu_blocks + (0 if self._pend_dev is None else self._pend_dev.numel())
-        return front or any(s >= mine for s in slots)
+        return front or not b.popped.isdisjoint(slots) or any(s >= mine for s in slots)
 
     def _flush(self) -> None:
         """Launch the batch as ONE ``apply_batched`` (free: every call a segment; touch; pop: every
-        call a demand; cache), not waiting; the placeholders of its pops get their ids from its
-        output, and a caching names them as ``num_blocks + k``."""
+        call a demand; cache), not waiting; the pops' ids are compared with the host's on the device,
+        the placeholders get theirs from its output, and a caching names them as ``num_blocks + k``."""
         b = self._batch
         if not b:
             return
         self._batch = _Batch()
         self.flushes += 1
         k0 = 0 if self._pend_dev is None else self._pend_dev.numel()
-        nf = len(b.free)
-        ids = self._device_ids(b.free + b.touch) if nf or b.touch else None  # one copy for both parts
+        nf, nt, npred = len(b.free), len(b.touch), len(b.pred)
+        ids = self._device_ids(b.free + b.touch + b.pred) if nf or nt or npred else None  # one copy
         blocks, _ = self._dev.apply_batched(
             free_ids=ids[:nf] if nf else None, free_offsets=self._h2d(b.seg, torch.int32) if nf else None,
-            touch_ids=ids[nf:] if b.touch else None, demands=b.demands,
-            cache_ids=self._cache_ids(b.cache_slots, k0) if b.cache_calls else None, cache_calls=b.cache_calls)
-        if b.demands:
-            self._pend_dev = blocks if self._pend_dev is None else torch.cat([self._pend_dev, blocks])
+            touch_ids=ids[nf:nf + nt] if nt else None, demands=b.demands,
+            cache_ids=self._cache_ids(b.cache_slots, k0, npred) if b.cache_calls else None,
+            cache_calls=b.cache_calls)
+        if npred:
+            bad = (blocks[:npred] != ids[nf + nt:]).sum().reshape(1)
+            self._bad = bad if self._bad is None else self._bad + bad
+        if blocks.numel() > npred:
+            rest = blocks[npred:]
+            self._pend_dev = rest if self._pend_dev is None else torch.cat([self._pend_dev, rest])
 
-    def _cache_ids(self, slots: list[int], k0: int) -> torch.Tensor:
+    def _cache_ids(self, slots: list[int], k0: int, npred: int) -> torch.Tensor:
         """``int32[len(slots)]`` on the device for the flush's caching: known ids, launched
-        placeholders gathered, this flush's k-th pop as ``num_blocks + k`` (``apply_batched``)."""
+        placeholders gathered, this flush's k-th placeholder as ``num_blocks + npred + k`` (its
+        place in ``apply_batched``'s pops, after the ``npred`` predicted ones)."""
         n = self.num_gpu_blocks
         if all(s < n + k0 for s in slots):
             return self._device_ids(slots)
         earlier = [s if s < n + k0 else 0 for s in slots]
         t = self._device_ids(earlier) if any(s >= n for s in earlier) else None
-        mine = self._h2d([s - k0 if s >= n + k0 else -1 for s in slots], torch.int32)
+        mine = self._h2d([s - k0 + npred if s >= n + k0 else -1 for s in slots], torch.int32)
         base = self._h2d(earlier, torch.int32) if t is None else t
         return torch.where(mine >= 0, mine, base)
 
     # ---- the synchronisation -----------------------------------------------------------------------
-    def _unkeyed_run_dev(self) -> torch.Tensor:
-        """``int64[1]`` on the device: how many free blocks at the queue's head have no key, counted in
-        the first ``UNKEYED_WINDOW`` ring slots only (a lower bound, as the host needs; the work per
-        synchronisation does not grow with the pool)."""
-        st, c = self._dev.state, self._dev.config.C
-        head, tail = st.ctrl[Ctrl.HEAD].long(), st.ctrl[Ctrl.TAIL].long()
-        if self._window is None:
-            self._window = torch.arange(min(c, UNKEYED_WINDOW), dtype=torch.int64, device=self._dev.device)
-        rel = self._window
-        v = st.ring[(head + rel) & (c - 1)].long()
-        live = (rel < tail - head) & (v >= 0)
-        keyed = live & (st.num_keys[v.clamp(min=0)] > 0)
-        return (live & ~keyed & (torch.cumsum(keyed.long(), 0) == 0)).sum().reshape(1)
+    def end_step(self) -> None:
+        """The end of a scheduler step (``GpuPoolScheduler`` calls it after each ``schedule()``):
+        launch the batch, not waiting; synchronise only when the host's copy of the free queue is low
+        (refill) or ``verify_every`` steps passed with ops to check."""
+        if not self.deferred:
+            return
+        self._flush()
+        self.steps_since_sync += 1
+        low = self._window_low()
+        if low or self.steps_since_sync >= self.verify_every:
+            self.sync("end_step", window=low)
 
-    def _read_unkeyed_run(self) -> int:
-        if self.backend == "device":
-            return int(self._unkeyed_run_dev().item())
-        order = self._dev.free_queue()
-        run = 0
-        for b in order:
-            if self._dev.keys[b]:
-                break
-            run += 1
-        return run
-
-    def sync(self, why: str = "sync") -> None:
-        """Bind the placeholders and make the mirror exact: one device-to-host transfer (module
-        docstring). Raises what a launched op recorded (PoolError; not expected: the fast ops are
-        checked on the host first) and PoolError if the host's free count disagrees with the device's."""
-        if not (self._pending or self._touched or self._dirty):
+    def sync(self, why: str = "sync", window: bool = False) -> None:
+        """Bind the placeholders, make the mirror exact, check the host's claims and (``window`` or when
+        low) refill the host's copy of the free queue: one device-to-host transfer (module docstring).
+        Raises what a launched op recorded (PoolError; not expected: the fast ops are checked on the
+        host first) and PoolError where the device disagrees with the host (free count, popped ids,
+        ref and key counts of the blocks changed, the queue's first ids)."""
+        if not (self._pending or self._touched or self._dirty or window):
             return
         self._flush()
         self.syncs[why] += 1
+        self.steps_since_sync = 0
+        refill = window or self._window_low()
         n = self.num_gpu_blocks
         known = sorted(self._touched)
         npend = len(self._pending)
+        exact = not (self._pending or self._dirty)  # the host's rows of `known` are claims to check
+        win = None
         if self.backend == "device":
-            st = self._dev.state
-            pend = self._pend_dev[:npend].long() if npend else torch.zeros(0, dtype=torch.int64, device=self._dev.device)
+            st, dev = self._dev.state, self._dev.device
+            pend = self._pend_dev[:npend].long() if npend else torch.zeros(0, dtype=torch.int64, device=dev)
             idx = torch.cat([self._h2d(known, torch.int64), pend])
-            head = torch.cat([st.status[:1].long(), st.ctrl[Ctrl.NUM_FREE:Ctrl.REUSE_COUNT + 1].long(),
-                              self._unkeyed_run_dev(), pend])
-            flat = torch.cat([head, self._mirror_rows(idx).reshape(-1)]).tolist()  # the one transfer
-            status, num_free, _, evc, reuse, run = flat[:6]
+            bad = self._bad if self._bad is not None else torch.zeros(1, dtype=torch.int64, device=dev)
+            parts = [st.status[:1].long(), st.ctrl[Ctrl.NUM_FREE:Ctrl.REUSE_COUNT + 1].long(), bad, pend]
+            if refill:
+                parts.append(self._window_dev())
+            flat = torch.cat(parts + [self._mirror_rows(idx).reshape(-1)]).tolist()  # the one transfer
+            status, num_free, _, evc, reuse, nbad = flat[:6]
             ids = flat[6: 6 + npend]
-            w, o = 3 + 3 * self._mk, 6 + npend
+            o = 6 + npend
+            if refill:
+                nw = parts[-1].numel()
+                win, o = flat[o: o + nw], o + nw
+            w = 3 + 3 * self._mk
             rows = [flat[o + i * w: o + (i + 1) * w] for i in range(len(idx))]
+            claims = [(r[0], r[1]) for r in rows[:len(known)]]
             if status or reuse or (evc and self._dev.enable_kv_cache_events):
                 self._dev.check()  # raises a recorded error; fires reuse watchers (more reads, counted by callers)
         else:
             ids = list(self._pend_ref)
-            num_free, run = self._dev.get_num_free_blocks(), None
+            num_free, nbad = self._dev.get_num_free_blocks(), 0
+            if refill:
+                win = self._window_ref()
+            r = self._dev
+            claims = [(r.ref_cnt[b], len(r.keys[b])) for b in known]
+        wrong = []
+        if nbad:
+            wrong.append(f"{nbad} popped ids differ from the host's")
+        if exact and claims != [(self._ref[b], len(self._keys[b])) for b in known]:
+            wrong.append("ref or key counts of the blocks changed differ from the host's")
+        if win is not None and self._q is not None:
+            mine, got = list(self._q), [v for v in win if v >= 0]
+            m = min(len(mine), len(got))
+            if mine[:m] != got[:m]:
+                wrong.append("the free queue's first ids differ from the host's copy")
         # placeholders -> their blocks: the bound block's old keys (evicted by the pop) leave the key map,
         # the placeholder's predicted keys move onto the block with their predicted order
         holders = self._holders
@@ -457,51 +573,56 @@ class DeferredBlockPool(BlockPool):
             blk._s = b
             self.blocks[b] = blk
         del self._ref[n:], self._keys[n:], self._ntok[n:]
-        self._pending, self._pend_dev, self._pend_ref = [], None, []
+        self._pending, self._pend_dev, self._pend_ref, self._bad = [], None, [], None
         self._touched = set()
         predicted = self._num_free
         self._version += 1
         if self.backend == "device":
             self._num_free = num_free
             self._apply_rows(known + ids, rows)
-            self._unkeyed = run
         else:
             self._refresh_reference(list(dict.fromkeys(known + ids)))
-            self._unkeyed = self._read_unkeyed_run()
+        if win is not None:
+            self._set_window(win)
         self._dirty = False
         if self.backend == "device":
             self._dev.registry.maybe_sweep()  # check()'s housekeeping (reads the device's keys when it sweeps)
         if predicted != self._num_free:
-            raise PoolError(f"DeferredBlockPool: the host predicted {predicted} free blocks, the device has "
-                            f"{self._num_free}")
+            wrong.append(f"the host predicted {predicted} free blocks, the device has {self._num_free}")
+        if wrong:
+            self._q = None  # refilled from the device at the next synchronisation
+            raise PoolError("DeferredBlockPool.sync", "; ".join(wrong))
 
     # ---- everything else: synchronise, then the base class -------------------------------------------
-    def _slow(name):  # noqa: N805 - a decorator factory used in the class body
+    def _slow(name, moves_queue=False):  # noqa: N805 - a decorator factory used in the class body
         def wrap(self, *a, **k):
             self.sync("op:" + name)
             try:
                 return getattr(BlockPool, name)(self, *a, **k)
             finally:
-                self._unkeyed = 0  # the op may reorder the queue: a lower bound until the next sync
+                if moves_queue:
+                    self._q = None  # refilled at the next pop or end_step
         wrap.__name__ = name
         wrap.__doc__ = f"Synchronise, then :meth:`gpupool.vllm.BlockPool.{name}` (one op, one mirror transfer)."
         return wrap
 
+    # these change keys only (docs/semantics.md section 2): the host's copy of the queue stays exact
     cache_partial_block = _slow("cache_partial_block")
     move_block_hashes = _slow("move_block_hashes")
-    _unpin_blocks = _slow("unpin_blocks")
+    evict_blocks = _slow("evict_blocks")
+    reset_prefix_cache = _slow("reset_prefix_cache")
+    _insert_key = _slow("_insert_key")
+    _maybe_evict_cached_block = _slow("_maybe_evict_cached_block")
+    # these move blocks in the queue
+    _unpin_blocks = _slow("unpin_blocks", moves_queue=True)
+    _set_ref_cnt = _slow("_set_ref_cnt", moves_queue=True)
+    del _slow
 
     def unpin_blocks(self, blocks, on_reuse) -> None:
         """Synchronise, then the per-call ``unpin_blocks``; later pops run per call (their reuse
         callbacks fire at the call, as vLLM's)."""
         self._watched = True
         return self._unpin_blocks(blocks, on_reuse)
-    evict_blocks = _slow("evict_blocks")
-    reset_prefix_cache = _slow("reset_prefix_cache")
-    _insert_key = _slow("_insert_key")
-    _maybe_evict_cached_block = _slow("_maybe_evict_cached_block")
-    _set_ref_cnt = _slow("_set_ref_cnt")
-    del _slow
 
     def get_cached_block(self, block_hash, kv_cache_group_ids):
         """From the mirror (a hit on a free block while dirty synchronises first, in the key map's
@@ -511,4 +632,4 @@ class DeferredBlockPool(BlockPool):
         return super().get_cached_block(block_hash, kv_cache_group_ids)
 
 
-__all__ = ["DeferredBlockPool", "PendingBlock"]
+__all__ = ["DeferredBlockPool", "PendingBlock", "FREE_WINDOW"]

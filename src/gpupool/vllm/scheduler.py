@@ -139,7 +139,17 @@ def install_gpupool_block_pool(scheduler, *, device: str | torch.device | None =
 _log = logging.getLogger(__name__)
 
 
-class GpuPoolScheduler(AsyncScheduler):
+class _EndStep:
+    """``schedule()`` then the pool's ``end_step()``: the fast path launches the step's batch there (and
+    synchronises only to refill its copy of the free queue or to verify, docs/vllm.md)."""
+
+    def schedule(self, *args, **kwargs):
+        out = super().schedule(*args, **kwargs)
+        self.gpupool_block_pool.end_step()
+        return out
+
+
+class GpuPoolScheduler(_EndStep, AsyncScheduler):
     """vLLM 0.33's ``AsyncScheduler`` whose KV-cache block pool is a :class:`gpupool.vllm.BlockPool`
     (the bookkeeping in gpupool's device pool on ``default_device()``); everything else is vLLM's.
 
@@ -158,7 +168,7 @@ class GpuPoolScheduler(AsyncScheduler):
         self.gpupool_block_pool = install_gpupool_block_pool(self)
 
 
-class GpuPoolSyncScheduler(Scheduler):
+class GpuPoolSyncScheduler(_EndStep, Scheduler):
     """vLLM 0.33's synchronous ``Scheduler`` with the gpupool block pool (as :class:`GpuPoolScheduler`),
     for engines that run without async scheduling."""
 
