@@ -373,3 +373,57 @@ def test_the_free_queue_copy_is_a_window():
     assert len(pool._q) == pool.get_num_free_blocks() == n - 1 - (FREE_WINDOW + 1)
     pool.sync()
     pool.device_pool.validate()
+
+
+@pytest.mark.parametrize("cls", [BlockPool, DeferredBlockPool])
+def test_device_work_runs_on_the_pool_stream(monkeypatch, cls):
+    """On CUDA the adapter runs every device call on its own stream (``BlockPool.stream``): with a
+    stand-in stream and ``torch.cuda.stream`` recording the depth, a random op list (ops, reads,
+    synchronisations, the free-queue view) calls the device pool only inside the stream's context,
+    for both the per-call and the deferred pool. (Without a GPU the real stream is not exercised.)"""
+    import contextlib
+
+    depth = [0]
+    outside = []
+
+    @contextlib.contextmanager
+    def stream(s):
+        assert s is pool.stream
+        depth[0] += 1
+        try:
+            yield
+        finally:
+            depth[0] -= 1
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    pool = cls(N, True, BS, device="cpu")
+    pool.stream = object()
+
+    class Watch:
+        def __init__(self, dev):
+            self._d = dev
+
+        def __getattr__(self, name):
+            v = getattr(self._d, name)
+            if callable(v):
+                def f(*a, **k):
+                    if depth[0] == 0:
+                        outside.append(name)
+                    return v(*a, **k)
+                return f
+            if depth[0] == 0 and name == "state":
+                outside.append(name)
+            return v
+    pool._dev = Watch(pool._dev)
+    ops = [("alloc", 3, 1, 2), ("alloc", 2, 2, 0), ("hit", 1), ("cow", 1), ("free", 0), ("alloc", 4, 1, 4),
+           ("free", 1), ("hit", 1), ("evict", 3, 4), ("free", 0), ("reset",)]
+    reqs = []
+    for op in ops:
+        driver._apply(pool, op, reqs, N, ids=False)
+        for r in reqs:  # what vLLM reads: ids, ref counts, hashes (synchronising where it must)
+            [(b.block_id, b.ref_cnt, b.block_hash) for b in r["blocks"]]
+        pool.end_step()
+    assert list(pool.free_block_queue) and pool.get_num_free_blocks() > 0
+    if cls is DeferredBlockPool:
+        pool.sync("end", window=True)
+        assert pool.flushes > 0
+    assert depth[0] == 0 and outside == [], outside

@@ -24,6 +24,7 @@ vLLM's ``generate_block_hash_extra_keys``; without it, :mod:`gpupool.vllm.kv_eve
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -201,7 +202,7 @@ class FreeBlockQueueView:
         p = self._pool
         p._need_device("free_block_queue")
         if self._version != p._version:
-            self._order = p._dev.free_queue()
+            self._order = p._free_queue()
             self._pos = {b: i for i, b in enumerate(self._order)}
             self._version = p._version
         return self._order
@@ -312,6 +313,33 @@ def _hashes_at(block_hashes, hash_block_size: int, block_size: int, upto: int) -
     return [block_hashes[(i + 1) * k - 1] for i in range(n)]
 
 
+# the adapter's methods that run device work (ops, mirror copies, synchronisations): on the pool's own
+# CUDA stream (BlockPool.stream), in BlockPool and in every subclass (__init_subclass__)
+_ON_STREAM = ("get_new_blocks", "free_blocks", "touch", "cache_full_blocks", "cache_partial_block",
+              "move_block_hashes", "get_cached_block", "evict_blocks", "reset_prefix_cache", "unpin_blocks",
+              "_insert_key", "_maybe_evict_cached_block", "_set_ref_cnt", "_refresh", "_free_queue", "end_step",
+              "sync", "_flush", "_read_window")
+
+
+def _on_stream(fn):
+    @functools.wraps(fn)
+    def run(self, *args, **kwargs):
+        s = self.stream
+        if s is None:
+            return fn(self, *args, **kwargs)
+        with torch.cuda.stream(s):
+            return fn(self, *args, **kwargs)
+    run.on_pool_stream = True
+    return run
+
+
+def _run_on_pool_stream(cls) -> None:
+    for name in _ON_STREAM:
+        f = cls.__dict__.get(name)
+        if callable(f) and not getattr(f, "on_pool_stream", False):
+            setattr(cls, name, _on_stream(f))
+
+
 class BlockPool:
     """vLLM 0.33's ``BlockPool`` over a gpupool device pool (docs/vllm.md, "The drop-in BlockPool").
 
@@ -326,7 +354,9 @@ class BlockPool:
         medium: the events' ``medium``.
     gpupool's, keyword only:
         device: the device pool's device (default: CUDA when present, else CPU under Triton's
-            interpreter).
+            interpreter). On CUDA the adapter makes its own stream, ``self.stream``, and runs every
+            device op, mirror copy and synchronisation on it, so they wait for the pool's kernels
+            only, not for work on the caller's stream (vLLM's forward pass, docs/vllm.md "TP > 1").
         max_keys_per_block: keys one block may hold (primary + partial entries; 1..64, default 8).
         device_lookups: answer :meth:`get_cached_block` with a device lookup (one launch and one
             synchronisation per call) instead of from the host mirror; both give the same block.
@@ -336,6 +366,12 @@ class BlockPool:
 
     Raises InvalidArgumentError (and AssertionError, as vLLM asserts) for a bad ``num_gpu_blocks``.
     """
+
+    stream = None  # the pool's own CUDA stream (None off CUDA): __init__
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _run_on_pool_stream(cls)
 
     # the host mirror is always exact here; gpupool.vllm.fast_path.DeferredBlockPool defers device work,
     # and while ``_dirty`` only the fields of held blocks (ref_cnt > 0 on the host) are known exactly
@@ -382,6 +418,11 @@ class BlockPool:
         else:
             raise InvalidArgumentError("BlockPool", f"backend must be 'device' or 'reference', got {backend!r}")
         self.backend = backend
+        if backend == "device" and self._dev.device.type == "cuda":
+            # its own stream: a synchronisation then waits for the pool's kernels only, not for the
+            # model's forward pass queued on the default stream by a worker in this process (TP = 1)
+            self.stream = torch.cuda.Stream(device=self._dev.device)
+            self.stream.wait_stream(torch.cuda.current_stream(self._dev.device))  # the state's initialisation
         self._seq = 0
         self._mk = self._dev.max_keys_per_block
         n = num_gpu_blocks
@@ -781,11 +822,17 @@ class BlockPool:
         """vLLM's map of each block's secondary keys (every key past the primary), from the mirror."""
         return {b: set(k[1:]) for b, k in enumerate(self._keys) if len(k) > 1}
 
+    def _free_queue(self) -> list[int]:
+        return self._dev.free_queue()
+
     @property
     def device_pool(self) -> DevicePool:
-        """The gpupool device pool behind this adapter (its batched ops, ``validate``, inspection)."""
+        """The gpupool device pool behind this adapter (its batched ops, ``validate``, inspection).
+        Its calls run on the current stream: on CUDA, make them under ``torch.cuda.stream(self.stream)``."""
         return self._dev
 
+
+_run_on_pool_stream(BlockPool)
 
 __all__ = ["BlockPool", "KVCacheBlock", "FreeBlockQueueView", "BlockHashToBlockView",
            "make_block_hash_with_group_id", "get_block_hash", "get_group_id"]

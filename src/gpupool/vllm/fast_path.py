@@ -147,7 +147,7 @@ class DeferredBlockPool(BlockPool):
         self._watched = False  # unpin_blocks was called: pops run per call from then on
         self._window = None  # ring offsets 0 .. FREE_WINDOW - 1 on the device (_window_dev)
         if self.deferred:
-            self._set_window(self._window_dev().tolist() if self.backend == "device" else self._window_ref())
+            self._set_window(self._read_window())
 
     # ---- the hooks of the base class ---------------------------------------------------------------
     def _need_exact(self, why: str) -> None:
@@ -206,6 +206,9 @@ class DeferredBlockPool(BlockPool):
 
     def _window_ref(self) -> list[int]:
         return list(self._dev.free_queue())[:FREE_WINDOW]
+
+    def _read_window(self) -> list[int]:
+        return self._window_dev().tolist() if self.backend == "device" else self._window_ref()
 
     def _set_window(self, ids) -> None:
         q = OrderedDict.fromkeys(v for v in ids if v >= 0)
