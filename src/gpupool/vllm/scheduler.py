@@ -18,8 +18,8 @@ holds the pool: ``KVCacheManager.block_pool``, ``coordinator.block_pool``, every
 ``block_pool`` and ``_null_block``, and the KV connector's binding (rebound with
 ``bind_kv_cache_manager``). The pool is the fast path's
 :class:`gpupool.vllm.fast_path.DeferredBlockPool` where :func:`fast_path_eligible` (one full-attention
-group, no connector, events and metrics off: device work launched without waiting, at most one
-device-to-host transfer per step in the measured streams), else :class:`gpupool.vllm.BlockPool` (one
+group, no connector, events and metrics off: answers from the host, device work launched without
+waiting, a synchronisation only to refill the host's copy of the free queue or to verify), else :class:`gpupool.vllm.BlockPool` (one
 gpupool op plus one mirror transfer per vLLM call). The scheduling policy, ``Request`` objects and the
 ``SchedulerOutput`` are vLLM's.
 
