@@ -88,6 +88,19 @@ def test_deferred_equals_per_call_device(ops, caching):
     _check_same(ops, caching, "device")
 
 
+@settings(max_examples=max(60, settings().max_examples), deadline=None)
+@given(ops=st.lists(OPS, min_size=1, max_size=24), caching=st.booleans(), window=st.sampled_from([1, 2, 3, 5]))
+def test_deferred_equals_per_call_small_window(ops, caching, window):
+    """The same with the host's copy of the free queue cut to a few ring slots: refills before pops,
+    placeholders past the copy, the dirty mirror, copies that are not the whole queue (keyed frees past
+    them), all on random op lists."""
+    from unittest import mock
+
+    from gpupool.vllm import fast_path
+    with mock.patch.object(fast_path, "FREE_WINDOW", window):
+        _check_same(ops, caching, "reference")
+
+
 class _D2H:
     """Counts reads of tensor values into Python outside Triton / torch (as sched_driver.D2HCounter)."""
 
