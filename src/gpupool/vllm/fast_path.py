@@ -195,7 +195,7 @@ class DeferredBlockPool(BlockPool):
     def _window_dev(self) -> torch.Tensor:
         """``int64[min(C, FREE_WINDOW)]`` on the device: the ids in the ring's first ``FREE_WINDOW``
         slots from the head, -1 for holes (free blocks a touch unlinked) and slots past the tail; the
-        live ones are the free queue's first ids, in order (docs/DESIGN-NOTES.md, ring invariants)."""
+        live ones are the free queue's first ids, in order (docs/algorithms.md section 1)."""
         st, c = self._dev.state, self._dev.config.C
         head, tail = st.ctrl[Ctrl.HEAD].long(), st.ctrl[Ctrl.TAIL].long()
         if self._window is None:
