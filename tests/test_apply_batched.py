@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpupool import BlockPool as DevicePool
-from gpupool.errors import DoubleFreeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError
+from gpupool.errors import DoubleFreeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError, PoolError
 
 from harness.compare import assert_pools_agree
 from harness.keys import h
@@ -90,6 +90,79 @@ def test_one_launch_equals_the_single_calls(data):
     assert blocks.tolist() == popped
     assert offs.tolist()[: len(demands) + 1] == [sum(demands[:k]) for k in range(len(demands) + 1)]
     assert_pools_agree(ref, dev, used={x for hs, *_ in calls for x in hs})  # the whole state, lookups included
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_rounds_equal_the_single_calls_round_after_round(data):
+    """``rounds``: up to 3 batches in one launch equal the single calls, round after round: a round
+    frees blocks an earlier round popped or touched, touches blocks it popped (held, or popped and
+    freed back), pops what earlier rounds freed (to the front), and caches earlier rounds' pops by
+    ``num_blocks + k``; the same popped blocks and the whole state."""
+    ref, dev, old, held = setup()
+    flat, offsets, touches, demands, calls, cache_ids, rounds, popped = [], [], [], [], [], [], [], []
+    for r in range(data.draw(st.integers(1, 3), label="rounds")):
+        live = [b for b in range(1, N) if ref.ref_cnt[b] > 0]
+        frees = data.draw(st.lists(st.sampled_from(live), max_size=2, unique=True), label="frees") if live else []
+        segs = [[b] for b in frees]
+        for seg in segs:
+            ref.free_blocks(seg)
+        tch = data.draw(st.lists(st.sampled_from(old + held + popped), max_size=3), label="touches")
+        if tch:
+            ref.touch(tch)
+        dem = data.draw(st.lists(st.integers(0, 2), max_size=2), label="demands")
+        dem = dem if sum(dem) <= ref.get_num_free_blocks() else []
+        mine = []
+        for d in dem:
+            mine += [int(b) for b in ref.get_new_blocks(d)]
+        k0 = len(popped)
+        popped += mine
+        # cachings: held un-keyed blocks, this launch's pops named N + k half the time
+        cand = [b for b in range(1, N) if ref.ref_cnt[b] > 0 and not ref.keys[b]]
+        chosen = data.draw(st.lists(st.sampled_from(cand), max_size=2, unique=True), label="cached") if cand else []
+        rcalls = []
+        for j, b in enumerate(chosen):
+            rcalls.append(([h(f"r{r}-{j}-{i}") for i in range(2)], 1, 2, BS, 0))
+            ref.cache_full_blocks([0, b], rcalls[-1][0], 1, 2, BS, 0)
+            name = b
+            if b in popped and data.draw(st.booleans(), label="by N + k"):
+                name = N + popped.index(b)
+            cache_ids.append(name)
+        offsets += [0] + [sum(len(x) for x in segs[:i + 1]) for i in range(len(segs))]
+        flat += frees
+        touches += tch
+        demands += dem
+        calls += rcalls
+        rounds.append((len(frees), len(segs), len(tch), len(dem), len(rcalls)))
+        assert k0 + sum(dem) == len(popped)
+    blocks, offs = dev.apply_batched(free_ids=i32(flat), free_offsets=i32(offsets),
+                                     touch_ids=i32(touches) if touches else None, demands=demands,
+                                     cache_ids=i32(cache_ids) if calls else None, cache_calls=calls, rounds=rounds)
+    dev.check()
+    assert blocks.tolist() == popped
+    assert offs.tolist() == [sum(demands[:k]) for k in range(len(demands) + 1)]
+    assert_pools_agree(ref, dev, used={x for hs, *_ in calls for x in hs})
+
+
+def test_rounds_that_do_not_add_up_raise_at_the_call():
+    """Round counts that miss or exceed a part's length, a negative count or a short tuple raise at
+    the call, nothing changed; counts that add up run the rounds in order: a pop, then a free of an
+    un-keyed block (to the queue's front) and a pop that takes it back."""
+    ref, dev, old, held = setup()
+    before = pool_state(dev)
+    for rounds in ([(1, 1, 0, 1, 0)], [(0, 0, 0, 1, 0), (1, 1, 0, 2, 0)], [(1, 1, 0, 2, 0), (0, 0, 0, 0, 0)],
+                   [(1, 1, 0, 3, -1)], [(1, 1, 0)], [(1, 0, 0, 2, 0)]):
+        with pytest.raises(PoolError):
+            dev.apply_batched(free_ids=i32([held[5]]), free_offsets=i32([0, 1]), demands=[1, 1], rounds=rounds)
+        assert pool_state(dev) == before
+    blocks, offs = dev.apply_batched(free_ids=i32([held[5]]), free_offsets=i32([0, 0, 1]), demands=[1, 1],
+                                     rounds=[(0, 0, 0, 1, 0), (1, 1, 0, 1, 0)])
+    dev.check()
+    want = [int(b) for b in ref.get_new_blocks(1)]
+    ref.free_blocks([held[5]])
+    want += [int(b) for b in ref.get_new_blocks(1)]
+    assert blocks.tolist() == want and want[1] == held[5] and offs.tolist() == [0, 1, 2]
+    assert_pools_agree(ref, dev)
 
 
 def test_a_failing_part_stops_the_later_ones():

@@ -443,17 +443,17 @@ class BlockPool:
         ids = self._device_i32(op, ids, "ids")
         if self.enable_kv_cache_events:
             raise InvalidArgumentError(op, "a pool with KV events caches request by request (cache_full_blocks_batched)")
-        keys, ntok = self._cache_items(op, calls, ids.numel(), "ids")  # none with caching off (a no-op)
+        keys, ntok, _ = self._cache_items(op, calls, ids.numel(), "ids")  # none with caching off (a no-op)
         if keys:
             k_cache.launch_cache_blocks(self.state, self.config, ids, *self._key_tensors(keys, ntok),
                                         op=Op.CACHE_BLOCKS_BATCHED)
 
-    def _cache_items(self, op: str, calls, n_ids: int, what: str) -> tuple[list, list]:
+    def _cache_items(self, op: str, calls, n_ids: int, what: str) -> tuple[list, list, list]:
         """``cache_blocks_batched``'s host checks, made with caching off too (as ``cache_full_blocks``
-        makes them): ((hash, group) and tokens covered per cached block; none with caching off).
-        Raises InvalidArgumentError when caching is on and ``n_ids`` (``what``'s length) is not the
-        calls' ranges' total."""
-        keys, ntok = [], []
+        makes them): ((hash, group) and tokens covered per cached block; none with caching off; the
+        number of them per call). Raises InvalidArgumentError when caching is on and ``n_ids``
+        (``what``'s length) is not the calls' ranges' total."""
+        keys, ntok, per_call = [], [], []
         for call in as_host_list(op, calls, "calls"):
             if not isinstance(call, (tuple, list)) or len(call) != 5:
                 raise ArgumentTypeError(op, "each call is (block_hashes, num_cached_blocks, num_full_blocks, "
@@ -461,12 +461,14 @@ class BlockPool:
             hashes, nc, nf, bs, g = call
             n = nf if isinstance(nf, int) and not isinstance(nf, bool) and nf > 0 else 0
             a = cache_full_args(op, self.num_blocks, self.enable_caching, [0] * n, hashes, nc, nf, bs, g, None)
+            k0 = len(keys)
             if not a.noop:
                 keys += [(a.stored_hash(i), a.group) for i in range(a.nc, a.nf)]
                 ntok += [(i + 1) * a.block_size for i in range(a.nc, a.nf)]
+            per_call.append(len(keys) - k0)
         if self.enable_caching and len(keys) != n_ids:
             raise InvalidArgumentError(op, f"{what} has {n_ids} entries, the calls' ranges {len(keys)}", n_ids)
-        return keys, ntok
+        return keys, ntok, per_call
 
     def _key_tensors(self, keys, ntok) -> list[torch.Tensor]:
         """(key_hi, key_lo, key_group, ntok): ``int64[len(keys)]`` each (at least one entry) on the
@@ -480,7 +482,7 @@ class BlockPool:
     @locked
     def apply_batched(self, *, free_ids: torch.Tensor | None = None, free_offsets: torch.Tensor | None = None,
                       touch_ids: torch.Tensor | None = None, demands=(), cache_ids: torch.Tensor | None = None,
-                      cache_calls=()) -> tuple[torch.Tensor, torch.Tensor]:
+                      cache_calls=(), rounds=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``free_batched(free_ids, free_offsets)``, ``touch_batched(touch_ids)``,
         ``allocate_batched(demands)`` and ``cache_blocks_batched(cache_ids, cache_calls)`` in that
         order, as ONE launch, not waiting (docs/semantics.md section 2, batched forms; the vLLM fast
@@ -491,11 +493,20 @@ class BlockPool:
         may name this call's popped blocks: ``num_blocks + k`` is the k-th. Returns ``(blocks:
         int32[sum(demands)], offsets: int32[len(demands) + 1])`` as ``allocate_batched``'s.
 
+        ``rounds``: several such batches in one launch, one after another (None: one). A host list,
+        per round ``(free ids, free calls, touch ids, demands, cache calls)``: how many of each part's
+        entries, in order, are the round's; every count summed over the rounds is the part's length.
+        ``free_offsets`` then holds each round's own offsets (from 0, ``free calls + 1`` entries),
+        one round after another (none without ``free_ids``). The pops of all rounds come out one after
+        another, and ``num_blocks + k`` in a caching names the k-th of them (an earlier round's or its
+        own round's).
+
         Raises at once (nothing changed) what the four ops raise for bad host values, and
-        InvalidArgumentError for a pool with KV events (the caching part writes none), InvalidCountError
-        for a negative demand, OutOfBlocksError for a demands' sum above the pool's ``num_blocks - 1``
-        blocks (it can never fit, whatever the frees before it); device errors, a sum above the free
-        blocks among them, go to the status word (raised by :meth:`check`)."""
+        InvalidArgumentError for a pool with KV events (the caching part writes none) or rounds that
+        do not add up, InvalidCountError for a negative demand, OutOfBlocksError for a demands' sum
+        above the pool's ``num_blocks - 1`` blocks (it can never fit, whatever the frees before it);
+        device errors, a sum above the free blocks among them, go to the status word (raised by
+        :meth:`check`)."""
         op = "apply_batched"
         if self.enable_kv_cache_events:
             raise InvalidArgumentError(op, "a pool with KV events runs the ops one by one")
@@ -507,25 +518,50 @@ class BlockPool:
         if total > self.num_blocks - 1:  # never fits (a free cannot make more blocks free); sizes the output
             raise OutOfBlocksError(op, f"the demands' sum {total} exceeds the pool's {self.num_blocks - 1} blocks",
                                    total)
-        small = self._tensor([0] + dem)  # one copy: a placeholder entry for empty parts, the demands
-        one = small[:1]
-        fids = one if free_ids is None else self._device_i32(op, free_ids, "free_ids")
-        if free_ids is None:
-            seg = one
-        elif free_offsets is None:
-            raise InvalidArgumentError(op, "free_ids needs free_offsets (as free_batched's seg_offsets)")
-        else:
+        fids = None if free_ids is None else self._device_i32(op, free_ids, "free_ids")
+        seg = None
+        if free_ids is not None:
+            if free_offsets is None:
+                raise InvalidArgumentError(op, "free_ids needs free_offsets (as free_batched's seg_offsets)")
             seg = self._device_i32(op, free_offsets, "free_offsets")
             if seg.numel() < 1:
                 raise InvalidArgumentError(op, "free_offsets needs at least one entry (0)")
-        tids = one if touch_ids is None else self._device_i32(op, touch_ids, "touch_ids")
-        cids = one if cache_ids is None else self._device_i32(op, cache_ids, "cache_ids")
-        keys, ntok = self._cache_items(op, cache_calls, 0 if cache_ids is None else cids.numel(), "cache_ids")
-        n_free, n_touch = (0 if t is None else t.numel() for t in (free_ids, touch_ids))
+        tids = None if touch_ids is None else self._device_i32(op, touch_ids, "touch_ids")
+        cids = None if cache_ids is None else self._device_i32(op, cache_ids, "cache_ids")
+        keys, ntok, per_call = self._cache_items(op, cache_calls, 0 if cids is None else cids.numel(), "cache_ids")
+        n_free, n_touch = (0 if t is None else t.numel() for t in (fids, tids))
+        table = k_flush.round_table(self._rounds(op, rounds, n_free, seg, n_touch, dem, per_call), seg is not None)
+        small = self._tensor([0] + dem + table)  # one copy: a placeholder entry for empty parts, demands, rounds
+        one = small[:1]
+        nd = len(dem)
         return k_flush.launch_flush(
-            self.state, self.config, fids if n_free else one, seg, tids if n_touch else one,
-            small[1:] if dem else one, cids if keys else one, *self._key_tensors(keys, ntok),
-            n_free=n_free, n_touch=n_touch, n_demands=len(dem), n_cache=len(keys), total=total)
+            self.state, self.config, fids if n_free else one, one if seg is None else seg, tids if n_touch else one,
+            small[1:1 + nd] if dem else one, small[1 + nd:], cids if keys else one, *self._key_tensors(keys, ntok),
+            n_rounds=len(table) // k_flush.ROUND_FIELDS, n_free=n_free, n_touch=n_touch, n_demands=nd,
+            n_cache=len(keys), total=total)
+
+    @staticmethod
+    def _rounds(op: str, rounds, n_free: int, seg, n_touch: int, dem: list[int], per_call: list[int]) -> list:
+        """``apply_batched``'s rounds checked against the parts' lengths, as ``round_table`` takes them
+        (cache calls as cached blocks). Raises InvalidArgumentError where they do not add up."""
+        nseg = 0 if seg is None else seg.numel()
+        if rounds is None:
+            return [(n_free, max(nseg - 1, 0), n_touch, dem, sum(per_call))]
+        out, f, s, t, d, c = [], 0, 0, 0, 0, 0
+        for rd in as_host_list(op, rounds, "rounds"):
+            if not isinstance(rd, (tuple, list)) or len(rd) != 5:
+                raise ArgumentTypeError(op, f"each round is (free ids, free calls, touch ids, demands, cache calls), "
+                                            f"got {rd!r}")
+            nfi, nfc, nt, ndm, ncc = (as_int(op, x, "a round's count") for x in rd)
+            if min(nfi, nfc, nt, ndm, ncc) < 0:
+                raise InvalidArgumentError(op, f"a round's counts must be >= 0, got {tuple(rd)}")
+            out.append((nfi, nfc, nt, dem[d:d + ndm], sum(per_call[c:c + ncc])))
+            f, s, t, d, c = f + nfi, s + (nfc + 1 if seg is not None else nfc), t + nt, d + ndm, c + ncc
+        want = (n_free, nseg, n_touch, len(dem), len(per_call))
+        if (f, s, t, d, c) != want:
+            raise InvalidArgumentError(op, f"the rounds add up to (free ids, free offsets, touch ids, demands, cache "
+                                           f"calls) {(f, s, t, d, c)}, the parts have {want}")
+        return out
 
     @locked
     def touch_batched(self, ids: torch.Tensor, num_ids: torch.Tensor | None = None) -> None:

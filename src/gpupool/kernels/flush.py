@@ -1,10 +1,11 @@
-"""One launch for a batch of the four batched pool ops, in the order free, touch, pop, cache
-(``BlockPool.apply_batched``; the vLLM fast path's flush, docs/vllm.md "The fast path").
+"""One launch for a batch of the four batched pool ops, in the order free, touch, pop, cache, in one
+round or several one after another (``BlockPool.apply_batched``; the vLLM fast path's flush,
+docs/vllm.md "The fast path").
 
 Each part is the op's own body (``release_batch``, ``touch_batch``, ``alloc_batch``,
 ``cache_blocks_batch``), all or nothing; a part that fails records its error in the status word, which
 makes every later part do nothing (docs/semantics.md section 3), as four launches would. The caching's
-ids may name blocks this launch pops: ``N + k`` is the k-th popped block.
+ids may name blocks this launch pops: ``N + k`` is the k-th popped block (in this round or an earlier one).
 """
 from typing import NamedTuple
 
@@ -56,40 +57,68 @@ def resolve_popped(pc: tl.constexpr, ids, out, n, popped, total):
         i += pc.BLOCK
 
 
+# one round's entries in ``rounds`` (int32[n_rounds * ROUND_FIELDS]), filled by ``round_table``
+ROUND_FIELDS = 12  # free ids start, free offsets start, free calls, free ids, touch start, touches,
+#                    demands start, demands, popped start, popped, cachings start, cachings
+
+
+def round_table(rounds, has_free: bool) -> list[int]:
+    """The kernel's round table from per-round counts ``(free ids, free calls, touches, demands as a
+    list, cachings)``: where each part starts in its flattened array (a round's free offsets are its
+    own, from 0, ``free calls + 1`` entries; without frees every round reads the one entry 0)."""
+    out, f0, s0, t0, d0, b0, c0 = [], 0, 0, 0, 0, 0, 0
+    for nfi, nfc, nt, dem, nc in rounds:
+        want = sum(dem)
+        out += [f0, s0, nfc, nfi, t0, nt, d0, len(dem), b0, want, c0, nc]
+        f0, t0, d0, b0, c0 = f0 + nfi, t0 + nt, d0 + len(dem), b0 + want, c0 + nc
+        s0 += nfc + 1 if has_free else 0
+    return out
+
+
 @triton.jit
-def flush_kernel(ps, pc: tl.constexpr, fr, touch_ids, pop, ca, n_free, nseg, n_touch, n_demands, n_cache,
-                 want):
-    """``free_batched`` of ``fr.ids[:n_free]`` (``nseg`` segments), ``touch_batched`` of
-    ``touch_ids[:n_touch]``, ``allocate_batched`` of ``pop.demands[:n_demands]`` (their sum ``want``)
-    and ``cache_blocks_batched`` of ``ca``'s first ``n_cache`` items, in that order (module
-    docstring). ``pop.blocks[:want]`` is -1 when the pops fail or are skipped (as ``allocate_batched``)."""
-    release_batch(ps, pc, fr.ids, None, n_free, fr.seg_off, nseg, fr.pf, fr.seg_of, fr.code, OP_FREE_BATCHED,
-                  False)
-    tl.debug_barrier()
-    touch_batch(ps, pc, touch_ids, None, n_touch, OP_TOUCH_BATCHED)
-    tl.debug_barrier()
-    err_pop = tl.full([], 1, tl.int32)  # not run
-    total = tl.zeros([], tl.int64)
-    if status_clear(ps.status):
-        err_pop, total = alloc_batch(ps, pc, pop.demands, None, n_demands, pop.blocks, pop.offsets,
-                                     OP_ALLOCATE_BATCHED)
-    total = tl.where(err_pop == 0, total, 0)  # blocks popped: none when the part failed (nothing to resolve)
-    if err_pop != 0:
-        fill_head_minus_one(pop.blocks, want, pc.BLOCK)
-    tl.debug_barrier()
-    resolve_popped(pc, ca.ids, ca.resolved, n_cache, pop.blocks, total)
-    tl.debug_barrier()
-    cache_blocks_batch(ps, pc, ca.resolved, ca.key_hi, ca.key_lo, ca.key_group, ca.ntok, n_cache,
-                       OP_CACHE_BLOCKS_BATCHED)
+def flush_kernel(ps, pc: tl.constexpr, fr, touch_ids, pop, ca, rounds, n_rounds):
+    """Round after round (``rounds``: ``round_table``'s entries): ``free_batched`` of the round's
+    frees (its segments), ``touch_batched`` of its touches, ``allocate_batched`` of its demands and
+    ``cache_blocks_batched`` of its cachings, in that order (module docstring). ``pop.blocks`` holds
+    every round's pops one after another, -1 for a round whose pops fail or are skipped (as
+    ``allocate_batched``); ``pop.offsets``: round r's offsets at ``demands start + r``."""
+    r = 0
+    while r < n_rounds:
+        m = rounds + r * 12
+        f0, s0, nseg, n_free = tl.load(m), tl.load(m + 1), tl.load(m + 2), tl.load(m + 3)
+        t0, n_touch, d0, n_demands = tl.load(m + 4), tl.load(m + 5), tl.load(m + 6), tl.load(m + 7)
+        b0, want, c0, n_cache = tl.load(m + 8), tl.load(m + 9), tl.load(m + 10), tl.load(m + 11)
+        release_batch(ps, pc, fr.ids + f0, None, n_free, fr.seg_off + s0, nseg, fr.pf, fr.seg_of, fr.code,
+                      OP_FREE_BATCHED, False)
+        tl.debug_barrier()
+        touch_batch(ps, pc, touch_ids + t0, None, n_touch, OP_TOUCH_BATCHED)
+        tl.debug_barrier()
+        err_pop = tl.full([], 1, tl.int32)  # not run
+        total = tl.zeros([], tl.int64)
+        if status_clear(ps.status):
+            err_pop, total = alloc_batch(ps, pc, pop.demands + d0, None, n_demands, pop.blocks + b0,
+                                         pop.offsets + d0 + r, OP_ALLOCATE_BATCHED)
+        total = tl.where(err_pop == 0, total, 0)  # blocks popped: none when the part failed (nothing to resolve)
+        if err_pop != 0:
+            fill_head_minus_one(pop.blocks + b0, want, pc.BLOCK)
+        tl.debug_barrier()
+        # N + k names the launch's k-th pop: those of this round and the earlier ones
+        resolve_popped(pc, ca.ids + c0, ca.resolved + c0, n_cache, pop.blocks, b0 + total)
+        tl.debug_barrier()
+        cache_blocks_batch(ps, pc, ca.resolved + c0, ca.key_hi + c0, ca.key_lo + c0, ca.key_group + c0,
+                           ca.ntok + c0, n_cache, OP_CACHE_BLOCKS_BATCHED)
+        tl.debug_barrier()
+        r += 1
 
 
-def launch_flush(ps, pc, free_ids, seg_off, touch_ids, demands, cache_ids, key_hi, key_lo, key_group, ntok, *,
-                 n_free: int, n_touch: int, n_demands: int, n_cache: int, total: int):
+def launch_flush(ps, pc, free_ids, seg_off, touch_ids, demands, rounds, cache_ids, key_hi, key_lo, key_group, ntok,
+                 *, n_rounds: int, n_free: int, n_touch: int, n_demands: int, n_cache: int, total: int):
     """Launch ``flush_kernel`` (one program; the pool has no KV events). Every argument is a device
-    tensor with at least one entry, of which the first ``n_*`` count (``seg_off``: all of it, the
-    free calls' offsets); ``total``: the demands' sum, checked on the host (sizes the output).
-    Returns ``(blocks: int32[total], offsets: int32[n_demands + 1])``; ``blocks`` all -1 when the pops
-    fail or are skipped."""
+    tensor with at least one entry, of which the first ``n_*`` count (``seg_off``: every round's
+    offsets; ``rounds``: ``round_table``'s ``n_rounds * ROUND_FIELDS`` entries, int32); ``total``:
+    the demands' sum, checked on the host (sizes the output). Returns ``(blocks: int32[total],
+    offsets: int32[n_demands + 1])``, the offsets over all rounds' demands; ``blocks`` -1 where a
+    round's pops fail or are skipped."""
     import torch
 
     if pc.EVENTS:
@@ -97,11 +126,13 @@ def launch_flush(ps, pc, free_ids, seg_off, touch_ids, demands, cache_ids, key_h
     dev = free_ids.device
     pc = batch_config(pc, max(n_free, n_touch, total, n_cache))
     blocks = torch.empty(total + 1, dtype=torch.int32, device=dev)
-    offsets = torch.empty(n_demands + 1, dtype=torch.int32, device=dev)
+    offsets = torch.empty(n_demands + n_rounds, dtype=torch.int32, device=dev)
     nf, nc = max(n_free, 1), max(n_cache, 1)
     scratch = torch.empty(3 * nf + 1 + nc, dtype=torch.int32, device=dev)
     fr = FreePart(free_ids, seg_off, scratch[: nf + 1], scratch[nf + 1: 2 * nf + 1], scratch[2 * nf + 1: 3 * nf + 1])
     ca = CachePart(cache_ids, scratch[3 * nf + 1:], key_hi, key_lo, key_group, ntok)
-    flush_kernel[(1,)](ps, pc, fr, touch_ids, PopPart(demands, blocks, offsets), ca, n_free, seg_off.numel() - 1,
-                       n_touch, n_demands, n_cache, total, num_warps=warps_for(pc.BLOCK))
-    return blocks[:total], offsets
+    flush_kernel[(1,)](ps, pc, fr, touch_ids, PopPart(demands, blocks, offsets), ca, rounds, n_rounds,
+                       num_warps=warps_for(pc.BLOCK))
+    if n_rounds > 1:  # each round wrote its own offsets, from 0: the demands' prefix sums over all of them
+        offsets = torch.cat([offsets[:1], torch.cumsum(demands[:n_demands], 0).to(torch.int32)])
+    return blocks[:total], offsets[: n_demands + 1]
