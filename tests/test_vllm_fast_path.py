@@ -140,13 +140,13 @@ def test_no_transfer_per_batch(monkeypatch):
         outs.append((a, b, hit, c))
         if p is pool:
             ids = [blk.block_id for blk in a + b + c]
-            # two flushes (_must_flush): the hit touches a block popped in the batch, then a is freed
-            # while touched in the next one
-            assert d2h.n == 0 and pool.syncs == {} and pool.flushes == 2
+            # three rounds (_cut): the hit touches a block popped in the first, then a is freed while
+            # touched in the second; nothing launched yet
+            assert d2h.n == 0 and pool.syncs == {} and pool.flushes == 0 and len(pool._batch.rounds) == 3
             assert all(pool.blocks[i] is blk for i, blk in zip(ids, a + b + c)) and hit[0] is a[0]
             assert pool.get_num_free_blocks() == 16 - 1 - 3 and a[1].ref_cnt == 0 and a[0].block_hash is not None
-            pool.end_step()  # launches the batch; the copy holds the whole queue: no refill
-            assert d2h.n == 0 and pool.flushes == 3
+            pool.end_step()  # launches the batch, one launch; the copy holds the whole queue: no refill
+            assert d2h.n == 0 and pool.flushes == 1
             pool.sync()
             assert d2h.n == 1 and dict(pool.syncs) == {"sync": 1}
     assert [[x.block_id for x in blks] for blks in outs[0]] == [[x.block_id for x in blks] for blks in outs[1]]
@@ -275,21 +275,22 @@ def test_cache_full_blocks_batched_equals_cache_full_blocks():
         pools[1].cache_full_blocks_batched(torch.tensor([2], dtype=torch.int64), hashes, 0, 1, 16, 0)
 
 
-def test_batch_flushes_where_the_order_requires():
-    """The device backend's batch (fast_path._Batch) runs free, touch, pop, cache in that order, one
-    flush each (``DeferredBlockPool._must_flush``): pops and cachings pile up in one batch, and so do
-    touches of free blocks and frees of keyed blocks after pops; a free of a block cached in the
-    batch, an un-keyed block freed (to the front) after a pop, and a touch or free of a block popped
-    in the batch flush first. The sequence runs on the per-call pool too: same ids, same final state;
-    and the flush counts are the ones the rules give."""
+def test_batch_rounds_where_the_order_requires():
+    """The device backend's batch (fast_path._Batch) runs free, touch, pop, cache in that order, round
+    after round, all rounds in ONE launch (``DeferredBlockPool._cut``): pops and cachings pile up in
+    one round, and so do touches of free blocks and frees of keyed blocks after pops; a free of a
+    block cached in the round, an un-keyed block freed (to the front) after a pop, and a touch or free
+    of a block popped in the round start a new one. The sequence runs on the per-call pool too: same
+    ids, same final state; the round counts are the ones the rules give, and the whole sequence is
+    one launch."""
     pools = [DeferredBlockPool(16, True, BS, device="cpu"), BlockPool(16, True, BS, device="cpu")]
     got = []
     for p in pools:
         ra, rb, rc = (driver.request(driver.tokens_of(i)[: 2 * BS]) for i in (1, 2, 3))
         flushes = []
 
-        def mark():
-            flushes.append(getattr(p, "flushes", 0))
+        def mark():  # rounds so far
+            flushes.append(len([r for r in p._batch.rounds if r]) - 1 if isinstance(p, DeferredBlockPool) else 0)
         a = p.get_new_blocks(2)
         p.cache_full_blocks(ra, a, 0, 2, BS, 0)
         b = p.get_new_blocks(2)
@@ -312,7 +313,7 @@ def test_batch_flushes_where_the_order_requires():
         p.free_blocks(b[1:])
         mark()  # 3: an un-keyed block freed after a pop
         ids = [x.block_id for x in a + b + d + hit + c + e]
-        mark()  # 3: the ids are known on the host: no synchronisation, no flush
+        mark()  # 3: the ids are known on the host: no synchronisation, no new round
         x = p.get_new_blocks(1)
         ids.append(x[0].block_id)
         p.cache_full_blocks(rb, b[:1] + x, 1, 2, BS, 0)
@@ -327,8 +328,9 @@ def test_batch_flushes_where_the_order_requires():
         ids.append(y[0].block_id)
         if isinstance(p, DeferredBlockPool):
             assert p.syncs == {}
+            assert p.flushes == 0
             p.sync()  # 7
-            assert flushes == [0, 1, 1, 1, 2, 2, 3, 3, 4, 5, 6] and p.flushes == 7, (flushes, p.flushes)
+            assert flushes == [0, 1, 1, 1, 2, 2, 3, 3, 4, 5, 6] and p.flushes == 1, (flushes, p.flushes)
             p.device_pool.validate()
         got.append((ids, driver.snapshot(p)))
     assert got[0] == got[1]
@@ -337,8 +339,8 @@ def test_batch_flushes_where_the_order_requires():
 def test_a_decode_step_is_one_flush():
     """vLLM's decode step over 32 running requests, each crossing into a new block (``get_new_blocks(1)``)
     and caching the block it filled (``cache_full_blocks``), after the frees of 2 finished requests:
-    one flush, ONE ``apply_batched`` launch, where the per-call adapter launches 66 ops; ids and state
-    equal."""
+    one flush at ``end_step``, ONE ``apply_batched`` launch and no synchronisation, where the per-call
+    adapter launches 66 ops; ids and state equal."""
     n, nreq = 80, 32
     pools = [DeferredBlockPool(n, True, BS, device="cpu"), BlockPool(n, True, BS, device="cpu")]
     got = []
@@ -346,6 +348,7 @@ def test_a_decode_step_is_one_flush():
         reqs = [driver.request(driver.tokens_of(i)[: 2 * BS]) for i in range(nreq + 2)]
         rows = [p.get_new_blocks(1) for _ in reqs]
         [blk.block_id for row in rows for blk in row]
+        p.end_step()  # the step before (launched)
         if isinstance(p, DeferredBlockPool):
             flushes0 = p.flushes
             counts = {}
@@ -361,8 +364,10 @@ def test_a_decode_step_is_one_flush():
             row += p.get_new_blocks(1)
             p.cache_full_blocks(r, row, 0, 1, BS, 0)
         ids = [[blk.block_id for blk in row] for row in rows[:nreq]]
+        p.end_step()  # GpuPoolScheduler's, after schedule(): launches the step's batch
         if isinstance(p, DeferredBlockPool):
             assert p.flushes - flushes0 == 1 and counts == {"apply_batched": 1}, (p.flushes, counts)
+            assert p.syncs == {}
             p.device_pool.validate()
         got.append((ids, driver.snapshot(p)))
     assert got[0] == got[1]

@@ -114,6 +114,8 @@ def test_same_decisions_as_vllm_async_scheduler(tmp_path):
             o = s["gpupool_ops"]
             assert set(o) <= {"apply_batched", "flushes", "syncs", "d2h"}, o
             assert o.get("apply_batched", 0) == o["flushes"], o
+            if mode != "device_w4":  # one launch per step (its rounds); placeholders can need more
+                assert o["flushes"] <= 1, (mode, s["step"], o)
     per_call = r["device_percall"]
     assert max(_distribution(per_call)) > 1  # the per-call path: one op + check() + mirror copy per call
     ops = Counter()

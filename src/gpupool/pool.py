@@ -503,8 +503,8 @@ class BlockPool:
 
         Raises at once (nothing changed) what the four ops raise for bad host values, and
         InvalidArgumentError for a pool with KV events (the caching part writes none) or rounds that
-        do not add up, InvalidCountError for a negative demand, OutOfBlocksError for a demands' sum
-        above the pool's ``num_blocks - 1`` blocks (it can never fit, whatever the frees before it);
+        do not add up, InvalidCountError for a negative demand, OutOfBlocksError for a demands' sum (a
+        round's) above the pool's ``num_blocks - 1`` blocks (it can never fit, whatever the frees before it);
         device errors, a sum above the free blocks among them, go to the status word (raised by
         :meth:`check`)."""
         op = "apply_batched"
@@ -514,10 +514,6 @@ class BlockPool:
         bad = [d for d in dem if d < 0]
         if bad:
             raise InvalidCountError(op, f"a demand must be >= 0, got {bad[0]}", bad[0])
-        total = sum(dem)
-        if total > self.num_blocks - 1:  # never fits (a free cannot make more blocks free); sizes the output
-            raise OutOfBlocksError(op, f"the demands' sum {total} exceeds the pool's {self.num_blocks - 1} blocks",
-                                   total)
         fids = None if free_ids is None else self._device_i32(op, free_ids, "free_ids")
         seg = None
         if free_ids is not None:
@@ -530,7 +526,14 @@ class BlockPool:
         cids = None if cache_ids is None else self._device_i32(op, cache_ids, "cache_ids")
         keys, ntok, per_call = self._cache_items(op, cache_calls, 0 if cids is None else cids.numel(), "cache_ids")
         n_free, n_touch = (0 if t is None else t.numel() for t in (fids, tids))
-        table = k_flush.round_table(self._rounds(op, rounds, n_free, seg, n_touch, dem, per_call), seg is not None)
+        parts = self._rounds(op, rounds, n_free, seg, n_touch, dem, per_call)
+        for part in parts:
+            want = sum(part[3])
+            if want > self.num_blocks - 1:  # never fits (a free cannot make more blocks free); sizes the output
+                raise OutOfBlocksError(op, f"the demands' sum {want} exceeds the pool's {self.num_blocks - 1} blocks"
+                                       + (" (in a round)" if rounds is not None else ""), want)
+        total = sum(dem)
+        table = k_flush.round_table(parts, seg is not None)
         small = self._tensor([0] + dem + table)  # one copy: a placeholder entry for empty parts, demands, rounds
         one = small[:1]
         nd = len(dem)

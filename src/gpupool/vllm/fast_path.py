@@ -72,28 +72,50 @@ _PREDICTED_SEQ = 1 << 62
 FREE_WINDOW = 2048
 
 
-class _Batch:
-    """The device ops since the last launch, run as one flush (one ``apply_batched``) in the order
-    free, touch, pop, cache (``DeferredBlockPool._flush``). The adapter flushes first where this
-    order would move an op before one it must follow (``DeferredBlockPool._must_flush``)."""
+class _Round:
+    """One round of a batch: ops run free, touch, pop, cache on the device (``apply_batched``'s
+    round). A new round starts where that order would move an op before one it must follow
+    (``DeferredBlockPool._cut``); otherwise the order commutes (docs/vllm.md, "The fast path")."""
 
-    __slots__ = ("free", "seg", "touch", "touched", "demands", "pred", "popped", "cache_slots", "cache_calls",
-                 "cached")
+    __slots__ = ("free", "seg", "touch", "touched", "demands", "popped", "cache_slots", "cache_calls", "cached")
 
     def __init__(self):
         self.free: list[int] = []  # slots, the free calls one after another
         self.seg = [0]  # free call j is free[seg[j]:seg[j + 1]]
         self.touch: list[int] = []
         self.touched: set[int] = set()
-        self.demands: list[int] = []  # get_new_blocks counts, in call order: predicted ones first
-        self.pred: list[int] = []  # the ids the host predicted for the predicted demands, in order
-        self.popped: set[int] = set()
+        self.demands: list[int] = []  # get_new_blocks counts, in call order
+        self.popped: set[int] = set()  # the predicted ids of its pops
         self.cache_slots: list[int] = []  # each caching call's range, one after another
         self.cache_calls: list[tuple] = []  # (block_hashes, num_cached, num_full, block_size, group)
         self.cached: set[int] = set()
 
     def __bool__(self) -> bool:
         return bool(self.free or self.touch or self.demands or self.cache_calls)
+
+
+class _Batch:
+    """The device ops since the last launch, in rounds, run as one flush (ONE ``apply_batched``,
+    ``DeferredBlockPool._flush``). Pops the host predicted come before the others (placeholders):
+    a placeholder pop empties the host's copy of the queue until the next synchronisation, which
+    launches the batch first."""
+
+    __slots__ = ("rounds", "pred")
+
+    def __init__(self):
+        self.rounds = [_Round()]
+        self.pred: list[int] = []  # the ids the host predicted for its pops, in order
+
+    @property
+    def cur(self) -> _Round:
+        return self.rounds[-1]
+
+    def cut(self) -> None:
+        if self.rounds[-1]:
+            self.rounds.append(_Round())
+
+    def __bool__(self) -> bool:
+        return any(self.rounds)
 
 
 class PendingBlock(KVCacheBlock):
@@ -275,9 +297,9 @@ class DeferredBlockPool(BlockPool):
         ids = [q.popitem(last=False)[0] for _ in range(num_blocks)]
         if self.backend == "device":
             b = self._batch
-            b.demands.append(num_blocks)
+            b.cur.demands.append(num_blocks)
+            b.cur.popped.update(ids)
             b.pred += ids
-            b.popped.update(ids)
         else:
             got = self._dev.get_new_blocks(num_blocks)
             got = got.tolist() if isinstance(got, torch.Tensor) else list(got)
@@ -298,7 +320,7 @@ class DeferredBlockPool(BlockPool):
     def _pop_pending(self, num_blocks: int) -> list[KVCacheBlock]:
         k0 = len(self._pending)
         if self.backend == "device":
-            self._batch.demands.append(num_blocks)
+            self._batch.cur.demands.append(num_blocks)
         else:
             ids = self._dev.get_new_blocks(num_blocks)
             self._pend_ref.extend(ids.tolist() if isinstance(ids, torch.Tensor) else ids)
@@ -395,10 +417,10 @@ class DeferredBlockPool(BlockPool):
             return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
         g = kv_cache_group_id
         if self.backend == "device":
-            b = self._batch
-            b.cache_slots += slots
-            b.cache_calls.append((hashes, nc, nf, block_size, g))
-            b.cached.update(slots)
+            r = self._batch.cur
+            r.cache_slots += slots
+            r.cache_calls.append((hashes, nc, nf, block_size, g))
+            r.cached.update(slots)
         else:
             self._dev.cache_full_blocks([0] * nc + self._ref_ids(slots), hashes, nc, nf, block_size, g)
         holders = self._holders
@@ -418,58 +440,73 @@ class DeferredBlockPool(BlockPool):
 
     def _queue(self, kind: str, slots: list[int], front: bool) -> None:
         """Queue a touch or a free of ``slots`` (``front``: a block it frees goes to the queue's
-        front) in the batch, flushing it first where :meth:`_must_flush`."""
+        front) in the batch, in a new round or after a launch where :meth:`_cut` says so."""
         for s in slots:
             if s < self.num_gpu_blocks:
                 self._touched.add(s)
         if self.backend == "device":
-            b = self._batch
-            if self._must_flush(kind, slots, front):
+            cut = self._cut(kind, slots, front)
+            if cut == "launch":
                 self._flush()
-                b = self._batch
+            elif cut == "round":
+                self._batch.cut()
+            r = self._batch.cur
             if kind == "touch":
-                b.touch += slots
-                b.touched.update(slots)
+                r.touch += slots
+                r.touched.update(slots)
             else:
-                b.free += slots
-                b.seg.append(len(b.free))
+                r.free += slots
+                r.seg.append(len(r.free))
         elif kind == "touch":
             self._dev.touch(self._ref_ids(slots))
         else:
             self._dev.free_blocks(self._ref_ids(slots))
 
-    def _must_flush(self, kind: str, slots: list[int], front: bool) -> bool:
-        """Whether a touch or free of ``slots`` must wait for the batch to launch, its fixed order
-        (free, touch, pop, cache) moving it before an op it follows (docs/vllm.md, "The fast path"):
-        a free of a block the batch touches or caches; past the batch's pops, an op on a block they
-        took, or a free to the queue's front (the pops would take it). Otherwise it commutes with the
-        pops: a pop of n takes the queue's first n blocks, and a block freed to the back or a free
-        block touched (still free after the pops, so not among their first n) leaves those alone."""
-        b = self._batch
-        if kind == "free" and not (b.cached.isdisjoint(slots) and b.touched.isdisjoint(slots)):
-            return True
-        if not b.demands:
-            return False
-        mine = self.num_gpu_blocks + (0 if self._pend_dev is None else self._pend_dev.numel())
-        return front or not b.popped.isdisjoint(slots) or any(s >= mine for s in slots)
+    def _cut(self, kind: str, slots: list[int], front: bool) -> str | None:
+        """Where a touch or free of ``slots`` must go so that the round order (free, touch, pop, cache)
+        does not move it before an op it follows (docs/vllm.md, "The fast path"): ``"launch"`` for an
+        op on a placeholder not launched yet (the free and touch parts take device ids);
+        ``"round"`` (a new round) for a free of a block the round touches or caches, and, past the
+        round's pops, an op on a block they took or a free to the queue's front (the pops would take
+        it); else None, the op commuting with the round's pops: a pop of n takes the queue's first n
+        blocks, and a block freed to the back or a free block touched (still free after the pops, so
+        not among their first n) leaves those alone."""
+        launched = self.num_gpu_blocks + (0 if self._pend_dev is None else self._pend_dev.numel())
+        if any(s >= launched for s in slots):
+            return "launch"
+        r = self._batch.cur
+        if kind == "free" and not (r.cached.isdisjoint(slots) and r.touched.isdisjoint(slots)):
+            return "round"
+        if r.demands and (front or not r.popped.isdisjoint(slots)):
+            return "round"
+        return None
 
     def _flush(self) -> None:
-        """Launch the batch as ONE ``apply_batched`` (free: every call a segment; touch; pop: every
-        call a demand; cache), not waiting; the pops' ids are compared with the host's on the device,
-        the placeholders get theirs from its output, and a caching names them as ``num_blocks + k``."""
+        """Launch the batch as ONE ``apply_batched`` (its rounds; in each, free: every call a segment;
+        touch; pop: every call a demand; cache), not waiting; the pops' ids are compared with the
+        host's on the device, the placeholders get theirs from its output, and a caching names them
+        as ``num_blocks + k``."""
         b = self._batch
         if not b:
             return
         self._batch = _Batch()
         self.flushes += 1
         k0 = 0 if self._pend_dev is None else self._pend_dev.numel()
-        nf, nt, npred = len(b.free), len(b.touch), len(b.pred)
-        ids = self._device_ids(b.free + b.touch + b.pred) if nf or nt or npred else None  # one copy
+        rounds = [r for r in b.rounds if r]
+        free = [x for r in rounds for x in r.free]
+        touch = [x for r in rounds for x in r.touch]
+        demands = [x for r in rounds for x in r.demands]
+        cache_slots = [x for r in rounds for x in r.cache_slots]
+        cache_calls = [x for r in rounds for x in r.cache_calls]
+        nf, nt, npred = len(free), len(touch), len(b.pred)
+        ids = self._device_ids(free + touch + b.pred) if nf or nt or npred else None  # one copy
+        seg = [x for r in rounds for x in r.seg] if len(rounds) > 1 else rounds[0].seg
         blocks, _ = self._dev.apply_batched(
-            free_ids=ids[:nf] if nf else None, free_offsets=self._h2d(b.seg, torch.int32) if nf else None,
-            touch_ids=ids[nf:nf + nt] if nt else None, demands=b.demands,
-            cache_ids=self._cache_ids(b.cache_slots, k0, npred) if b.cache_calls else None,
-            cache_calls=b.cache_calls)
+            free_ids=ids[:nf] if nf else None, free_offsets=self._h2d(seg, torch.int32) if nf else None,
+            touch_ids=ids[nf:nf + nt] if nt else None, demands=demands,
+            cache_ids=self._cache_ids(cache_slots, k0, npred) if cache_calls else None, cache_calls=cache_calls,
+            rounds=[(len(r.free), len(r.seg) - 1, len(r.touch), len(r.demands), len(r.cache_calls))
+                    for r in rounds] if len(rounds) > 1 else None)
         if npred:
             bad = (blocks[:npred] != ids[nf + nt:]).sum().reshape(1)
             self._bad = bad if self._bad is None else self._bad + bad
