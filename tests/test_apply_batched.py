@@ -165,6 +165,33 @@ def test_rounds_that_do_not_add_up_raise_at_the_call():
     assert_pools_agree(ref, dev)
 
 
+def test_host_parts_and_expected_pops():
+    """The id parts as host ints (one copy with the demands) act as the same tensors; ``expected``
+    counts the pops that differ into ``mismatches`` on the device; bad host parts raise at the call,
+    nothing changed."""
+    _, dev, old, held = setup()
+    _, twin, old2, held2 = setup()
+    assert (old2, held2) == (old, held)
+    calls = [([h("c0"), h("c1")], 1, 2, BS, 0)]
+    kw = dict(demands=[2, 1], cache_calls=calls, rounds=[(1, 1, 1, 1, 0), (0, 0, 0, 1, 1)])
+    mism = torch.zeros(1, dtype=torch.int64)
+    a, _ = dev.apply_batched(free_ids=[held[5]], free_offsets=[0, 1, 0], touch_ids=[old[0]], cache_ids=[N + 2],
+                             expected=[held[5], held[5]], mismatches=mism, **kw)  # the 2nd is wrong
+    b, _ = twin.apply_batched(free_ids=i32([held[5]]), free_offsets=i32([0, 1, 0]), touch_ids=i32([old[0]]),
+                              cache_ids=i32([N + 2]), **kw)
+    dev.check()
+    twin.check()
+    assert a.tolist() == b.tolist() and pool_state(dev) == pool_state(twin)
+    assert a.tolist()[0] == held[5] and int(mism) == 1
+    before = pool_state(dev)
+    for bad in (dict(free_ids=[2**31], free_offsets=[0, 1]), dict(touch_ids=["x"]),
+                dict(demands=[1], expected=[1]), dict(demands=[1], expected=[1, 2], mismatches=mism),
+                dict(demands=[1], expected=i32([1]), mismatches=mism)):
+        with pytest.raises(PoolError):
+            dev.apply_batched(**bad)
+        assert pool_state(dev) == before
+
+
 def test_a_failing_part_stops_the_later_ones():
     ref, dev, old, held = setup()
     before = pool_state(dev)

@@ -480,17 +480,20 @@ class BlockPool:
         return [flat[i * m:(i + 1) * m] for i in range(4)]
 
     @locked
-    def apply_batched(self, *, free_ids: torch.Tensor | None = None, free_offsets: torch.Tensor | None = None,
-                      touch_ids: torch.Tensor | None = None, demands=(), cache_ids: torch.Tensor | None = None,
-                      cache_calls=(), rounds=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply_batched(self, *, free_ids=None, free_offsets=None, touch_ids=None, demands=(), cache_ids=None,
+                      cache_calls=(), rounds=None, expected=None,
+                      mismatches: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``free_batched(free_ids, free_offsets)``, ``touch_batched(touch_ids)``,
         ``allocate_batched(demands)`` and ``cache_blocks_batched(cache_ids, cache_calls)`` in that
         order, as ONE launch, not waiting (docs/semantics.md section 2, batched forms; the vLLM fast
         path's flush, docs/vllm.md). Every part is optional and is that op exactly; a part that fails
         records its error in the status word and the later parts do nothing, as four launches would.
 
-        ``demands``: host ints (the pops' sum sizes the output without a wait). ``cache_ids: int32[M]``
-        may name this call's popped blocks: ``num_blocks + k`` is the k-th. Returns ``(blocks:
+        ``free_ids``, ``free_offsets``, ``touch_ids``, ``cache_ids``: each an ``int32[n]`` tensor on the
+        pool's device or host ints; the host ones travel in ONE host-to-device copy with the demands
+        (ints outside int32 raise InvalidArgumentError; ids are checked on the device, as a tensor's).
+        ``demands``: host ints (the pops' sum sizes the output without a wait). ``cache_ids`` may name
+        this call's popped blocks: ``num_blocks + k`` is the k-th. Returns ``(blocks:
         int32[sum(demands)], offsets: int32[len(demands) + 1])`` as ``allocate_batched``'s.
 
         ``rounds``: several such batches in one launch, one after another (None: one). A host list,
@@ -501,11 +504,16 @@ class BlockPool:
         another, and ``num_blocks + k`` in a caching names the k-th of them (an earlier round's or its
         own round's).
 
+        ``expected`` (host ints, at most ``sum(demands)``) with ``mismatches`` (``int64[1]`` on the
+        device): the first pops are compared with these ids on the device and the number that differ
+        is added to ``mismatches`` (no wait), for a caller that predicts the pops (the vLLM fast path).
+
         Raises at once (nothing changed) what the four ops raise for bad host values, and
-        InvalidArgumentError for a pool with KV events (the caching part writes none) or rounds that
-        do not add up, InvalidCountError for a negative demand, OutOfBlocksError for a demands' sum (a
-        round's) above the pool's ``num_blocks - 1`` blocks (it can never fit, whatever the frees before it);
-        device errors, a sum above the free blocks among them, go to the status word (raised by
+        InvalidArgumentError for a pool with KV events (the caching part writes none), rounds that
+        do not add up or ``expected`` without ``mismatches`` or longer than the pops,
+        InvalidCountError for a negative demand, OutOfBlocksError for a demands' sum (a round's) above
+        the pool's ``num_blocks - 1`` blocks (it can never fit, whatever the frees before it); device
+        errors, a sum above the free blocks among them, go to the status word (raised by
         :meth:`check`)."""
         op = "apply_batched"
         if self.enable_kv_cache_events:
@@ -514,40 +522,71 @@ class BlockPool:
         bad = [d for d in dem if d < 0]
         if bad:
             raise InvalidCountError(op, f"a demand must be >= 0, got {bad[0]}", bad[0])
-        fids = None if free_ids is None else self._device_i32(op, free_ids, "free_ids")
-        seg = None
+        fids, n_free = self._i32_part(op, free_ids, "free_ids")
+        seg, n_seg = None, None
         if free_ids is not None:
             if free_offsets is None:
                 raise InvalidArgumentError(op, "free_ids needs free_offsets (as free_batched's seg_offsets)")
-            seg = self._device_i32(op, free_offsets, "free_offsets")
-            if seg.numel() < 1:
+            seg, n_seg = self._i32_part(op, free_offsets, "free_offsets")
+            if n_seg < 1:
                 raise InvalidArgumentError(op, "free_offsets needs at least one entry (0)")
-        tids = None if touch_ids is None else self._device_i32(op, touch_ids, "touch_ids")
-        cids = None if cache_ids is None else self._device_i32(op, cache_ids, "cache_ids")
-        keys, ntok, per_call = self._cache_items(op, cache_calls, 0 if cids is None else cids.numel(), "cache_ids")
-        n_free, n_touch = (0 if t is None else t.numel() for t in (fids, tids))
-        parts = self._rounds(op, rounds, n_free, seg, n_touch, dem, per_call)
+        tids, n_touch = self._i32_part(op, touch_ids, "touch_ids")
+        cids, n_cids = self._i32_part(op, cache_ids, "cache_ids")
+        exp, n_exp = self._i32_part(op, expected, "expected")
+        keys, ntok, per_call = self._cache_items(op, cache_calls, n_cids, "cache_ids")
+        parts = self._rounds(op, rounds, n_free, n_seg, n_touch, dem, per_call)
         for part in parts:
             want = sum(part[3])
             if want > self.num_blocks - 1:  # never fits (a free cannot make more blocks free); sizes the output
                 raise OutOfBlocksError(op, f"the demands' sum {want} exceeds the pool's {self.num_blocks - 1} blocks"
                                        + (" (in a round)" if rounds is not None else ""), want)
         total = sum(dem)
+        if exp is not None and (isinstance(exp, torch.Tensor) or n_exp > total or not isinstance(
+                mismatches, torch.Tensor) or mismatches.dtype != torch.int64 or mismatches.device != self.device
+                or mismatches.numel() != 1):
+            raise InvalidArgumentError(op, "expected: host ints, at most the pops, with mismatches (int64[1] on "
+                                           f"{self.device})")
         table = k_flush.round_table(parts, seg is not None)
-        small = self._tensor([0] + dem + table)  # one copy: a placeholder entry for empty parts, demands, rounds
-        one = small[:1]
-        nd = len(dem)
-        return k_flush.launch_flush(
-            self.state, self.config, fids if n_free else one, one if seg is None else seg, tids if n_touch else one,
-            small[1:1 + nd] if dem else one, small[1 + nd:], cids if keys else one, *self._key_tensors(keys, ntok),
-            n_rounds=len(table) // k_flush.ROUND_FIELDS, n_free=n_free, n_touch=n_touch, n_demands=nd,
-            n_cache=len(keys), total=total)
+        host = [0] + dem + table  # ONE copy: a placeholder entry for empty parts, demands, rounds, host parts
+        at = {}
+        for name, v in (("f", fids), ("s", seg), ("t", tids), ("c", cids), ("e", exp)):
+            if isinstance(v, list):
+                at[name] = len(host)
+                host += v
+        small = self._tensor(host)
+        one, nd = small[:1], len(dem)
+
+        def dev(v, name):
+            return small[at[name]: at[name] + len(v)] if isinstance(v, list) else v
+        blocks, offsets = k_flush.launch_flush(
+            self.state, self.config, dev(fids, "f") if n_free else one, one if seg is None else dev(seg, "s"),
+            dev(tids, "t") if n_touch else one, small[1:1 + nd] if dem else one, small[1 + nd:1 + nd + len(table)],
+            dev(cids, "c") if keys else one, *self._key_tensors(keys, ntok), n_rounds=len(parts), n_free=n_free,
+            n_touch=n_touch, n_demands=nd, n_cache=len(keys), total=total)
+        if n_exp:
+            mismatches += (blocks[:n_exp] != dev(exp, "e")).sum()
+        return blocks, offsets
+
+    def _i32_part(self, op: str, v, what: str):
+        """An ``apply_batched`` part: (None, 0), (the checked device tensor, length) or (host ints
+        within int32, length)."""
+        if v is None:
+            return None, 0
+        if isinstance(v, torch.Tensor):
+            t = self._device_i32(op, v, what)
+            return t, t.numel()
+        vals = [as_int(op, x, what) for x in as_host_list(op, v, what)]
+        out = [x for x in vals if not -2**31 <= x < 2**31]
+        if out:
+            raise InvalidArgumentError(op, f"{what} holds {out[0]}, outside int32", out[0])
+        return vals, len(vals)
 
     @staticmethod
-    def _rounds(op: str, rounds, n_free: int, seg, n_touch: int, dem: list[int], per_call: list[int]) -> list:
-        """``apply_batched``'s rounds checked against the parts' lengths, as ``round_table`` takes them
-        (cache calls as cached blocks). Raises InvalidArgumentError where they do not add up."""
-        nseg = 0 if seg is None else seg.numel()
+    def _rounds(op: str, rounds, n_free: int, n_seg, n_touch: int, dem: list[int], per_call: list[int]) -> list:
+        """``apply_batched``'s rounds checked against the parts' lengths (``n_seg``: None without free
+        ids), as ``round_table`` takes them (cache calls as cached blocks). Raises InvalidArgumentError
+        where they do not add up."""
+        nseg = 0 if n_seg is None else n_seg
         if rounds is None:
             return [(n_free, max(nseg - 1, 0), n_touch, dem, sum(per_call))]
         out, f, s, t, d, c = [], 0, 0, 0, 0, 0
@@ -559,7 +598,7 @@ class BlockPool:
             if min(nfi, nfc, nt, ndm, ncc) < 0:
                 raise InvalidArgumentError(op, f"a round's counts must be >= 0, got {tuple(rd)}")
             out.append((nfi, nfc, nt, dem[d:d + ndm], sum(per_call[c:c + ncc])))
-            f, s, t, d, c = f + nfi, s + (nfc + 1 if seg is not None else nfc), t + nt, d + ndm, c + ncc
+            f, s, t, d, c = f + nfi, s + (nfc + 1 if n_seg is not None else nfc), t + nt, d + ndm, c + ncc
         want = (n_free, nseg, n_touch, len(dem), len(per_call))
         if (f, s, t, d, c) != want:
             raise InvalidArgumentError(op, f"the rounds add up to (free ids, free offsets, touch ids, demands, cache "

@@ -499,17 +499,25 @@ class DeferredBlockPool(BlockPool):
         cache_slots = [x for r in rounds for x in r.cache_slots]
         cache_calls = [x for r in rounds for x in r.cache_calls]
         nf, nt, npred = len(free), len(touch), len(b.pred)
-        ids = self._device_ids(free + touch + b.pred) if nf or nt or npred else None  # one copy
         seg = [x for r in rounds for x in r.seg] if len(rounds) > 1 else rounds[0].seg
+        n = self.num_gpu_blocks
+        if any(n <= s < n + k0 for s in free + touch + cache_slots):
+            # a launched placeholder's id is on the device only: the id parts gathered there
+            ids = self._device_ids(free + touch) if nf or nt else None
+            free_ids, touch_ids = (ids[:nf] if nf else None), (ids[nf:] if nt else None)
+            seg_ids = self._h2d(seg, torch.int32) if nf else None
+            cache_ids = self._cache_ids(cache_slots, k0, npred) if cache_calls else None
+        else:  # host ints: apply_batched copies them with the demands, in one transfer
+            free_ids, touch_ids, seg_ids = free or None, touch or None, seg if nf else None
+            # this flush's k-th placeholder is its (npred + k)-th pop, num_blocks + npred + k
+            cache_ids = [s if s < n else s - k0 + npred for s in cache_slots] if cache_calls else None
+        if npred and self._bad is None:
+            self._bad = torch.zeros(1, dtype=torch.int64, device=self._dev.device)
         blocks, _ = self._dev.apply_batched(
-            free_ids=ids[:nf] if nf else None, free_offsets=self._h2d(seg, torch.int32) if nf else None,
-            touch_ids=ids[nf:nf + nt] if nt else None, demands=demands,
-            cache_ids=self._cache_ids(cache_slots, k0, npred) if cache_calls else None, cache_calls=cache_calls,
+            free_ids=free_ids, free_offsets=seg_ids, touch_ids=touch_ids, demands=demands, cache_ids=cache_ids,
+            cache_calls=cache_calls, expected=b.pred or None, mismatches=self._bad if npred else None,
             rounds=[(len(r.free), len(r.seg) - 1, len(r.touch), len(r.demands), len(r.cache_calls))
                     for r in rounds] if len(rounds) > 1 else None)
-        if npred:
-            bad = (blocks[:npred] != ids[nf + nt:]).sum().reshape(1)
-            self._bad = bad if self._bad is None else self._bad + bad
         if blocks.numel() > npred:
             rest = blocks[npred:]
             self._pend_dev = rest if self._pend_dev is None else torch.cat([self._pend_dev, rest])
