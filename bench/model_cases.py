@@ -519,10 +519,10 @@ def case_vllm(gp, gc, B: int, args, flush: bool) -> dict:
     free0 = pool.get_num_free_blocks()
     build_s += time.perf_counter() - t0
 
-    def fused():
-        return pool.apply_batched(free_ids=i32([b for f in fin for b in f]),
-                                  free_offsets=i32(range(0, n_fin * per + 1, per)), demands=[1] * n_cross,
-                                  cache_ids=i32(fill), cache_calls=calls)
+    def fused():  # host ints, as the fast path passes them: one copy with the demands, one of the keys
+        return pool.apply_batched(free_ids=[b for f in fin for b in f],
+                                  free_offsets=list(range(0, n_fin * per + 1, per)), demands=[1] * n_cross,
+                                  cache_ids=fill, cache_calls=calls)
 
     def per_call():
         for ids in fin_ids:
