@@ -201,12 +201,13 @@ class CacheFullArgs:
 def cache_full_args(op: str, num_blocks: int, caching: bool, blocks, block_hashes, num_cached_blocks,
                     num_full_blocks, block_size, group_id, block_mask) -> CacheFullArgs:
     """``cache_full_blocks``'s argument checks, shared by both pools (docs/semantics.md section 2).
-    ``noop`` is set (and nothing past the scalar checks validated) when ``nc >= nf`` or caching is off."""
+    ``noop`` is set (and nothing past the scalar checks validated) when ``nc >= nf`` or caching is off.
+    ``blocks`` None: the ids are checked elsewhere (on the device, ``cache_blocks_batched``); ``ids`` empty."""
     nc = as_int(op, num_cached_blocks, "num_cached_blocks")
     nf = as_int(op, num_full_blocks, "num_full_blocks")
     bs = as_int(op, block_size, "block_size")
     g = as_group(op, group_id)
-    ids = [check_block_id(op, b, num_blocks) for b in as_id_list(op, blocks)]
+    ids = [] if blocks is None else [check_block_id(op, b, num_blocks) for b in as_id_list(op, blocks)]
     block_hashes = as_hash_list(op, block_hashes)
     from .errors import InvalidCountError
 
@@ -217,7 +218,7 @@ def cache_full_args(op: str, num_blocks: int, caching: bool, blocks, block_hashe
     if nc >= nf or not caching:
         return CacheFullArgs(ids, [], nc, nf, bs, g, None, True)
     check_tokens(op, nf * bs, "num_full_blocks * block_size")
-    if nf > len(ids):
+    if blocks is not None and nf > len(ids):
         raise InvalidArgumentError(op, f"num_full_blocks {nf} exceeds the {len(ids)} blocks given", nf)
     if nf > len(block_hashes):
         raise InvalidArgumentError(op, f"num_full_blocks {nf} exceeds the {len(block_hashes)} hashes given", nf)

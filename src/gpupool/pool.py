@@ -459,8 +459,7 @@ class BlockPool:
                 raise ArgumentTypeError(op, "each call is (block_hashes, num_cached_blocks, num_full_blocks, "
                                             f"block_size, group_id), got {call!r}")
             hashes, nc, nf, bs, g = call
-            n = nf if isinstance(nf, int) and not isinstance(nf, bool) and nf > 0 else 0
-            a = cache_full_args(op, self.num_blocks, self.enable_caching, [0] * n, hashes, nc, nf, bs, g, None)
+            a = cache_full_args(op, self.num_blocks, self.enable_caching, None, hashes, nc, nf, bs, g, None)
             k0 = len(keys)
             if not a.noop:
                 keys += [(a.stored_hash(i), a.group) for i in range(a.nc, a.nf)]
@@ -575,10 +574,12 @@ class BlockPool:
         if isinstance(v, torch.Tensor):
             t = self._device_i32(op, v, what)
             return t, t.numel()
-        vals = [as_int(op, x, what) for x in as_host_list(op, v, what)]
-        out = [x for x in vals if not -2**31 <= x < 2**31]
-        if out:
-            raise InvalidArgumentError(op, f"{what} holds {out[0]}, outside int32", out[0])
+        vals = as_host_list(op, v, what)
+        if not all(type(x) is int for x in vals):  # plain ints (the fast path's) are checked at C speed
+            vals = [as_int(op, x, what) for x in vals]
+        if vals and (min(vals) < -2**31 or max(vals) >= 2**31):
+            bad = next(x for x in vals if not -2**31 <= x < 2**31)
+            raise InvalidArgumentError(op, f"{what} holds {bad}, outside int32", bad)
         return vals, len(vals)
 
     @staticmethod
