@@ -44,6 +44,11 @@ def _request(i: int, nblocks: int):
 
 def run(pool, n_req: int, steps: int, end_step) -> float:
     """Mean host seconds per step (the workload in the module docstring)."""
+    return run_steps(pool, warm(pool, n_req, end_step), steps, end_step)
+
+
+def warm(pool, n_req: int, end_step):
+    """The running requests and the shared prefix, cached: the state :func:`run_steps` starts from."""
     reqs = []
     for i in range(n_req):  # warm: each running request holds 32 blocks, the first 31 cached
         r = _request(i, 64)
@@ -56,7 +61,11 @@ def run(pool, n_req: int, steps: int, end_step) -> float:
     pool.cache_full_blocks(shared, sb, 0, 16, BS, 0)
     pool.free_blocks(list(reversed(sb)))
     end_step()
-    nxt = n_req
+    return [reqs, shared, n_req]
+
+
+def run_steps(pool, state, steps: int, end_step) -> float:
+    reqs, shared, nxt = state
     t_total = 0.0
     for step in range(steps):
         t0 = time.perf_counter()
@@ -84,6 +93,7 @@ def run(pool, n_req: int, steps: int, end_step) -> float:
         [b.block_id for q in reqs for b in q[1][-1:]]  # the SchedulerOutput's new block ids
         end_step()
         t_total += time.perf_counter() - t0
+    state[2] = nxt
     return t_total / steps
 
 

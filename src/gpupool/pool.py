@@ -480,8 +480,8 @@ class BlockPool:
 
     @locked
     def apply_batched(self, *, free_ids=None, free_offsets=None, touch_ids=None, demands=(), cache_ids=None,
-                      cache_calls=(), rounds=None, expected=None,
-                      mismatches: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      cache_calls=(), rounds=None, expected=None, mismatches: torch.Tensor | None = None,
+                      cache_items=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``free_batched(free_ids, free_offsets)``, ``touch_batched(touch_ids)``,
         ``allocate_batched(demands)`` and ``cache_blocks_batched(cache_ids, cache_calls)`` in that
         order, as ONE launch, not waiting (docs/semantics.md section 2, batched forms; the vLLM fast
@@ -506,6 +506,11 @@ class BlockPool:
         ``expected`` (host ints, at most ``sum(demands)``) with ``mismatches`` (``int64[1]`` on the
         device): the first pops are compared with these ids on the device and the number that differ
         is added to ``mismatches`` (no wait), for a caller that predicts the pops (the vLLM fast path).
+
+        ``cache_items``: instead of ``cache_calls``, the calls already checked by the caller with
+        ``gpupool.args.cache_full_args`` (the vLLM fast path checks each at its call): ``(keys, ntok,
+        per_call)``, per cached block its ``(hash, group)`` and covered tokens, and the number of
+        blocks of each call.
 
         Raises at once (nothing changed) what the four ops raise for bad host values, and
         InvalidArgumentError for a pool with KV events (the caching part writes none), rounds that
@@ -532,7 +537,15 @@ class BlockPool:
         tids, n_touch = self._i32_part(op, touch_ids, "touch_ids")
         cids, n_cids = self._i32_part(op, cache_ids, "cache_ids")
         exp, n_exp = self._i32_part(op, expected, "expected")
-        keys, ntok, per_call = self._cache_items(op, cache_calls, n_cids, "cache_ids")
+        if cache_items is None:
+            keys, ntok, per_call = self._cache_items(op, cache_calls, n_cids, "cache_ids")
+        else:
+            if cache_calls:
+                raise InvalidArgumentError(op, "cache_calls and cache_items are two forms of one part: give one")
+            keys, ntok, per_call = (list(x) for x in cache_items)
+            if not (len(keys) == len(ntok) == sum(per_call) == (n_cids if self.enable_caching else 0)):
+                raise InvalidArgumentError(op, f"cache_items: {len(keys)} keys, {len(ntok)} token counts, "
+                                               f"{sum(per_call)} blocks in the calls, {n_cids} cache_ids")
         parts = self._rounds(op, rounds, n_free, n_seg, n_touch, dem, per_call)
         for part in parts:
             want = sum(part[3])

@@ -54,6 +54,7 @@ from collections import Counter, OrderedDict
 
 import torch
 
+from ..args import MAX_GROUP_ID, MAX_TOKENS
 from ..errors import OutOfBlocksError, PoolError
 from ..kernels.layout import Ctrl
 from .block_pool import BlockPool, KVCacheBlock, _hashes_at, make_block_hash_with_group_id
@@ -77,7 +78,8 @@ class _Round:
     round). A new round starts where that order would move an op before one it must follow
     (``DeferredBlockPool._cut``); otherwise the order commutes (docs/vllm.md, "The fast path")."""
 
-    __slots__ = ("free", "seg", "touch", "touched", "demands", "popped", "cache_slots", "cache_calls", "cached")
+    __slots__ = ("free", "seg", "touch", "touched", "demands", "popped", "cache_slots", "cache_keys", "cache_ntok",
+                 "cache_calls", "cached")
 
     def __init__(self):
         self.free: list[int] = []  # slots, the free calls one after another
@@ -87,7 +89,9 @@ class _Round:
         self.demands: list[int] = []  # get_new_blocks counts, in call order
         self.popped: set[int] = set()  # the predicted ids of its pops
         self.cache_slots: list[int] = []  # each caching call's range, one after another
-        self.cache_calls: list[tuple] = []  # (block_hashes, num_cached, num_full, block_size, group)
+        self.cache_keys: list[tuple] = []  # per cached block (hash, group) and covered tokens (checked)
+        self.cache_ntok: list[int] = []
+        self.cache_calls: list[int] = []  # blocks per caching call
         self.cached: set[int] = set()
 
     def __bool__(self) -> bool:
@@ -372,8 +376,11 @@ class DeferredBlockPool(BlockPool):
             (others if owner is not None and owner is not self else mine).append(blk)
         slots = self._slots(mine)
         ref = self._ref
-        need = Counter(slots)
-        if any(ref[s] < c for s, c in need.items()):
+        if len(set(slots)) == len(slots):
+            short = any(ref[s] < 1 for s in slots)
+        else:
+            short = any(ref[s] < c for s, c in Counter(slots).items())
+        if short:
             self.sync("op:free_blocks")
             return super().free_blocks(mine + others)
         front, back = [], []
@@ -399,27 +406,18 @@ class DeferredBlockPool(BlockPool):
             return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
         if not self.enable_caching:
             return None  # a no-op (docs/semantics.md section 2)
-        rng = list(blocks[nc:nf])
-        hashes = None
-        if block_mask is None and len(rng) == nf - nc and isinstance(block_size, int) and block_size > 0 \
-                and all(isinstance(b, KVCacheBlock) and b._pool is self and not b.is_null for b in rng):
-            slots = self._slots(rng)
-            # held blocks only: a pop may then run before the caching (_Batch)
-            if len(set(slots)) == len(slots) and not any(self._keys[s] or self._ref[s] <= 0 for s in slots):
-                try:
-                    hashes = _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf)
-                except PoolError:
-                    hashes = None  # the per-call path raises it, as vLLM's assertion
-                if hashes is not None and len(hashes) < nf:
-                    hashes = None
+        hashes = self._fast_cache_hashes(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
         if hashes is None:
             self.sync("op:cache_full_blocks")
             return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
         g = kv_cache_group_id
+        slots = [blk._s for blk in blocks[nc:nf]]
         if self.backend == "device":
             r = self._batch.cur
             r.cache_slots += slots
-            r.cache_calls.append((hashes, nc, nf, block_size, g))
+            r.cache_keys += [(hashes[i], g) for i in range(nc, nf)]
+            r.cache_ntok += [(i + 1) * block_size for i in range(nc, nf)]
+            r.cache_calls.append(nf - nc)
             r.cached.update(slots)
         else:
             self._dev.cache_full_blocks([0] * nc + self._ref_ids(slots), hashes, nc, nf, block_size, g)
@@ -437,6 +435,33 @@ class DeferredBlockPool(BlockPool):
             holders.setdefault(key, {})[s] = q
             if s < self.num_gpu_blocks:
                 self._touched.add(s)
+
+    def _fast_cache_hashes(self, request, blocks, nc, nf, block_size, group, block_mask):
+        """The hashes at ``block_size`` when a ``cache_full_blocks`` call can be queued (the docstring's
+        conditions, and every argument as ``gpupool.args.cache_full_args`` would accept it, so the
+        flush cannot fail on it), else None (the per-call path then runs it, or raises its error)."""
+        if not (block_mask is None and type(nc) is int and type(nf) is int and type(block_size) is int
+                and type(group) is int and 0 <= nc and block_size > 0 and 0 <= group <= MAX_GROUP_ID
+                and nf * block_size <= MAX_TOKENS):
+            return None
+        rng = blocks[nc:nf]
+        if len(rng) != nf - nc:
+            return None
+        keys, ref, seen = self._keys, self._ref, set()
+        for blk in rng:  # held, un-keyed, listed once: a pop may then run before the caching (_Round)
+            if not isinstance(blk, KVCacheBlock) or blk._pool is not self or blk.is_null:
+                return None
+            s = blk._s
+            if keys[s] or ref[s] <= 0 or s in seen:
+                return None
+            seen.add(s)
+        try:
+            hashes = _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf)
+        except PoolError:
+            return None  # the per-call path raises it, as vLLM's assertion
+        if len(hashes) < nf or not all(type(h) is bytes for h in hashes[max(nc - 1, 0):nf]):
+            return None
+        return hashes
 
     def _queue(self, kind: str, slots: list[int], front: bool) -> None:
         """Queue a touch or a free of ``slots`` (``front``: a block it frees goes to the queue's
@@ -498,6 +523,7 @@ class DeferredBlockPool(BlockPool):
         demands = [x for r in rounds for x in r.demands]
         cache_slots = [x for r in rounds for x in r.cache_slots]
         cache_calls = [x for r in rounds for x in r.cache_calls]
+        items = ([x for r in rounds for x in r.cache_keys], [x for r in rounds for x in r.cache_ntok], cache_calls)
         nf, nt, npred = len(free), len(touch), len(b.pred)
         seg = [x for r in rounds for x in r.seg] if len(rounds) > 1 else rounds[0].seg
         n = self.num_gpu_blocks
@@ -515,7 +541,7 @@ class DeferredBlockPool(BlockPool):
             self._bad = torch.zeros(1, dtype=torch.int64, device=self._dev.device)
         blocks, _ = self._dev.apply_batched(
             free_ids=free_ids, free_offsets=seg_ids, touch_ids=touch_ids, demands=demands, cache_ids=cache_ids,
-            cache_calls=cache_calls, expected=b.pred or None, mismatches=self._bad if npred else None,
+            cache_items=items, expected=b.pred or None, mismatches=self._bad if npred else None,
             rounds=[(len(r.free), len(r.seg) - 1, len(r.touch), len(r.demands), len(r.cache_calls))
                     for r in rounds] if len(rounds) > 1 else None)
         if blocks.numel() > npred:
