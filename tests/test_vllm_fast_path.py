@@ -447,3 +447,29 @@ def test_device_work_runs_on_the_pool_stream(monkeypatch, cls):
         pool.sync("end", window=True)
         assert pool.flushes > 0
     assert depth[0] == 0 and outside == [], outside
+
+
+def test_a_bad_caching_raises_at_the_call():
+    """A ``cache_full_blocks`` the device would refuse (a hash that is not bytes, a negative group) raises
+    at the call with the per-call pool's error and changes nothing, so the batch's flush cannot fail on
+    it; the pools stay equal after more ops and the flush."""
+    pools = [BlockPool(8, True, BS, device="cpu"), DeferredBlockPool(8, True, BS, device="cpu")]
+    errors, states = [], []
+    for p in pools:
+        a = p.get_new_blocks(2)
+        good = driver.request(driver.tokens_of(1)[: 2 * BS])
+        bad = driver.request(driver.tokens_of(1)[: 2 * BS])
+        bad.block_hashes = [bad.block_hashes[0], "not bytes"]
+        got = []
+        for args in ((bad, a, 0, 2, BS, 0), (good, a, 0, 2, BS, -1)):
+            with pytest.raises(PoolError) as e:
+                p.cache_full_blocks(*args)
+            got.append(type(e.value).__name__)
+        errors.append(got)
+        p.cache_full_blocks(good, a, 0, 1, BS, 0)
+        p.free_blocks(list(reversed(a)))
+        p.end_step()
+        b = p.get_new_blocks(3)
+        states.append(([x.block_id for x in b], driver.snapshot(p)))
+        p.device_pool.validate()
+    assert errors[0] == errors[1] and states[0] == states[1]
