@@ -305,9 +305,9 @@ def _hashes_at(block_hashes, hash_block_size: int, block_size: int, upto: int) -
     ``hash_block_size`` hash inside the block; docs/vllm.md), for the first ``upto`` blocks."""
     if block_size == hash_block_size:
         return list(block_hashes[:upto])
-    if block_size % hash_block_size:
-        raise InvalidArgumentError("cache_full_blocks", f"block_size {block_size} is not a multiple of the hash "
-                                                        f"block size {hash_block_size}", block_size)
+    if not isinstance(block_size, int) or block_size <= 0 or block_size % hash_block_size:
+        raise InvalidArgumentError("cache_full_blocks", f"block_size {block_size!r} is not a positive multiple of "
+                                                        f"the hash block size {hash_block_size}")
     k = block_size // hash_block_size
     n = min(upto, len(block_hashes) // k)
     return [block_hashes[(i + 1) * k - 1] for i in range(n)]
@@ -820,6 +820,7 @@ class BlockPool:
     @property
     def cached_block_hashes_by_block(self) -> dict[int, set[bytes]]:
         """vLLM's map of each block's secondary keys (every key past the primary), from the mirror."""
+        self._need_exact("cached_block_hashes_by_block")
         return {b: set(k[1:]) for b, k in enumerate(self._keys) if len(k) > 1}
 
     def _free_queue(self) -> list[int]:

@@ -353,6 +353,8 @@ class DeferredBlockPool(BlockPool):
         ref = self._ref
         if self._dirty and any(ref[s] == 0 for s in slots):
             self.sync("touch")  # a ref-0 block may have been taken by a pop since: read it
+            ref = self._ref
+            slots = [s for s in self._slots(blocks) if s != 0]  # placeholders bound: their ids now
         q = self._q
         for s in slots:
             if ref[s] == 0:
@@ -404,8 +406,9 @@ class DeferredBlockPool(BlockPool):
         nc, nf = num_cached_blocks, num_full_blocks
         if not self.deferred or nc >= nf:
             return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
-        if not self.enable_caching:
-            return None  # a no-op (docs/semantics.md section 2)
+        if not self.enable_caching:  # a no-op (docs/semantics.md section 2) that checks its arguments
+            self.sync("op:cache_full_blocks")
+            return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
         hashes = self._fast_cache_hashes(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
         if hashes is None:
             self.sync("op:cache_full_blocks")
