@@ -163,6 +163,7 @@ class DeferredBlockPool(BlockPool):
         self.steps_since_sync = 0
         self._pending: list[PendingBlock] = []
         self._touched: set[int] = set()  # blocks the ops since the last synchronisation changed
+        self._rekeyed: set[int] = set()  # those of them the fast path keyed (predicted insertion seqs)
         self._q: OrderedDict | None = None  # the free queue's first ids, exactly (None: not known)
         self._low_mark = 0  # _q below this (and not the whole queue): refill at the next end_step
         self._pseq = _PREDICTED_SEQ
@@ -438,6 +439,7 @@ class DeferredBlockPool(BlockPool):
             holders.setdefault(key, {})[s] = q
             if s < self.num_gpu_blocks:
                 self._touched.add(s)
+                self._rekeyed.add(s)
 
     def _fast_cache_hashes(self, request, blocks, nc, nf, block_size, group, block_mask):
         """The hashes at ``block_size`` when a ``cache_full_blocks`` call can be queued (the docstring's
@@ -611,7 +613,7 @@ class DeferredBlockPool(BlockPool):
                 win, o = flat[o: o + nw], o + nw
             w = 3 + 3 * self._mk
             rows = [flat[o + i * w: o + (i + 1) * w] for i in range(len(idx))]
-            claims = [(r[0], r[1]) for r in rows[:len(known)]]
+            claims = [(r[0], r[1], None if r[2] < 0 else r[2]) for r in rows[:len(known)]]
             if status or reuse or (evc and self._dev.enable_kv_cache_events):
                 self._dev.check()  # raises a recorded error; fires reuse watchers (more reads, counted by callers)
         else:
@@ -620,12 +622,14 @@ class DeferredBlockPool(BlockPool):
             if refill:
                 win = self._window_ref()
             r = self._dev
-            claims = [(r.ref_cnt[b], len(r.keys[b])) for b in known]
+            claims = [(r.ref_cnt[b], len(r.keys[b]), r.hash_num_tokens[b]) for b in known]
         wrong = []
         if nbad:
             wrong.append(f"{nbad} popped ids differ from the host's")
-        if exact and claims != [(self._ref[b], len(self._keys[b])) for b in known]:
-            wrong.append("ref or key counts of the blocks changed differ from the host's")
+        if self._num_free != num_free:
+            wrong.append(f"the host predicted {self._num_free} free blocks, the device has {num_free}")
+        if exact and claims != [(self._ref[b], len(self._keys[b]), self._ntok[b]) for b in known]:
+            wrong.append("ref counts, key counts or covered tokens of the blocks changed differ from the host's")
         if win is not None and self._q is not None:
             mine, got = list(self._q), [v for v in win if v >= 0]
             m = min(len(mine), len(got))
@@ -651,12 +655,15 @@ class DeferredBlockPool(BlockPool):
             self.blocks[b] = blk
         del self._ref[n:], self._keys[n:], self._ntok[n:]
         self._pending, self._pend_dev, self._pend_ref, self._bad = [], None, [], None
-        self._touched = set()
-        predicted = self._num_free
+        rekeyed, self._touched, self._rekeyed = self._rekeyed, set(), set()
         self._version += 1
         if self.backend == "device":
             self._num_free = num_free
-            self._apply_rows(known + ids, rows)
+            if exact and not wrong:  # the claims held: only the keys the host predicted take the device's seqs
+                pick = [i for i, b in enumerate(known) if b in rekeyed]
+                self._apply_rows([known[i] for i in pick], [rows[i] for i in pick])
+            else:
+                self._apply_rows(known + ids, rows)
         else:
             self._refresh_reference(list(dict.fromkeys(known + ids)))
         if win is not None:
@@ -664,8 +671,6 @@ class DeferredBlockPool(BlockPool):
         self._dirty = False
         if self.backend == "device":
             self._dev.registry.maybe_sweep()  # check()'s housekeeping (reads the device's keys when it sweeps)
-        if predicted != self._num_free:
-            wrong.append(f"the host predicted {predicted} free blocks, the device has {self._num_free}")
         if wrong:
             self._q = None  # refilled from the device at the next synchronisation
             raise PoolError("DeferredBlockPool.sync", "; ".join(wrong))
