@@ -15,9 +15,11 @@ needs, ``gpupool.BlockPool.cache_full_blocks_batched``.
   the free count raises OutOfBlocksError at the call;
 * the core op: ``cache_full_blocks_batched`` over device ids leaves the state ``cache_full_blocks``
   leaves, and records a bad id in the status word (raised by ``check()``, nothing changed);
-* batching (device backend): the ops between launches run as one flush (free, touch, pop, cache);
-  each rule that forces an earlier flush pinned on a sequence, and a decode step of 32 requests is
-  one flush (one ``apply_batched`` launch) where the per-call adapter makes 66 ops.
+* batching (device backend): the ops between launches run as one flush, round after round (free,
+  touch, pop, cache); each rule that starts a new round pinned on a sequence, and a decode step of 32
+  requests is one flush (one ``apply_batched`` launch, two copies) where the per-call adapter makes
+  66 ops;
+* errors and placement: a bad caching raises at the call; every device call runs on the pool's stream.
 """
 import sys
 from pathlib import Path

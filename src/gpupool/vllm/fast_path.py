@@ -29,11 +29,11 @@ lookup answering one, synchronises first (counted).
 ``get_new_blocks``, ``touch``, ``free_blocks`` and ``cache_full_blocks`` are gathered on the host into
 a batch, launched as one *flush*: ONE non-waiting ``apply_batched`` (one kernel: ``free_batched`` with
 a segment per call, ``touch_batched``, ``allocate_batched`` with a demand per call,
-``cache_blocks_batched``, in that order). The adapter flushes first where this fixed order would move
-an op before one it must follow (:meth:`DeferredBlockPool._must_flush`). :meth:`DeferredBlockPool.
+``cache_blocks_batched``, in that order, round after round). Where this fixed order would move an op
+before one it must follow, a new round starts (:meth:`DeferredBlockPool._cut`). :meth:`DeferredBlockPool.
 end_step` (``GpuPoolScheduler`` calls it after each ``schedule()``) launches the step's batch and
-synchronises only to refill ``_q`` (fewer than ``FREE_WINDOW // 2`` ids and not the whole queue) or,
-every ``verify_every`` steps, to check. One synchronisation (:meth:`DeferredBlockPool.sync`) is ONE
+synchronises only to refill ``_q`` (below half of its last refill and not the whole queue) or, every
+``verify_every`` steps, to check. One synchronisation (:meth:`DeferredBlockPool.sync`) is ONE
 device-to-host transfer: the placeholders' ids, the mirror rows of every block the ops since the
 last one changed, the free count, the status word, the pop check, the reuse and event counters and,
 when refilling, the queue window. It also happens before any op outside the fast path
