@@ -60,6 +60,7 @@ def resolve_popped(pc: tl.constexpr, ids, out, n, popped, total):
 # one round's entries in ``rounds`` (int32[n_rounds * ROUND_FIELDS]), filled by ``round_table``
 ROUND_FIELDS = 12  # free ids start, free offsets start, free calls, free ids, touch start, touches,
 #                    demands start, demands, popped start, popped, cachings start, cachings
+_ROUND_FIELDS = tl.constexpr(ROUND_FIELDS)  # the kernel's copy (a kernel reads constexpr globals only)
 
 
 def round_table(rounds, has_free: bool) -> list[int]:
@@ -84,7 +85,7 @@ def flush_kernel(ps, pc: tl.constexpr, fr, touch_ids, pop, ca, rounds, n_rounds)
     ``allocate_batched``); ``pop.offsets``: round r's offsets at ``demands start + r``."""
     r = 0
     while r < n_rounds:
-        m = rounds + r * 12
+        m = rounds + r * _ROUND_FIELDS
         f0, s0, nseg, n_free = tl.load(m), tl.load(m + 1), tl.load(m + 2), tl.load(m + 3)
         t0, n_touch, d0, n_demands = tl.load(m + 4), tl.load(m + 5), tl.load(m + 6), tl.load(m + 7)
         b0, want, c0, n_cache = tl.load(m + 8), tl.load(m + 9), tl.load(m + 10), tl.load(m + 11)

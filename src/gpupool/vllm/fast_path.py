@@ -530,7 +530,7 @@ class DeferredBlockPool(BlockPool):
         cache_calls = [x for r in rounds for x in r.cache_calls]
         items = ([x for r in rounds for x in r.cache_keys], [x for r in rounds for x in r.cache_ntok], cache_calls)
         nf, nt, npred = len(free), len(touch), len(b.pred)
-        seg = [x for r in rounds for x in r.seg] if len(rounds) > 1 else rounds[0].seg
+        seg = [x for r in rounds for x in r.seg]  # each round's own offsets (apply_batched's rounds)
         n = self.num_gpu_blocks
         if any(n <= s < n + k0 for s in free + touch + cache_slots):
             # a launched placeholder's id is on the device only: the id parts gathered there
@@ -548,7 +548,7 @@ class DeferredBlockPool(BlockPool):
             free_ids=free_ids, free_offsets=seg_ids, touch_ids=touch_ids, demands=demands, cache_ids=cache_ids,
             cache_items=items, expected=b.pred or None, mismatches=self._bad if npred else None,
             rounds=[(len(r.free), len(r.seg) - 1, len(r.touch), len(r.demands), len(r.cache_calls))
-                    for r in rounds] if len(rounds) > 1 else None)
+                    for r in rounds])
         if blocks.numel() > npred:
             rest = blocks[npred:]
             self._pend_dev = rest if self._pend_dev is None else torch.cat([self._pend_dev, rest])
