@@ -38,8 +38,14 @@ from __future__ import annotations
 
 import torch
 
-from .args import as_int
+from collections.abc import Sequence
+
+from .args import as_id_list, as_int
 from .errors import InvalidArgumentError
+from .kernels.layout import INT32_MAX
+
+INT32_MIN = -INT32_MAX - 1
+from .kv_cache import AttentionViews
 from .manager import KVCacheManager
 
 
@@ -58,7 +64,7 @@ class DecodeStep:
     """
 
     def __init__(self, manager: KVCacheManager, max_batch: int, kv_caches: list[torch.Tensor] | None = None,
-                 steps: int = 1):
+                 steps: int = 1, views: bool = False):
         max_batch = as_int("DecodeStep", max_batch, "max_batch")
         if max_batch < 1:
             raise InvalidArgumentError("DecodeStep", f"max_batch must be >= 1, got {max_batch}", max_batch)
@@ -68,15 +74,16 @@ class DecodeStep:
         self.m = manager
         self.steps = steps
         kv_caches = [] if kv_caches is None else kv_caches
-        manager._check_kv_caches("DecodeStep", kv_caches)
+        manager.check_kv_caches("DecodeStep", kv_caches)
         self.kv_caches = list(kv_caches)
         dev = manager.device
         i32 = torch.int32
-        self.slots = torch.zeros(max_batch, dtype=i32, device=dev)
-        self.num_tokens = torch.zeros(max_batch, dtype=i32, device=dev)
-        self.num_reqs = torch.zeros(1, dtype=i32, device=dev)
-        self.finished = torch.zeros(max_batch, dtype=i32, device=dev)
-        self.num_finished = torch.zeros(1, dtype=i32, device=dev)
+        B = max_batch
+        # the inputs are views of one buffer, so :meth:`set_inputs` writes them with one copy
+        self._inputs = torch.zeros(3 * B + 2, dtype=i32, device=dev)
+        self.slots, self.num_tokens, self.finished = self._inputs[:B], self._inputs[B:2 * B], self._inputs[2 * B:3 * B]
+        self.num_reqs, self.num_finished = self._inputs[3 * B:3 * B + 1], self._inputs[3 * B + 1:]
+        self.max_batch = B
         self.admitted_steps = torch.zeros((steps, max_batch), dtype=i32, device=dev)
         self.slot_mapping_steps = torch.zeros((steps, max_batch), dtype=torch.int64, device=dev)
         self.admitted = self.admitted_steps[0] if steps == 1 else self.admitted_steps
@@ -95,20 +102,45 @@ class DecodeStep:
             self._w_map = torch.zeros((2, max_batch), dtype=torch.int64, device=dev)
             self._work = [manager.batch(w_slots[p], w_tokens[p], w_tokens[p], no_lookup, w_num[p:p + 1], w_adm[p])
                           for p in range(2)]
+        self.views = AttentionViews.empty(max_batch, manager.max_blocks_per_req, steps, device=dev) if views else None
         self.graph = None
+
+    def set_inputs(self, slots: Sequence[int], num_tokens: Sequence[int], finished: Sequence[int] = ()) -> None:
+        """Write a step's inputs from host lists in ONE host-to-device copy (no sync): the running
+        requests ``slots`` with their token counts ``num_tokens`` (at the burst's first step) and
+        the ``finished`` slots to free first. Raises ArgumentTypeError for a value that is not an
+        int, InvalidArgumentError for lists longer than ``max_batch`` or of different lengths
+        (values themselves are checked on the device, as the step checks them)."""
+        op = "DecodeStep.set_inputs"
+        s, n, f = as_id_list(op, slots), as_id_list(op, num_tokens), as_id_list(op, finished)
+        B = self.max_batch
+        if len(s) != len(n):
+            raise InvalidArgumentError(op, f"{len(s)} slots but {len(n)} token counts")
+        if len(s) > B or len(f) > B:
+            raise InvalidArgumentError(op, f"at most max_batch = {B} requests a step", max(len(s), len(f)))
+        bad = [v for v in s + n + f if not INT32_MIN <= v <= INT32_MAX]
+        if bad:
+            raise InvalidArgumentError(op, f"{bad[0]} does not fit int32", bad[0])
+        pad = [0] * B
+        host = torch.tensor((s + pad)[:B] + (n + pad)[:B] + (f + pad)[:B] + [len(s), len(f)], dtype=torch.int32,
+                            pin_memory=self._inputs.is_cuda)
+        self._inputs.copy_(host, non_blocking=True)
 
     def _body(self) -> None:
         self.m.decode_step(self._batch, self.finished, self.num_finished, self.slot_mapping_steps[0], self.kv_caches)
         for k in range(1, self.steps):
             src = self._batch if k == 1 else self._work[(k - 1) % 2]
             p = k % 2
-            self.m._decode_burst_step(src, self._w_orig[(k - 1) % 2], self.num_reqs, self._work[p], self._w_orig[p],
+            self.m.decode_burst_step(src, self._w_orig[(k - 1) % 2], self.num_reqs, self._work[p], self._w_orig[p],
                                       self._w_map[p], self.admitted_steps[k], self.slot_mapping_steps[k],
                                       src_is_step0=k == 1)
+        if self.views is not None:
+            self.m.attention_views(self.slots, self.num_tokens, self.num_reqs, admitted=self.admitted_steps,
+                                   out=self.views)
 
     def run(self) -> None:
         """One step (or burst), eagerly (any device), holding the pool's lock. No host sync."""
-        with self.m._lock:
+        with self.m.lock:
             self._body()
 
     def capture(self) -> None:
@@ -136,5 +168,5 @@ class DecodeStep:
         """One step (or burst) through the captured graph."""
         if self.graph is None:
             raise InvalidArgumentError("DecodeStep.replay", "capture() first")
-        with self.m._lock:
+        with self.m.lock:
             self.graph.replay()

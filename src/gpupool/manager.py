@@ -50,8 +50,10 @@ from .kernels.requests import free as k_free
 from .kernels.requests import parallel as k_parallel
 from .kernels.requests import reserve as k_reserve
 from .kernels.requests import slot_mapping as k_slot_mapping
+from .kernels.requests import views as k_views
 from .kernels.requests.parallel_scratch import NKG, NMAP, NPAR
 from .kernels.copy_blocks import check_layers, copy_blocks
+from .kv_cache import AttentionViews
 from .locking import locked
 from .pool import BlockPool
 from .reservations import check_reservations
@@ -194,6 +196,7 @@ class KVCacheManager:
         self._pool.registry.add_pin_source(self._active_keys)
 
     # the device tensors by name, for readers and tests
+    lock = property(lambda self: self._lock, doc="The pool's re-entrant lock, which every public op holds.")
     block_table = property(lambda self: self.state.block_table)
     num_blocks = property(lambda self: self.state.num_blocks)
     num_computed = property(lambda self: self.state.num_computed)
@@ -468,9 +471,10 @@ class KVCacheManager:
                 and batch.admitted.numel() >= b and batch.num_reqs.numel() >= 1):
             raise InvalidArgumentError(op, "the batch's tensors differ in length (build it with KVCacheManager.batch())")
 
-    def _check_kv_caches(self, op: str, kv_caches) -> None:
-        """``kv_caches`` as ``copy_blocks`` takes them, on this device, each holding every block of the
-        pool (a copy past a smaller cache would be dropped unseen). Host-only checks: no device read."""
+    def check_kv_caches(self, op: str, kv_caches) -> None:
+        """Raises ArgumentTypeError / InvalidArgumentError (naming ``op``) unless ``kv_caches`` are as
+        ``copy_blocks`` takes them, on this device, each holding every block of the pool (a copy past a
+        smaller cache would be dropped unseen). Host-only checks: no device read."""
         if not isinstance(kv_caches, (list, tuple)):
             raise ArgumentTypeError(op, f"kv_caches must be a list of tensors [num_blocks, ...], one per layer, "
                                         f"got {type(kv_caches).__name__}")
@@ -495,7 +499,7 @@ class KVCacheManager:
         :class:`gpupool.graph.DecodeStep` owns the fixed buffers and calls this."""
         op = "decode_step"
         self._check_batch(op, batch)
-        self._check_kv_caches(op, kv_caches)
+        self.check_kv_caches(op, kv_caches)
         finished = self._i32(op, finished, "finished")
         num_finished = self._count(op, num_finished, finished.numel())
         slot_mapping = self._out(op, slot_mapping, torch.int64, batch.slots.numel(), "slot_mapping")
@@ -503,14 +507,15 @@ class KVCacheManager:
                                   num_finished, slot_mapping, force_exact=not self.parallel)
         self._copy_and_release(kv_caches)
 
-    def _decode_burst_step(self, src: AllocateBatch, src_orig: torch.Tensor, num0: torch.Tensor,
+    @locked
+    def decode_burst_step(self, src: AllocateBatch, src_orig: torch.Tensor, num0: torch.Tensor,
                            dst: AllocateBatch, dst_orig: torch.Tensor, dst_map: torch.Tensor,
                            out_admitted: torch.Tensor, out_map: torch.Tensor, *, src_is_step0: bool) -> None:
         """Step k >= 1 of a burst (``kernels/requests/decode.py`` decode_burst_kernel; gpupool/graph.py): the
         batch ``dst`` built on the device from the requests ``src`` admitted, one token more, then
         allocated and mapped; row k of the burst's outputs ``out_admitted: int32[B]``,
         ``out_map: int64[B]``. The buffers are :class:`gpupool.graph.DecodeStep`'s, checked when it
-        built them (``batch``); no host sync."""
+        built them (``batch``, nothing checked again here); no host sync."""
         k_decode.launch_decode_burst(self._pool.state, self._pool.config, self.state, self.config, src, src_orig,
                                    num0, dst, dst_orig, dst_map, out_admitted, out_map,
                                    src_is_step0=src_is_step0, force_exact=not self.parallel)
@@ -542,6 +547,61 @@ class KVCacheManager:
         k_slot_mapping.launch_slot_mapping(self._pool.state, self.state, self.config, s, p,
                                       self._count(op, num, s.numel()), out, g, as_int(op, position_offset), adm)
         return out
+
+    @locked
+    def attention_views(self, slots, base_len, num_reqs=None, admitted: torch.Tensor | None = None, group: int = 0,
+                        out: AttentionViews | None = None) -> AttentionViews:
+        """The paged-KV views of requests ``slots: int32[B]`` for attention kernels (docs/kv_cache.md
+        section 2): FlashAttention's ``block_table: int32[B, M]`` + ``seqused_k``, FlashInfer's
+        ``kv_indptr`` / ``kv_indices`` / ``kv_last_page_len``, for one step, or for the K steps of a
+        burst with ``admitted: int32[K, B]`` (a ``DecodeStep``'s ``admitted_steps``). Lane i's length
+        at step k is ``base_len[i] + k`` (``int32[B]``: its token count at the first step) where
+        ``admitted[k, i] != 0`` (every lane ``< num_reqs[0]`` without ``admitted``), else 0. Built on
+        the device, no host sync. A live lane whose slot is not in use or whose length passes its row
+        gives length 0 and InvalidArgumentError at the next ``check()`` (op ``attention_views``).
+        ``out``: views to fill (``AttentionViews.empty(B, max_blocks_per_req, K)``); a wrong shape,
+        dtype or device raises InvalidArgumentError at once."""
+        op = "attention_views"
+        g = as_int(op, group, "group")
+        if not 0 <= g < len(self.groups):
+            raise InvalidArgumentError(op, f"group {g} out of range 0..{len(self.groups) - 1}", g)
+        s = self._i32(op, slots, "slots")
+        bl = self._i32(op, base_len, "base_len")
+        B = s.numel()
+        if bl.numel() != B:
+            raise InvalidArgumentError(op, "slots and base_len differ in length")
+        adm = None
+        if admitted is not None:
+            if not isinstance(admitted, torch.Tensor):
+                raise ArgumentTypeError(op, "admitted must be an int32 tensor [K, B] or [B]")
+            adm = admitted.reshape(-1, admitted.shape[-1]) if admitted.dim() else admitted
+            if adm.dtype != torch.int32 or adm.device != self.device or adm.dim() != 2 or adm.shape[1] != B \
+                    or not adm.is_contiguous():
+                raise InvalidArgumentError(op, f"admitted must be a contiguous int32 tensor [K, {B}] on {self.device}, "
+                                               f"got {tuple(admitted.shape)} {admitted.dtype} on {admitted.device}")
+        K = 1 if adm is None else adm.shape[0]
+        if out is None:
+            out = AttentionViews.empty(B, self.max_blocks_per_req, K, device=self.device)
+        else:
+            self._check_views(op, out, B, K)
+        self._attention_views(s, bl, self._count(op, num_reqs, B), adm, g, K, out)
+        return out
+
+    def _check_views(self, op: str, v, B: int, K: int) -> None:
+        if not isinstance(v, AttentionViews):
+            raise ArgumentTypeError(op, "out must be an AttentionViews (AttentionViews.empty)")
+        M = self.max_blocks_per_req
+        want = AttentionViews((B, M), (K, B), (K, B + 1), (K, B * M), (K, B))
+        for name, t, shape in zip(AttentionViews._fields, v, want):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != torch.int32 \
+                    or t.device != self.device or not t.is_contiguous():
+                raise InvalidArgumentError(op, f"out.{name} must be a contiguous int32 tensor {list(shape)} on "
+                                               f"{self.device}")
+
+    def _attention_views(self, slots, base_len, num, admitted, group: int, steps: int, out: AttentionViews) -> None:
+        """:meth:`attention_views` of arguments already checked (a ``DecodeStep``'s buffers)."""
+        k_views.launch_attention_views(self._pool.state, self.state, self.config, slots, base_len, admitted, num,
+                                       group, steps, out)
 
     # ---- copy-on-write (host ops) --------------------------------------------------------------
     def _pending(self) -> int:
@@ -656,11 +716,11 @@ class KVCacheManager:
         so no block is lost to an earlier error). No host sync: a captured step's tail. ``kv_caches``:
         a list of contiguous ``[num_blocks, ...]`` tensors on the pool's device, each with at least the
         pool's blocks (InvalidArgumentError / ArgumentTypeError before anything runs)."""
-        self._check_kv_caches("copy_and_release", kv_caches)
+        self.check_kv_caches("copy_and_release", kv_caches)
         self._copy_and_release(kv_caches)
 
     def _copy_and_release(self, kv_caches: list[torch.Tensor]) -> None:
-        """:meth:`copy_and_release` of caches already checked by ``_check_kv_caches``."""
+        """:meth:`copy_and_release` of caches already checked by ``check_kv_caches``."""
         s = self.state
         if kv_caches:
             copy_blocks(kv_caches, s.copy_src, s.copy_dst, num_copies=s.num_copies, check=False)
@@ -716,4 +776,4 @@ class KVCacheManager:
                            self.pool.get_num_free_blocks())
 
 
-__all__ = ["KVCacheManager", "ManagerState", "ManagerConfig", "AllocateBatch"]
+__all__ = ["KVCacheManager", "ManagerState", "ManagerConfig", "AllocateBatch", "AttentionViews"]
