@@ -90,7 +90,8 @@ class Stats:
     preemptions: int = 0
     evictions: int = 0
     forks: int = 0
-    meter: dict = field(default_factory=dict)
+    meter: dict = field(default_factory=dict)  # the whole run (admissions and prefill included)
+    decode_meter: dict = field(default_factory=dict)  # the replays alone (decode)
     seconds: float = 0.0
 
 
@@ -351,6 +352,7 @@ class Engine:
         free_slots = list(range(self.R))
         out: dict[int, list[int]] = {}
         self.stats.requests = len(requests)
+        self._decode_meter = Meter()
         with Meter() as meter:
             while waiting or running:
                 while waiting and free_slots:
@@ -363,7 +365,8 @@ class Engine:
                 self._drain_events()
                 if not running:
                     raise RuntimeError(f"request {waiting[0].req.rid} does not fit the pool even alone")
-                results = self._decode_host(running) if self.host else self._decode_device(running)
+                with self._decode_meter:
+                    results = self._decode_host(running) if self.host else self._decode_device(running)
                 leaving, still, preempted = [], [], []
                 for seq, (first, toks) in zip(running, results):
                     if seq.first_pending:
@@ -399,6 +402,7 @@ class Engine:
             self._drain_events()
         self.stats.tokens = sum(len(v) for v in out.values())
         self.stats.meter = meter.as_dict()
+        self.stats.decode_meter = self._decode_meter.as_dict()
         self.stats.seconds = time.perf_counter() - t0
         return out
 
@@ -435,7 +439,9 @@ def run_all(args) -> list[dict]:
                          "syncs/token": mt["syncs"] / max(st.tokens, 1),
                          "launches/token": mt["launches"] / max(st.tokens, 1),
                          "torch ops/token": mt["torch_ops"] / max(st.tokens, 1),
-                         "copies/token": mt["copies"] / max(st.tokens, 1), "seconds": st.seconds})
+                         "copies/token": mt["copies"] / max(st.tokens, 1),
+                         "decode syncs/replay": st.decode_meter["syncs"] / max(st.replays, 1),
+                         "seconds": st.seconds})
     return rows
 
 
@@ -444,7 +450,8 @@ def format_table(rows: list[dict]) -> str:
             ("identical", "identical", "{}"), ("hit_tokens", "hit tok", "{}"), ("evictions", "evicted", "{}"),
             ("preemptions", "preempt", "{}"), ("replays", "replays", "{}"), ("syncs/token", "syncs/tok", "{:.2f}"),
             ("launches/token", "launch/tok", "{:.2f}"), ("torch ops/token", "ops/tok", "{:.1f}"),
-            ("copies/token", "H2D/tok", "{:.2f}")]
+            ("copies/token", "H2D/tok", "{:.2f}"), ("decode syncs/replay", "syncs/replay", "{:.2f}"),
+            ("seconds", "s", "{:.1f}")]
     cells = [[h for _, h, _ in cols]]
     for r in rows:
         cells.append([("yes" if r[k] else "NO") if k == "identical" else f.format(r[k]) for k, _, f in cols])
