@@ -6,7 +6,7 @@ each distinct (kernel, signature, constexprs) with ``triton.compile`` for ``GPUT
 Prints one line per compiled kernel and exits non-zero on a failure, or when a kernel of
 ``gpupool.kernels`` (a ``@triton.jit`` function named ``*_kernel``: the launch targets) was never
 launched by the drivers below, so a new kernel cannot go uncompiled. ``--record-only`` stops after
-that check (seconds: nothing is compiled). ``--cover`` compiles a cover instead of every variant:
+that check (seconds: nothing is compiled). ``--only=NAME,...`` compiles those kernels alone. ``--cover`` compiles a cover instead of every variant:
 variants that together bring each kernel every signature and every value of each boolean constexpr
 (a flag such as ``pc.EVENTS`` or ``FORCE_EXACT``) that its variants have. CI compiles the cover for
 both targets (tests/test_aot_compile.py; ``GPUPOOL_AOT_FULL=1`` for every variant): the full set
@@ -116,7 +116,8 @@ def drive_manager_groups(groups, **kw):
     from gpupool.graph import DecodeStep
 
     DecodeStep(m, 2).run()  # the step's variants: free with its input check, allocate without
-    DecodeStep(m, 2, steps=3).run()  # a burst: decode_burst_kernel after step 0 and after a burst step
+    DecodeStep(m, 2, steps=3, views=True).run()  # a burst: decode_burst_kernel after step 0 and a burst step
+    m.attention_views(s, torch.tensor([20, 30], dtype=i32))  # one step, no admitted flags
     m.free(s)
     m.run_pending_copies([])
 
@@ -133,6 +134,19 @@ def drive_copy_blocks(pool):
 
 
 EXTRA_DRIVERS.append(drive_copy_blocks)
+
+
+def drive_store_kv(pool):
+    """``store_kv`` (the paged KV store) per cache dtype, with and without a device count."""
+    from gpupool.kv_cache import store_kv
+    slots = torch.tensor([3, -1], dtype=torch.int64)
+    for dtype, count in ((torch.float16, None), (torch.bfloat16, torch.tensor([1], dtype=torch.int32)),
+                         (torch.float32, None)):
+        cache = [torch.zeros(4, 16, 2, 64, dtype=dtype) for _ in range(2)]
+        store_kv(torch.zeros(2, 2, 64, dtype=dtype), torch.zeros(2, 2, 64, dtype=dtype), *cache, slots, count)
+
+
+EXTRA_DRIVERS.append(drive_store_kv)
 
 
 def signature_of(fn, args, kwargs):
@@ -204,7 +218,7 @@ def greedy_cover(variants):
     return [variants[i] for i in sorted(picked)]
 
 
-def main(ccs, record_only=False, cover=False):
+def main(ccs, record_only=False, cover=False, only=None):
     for kw in ({}, {"enable_kv_cache_events": True}, {"enable_caching": False}, {"num_blocks": 16384}):
         drive_pool(**kw)
     launched = {fn.__name__ for fn, _, _ in RECORDS}
@@ -221,7 +235,7 @@ def main(ccs, record_only=False, cover=False):
         warps = kwargs.get("num_warps", 4)
         key = (fn.__name__, repr(sorted(sig.items())), tuple(sorted((k, repr(v)) for k, v in consts.items())), warps)
         variants.setdefault(key, (fn, sig, consts, warps))
-    todo = list(variants.values())
+    todo = [v for v in variants.values() if only is None or v[0].__name__ in only]
     if cover:
         todo = greedy_cover(todo)
     failures = 0
@@ -248,5 +262,6 @@ def main(ccs, record_only=False, cover=False):
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    only = [a.split("=", 1)[1].split(",") for a in sys.argv[1:] if a.startswith("--only=")]
     sys.exit(main([int(x) for x in (args or ["90", "80"])], record_only="--record-only" in sys.argv,
-                  cover="--cover" in sys.argv))
+                  cover="--cover" in sys.argv, only=only[0] if only else None))
