@@ -7,8 +7,10 @@
 #      of K = 8 steps and the reserve before it, at B = 64 and 1,024, allocate / free / touch of 4,096
 #      blocks, 10,000 lookups; eager and as CUDA-graph replays; the replay loop on the first 1,000
 #      requests, wall clock),
-#   4. the benchmarks (`gpupool bench`: pytest-benchmark JSON + PNG),
-#   5. short tables (measured cases; op, pool, N, batch, median us, GPU us), printed last.
+#   4. the decode loop of a small model (bench/decode_loop_gpu.py: host / step / burst at B = 64, 256,
+#      1,024 and K = 1, 2, 4, 8, each device mode's replay captured with the model as one CUDA graph),
+#   5. the benchmarks (`gpupool bench`: pytest-benchmark JSON + PNG),
+#   6. short tables (measured cases; decode loop; op, pool, N, batch, median us, GPU us), printed last.
 # Run from anywhere: bash bench/gpu_check.sh (GPU_CHECK_ALLOW_CPU=1: a dry run without CUDA).
 # Output goes to $OUT if set, else bench/out.
 # Each stage has a timeout taken from one overall deadline; a failed stage is reported and the
@@ -68,7 +70,13 @@ fi
 
 stage cuda_tests 100 350 $PY -m pytest -q -p no:cacheprovider tests -m cuda
 stage measured 120 230 $PY bench/model_cases.py --measure --reps 50 --sizes 64,1024 --json "$OUTDIR/measured.json"
-stage replay 100 130 $PY -m gpupool replay --pool both --json "$OUTDIR/replay.json"
+stage replay 100 220 $PY -m gpupool replay --pool both --json "$OUTDIR/replay.json"
+if $PY -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  stage decode_loop 90 130 $PY bench/decode_loop_gpu.py --iters 5 --json "$OUTDIR/decode_loop.json"
+else  # the interpreter: a smoke run of the same code
+  stage decode_loop 200 130 $PY bench/decode_loop_gpu.py --device cpu --batch 2 --steps 2 --iters 1 --no-graph \
+    --hidden 64 --dtype float32 --json "$OUTDIR/decode_loop.json"
+fi
 export GPUPOOL_BENCH_MAX_TIME=${GPUPOOL_BENCH_MAX_TIME:-0.05}
 stage bench 200 5 $PY -m gpupool bench --out "$OUTDIR/bench"
 
@@ -86,6 +94,9 @@ PYEOF
 fi
 if [[ -f "$OUTDIR/measured.log" ]]; then
   grep '^|' "$OUTDIR/measured.log" || true  # the measured cases (compare with bench/RESULTS.md's modelled ones)
+fi
+if [[ -f "$OUTDIR/decode_loop.log" ]]; then
+  grep -E 'tok/s' "$OUTDIR/decode_loop.log" || true  # the decode loop (tokens per second, time per replay)
 fi
 if [[ -f "$OUTDIR/bench.json" ]]; then
   $PY bench/plot.py "$OUTDIR/bench.json" --table
