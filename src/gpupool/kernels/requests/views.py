@@ -11,75 +11,98 @@ of a burst, the paged-KV inputs that real attention kernels take, built on the d
   ``kv_last_page_len: int32[K, B]`` (``(seq - 1) % block_size + 1``, 0 for an empty lane).
 
 Step k's length of lane i is ``base_len[i] + k`` where ``admitted[k, i] != 0`` (every lane ``< num``
-without ``admitted``), else 0. One program; lanes over requests in tiles of ``mc.BLOCK``, positions in
-``kv_indices`` from a prefix sum over the tiles (no loop over requests), a loop over the K steps.
+without ``admitted``), else 0. Programs over (step, tile of lanes), each writing its lanes' rows at
+once, its positions in ``kv_indices`` from a prefix sum (no loop over requests).
 """
 import triton
 import triton.language as tl
 
-from ..common import checked_count, keep_first, no_error, raw_count, set_status, warps_for
+from ..common import checked_count, keep_first, no_error, raw_count, set_status
 from ..layout import E_INVALID_ARG, OP_ATTENTION_VIEWS
 
 TILE_ELEMS = 4096  # lanes x blocks of one row-copy tile
 
 
 @triton.jit
+def lane_lengths(ms, mc: tl.constexpr, slots, base_len, admitted, n, cap, k, idx, HAS_ADMITTED: tl.constexpr):
+    """Lanes ``idx`` at step ``k``: (live, slot, row length in blocks, slot valid, length valid,
+    length or 0, pages)."""
+    live = idx < n
+    if HAS_ADMITTED:
+        live = live & (tl.load(admitted + k * cap + idx, mask=live, other=0) != 0)
+    r = tl.load(slots + idx, mask=live, other=0)
+    seq = tl.load(base_len + idx, mask=live, other=0) + k
+    okr = live & (r >= 0) & (r < mc.R)
+    okr = okr & (tl.load(ms.active + r, mask=okr, other=0) != 0)
+    nblk = tl.load(ms.num_blocks + r, mask=okr, other=0)
+    ok = okr & (seq >= 0) & (seq <= nblk * mc.BS)
+    seq = tl.where(ok, seq, 0)
+    return live, r, nblk, okr, ok, seq, (seq + mc.BS - 1) // mc.BS
+
+
+@triton.jit
 def attention_views_kernel(ps, ms, mc: tl.constexpr, slots, base_len, admitted, num, cap, group, K,
                            block_table, seqused_k, kv_indptr, kv_indices, kv_last_page_len,
-                           HAS_ADMITTED: tl.constexpr, MB: tl.constexpr):
-    """The views of ``slots[:num]`` (``int32[cap]``) for K steps (module docstring). A live lane whose
-    slot is out of range or not in use, or whose length passes its row (``num_blocks * BS``) or is
-    negative, and a count outside ``0..cap``, set the status word (op ATTENTION_VIEWS, the first bad
-    lane's value) and give that lane length 0 (no page is read through it)."""
-    offs = tl.arange(0, mc.BLOCK)
-    cols = tl.arange(0, MB)
+                           HAS_ADMITTED: tl.constexpr, RB: tl.constexpr, MB: tl.constexpr):
+    """Grid ``(K, cdiv(cap, RB))``: program (k, t) writes step k's views of lanes ``t * RB ..`` of
+    ``slots[:num]`` (``int32[cap]``; module docstring), its ``kv_indices`` offset the pages of the
+    lanes before it (a sum over tiles of ``mc.BLOCK`` lanes). Program (0, 0) alone checks every lane
+    of every step: a live lane whose slot is out of range or not in use, or whose length passes its
+    row (``num_blocks * BS``) or is negative, and a count outside ``0..cap``, set the status word (op
+    ATTENTION_VIEWS, the first bad lane's value); such a lane gets length 0 (no page is read
+    through it)."""
+    k = tl.program_id(0)
+    t = tl.program_id(1)
     n, n_ok = checked_count(num, cap)
-    err, val, err_i = no_error()
-    err = tl.where(n_ok, err, E_INVALID_ARG)
-    val = tl.where(n_ok, val, raw_count(num, cap).to(tl.int64))
-    for k in range(0, K):
-        carry = tl.zeros([], tl.int32)
-        for i in range(0, cap, mc.BLOCK):
-            idx = i + offs
-            inb = idx < cap
-            live = idx < n
-            if HAS_ADMITTED:
-                live = live & (tl.load(admitted + k * cap + idx, mask=live, other=0) != 0)
-            r = tl.load(slots + idx, mask=live, other=0)
-            seq = tl.load(base_len + idx, mask=live, other=0) + k
-            okr = live & (r >= 0) & (r < mc.R)
-            okr = okr & (tl.load(ms.active + r, mask=okr, other=0) != 0)
-            nblk = tl.load(ms.num_blocks + r, mask=okr, other=0)
-            ok = okr & (seq >= 0) & (seq <= nblk * mc.BS)
-            err, val, err_i = keep_first(err, val, err_i, new_err=E_INVALID_ARG, bad=live & ~ok,
-                                         idx=idx + k * cap, val=tl.where(okr, seq, r))
-            seq = tl.where(ok, seq, 0)
-            pages = (seq + mc.BS - 1) // mc.BS
-            start = carry + tl.cumsum(pages, axis=0) - pages
-            tl.store(seqused_k + k * cap + idx, seq, mask=inb)
-            tl.store(kv_indptr + k * (cap + 1) + idx, start, mask=inb)
-            tl.store(kv_last_page_len + k * cap + idx, tl.where(seq > 0, (seq - 1) % mc.BS + 1, 0), mask=inb)
-            row = (group * mc.R + r).to(tl.int64) * mc.M
-            for j in range(0, mc.M, MB):
-                jj = j + cols
-                in_row = okr[:, None] & (jj[None, :] < nblk[:, None])
-                blk = tl.load(ms.block_table + row[:, None] + jj[None, :], mask=in_row, other=0)
-                if k == 0:  # one table for every step: the rows hold the whole burst's blocks
-                    tl.store(block_table + idx[:, None].to(tl.int64) * mc.M + jj[None, :], blk,
-                             mask=inb[:, None] & (jj[None, :] < mc.M))
-                tl.store(kv_indices + k * cap * mc.M + start[:, None] + jj[None, :], blk,
-                         mask=jj[None, :] < pages[:, None])
-            carry += tl.sum(pages, axis=0)
-        tl.store(kv_indptr + k * (cap + 1) + cap, carry)
-    if err != 0:
-        set_status(ps.status, code=err, op=OP_ATTENTION_VIEWS, value=val)
+    lanes = tl.arange(0, mc.BLOCK)
+    carry = tl.zeros([], tl.int32)
+    for i in range(0, t * RB, mc.BLOCK):
+        idx = i + lanes
+        _, _, _, _, _, _, pages = lane_lengths(ms, mc, slots, base_len, admitted, tl.minimum(n, t * RB), cap, k, idx,
+                                               HAS_ADMITTED=HAS_ADMITTED)
+        carry += tl.sum(pages, axis=0)
+    idx = t * RB + tl.arange(0, RB)
+    inb = idx < cap
+    _, r, nblk, okr, _, seq, pages = lane_lengths(ms, mc, slots, base_len, admitted, n, cap, k, idx,
+                                                  HAS_ADMITTED=HAS_ADMITTED)
+    start = carry + tl.cumsum(pages, axis=0) - pages
+    tl.store(seqused_k + k * cap + idx, seq, mask=inb)
+    tl.store(kv_indptr + k * (cap + 1) + idx, start, mask=inb)
+    tl.store(kv_last_page_len + k * cap + idx, tl.where(seq > 0, (seq - 1) % mc.BS + 1, 0), mask=inb)
+    if (t + 1) * RB >= cap:  # the last tile closes the prefix sum
+        tl.store(kv_indptr + k * (cap + 1) + cap, carry + tl.sum(pages, axis=0))
+    row = (group * mc.R + r).to(tl.int64) * mc.M
+    cols = tl.arange(0, MB)
+    for j in range(0, mc.M, MB):
+        jj = j + cols
+        blk = tl.load(ms.block_table + row[:, None] + jj[None, :], mask=okr[:, None] & (jj[None, :] < nblk[:, None]),
+                      other=0)
+        if k == 0:  # one table for every step: the rows hold the whole burst's blocks
+            tl.store(block_table + idx[:, None].to(tl.int64) * mc.M + jj[None, :], blk,
+                     mask=inb[:, None] & (jj[None, :] < mc.M))
+        tl.store(kv_indices + k * cap * mc.M + start[:, None] + jj[None, :], blk, mask=jj[None, :] < pages[:, None])
+    if (k == 0) & (t == 0):
+        err, val, err_i = no_error()
+        err = tl.where(n_ok, err, E_INVALID_ARG)
+        val = tl.where(n_ok, val, raw_count(num, cap).to(tl.int64))
+        for kk in range(0, K):
+            for i in range(0, cap, mc.BLOCK):
+                idx = i + lanes
+                live, r, _, okr, ok, _, _ = lane_lengths(ms, mc, slots, base_len, admitted, n, cap, kk, idx,
+                                                         HAS_ADMITTED=HAS_ADMITTED)
+                bad_val = tl.where(okr, tl.load(base_len + idx, mask=live, other=0) + kk, r)
+                err, val, err_i = keep_first(err, val, err_i, new_err=E_INVALID_ARG, bad=live & ~ok,
+                                             idx=idx + kk * cap, val=bad_val)
+        if err != 0:
+            set_status(ps.status, code=err, op=OP_ATTENTION_VIEWS, value=val)
 
 
 def launch_attention_views(ps, ms, mc, slots, base_len, admitted, num, group: int, steps: int, views) -> None:
-    """Launch :func:`attention_views_kernel` (one program) into ``views`` (``gpupool.kv_cache.AttentionViews``)."""
+    """Launch :func:`attention_views_kernel` into ``views`` (``gpupool.kv_cache.AttentionViews``)."""
     cap = slots.numel()
-    mb = max(1, min(triton.next_power_of_2(mc.M), TILE_ELEMS // mc.BLOCK))
-    attention_views_kernel[(1,)](ps, ms, mc, slots, base_len, slots if admitted is None else admitted, num, cap,
-                                 group, steps, views.block_table, views.seqused_k, views.kv_indptr, views.kv_indices,
-                                 views.kv_last_page_len, HAS_ADMITTED=admitted is not None, MB=mb,
-                                 num_warps=warps_for(mc.BLOCK))
+    mb = min(triton.next_power_of_2(mc.M), TILE_ELEMS)
+    rb = max(1, min(mc.BLOCK, TILE_ELEMS // mb))
+    attention_views_kernel[(steps, triton.cdiv(cap, rb))](
+        ps, ms, mc, slots, base_len, slots if admitted is None else admitted, num, cap, group, steps,
+        views.block_table, views.seqused_k, views.kv_indptr, views.kv_indices, views.kv_last_page_len,
+        HAS_ADMITTED=admitted is not None, RB=rb, MB=mb, num_warps=4)
