@@ -53,12 +53,11 @@ def test_tokens_equal_contiguous_kv(model, small, mode, K):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,K", [("host", 1), ("step", 1)] + [(m, k) for m in ("burst", "prebook")
-                                                               for k in (1, 2, 4, 8)])
+@pytest.mark.parametrize("mode,K", [("step", 1), ("burst", 1), ("burst", 4), ("burst", 8), ("prebook", 4)])
 def test_every_mode_and_burst_length(model, mode, K):
-    reqs = workload(n=6, prompt=10, prefix=6, new=9, seed=3)
+    reqs = workload(n=4, prompt=10, prefix=6, new=9, seed=3)
     want = {r.rid: dl.contiguous_decode(model, r) for r in reqs}
-    got, eng = run(model, reqs, mode, K, num_blocks=14)
+    got, eng = run(model, reqs, mode, K, num_blocks=12)
     assert got == want
     assert eng.stats.preemptions > 0 and eng.stats.hit_tokens > 0 and eng.stats.forks == 1
 
