@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = [p for d in ("src", "tests", "bench") for p in (ROOT / d).rglob("*")
+SOURCES = [p for d in ("src", "tests", "bench", "examples") for p in (ROOT / d).rglob("*")
            if p.suffix in (".py", ".md", ".sh")] + [ROOT / "README.md", ROOT / ".ci" / "run"]
 REF = re.compile(r"docs/(\w+)\.md(?:,? sections? (\d+)(?:(?: to |-| and |, )(\d+))*)?")
 
