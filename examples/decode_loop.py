@@ -90,6 +90,8 @@ class Stats:
     preemptions: int = 0
     evictions: int = 0
     forks: int = 0
+    mid_burst_stops: int = 0  # requests admitted at a burst's first step that a later step could not admit
+    booked_stops: int = 0  # ... of them whose reservation covered the burst (never, by its contract)
     meter: dict = field(default_factory=dict)  # the whole run (admissions and prefill included)
     decode_meter: dict = field(default_factory=dict)  # the replays alone (decode)
     seconds: float = 0.0
@@ -312,10 +314,16 @@ class Engine:
         with self.m.lock:
             self._burst_body(B)
         self.stats.replays += 1
-        both = torch.cat([self.in_tokens[None, :B], self.out_tokens[:, :B], self.step.admitted_steps[:, :B].long()])
+        both = torch.cat([self.in_tokens[None, :B], self.out_tokens[:, :B], self.step.admitted_steps[:, :B].long(),
+                          self.reserved_ok[None, :B].long()])
         rows = both.tolist()  # the replay's one host read
         K = self.K
-        return [(rows[0][i], [rows[1 + k][i] if rows[1 + K + k][i] else None for k in range(K)]) for i in range(B)]
+        out = [(rows[0][i], [rows[1 + k][i] if rows[1 + K + k][i] else None for k in range(K)]) for i in range(B)]
+        for i, (_, toks) in enumerate(out):
+            if toks[0] is not None and None in toks:
+                self.stats.mid_burst_stops += 1
+                self.stats.booked_stops += self.mode == "burst" and rows[1 + 2 * K][i] == 1
+        return out
 
     def _decode_host(self, running: list[Seq]) -> list[list[int]]:
         m, dev, bs = self.m, self.dev, self.bs
@@ -354,8 +362,10 @@ class Engine:
         self.stats.requests = len(requests)
         self._decode_meter = Meter()
         with Meter() as meter:
+            preempted: list[Seq] = []
             while waiting or running:
-                while waiting and free_slots:
+                # vLLM's rule: no new admission in a step that preempted (they would be preempted next)
+                while waiting and free_slots and not (preempted and running):
                     seq = waiting[0]
                     if not self._admit(seq, free_slots[0], by_rid):
                         break

@@ -59,7 +59,11 @@ def test_every_mode_and_burst_length(model, mode, K):
     want = {r.rid: dl.contiguous_decode(model, r) for r in reqs}
     got, eng = run(model, reqs, mode, K, num_blocks=12)
     assert got == want
-    assert eng.stats.preemptions > 0 and eng.stats.hit_tokens > 0 and eng.stats.forks == 1
+    st = eng.stats
+    assert st.preemptions > 0 and st.hit_tokens > 0 and st.forks == 1
+    assert st.booked_stops == 0  # a request whose reservation covered the burst ran all of it
+    if K >= 4:
+        assert st.mid_burst_stops > 0  # some request ran out of blocks mid-burst
 
 
 class SharedBlock(dl.Engine):
