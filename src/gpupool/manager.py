@@ -530,9 +530,7 @@ class KVCacheManager:
         InvalidArgumentError at the next ``check()``; with ``admitted: int32[T]``, entries whose flag is 0
         give -1 and no error (requests a step did not admit). No host sync."""
         op = "slot_mapping"
-        g = as_int(op, group, "group")
-        if not 0 <= g < len(self.groups):
-            raise InvalidArgumentError(op, f"group {g} out of range 0..{len(self.groups) - 1}", g)
+        g = self._group(op, group)
         s = self._index_tensor(op, slots, "slots")
         p = self._index_tensor(op, positions, "positions")
         if s.numel() != p.numel():
@@ -562,9 +560,7 @@ class KVCacheManager:
         ``out``: views to fill (``AttentionViews.empty(B, max_blocks_per_req, K)``); a wrong shape,
         dtype or device raises InvalidArgumentError at once."""
         op = "attention_views"
-        g = as_int(op, group, "group")
-        if not 0 <= g < len(self.groups):
-            raise InvalidArgumentError(op, f"group {g} out of range 0..{len(self.groups) - 1}", g)
+        g = self._group(op, group)
         s = self._i32(op, slots, "slots")
         bl = self._i32(op, base_len, "base_len")
         B = s.numel()
@@ -586,6 +582,12 @@ class KVCacheManager:
             self._check_views(op, out, B, K)
         self._attention_views(s, bl, self._count(op, num_reqs, B), adm, g, K, out)
         return out
+
+    def _group(self, op: str, group) -> int:
+        g = as_int(op, group, "group")
+        if not 0 <= g < len(self.groups):
+            raise InvalidArgumentError(op, f"group {g} out of range 0..{len(self.groups) - 1}", g)
+        return g
 
     def _check_views(self, op: str, v, B: int, K: int) -> None:
         if not isinstance(v, AttentionViews):
