@@ -42,6 +42,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from ..errors import InvalidArgumentError
 from .block_pool import BlockPool
+from .compat import lookahead_tokens
 from .fast_path import DeferredBlockPool
 
 
@@ -122,7 +123,7 @@ def install_gpupool_block_pool(scheduler, *, device: str | torch.device | None =
             _log.info("gpupool.vllm: per-call block pool (%s)", why)
     new = pool_cls(old.num_gpu_blocks, old.enable_caching, old.hash_block_size,
                    enable_kv_cache_events=old.enable_kv_cache_events, metrics_collector=old.metrics_collector,
-                   num_hash_lookahead_tokens=old.num_hash_lookahead_tokens, medium=old.medium,
+                   num_hash_lookahead_tokens=lookahead_tokens(old), medium=old.medium,
                    device=device, backend=backend, max_keys_per_block=max_keys_per_block)
     coord.block_pool = new
     kvm.block_pool = new
