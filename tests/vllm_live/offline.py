@@ -5,7 +5,8 @@ the CPU platform turns async scheduling off).
 
 Recorded per step: each new request's block ids and computed (prefix-hit) tokens, each running request's
 new block ids and whether it resumed, the preempted and finished requests and the scheduled tokens; at
-the end the generated token ids and text, the pool's class and its free count. Request ids are replaced
+the end the generated token ids and text, the pool's class and its free count. Also written, under
+``"drift"``: :func:`gpupool.vllm.compat.drift` on this vLLM. Request ids are replaced
 by their order of first appearance (vLLM adds a random suffix to them).
 """
 import gc
@@ -96,6 +97,8 @@ def run(model: str, mode: str) -> dict:
 
 def main(model: str, modes: str, out_path: str) -> None:
     results = {m: run(model, m) for m in modes.split(",")}
+    from gpupool.vllm.compat import drift
+    results["drift"] = drift()  # this vLLM is imported already: its drift report (tests/test_vllm_drift.py)
     with open(out_path, "w") as f:
         json.dump(results, f)
 

@@ -37,17 +37,19 @@ def main(model: str, mode: str, out_path: str) -> None:
     import zmq
     from vllm.distributed.kv_events import KVEventBatch
 
-    port, ev_port = free_port(), free_port()
-    endpoint = f"tcp://127.0.0.1:{ev_port}"
-    kv = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev_port}", "topic": "kv"}
+    port = free_port()
+    # a local socket file, which vLLM's publisher binds (it binds '*', '::', ipc and inproc endpoints)
+    endpoint = f"ipc://{os.path.abspath(out_path)}.kv.sock"
+    kv = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-model-len", "256",
            "--num-gpu-blocks-override", "10", "--max-num-seqs", "4", "--enforce-eager", "--seed", "0",
            "--served-model-name", "tiny", "--kv-events-config", json.dumps(kv)]
     if mode == "gpupool":
         cmd += ["--scheduler-cls", "gpupool.vllm.GpuPoolScheduler"]
+    # the engine core in the server's process: one vLLM import, not two
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
-               TRITON_INTERPRET="1", GPUPOOL_VLLM_DEVICE="cpu")
+               TRITON_INTERPRET="1", GPUPOOL_VLLM_DEVICE="cpu", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     log = open(out_path + ".log", "w")
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     sub = zmq.Context.instance().socket(zmq.SUB)
