@@ -106,7 +106,7 @@ def test_close_sends_every_queued_batch():
                 return
             received.append(int.from_bytes(sub.recv_multipart()[1], "big"))
 
-    payload = [_stored(i) for i in range(200)]
+    payload = [_stored(i) for i in range(20)]
     for _ in range(n):
         assert pub.publish(KVEventBatch(ts=0.0, events=payload)) is True
     _call_with_deadline(pub.close, 15)
