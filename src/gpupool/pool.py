@@ -34,7 +34,7 @@ from .kernels import cache as k_cache
 from .kernels import flush as k_flush
 from .kernels import lookup as k_lookup
 from .kernels import release as k_release
-from .kernels.layout import Ctrl, Event, Op, op_name
+from .kernels.layout import CHUNK_SLOTS, KEY_WIDTH, Ctrl, Event, Fallback, KeyCol, Op, Status, op_name
 from .locking import locked, new_lock
 from .registry import KeyRegistry
 from .state import PoolConfig, PoolState, allocate_state, make_config, metadata_bytes
@@ -88,9 +88,10 @@ class BlockPool:
         if ring_capacity is not None and (ring_capacity < max(num_blocks, 2) or ring_capacity & (ring_capacity - 1)):
             raise InvalidArgumentError(op, f"ring_capacity must be a power of two >= {num_blocks}", ring_capacity)
         if num_chunks is not None and (num_chunks < 1 or num_chunks & (num_chunks - 1)
-                                       or num_chunks * 16 < (num_blocks - 1) * max_keys_per_block):
+                                       or num_chunks * CHUNK_SLOTS < (num_blocks - 1) * max_keys_per_block):
             raise InvalidArgumentError(op, "num_chunks must be a power of two with room for every key "
-                                       "(16 * num_chunks >= (num_blocks - 1) * max_keys_per_block)", num_chunks)
+                                       f"({CHUNK_SLOTS} * num_chunks >= (num_blocks - 1) * max_keys_per_block)",
+                                       num_chunks)
         if event_capacity is not None and as_int(op, event_capacity, "event_capacity") < 1:
             raise InvalidArgumentError(op, f"event_capacity must be >= 1, got {event_capacity}", event_capacity)
         self.device = device_arg(op, device)
@@ -134,9 +135,9 @@ class BlockPool:
         self.registry.maybe_sweep()
         for b, cb in fired:
             cb(b)
-        if status[0]:
+        if status[Status.CODE]:
             s.status.zero_()
-            raise PoolError.from_status(status[0], op_name(status[1]), status[2])
+            raise PoolError.from_status(status[Status.CODE], op_name(status[Status.OP]), status[Status.VALUE])
 
     synchronize = check
 
@@ -151,7 +152,7 @@ class BlockPool:
                 self._events.append(BlockStored(tuple(stored[0]), stored[1], stored[2], stored[3]))
                 stored = None
 
-        for kind, a, hi, lo, grp, b in rows:
+        for kind, a, hi, lo, grp, b in rows:  # EventCol's order
             if kind != Event.STORED_ITEM:
                 flush()
             if kind == Event.REMOVED:
@@ -167,7 +168,7 @@ class BlockPool:
     def _live_keys(self):
         """The keys live in the device table (the registry's sweep)."""
         s, mk = self.state, self.max_keys_per_block
-        rows = s.keys.view(self.num_blocks, mk, 5)[:, :, :2]
+        rows = s.keys.view(self.num_blocks, mk, KEY_WIDTH)[:, :, KeyCol.HI: KeyCol.LO + 1]
         live = torch.arange(mk, device=self.device)[None, :] < s.num_keys[:, None]
         return [tuple(k) for k in rows[live].tolist()]
 
@@ -705,7 +706,7 @@ class BlockPool:
         self.check()
         mk = self.max_keys_per_block
         nk = int(self.state.num_keys[b])
-        rows = self.state.keys[b * mk: b * mk + nk, :2].tolist()
+        rows = self.state.keys[b * mk: b * mk + nk, KeyCol.HI: KeyCol.LO + 1].tolist()
         return [self.registry.name(tuple(r)) for r in rows]
 
     @locked
@@ -743,7 +744,7 @@ class BlockPool:
         c = self.state.ctrl.tolist()
         return {"compactions": c[Ctrl.COMPACTIONS], "alloc_parallel": c[Ctrl.ALLOC_PARALLEL],
                 "alloc_fallback": c[Ctrl.ALLOC_FALLBACK],
-                "fallback_reasons": c[Ctrl.FALLBACK_REASONS: Ctrl.FALLBACK_REASONS + 6]}
+                "fallback_reasons": c[Ctrl.FALLBACK_REASONS: Ctrl.FALLBACK_REASONS + len(Fallback)]}
 
 
 __all__ = ["BlockPool", "PoolHandle"]
