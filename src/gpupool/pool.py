@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _backend
+from . import _backend, tensors
 from .args import (
     NULL_BLOCK, as_groups, as_host_list, as_id_list, as_int, cache_full_args, check_block_id, check_hash, device_arg,
     num_blocks_arg, partial_block_args,
@@ -174,39 +174,21 @@ class BlockPool:
 
     # ---- argument plumbing ------------------------------------------------------------------------
     def _tensor(self, values, dtype=torch.int32) -> torch.Tensor:
-        """Host values on the device. On CUDA through a pinned buffer with ``non_blocking``: a blocking
-        copy from pageable memory makes PyTorch synchronise the stream, which the batched ops must not."""
-        t = torch.tensor(list(values), dtype=dtype)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+        """Host values on the device, without a stream synchronisation (``gpupool.tensors.to_device``)."""
+        return tensors.to_device(values, dtype, self.device)
 
     def _ids(self, op: str, ids) -> torch.Tensor:
         """Ids of a single op (a sequence or any integer tensor), range-checked, as int32 on the device."""
         return self._tensor([check_block_id(op, b, self.num_blocks) for b in as_id_list(op, ids)])
 
     def _device_i32(self, op: str, t, what: str) -> torch.Tensor:
-        """A batched op's ``int32[n]`` tensor on the pool's device (1-D: another shape is an error, not
-        flattened, so a batch of lists cannot be read as one list)."""
-        if not isinstance(t, torch.Tensor):
-            raise ArgumentTypeError(op, f"{what} must be a torch.Tensor on {self.device}")
-        if t.dtype != torch.int32:
-            raise InvalidArgumentError(op, f"{what} must be int32, got {t.dtype}")
-        if t.device != self.device:
-            raise InvalidArgumentError(op, f"{what} is on {t.device}, the pool on {self.device}")
-        if t.dim() != 1:
-            raise InvalidArgumentError(op, f"{what} must be 1-D (int32[n]), got shape {tuple(t.shape)}")
-        return t.contiguous()
+        """A batched op's ``int32[n]`` tensor on the pool's device (``gpupool.tensors.device_i32``)."""
+        return tensors.device_i32(op, t, what, self.device)
 
     def _count(self, op: str, count, n: int) -> torch.Tensor:
         """A device count: the given ``int32[1]`` tensor, or None when the whole array counts (the
         kernel then takes its length: no glue kernel, no H2D copy)."""
-        if count is None:
-            return None
-        c = self._device_i32(op, count, "the count")
-        if c.numel() < 1:
-            raise InvalidArgumentError(op, "the count tensor is empty (it needs one int32 entry)")
-        return c[:1]
+        return tensors.device_count(op, count, self.device)
 
     # ---- docs/semantics.md section 2: single ops ----------------------------------------------------
     @locked
@@ -672,12 +654,7 @@ class BlockPool:
         return hits, blocks, zero_ref
 
     def _check_tensors(self, op: str, specs, dims: int) -> None:
-        for t, dt, what in specs:
-            if not isinstance(t, torch.Tensor):
-                raise ArgumentTypeError(op, f"{what} must be a torch.Tensor")
-            if t.dtype != dt or t.device != self.device or t.dim() != dims:
-                raise InvalidArgumentError(op, f"{what} must be a {dims}-D {dt} tensor on {self.device}, got "
-                                               f"{tuple(t.shape)} {t.dtype} on {t.device}")
+        tensors.check_tensors(op, specs, dims, self.device)
 
     # ---- inspection (docs/semantics.md section 4) -------------------------------------------------
     @locked
