@@ -28,7 +28,7 @@ import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from gpupool.kernels.requests.parallel import Fallback  # noqa: E402
+from gpupool.kernels.layout import Fallback  # noqa: E402
 from gpupool.manager import KVCacheManager  # noqa: E402
 from gpupool.reference import ReferenceKVCacheManager  # noqa: E402
 

@@ -19,7 +19,7 @@ Ops (batch = B):
   k = ceil(B / 16) requests crossed a block boundary in the previous step, so their last blocks
   are now full and get cached (one key each), then they are freed as k finished requests; and k
   requests cross a boundary now and get one new block each. Host pools do this per request (as a
-  vLLM scheduler does); the device pool with one ``cache_full_blocks`` launch, ``free_batched``
+  vLLM scheduler does); the device pool with one ``cache_blocks_batched`` launch, ``free_batched``
   (k segments) and ``allocate_batched`` over a demand vector of all B requests (1 for the k that
   cross). Allocation pops the head of the free queue, evicting cached blocks: a warm prefix cache.
 
@@ -145,21 +145,6 @@ def _graph(step: Callable[[], object], warmup: int = 2) -> Callable[[], None]:
 
 def _i32(values, dev) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int32, device=dev)
-
-
-def _device_cache_batched(pool, ids, key_hi, key_lo, mask, p) -> None:
-    """Key ``ids[i]`` as device key ``(key_hi[i], key_lo[i])`` in group 0, one launch, no wait.
-
-    The device pool's public request-level path is the manager (``KVCacheManager``); this drives the
-    launcher behind ``BlockPool.cache_full_blocks`` directly. ``p``: ``cache_full_kernel``'s
-    parameters ``[num_cached=0, num_full=k, block_size, group, k ids, no parent, 0, 0]`` (int64)."""
-    from gpupool.kernels import cache as k_cache
-    from gpupool.kernels.layout import Op
-
-    layout = (k_cache.CF_NC, k_cache.CF_NF, k_cache.CF_BS, k_cache.CF_GROUP, k_cache.CF_NIDS, k_cache.CF_HAS_PARENT)
-    assert [getattr(c, "value", c) for c in layout] == list(range(6)), "cache_full_kernel's p layout changed"
-    h = pool.handle()
-    k_cache.launch_cache_full(h.state, h.config, ids, key_hi, key_lo, mask, p, op=Op.CACHE_FULL_BLOCKS)
 
 
 # ---- alloc_free ------------------------------------------------------------------------------
@@ -293,16 +278,11 @@ def case_decode_step(kind: str, pool, batch: int) -> Case:
     demands = torch.zeros(batch, dtype=torch.int32, device=dev)
     demands[::DECODE_CROSS_EVERY] = 1
     seg = torch.arange(k + 1, dtype=torch.int32, device=dev)
-    mask = torch.ones(k, dtype=torch.int8, device=dev)
-    p = torch.tensor([0, k, BLOCK_SIZE, 0, k, 0, 0, 0], dtype=torch.int64, device=dev)
-    gen = torch.Generator().manual_seed(batch)
-    key_hi = torch.randint(-2**62, 2**62, (k,), generator=gen, dtype=torch.int64).to(dev)
-    key_lo = (torch.randint(-2**62, 2**62, (1,), generator=gen, dtype=torch.int64)
-              + torch.arange(k, dtype=torch.int64)).to(dev)
 
     def step():
-        key_lo.add_(k)  # new keys every step
-        _device_cache_batched(pool, prev, key_hi, key_lo, mask, p)
+        # the k full blocks get new keys, as one cache_full_blocks call of k blocks would key them
+        # (a captured graph replays the keys it captured: the same each replay)
+        pool.cache_blocks_batched(prev, [(fresh_hashes(k), 0, k, BLOCK_SIZE, 0)])
         pool.free_batched(prev, seg)
         out, _ = pool.allocate_batched(demands)
         prev.copy_(out[:k])

@@ -243,6 +243,7 @@ class Engine:
         except Exception:
             m.free([slot])
             return False
+        m.allocate_slots([slot], [n], [n])  # nothing to allocate: its tokens computed are now n (reserve counts from there)
         if self.host:  # the host pool's copies run now
             copies = m.take_pending_copies()
             copy_blocks(self.kv.layers(), torch.tensor([c[0] for c in copies], dtype=torch.int32, device=self.dev),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpupool.kernels.requests.parallel import Fallback
+from gpupool.kernels.layout import Fallback
 from test_kv_cache_manager import HASH, Pair, add, alloc, small_pair
 
 

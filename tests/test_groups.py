@@ -6,8 +6,8 @@ import triton
 import triton.language as tl
 
 from gpupool.errors import ArgumentTypeError, InvalidArgumentError
-from gpupool.groups import GroupKind
-from gpupool.kernels.groups import num_skipped_blocks
+from gpupool.groups import KINDS, GroupKind
+from gpupool.kernels.groups import block_hit, num_skipped_blocks, releases_blocks
 
 
 @pytest.mark.parametrize("spec, kind", [("full", ("full", 0)), (("full",), ("full", 0)),
@@ -53,3 +53,31 @@ def test_device_twin_equals_the_rule(bs):
     _skipped_kernel[(1,)](nc, w, nb, out, len(cases), BS=bs, BLOCK=triton.next_power_of_2(len(cases)))
     expect = [GroupKind("sliding_window" if wi else "full", wi).num_skipped_blocks(c, bs, b) for c, wi, b in cases]
     assert out.tolist() == expect
+
+
+@pytest.mark.parametrize("kind", [GroupKind("full", 0), GroupKind("sliding_window", 6)], ids=lambda g: g.kind)
+def test_hit_length_is_the_leading_cached_run(kind):
+    """gpupool's hit rule for every kind so far: the group accepts its leading cached blocks."""
+    assert kind.spec is KINDS[kind.kind]
+    assert [kind.hit_length(c) for c in ([], [False], [True, True, False, True], [True] * 3)] == [0, 0, 2, 3]
+
+
+@triton.jit
+def _kind_kernel(w_ptr, blk_ptr, rel_ptr, hit_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    w = tl.load(w_ptr + offs, mask=m, other=0)
+    blk = tl.load(blk_ptr + offs, mask=m, other=0)
+    tl.store(rel_ptr + offs, releases_blocks(w).to(tl.int32), mask=m)
+    tl.store(hit_ptr + offs, block_hit(w, blk).to(tl.int32), mask=m)
+
+
+def test_device_kind_hooks_equal_the_specs():
+    kinds = [GroupKind("full", 0), GroupKind("sliding_window", 1), GroupKind("sliding_window", 33)]
+    cases = [(g, b) for g in kinds for b in (-1, 0, 5)]
+    w = torch.tensor([g.device_word() for g, _ in cases], dtype=torch.int32)
+    blk = torch.tensor([b for _, b in cases], dtype=torch.int32)
+    rel, hit = torch.full_like(w, -7), torch.full_like(w, -7)
+    _kind_kernel[(1,)](w, blk, rel, hit, len(cases), BLOCK=16)
+    assert rel.tolist() == [int(g.spec.releases_blocks) for g, _ in cases]
+    assert hit.tolist() == [g.hit_length([b >= 0]) for g, b in cases]

@@ -1,5 +1,7 @@
-"""gpupool works in a process that imported triton first (any vLLM process does): the kernels and
-triton.language's own ``@jit`` helpers run in the interpreter without a GPU (src/gpupool/_backend.py)."""
+"""How the kernels' backend is chosen (src/gpupool/_backend.py): ``import gpupool`` alone defines no
+kernel and sets nothing; ``gpupool.use_interpreter`` chooses before the first kernel and is refused
+after it; gpupool works in a process that imported triton first (any vLLM process does): the kernels
+and triton.language's own ``@jit`` helpers run in the interpreter without a GPU."""
 from __future__ import annotations
 
 import os
@@ -43,3 +45,26 @@ def test_differential_tests_pass_after_importing_triton_first():
              "test_eager_decode_step_equals_reference[groups1-events]']))\n")
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     assert "1 passed" in p.stdout
+
+
+def test_import_defines_no_kernel_and_sets_nothing():
+    p = _run("import os, sys, gpupool\n"
+             "print('gpupool.kernels' in sys.modules, 'triton' in sys.modules, os.environ.get('TRITON_INTERPRET'))\n")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["False", "False", "None"]
+
+
+def test_use_interpreter_chooses_before_the_first_kernel_and_only_then():
+    p = _run("import os, triton, gpupool\n"
+             "gpupool.use_interpreter(False)\n"  # compiled kernels: they can be defined without a GPU
+             "from gpupool.kernels import alloc\n"
+             "print(isinstance(alloc.alloc_kernel, triton.runtime.JITFunction), os.environ.get('TRITON_INTERPRET'))\n"
+             "gpupool.use_interpreter(False)\n"  # the same choice: nothing to do
+             "try:\n"
+             "    gpupool.use_interpreter(True)\n"
+             "except gpupool.InvalidArgumentError as e:\n"
+             "    print('refused:', e)\n")
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    assert lines[0] == "True None", lines
+    assert lines[1].startswith("refused:") and "already defined for CUDA" in lines[1], lines

@@ -55,11 +55,11 @@ def test_device_path_does_not_import_the_reference(rel):
 def _mirrors():
     from gpupool.errors import ErrorCode
     from gpupool.kernels import layout, replay, validate
-    from gpupool.kernels.requests import parallel
 
     return [(layout, layout.Ctrl, ""), (layout, layout.Status, "ST_"), (layout, layout.Op, "OP_"),
-            (layout, ErrorCode, "E_"), (layout, layout.Event, "EV_"),
-            (parallel, parallel.Fallback, "R_"), (replay, replay.LoopWord, "W_"),
+            (layout, ErrorCode, "E_"), (layout, layout.Event, "EV_"), (layout, layout.EventCol, "EC_"),
+            (layout, layout.KeyCol, "K_"), (layout, layout.RoundField, "RF_"),
+            (layout, layout.Fallback, "R_"), (replay, replay.LoopWord, "W_"),
             (validate, validate.Check, "V_")]
 
 

@@ -261,7 +261,10 @@ def test_cli_errors(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         cli.main(["replay", "--num-blocks", "0"])
     assert e.value.code == 2
-    monkeypatch.delattr(gpupool, "BlockPool", raising=False)  # as if the device pool were missing
+    def missing(name):  # as if the device pool were missing (gpupool resolves BlockPool on first use)
+        raise AttributeError(name)
+
+    monkeypatch.setattr(gpupool, "__getattr__", missing)
     # make_pool may set TRITON_INTERPRET for a CPU device; keep that from leaking into other tests.
     monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
     assert cli.main(["replay", "--pool", "device", "--device", "cpu", "--limit", "5"]) == 2

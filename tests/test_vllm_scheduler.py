@@ -73,6 +73,7 @@ def test_same_decisions_as_vllm_async_scheduler(tmp_path):
     r = json.loads(out.read_text())
     assert r["is_async"]
     assert r["sync"] == [True, "gpupool.vllm.fast_path"]  # the synchronous scheduler gets the fast path too
+    assert r["async_off"] == ["GpuPoolSyncScheduler", "DeferredBlockPool", True]
     assert r["holders"] == [], r["holders"]  # nothing of vLLM's refers to its old pool after the swap
     assert r["refused"] == ["InvalidArgumentError", True]
     stock = r["stock"]

@@ -1,23 +1,80 @@
-"""Chooses how the kernels run before any of them is defined.
+"""How gpupool's kernels run: compiled for CUDA, or in Triton's interpreter on CPU tensors.
 
-Triton decides at ``@triton.jit`` time whether a kernel is compiled or interpreted (the
-``TRITON_INTERPRET`` environment variable). Without a CUDA device the kernels can only run on CPU
-tensors through the interpreter, so the package turns it on unless the user chose otherwise.
+Triton fixes that for a kernel when its ``@triton.jit`` runs (it reads ``TRITON_INTERPRET`` then),
+so gpupool chooses once, just before its first kernel is defined (the first import of
+``gpupool.kernels``: building a ``BlockPool`` or a manager, or importing one of their modules), and
+never changes the choice. ``import gpupool`` alone chooses nothing and changes nothing. In order:
 
-A process that imported triton before gpupool (any vLLM process does) has triton.language's own
-``@jit`` helpers (``tl.zeros``, ``tl.sum``, ``tl.cumsum``, ...) built as compiled functions, which
-the interpreter cannot call ("Cannot call @triton.jit'd outside of the scope of a kernel").
-:func:`_interpret_triton_language` rebuilds them as interpreted ones; without a CUDA device the
-compiled ones could not run anyway.
+1. :func:`use_interpreter`, if called before that;
+2. else ``TRITON_INTERPRET`` as the user set it (Triton's own switch);
+3. else the interpreter when torch sees no CUDA device, so the package works out of the box on a
+   CPU-only machine (logged at INFO on the ``gpupool`` logger), and compiled kernels otherwise.
+
+Choosing the interpreter sets ``TRITON_INTERPRET=1`` for the process, which Triton reads (child
+processes inherit it). A process that imported triton earlier with the interpreter off (any vLLM
+process does) has triton.language's own ``@jit`` helpers (``tl.zeros``, ``tl.sum``, ``tl.cumsum``,
+...) built as compiled functions, which the interpreter cannot call ("Cannot call @triton.jit'd
+outside of the scope of a kernel"); :func:`_interpret_triton_language` then rebuilds them as
+interpreted ones (without a CUDA device the compiled ones could not run anyway). docs/design.md,
+"Without a GPU".
 """
+from __future__ import annotations
+
+import logging
 import os
 import sys
 
-import torch
+_chosen: bool | None = None  # the choice once made: True = the interpreter
 
 
 def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether the kernels run in Triton's interpreter (makes the choice if not made yet)."""
+    return select()
+
+
+def use_interpreter(enable: bool = True) -> None:
+    """Run gpupool's kernels in Triton's interpreter (``enable``), or compiled for CUDA (``False``),
+    whatever ``TRITON_INTERPRET`` says. Call it before the first kernel is defined (before the first
+    ``BlockPool``); a later call that asks for the other backend raises InvalidArgumentError (the
+    kernels are already defined), one that asks for the chosen backend does nothing."""
+    from .errors import InvalidArgumentError
+
+    enable = bool(enable)
+    if _chosen is not None:
+        if _chosen != enable:
+            raise InvalidArgumentError(
+                "use_interpreter", f"gpupool's kernels are already defined for "
+                f"{'the interpreter' if _chosen else 'CUDA'}; call use_interpreter before the first BlockPool")
+        return
+    _choose(enable)
+
+
+def select() -> bool:
+    """Make the choice (module docstring) if not made yet; returns it. Called by ``gpupool.kernels``
+    before any kernel is defined."""
+    if _chosen is None:
+        if "TRITON_INTERPRET" in os.environ:
+            _choose(os.environ["TRITON_INTERPRET"] not in ("", "0"))
+        else:
+            import torch
+
+            cpu_only = not torch.cuda.is_available()
+            if cpu_only:
+                logging.getLogger("gpupool").info(
+                    "no CUDA device: gpupool's kernels run in Triton's interpreter (TRITON_INTERPRET=1)")
+            _choose(cpu_only)
+    return _chosen
+
+
+def _choose(enable: bool) -> None:
+    global _chosen
+    if enable:
+        os.environ["TRITON_INTERPRET"] = "1"
+        if "triton" in sys.modules:
+            _interpret_triton_language()
+    elif os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+        os.environ["TRITON_INTERPRET"] = "0"  # use_interpreter(False) over the variable
+    _chosen = enable
 
 
 def _interpret_triton_language() -> int:
@@ -48,8 +105,3 @@ def _interpret_triton_language() -> int:
             setattr(tl.tensor, name, lambda *args, _f=twin, **kwargs: _f(*args, **kwargs))
     return len(made)
 
-
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-if interpreted() and "triton" in sys.modules:
-    _interpret_triton_language()

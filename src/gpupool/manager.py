@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import tensors
 from .args import NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_id_list, as_int
 from .errors import ArgumentTypeError, InvalidArgumentError, InvariantError, OutOfBlocksError
 from .kernels.requests import copies as k_copies
@@ -276,13 +277,7 @@ class KVCacheManager:
 
     # ---- batched ops (device tensors, no host sync) -------------------------------------------
     def _i32(self, op: str, x, what: str) -> torch.Tensor:
-        if isinstance(x, torch.Tensor):
-            if x.dtype != torch.int32 or x.device != self.device:
-                raise InvalidArgumentError(op, f"{what} must be an int32 tensor on {self.device}")
-            if x.dim() != 1:
-                raise InvalidArgumentError(op, f"{what} must be 1-D (int32[n]), got shape {tuple(x.shape)}")
-            return x.contiguous()
-        return torch.tensor(as_id_list(op, x), dtype=torch.int32, device=self.device)
+        return tensors.i32(op, x, what, self.device)
 
     def _index_tensor(self, op: str, x, what: str) -> torch.Tensor:
         """An int32 or int64 tensor on the device (read as is by the kernel: no narrowing), or a list."""
@@ -293,20 +288,10 @@ class KVCacheManager:
     def _count(self, op: str, count, n: int) -> torch.Tensor:
         if count is None:
             return torch.full((1,), n, dtype=torch.int32, device=self.device)
-        c = self._i32(op, count, "the count")
-        if c.numel() < 1:
-            raise InvalidArgumentError(op, "the count tensor is empty (it needs one int32 entry)")
-        return c[:1]
+        return tensors.device_count(op, count, self.device)
 
     def _out(self, op: str, t, dtype, n: int, what: str) -> torch.Tensor:
-        """An output buffer the kernel writes in place: ``dtype``, on the device, contiguous, with room
-        for ``n`` entries (checked on the host from its shape: no out-of-bounds write, no lost copy)."""
-        if not isinstance(t, torch.Tensor):
-            raise ArgumentTypeError(op, f"{what} must be a torch.Tensor")
-        if t.dtype != dtype or t.device != self.device or not t.is_contiguous() or t.numel() < n:
-            raise InvalidArgumentError(op, f"{what} must be a contiguous {dtype} tensor on {self.device} with at "
-                                           f"least {n} entries, got {tuple(t.shape)} {t.dtype} on {t.device}")
-        return t.reshape(-1)
+        return tensors.out_buffer(op, t, dtype, n, what, self.device)
 
     @locked
     def get_computed_blocks(self, slots, num_tokens):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _backend
+from . import _backend, tensors
 from .args import (
     NULL_BLOCK, as_groups, as_host_list, as_id_list, as_int, cache_full_args, check_block_id, check_hash, device_arg,
     num_blocks_arg, partial_block_args,
@@ -34,7 +34,7 @@ from .kernels import cache as k_cache
 from .kernels import flush as k_flush
 from .kernels import lookup as k_lookup
 from .kernels import release as k_release
-from .kernels.layout import Ctrl, Event, Op, op_name
+from .kernels.layout import CHUNK_SLOTS, KEY_WIDTH, Ctrl, Event, Fallback, KeyCol, Op, Status, op_name
 from .locking import locked, new_lock
 from .registry import KeyRegistry
 from .state import PoolConfig, PoolState, allocate_state, make_config, metadata_bytes
@@ -88,9 +88,10 @@ class BlockPool:
         if ring_capacity is not None and (ring_capacity < max(num_blocks, 2) or ring_capacity & (ring_capacity - 1)):
             raise InvalidArgumentError(op, f"ring_capacity must be a power of two >= {num_blocks}", ring_capacity)
         if num_chunks is not None and (num_chunks < 1 or num_chunks & (num_chunks - 1)
-                                       or num_chunks * 16 < (num_blocks - 1) * max_keys_per_block):
+                                       or num_chunks * CHUNK_SLOTS < (num_blocks - 1) * max_keys_per_block):
             raise InvalidArgumentError(op, "num_chunks must be a power of two with room for every key "
-                                       "(16 * num_chunks >= (num_blocks - 1) * max_keys_per_block)", num_chunks)
+                                       f"({CHUNK_SLOTS} * num_chunks >= (num_blocks - 1) * max_keys_per_block)",
+                                       num_chunks)
         if event_capacity is not None and as_int(op, event_capacity, "event_capacity") < 1:
             raise InvalidArgumentError(op, f"event_capacity must be >= 1, got {event_capacity}", event_capacity)
         self.device = device_arg(op, device)
@@ -134,9 +135,9 @@ class BlockPool:
         self.registry.maybe_sweep()
         for b, cb in fired:
             cb(b)
-        if status[0]:
+        if status[Status.CODE]:
             s.status.zero_()
-            raise PoolError.from_status(status[0], op_name(status[1]), status[2])
+            raise PoolError.from_status(status[Status.CODE], op_name(status[Status.OP]), status[Status.VALUE])
 
     synchronize = check
 
@@ -151,7 +152,7 @@ class BlockPool:
                 self._events.append(BlockStored(tuple(stored[0]), stored[1], stored[2], stored[3]))
                 stored = None
 
-        for kind, a, hi, lo, grp, b in rows:
+        for kind, a, hi, lo, grp, b in rows:  # EventCol's order
             if kind != Event.STORED_ITEM:
                 flush()
             if kind == Event.REMOVED:
@@ -167,45 +168,27 @@ class BlockPool:
     def _live_keys(self):
         """The keys live in the device table (the registry's sweep)."""
         s, mk = self.state, self.max_keys_per_block
-        rows = s.keys.view(self.num_blocks, mk, 5)[:, :, :2]
+        rows = s.keys.view(self.num_blocks, mk, KEY_WIDTH)[:, :, KeyCol.HI: KeyCol.LO + 1]
         live = torch.arange(mk, device=self.device)[None, :] < s.num_keys[:, None]
         return [tuple(k) for k in rows[live].tolist()]
 
     # ---- argument plumbing ------------------------------------------------------------------------
     def _tensor(self, values, dtype=torch.int32) -> torch.Tensor:
-        """Host values on the device. On CUDA through a pinned buffer with ``non_blocking``: a blocking
-        copy from pageable memory makes PyTorch synchronise the stream, which the batched ops must not."""
-        t = torch.tensor(list(values), dtype=dtype)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+        """Host values on the device, without a stream synchronisation (``gpupool.tensors.to_device``)."""
+        return tensors.to_device(values, dtype, self.device)
 
     def _ids(self, op: str, ids) -> torch.Tensor:
         """Ids of a single op (a sequence or any integer tensor), range-checked, as int32 on the device."""
         return self._tensor([check_block_id(op, b, self.num_blocks) for b in as_id_list(op, ids)])
 
     def _device_i32(self, op: str, t, what: str) -> torch.Tensor:
-        """A batched op's ``int32[n]`` tensor on the pool's device (1-D: another shape is an error, not
-        flattened, so a batch of lists cannot be read as one list)."""
-        if not isinstance(t, torch.Tensor):
-            raise ArgumentTypeError(op, f"{what} must be a torch.Tensor on {self.device}")
-        if t.dtype != torch.int32:
-            raise InvalidArgumentError(op, f"{what} must be int32, got {t.dtype}")
-        if t.device != self.device:
-            raise InvalidArgumentError(op, f"{what} is on {t.device}, the pool on {self.device}")
-        if t.dim() != 1:
-            raise InvalidArgumentError(op, f"{what} must be 1-D (int32[n]), got shape {tuple(t.shape)}")
-        return t.contiguous()
+        """A batched op's ``int32[n]`` tensor on the pool's device (``gpupool.tensors.device_i32``)."""
+        return tensors.device_i32(op, t, what, self.device)
 
     def _count(self, op: str, count, n: int) -> torch.Tensor:
         """A device count: the given ``int32[1]`` tensor, or None when the whole array counts (the
         kernel then takes its length: no glue kernel, no H2D copy)."""
-        if count is None:
-            return None
-        c = self._device_i32(op, count, "the count")
-        if c.numel() < 1:
-            raise InvalidArgumentError(op, "the count tensor is empty (it needs one int32 entry)")
-        return c[:1]
+        return tensors.device_count(op, count, self.device)
 
     # ---- docs/semantics.md section 2: single ops ----------------------------------------------------
     @locked
@@ -671,12 +654,7 @@ class BlockPool:
         return hits, blocks, zero_ref
 
     def _check_tensors(self, op: str, specs, dims: int) -> None:
-        for t, dt, what in specs:
-            if not isinstance(t, torch.Tensor):
-                raise ArgumentTypeError(op, f"{what} must be a torch.Tensor")
-            if t.dtype != dt or t.device != self.device or t.dim() != dims:
-                raise InvalidArgumentError(op, f"{what} must be a {dims}-D {dt} tensor on {self.device}, got "
-                                               f"{tuple(t.shape)} {t.dtype} on {t.device}")
+        tensors.check_tensors(op, specs, dims, self.device)
 
     # ---- inspection (docs/semantics.md section 4) -------------------------------------------------
     @locked
@@ -705,7 +683,7 @@ class BlockPool:
         self.check()
         mk = self.max_keys_per_block
         nk = int(self.state.num_keys[b])
-        rows = self.state.keys[b * mk: b * mk + nk, :2].tolist()
+        rows = self.state.keys[b * mk: b * mk + nk, KeyCol.HI: KeyCol.LO + 1].tolist()
         return [self.registry.name(tuple(r)) for r in rows]
 
     @locked
@@ -743,7 +721,7 @@ class BlockPool:
         c = self.state.ctrl.tolist()
         return {"compactions": c[Ctrl.COMPACTIONS], "alloc_parallel": c[Ctrl.ALLOC_PARALLEL],
                 "alloc_fallback": c[Ctrl.ALLOC_FALLBACK],
-                "fallback_reasons": c[Ctrl.FALLBACK_REASONS: Ctrl.FALLBACK_REASONS + 6]}
+                "fallback_reasons": c[Ctrl.FALLBACK_REASONS: Ctrl.FALLBACK_REASONS + len(Fallback)]}
 
 
 __all__ = ["BlockPool", "PoolHandle"]

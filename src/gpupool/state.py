@@ -3,23 +3,24 @@ construction (docs/design.md, device state). Kernels take the state as ONE argum
 as ONE ``tl.constexpr`` argument.
 
 With N blocks, MK = ``max_keys_per_block``, ring capacity C (power of two >= 2N), NCHUNK table
-chunks of 16 slots (power of two, 16 * NCHUNK >= (N - 1) * MK) and EV_CAP event rows:
+chunks of CHUNK_SLOTS = 16 slots (power of two, 16 * NCHUNK >= (N - 1) * MK) and EV_CAP event rows
+(every width below is named in ``kernels/layout.py``):
 
 | tensor | dtype, shape | meaning |
 |---|---|---|
-| ``ctrl`` | int64[16] | head, tail, num_free, key seq, event / reuse counts, statistics (``kernels/layout.py`` Ctrl) |
-| ``status`` | int64[4] | sticky first error: (code, op, offending value, 0); 0 = clear |
+| ``ctrl`` | int64[CTRL_SIZE = 16] | head, tail, num_free, key seq, event / reuse counts, statistics (Ctrl) |
+| ``status`` | int64[STATUS_SIZE = 4] | sticky first error: (code, op, offending value, 0); 0 = clear (Status) |
 | ``ref_cnt`` | int32[N] | reference counts |
 | ``ring`` | int32[C] | free queue: block id or -1 (tombstone) per slot |
 | ``qslot`` | int32[N] | each queued block's ring slot, else -1 |
 | ``num_keys`` | int32[N] | keys per block (primary + secondaries) |
 | ``hash_ntok`` | int32[N] | tokens covered by the primary key, -1 when none |
-| ``keys`` | int64[N*MK, 5] | key rows (hi, lo, group, insertion seq, table slot); row ``b*MK + j`` |
-| ``table`` | int64[NCHUNK*16 + 1] | slot words ``(tag << 32) | (entry + 1)``, 0 empty; last word a CAS sink |
+| ``keys`` | int64[N*MK, KEY_WIDTH = 5] | key rows (KeyCol: hi, lo, group, insertion seq, table slot), ``b*MK + j`` |
+| ``table`` | int64[NCHUNK*CHUNK_SLOTS + 1] | slot words ``(tag << 32) | (entry + 1)``, 0 empty; last word a CAS sink |
 | ``overflow`` | int32[NCHUNK] | entries that probed past each chunk |
 | ``watched`` | int8[N] | 1 while the block has a reuse watcher (the callbacks live on the host) |
 | ``reuse`` | int32[N] | reuse log: watched blocks handed out since the host last drained |
-| ``ev`` | int64[EV_CAP, 6] | event rows (``kernels/layout.py`` Event), drained by the host |
+| ``ev`` | int64[EV_CAP, EVENT_WIDTH = 6] | event rows (Event, EventCol), drained by the host |
 | ``s_cnt, s_last, s_first`` | int32[N] | kernel scratch, idle at 0 / -1 / 2**31-1 between launches |
 
 Bytes per block: metadata 33 (eight int32 fields and ``watched``) + ring 8 (C = 2N) = 41; key rows
@@ -31,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from .kernels.layout import CTRL_SIZE, INT32_MAX, Ctrl
+from .kernels.layout import CHUNK_SLOTS, CTRL_SIZE, EVENT_WIDTH, INT32_MAX, KEY_WIDTH, STATUS_SIZE, Ctrl
 
 #: Event rows a pool keeps by default with KV events on (3 MiB): room for many decode steps of a
 #: large batch between drains (a step of 1,024 requests writes about 200).
@@ -87,7 +88,8 @@ def make_config(num_blocks: int, max_keys_per_block: int, *, caching: bool, even
     n, mk = num_blocks, max_keys_per_block
     return PoolConfig(
         N=n, C=ring_capacity or pow2_at_least(max(2 * n, 2)), MK=mk, MKP=pow2_at_least(mk),
-        NCHUNK=num_chunks or pow2_at_least(max(2 * n * mk // 16, 1)), CACHING=bool(caching), EVENTS=bool(events),
+        NCHUNK=num_chunks or pow2_at_least(max(2 * n * mk // CHUNK_SLOTS, 1)),
+        CACHING=bool(caching), EVENTS=bool(events),
         EV_CAP=(event_capacity or DEFAULT_EVENT_CAPACITY) if events else 1,
         BLOCK=min(1024, max(16, pow2_at_least(n))))
 
@@ -104,16 +106,16 @@ def allocate_state(cfg: PoolConfig, device) -> PoolState:
     qslot = torch.full((n,), -1, dtype=i32, device=device)
     qslot[1:] = torch.arange(0, n - 1, dtype=i32, device=device)
     return PoolState(
-        ctrl=ctrl, status=torch.zeros(4, dtype=i64, device=device),
+        ctrl=ctrl, status=torch.zeros(STATUS_SIZE, dtype=i64, device=device),
         ref_cnt=torch.zeros(n, dtype=i32, device=device), ring=ring, qslot=qslot,
         num_keys=torch.zeros(n, dtype=i32, device=device),
         hash_ntok=torch.full((n,), -1, dtype=i32, device=device),
-        keys=torch.zeros((n * cfg.MK, 5), dtype=i64, device=device),
-        table=torch.zeros(cfg.NCHUNK * 16 + 1, dtype=i64, device=device),
+        keys=torch.zeros((n * cfg.MK, KEY_WIDTH), dtype=i64, device=device),
+        table=torch.zeros(cfg.NCHUNK * CHUNK_SLOTS + 1, dtype=i64, device=device),
         overflow=torch.zeros(cfg.NCHUNK, dtype=i32, device=device),
         watched=torch.zeros(n, dtype=torch.int8, device=device),
         reuse=torch.zeros(n, dtype=i32, device=device),
-        ev=torch.zeros((cfg.EV_CAP, 6), dtype=i64, device=device),
+        ev=torch.zeros((cfg.EV_CAP, EVENT_WIDTH), dtype=i64, device=device),
         s_cnt=torch.zeros(n, dtype=i32, device=device),
         s_last=torch.full((n,), -1, dtype=i32, device=device),
         s_first=torch.full((n,), INT32_MAX, dtype=i32, device=device),

@@ -37,9 +37,10 @@ MODEL_CONFIG = dict(uses_mrope=False, is_encoder_decoder=False, runner_type="gen
                     multimodal_config=None)
 
 
-def make_scheduler(cls, num_blocks, max_model_len=1024, max_num_batched_tokens=192, max_num_seqs=6):
+def make_scheduler(cls, num_blocks, max_model_len=1024, max_num_batched_tokens=192, max_num_seqs=6,
+                   async_scheduling=True):
     sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                         max_model_len=max_model_len, enable_chunked_prefill=True, async_scheduling=True,
+                         max_model_len=max_model_len, enable_chunked_prefill=True, async_scheduling=async_scheduling,
                          is_encoder_decoder=False, watermark=0.0, policy="fcfs")
     cc = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True)
     vc = VllmConfig(scheduler_config=sc, cache_config=cc, parallel_config=ParallelConfig(),
@@ -306,6 +307,10 @@ def main():
     sync = make_scheduler(GpuPoolSyncScheduler, num_blocks)
     res["sync"] = [not isinstance(sync, AsyncScheduler) and isinstance(sync, Scheduler),
                    type(sync.kv_cache_manager.block_pool).__module__]
+    # GpuPoolScheduler where async scheduling is off: vLLM's choice there is its synchronous Scheduler
+    off = make_scheduler(GpuPoolScheduler, num_blocks, async_scheduling=False)
+    res["async_off"] = [type(off).__name__, type(off.kv_cache_manager.block_pool).__name__,
+                        off.kv_cache_manager.block_pool is off.gpupool_block_pool]
     res["holders"] = old_pool_holders(num_blocks)
     res["refused"] = refuse_after_first_request(num_blocks, stream)
     with open(out_path, "w") as f:

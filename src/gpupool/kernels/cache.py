@@ -11,10 +11,10 @@ import triton.language as tl
 
 from .common import first_bad, set_status, status_clear, warps_for
 from .events import write_row, write_stored_header, write_stored_item
-from .keytable import K_GROUP, K_HI, K_LO, K_SLOT, KW, drop_keys, put_key, table_delete
+from .keytable import drop_keys, put_key, table_delete
 from .layout import (
-    BIG, E_BUFFER_FULL, E_HASH_CONFLICT, E_INVALID_ARG, E_INVALID_ID, E_KEY_CAPACITY, E_NULL_BLOCK, EV_CLEARED,
-    EV_COUNT, KEY_SEQ,
+    BIG, CHUNK, E_BUFFER_FULL, E_HASH_CONFLICT, E_INVALID_ARG, E_INVALID_ID, E_KEY_CAPACITY, E_NULL_BLOCK,
+    EV_CLEARED, EV_COUNT, K_GROUP, K_HI, K_LO, K_SLOT, KEY_SEQ, KW,
 )
 from .release import check_ids, reset_ids
 
@@ -460,9 +460,9 @@ def reset_kernel(ps, pc: tl.constexpr, out, OP: tl.constexpr):
                 tl.store(ps.watched + idx, tl.zeros([pc.BLOCK], tl.int8), mask=m)
                 i += pc.BLOCK
             i = 0
-            while i < pc.NCHUNK * 16:
+            while i < pc.NCHUNK * CHUNK:
                 idx = i + offs
-                tl.store(ps.table + idx, tl.zeros([pc.BLOCK], tl.int64), mask=idx < pc.NCHUNK * 16)
+                tl.store(ps.table + idx, tl.zeros([pc.BLOCK], tl.int64), mask=idx < pc.NCHUNK * CHUNK)
                 tl.store(ps.overflow + idx, tl.zeros([pc.BLOCK], tl.int32), mask=idx < pc.NCHUNK)
                 i += pc.BLOCK
             if pc.EVENTS:

@@ -4,11 +4,10 @@ first-offending-lane reductions.
 Every state-changing kernel reads ``status[CODE]`` first and does nothing once it is set (sticky
 errors, docs/semantics.md section 3); it validates its whole input, then commits.
 """
-import contextlib
-
 import triton
 import triton.language as tl
 
+from ..launch_state import forced_num_warps
 from .layout import BIG, ST_CODE, ST_OP, ST_VALUE
 
 
@@ -90,9 +89,6 @@ def no_error():
     return tl.zeros([], tl.int32), tl.zeros([], tl.int64), tl.full([], BIG, tl.int32)
 
 
-_forced_warps: int | None = None
-
-
 WIDE_BLOCK = 4096
 
 
@@ -107,21 +103,11 @@ def batch_config(pc, n: int):
 
 def warps_for(block: int) -> int:
     """Warps of a one-program kernel with ``block`` lanes (host side): 2 to 4 lanes per thread, unless
-    a test forces a count (:func:`forced_warps`)."""
-    if _forced_warps is not None:
-        return _forced_warps
+    a test forces a count (``gpupool.launch_state.forced_warps``)."""
+    forced = forced_num_warps()
+    if forced is not None:
+        return forced
     return 16 if block >= 1024 else 8 if block >= 512 else 4
-
-
-@contextlib.contextmanager
-def forced_warps(num_warps: int):
-    """Launch every one-program kernel with ``num_warps`` warps inside (tests of warp-count independence)."""
-    global _forced_warps
-    old, _forced_warps = _forced_warps, num_warps
-    try:
-        yield
-    finally:
-        _forced_warps = old
 
 
 @triton.jit

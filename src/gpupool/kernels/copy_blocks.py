@@ -30,8 +30,9 @@ loop's carried value, and with ``while`` the same kernel compiled to scalar acce
 CUDA graphs. With ``num_copies: int32[1]`` on the device the grid is sized by ``len(src)`` (the queue
 capacity) and programs ``i >= num_copies[0]`` exit, so a captured graph replays with a changing count.
 The offset table is built on the first call for a given set of layer addresses and kept for the life
-of the process (a captured graph reads it; a few bytes per layer): make that first call (and any with
-``check=True``, whose value checks sync with the host) before capture, and capture with ``check=False``.
+of the process (``gpupool.launch_state.offset_tables``: a captured graph reads it; a few bytes per
+layer): make that first call (and any with ``check=True``, whose value checks sync with the host)
+before capture, and capture with ``check=False``.
 The launcher groups layers by bytes per block and splits a group past 65,535 layers (CUDA's grid limit).
 """
 from __future__ import annotations
@@ -43,13 +44,13 @@ import triton
 import triton.language as tl
 
 from gpupool.errors import InvalidArgumentError
+from gpupool.launch_state import offset_tables
 
 # Host-side settings of the launcher (no kernel reads them, so they are plain Python values).
 OP = "copy_blocks"
 BYTES_PER_PROGRAM = 8192  # bytes one program copies per loop step (its tile)
 MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions y and z
 _UNIT_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_OFFSET_CACHE: dict[tuple, torch.Tensor] = {}  # never evicted: captured graphs read these tables
 
 
 @triton.jit
@@ -165,12 +166,12 @@ def _check_values(kv_caches, src, dst, num_copies) -> None:
 
 def _offset_table(layers, unit: int, vec: int, device) -> torch.Tensor:
     key = (str(device), unit, vec, tuple(t.data_ptr() for t in layers))
-    off = _OFFSET_CACHE.get(key)
+    off = offset_tables.get(key)
     if off is None:
         base = layers[0].data_ptr()
         off = torch.tensor([(t.data_ptr() - base) // (unit * vec) for t in layers], dtype=torch.int64,
                            device=device)
-        _OFFSET_CACHE[key] = off
+        offset_tables[key] = off
     return off
 
 

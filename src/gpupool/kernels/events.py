@@ -7,20 +7,20 @@ before it commits anything (BufferFullError otherwise).
 import triton
 import triton.language as tl
 
-from .layout import EV_REMOVED, EV_STORED, EV_STORED_ITEM, EVW
+from .layout import EC_A, EC_B, EC_GROUP, EC_HI, EC_KIND, EC_LO, EV_REMOVED, EV_STORED, EV_STORED_ITEM, EVW
 
 
 @triton.jit
 def write_row(ev, idx, kind, a, hi, lo, grp, b, active):
-    """Row ``idx`` of each active lane: ``(kind, a, hi, lo, grp, b)``."""
+    """Row ``idx`` of each active lane: ``(kind, a, hi, lo, grp, b)`` (columns ``layout.EventCol``)."""
     row = ev + idx.to(tl.int64) * EVW
     zero = tl.zeros_like(hi)
-    tl.store(row + 0, zero + kind, mask=active)
-    tl.store(row + 1, zero + a, mask=active)
-    tl.store(row + 2, hi, mask=active)
-    tl.store(row + 3, lo, mask=active)
-    tl.store(row + 4, zero + grp, mask=active)
-    tl.store(row + 5, zero + b, mask=active)
+    tl.store(row + EC_KIND, zero + kind, mask=active)
+    tl.store(row + EC_A, zero + a, mask=active)
+    tl.store(row + EC_HI, hi, mask=active)
+    tl.store(row + EC_LO, lo, mask=active)
+    tl.store(row + EC_GROUP, zero + grp, mask=active)
+    tl.store(row + EC_B, zero + b, mask=active)
 
 
 @triton.jit

@@ -15,7 +15,11 @@ import triton.language as tl
 from .alloc import alloc_batch, fill_head_minus_one
 from .cache import cache_blocks_batch
 from .common import batch_config, status_clear, warps_for
-from .layout import OP_ALLOCATE_BATCHED, OP_CACHE_BLOCKS_BATCHED, OP_FREE_BATCHED, OP_TOUCH_BATCHED
+from .layout import (
+    OP_ALLOCATE_BATCHED, OP_CACHE_BLOCKS_BATCHED, OP_FREE_BATCHED, OP_TOUCH_BATCHED, RF_CACHE_START, RF_CACHINGS,
+    RF_DEMANDS, RF_DEMANDS_START, RF_FREE_CALLS, RF_FREE_IDS, RF_FREE_OFFSETS_START, RF_FREE_START, RF_POPPED,
+    RF_POPPED_START, RF_TOUCH_START, RF_TOUCHES, RW, RoundField,
+)
 from .release import release_batch, touch_batch
 
 
@@ -57,20 +61,19 @@ def resolve_popped(pc: tl.constexpr, ids, out, n, popped, total):
         i += pc.BLOCK
 
 
-# one round's entries in ``rounds`` (int32[n_rounds * ROUND_FIELDS]), filled by ``round_table``
-ROUND_FIELDS = 12  # free ids start, free offsets start, free calls, free ids, touch start, touches,
-#                    demands start, demands, popped start, popped, cachings start, cachings
-_ROUND_FIELDS = tl.constexpr(ROUND_FIELDS)  # the kernel's copy (a kernel reads constexpr globals only)
-
-
 def round_table(rounds, has_free: bool) -> list[int]:
-    """The kernel's round table from per-round counts ``(free ids, free calls, touches, demands as a
-    list, cachings)``: where each part starts in its flattened array (a round's free offsets are its
-    own, from 0, ``free calls + 1`` entries; without frees every round reads the one entry 0)."""
+    """The kernel's round table (``layout.RoundField`` per round) from per-round counts ``(free ids,
+    free calls, touches, demands as a list, cachings)``: where each part starts in its flattened array
+    (a round's free offsets are its own, from 0, ``free calls + 1`` entries; without frees every round
+    reads the one entry 0)."""
     out, f0, s0, t0, d0, b0, c0 = [], 0, 0, 0, 0, 0, 0
     for nfi, nfc, nt, dem, nc in rounds:
         want = sum(dem)
-        out += [f0, s0, nfc, nfi, t0, nt, d0, len(dem), b0, want, c0, nc]
+        row = {RoundField.FREE_START: f0, RoundField.FREE_OFFSETS_START: s0, RoundField.FREE_CALLS: nfc,
+               RoundField.FREE_IDS: nfi, RoundField.TOUCH_START: t0, RoundField.TOUCHES: nt,
+               RoundField.DEMANDS_START: d0, RoundField.DEMANDS: len(dem), RoundField.POPPED_START: b0,
+               RoundField.POPPED: want, RoundField.CACHE_START: c0, RoundField.CACHINGS: nc}
+        out += [row[f] for f in RoundField]
         f0, t0, d0, b0, c0 = f0 + nfi, t0 + nt, d0 + len(dem), b0 + want, c0 + nc
         s0 += nfc + 1 if has_free else 0
     return out
@@ -85,10 +88,13 @@ def flush_kernel(ps, pc: tl.constexpr, fr, touch_ids, pop, ca, rounds, n_rounds)
     ``allocate_batched``); ``pop.offsets``: round r's offsets at ``demands start + r``."""
     r = 0
     while r < n_rounds:
-        m = rounds + r * _ROUND_FIELDS
-        f0, s0, nseg, n_free = tl.load(m), tl.load(m + 1), tl.load(m + 2), tl.load(m + 3)
-        t0, n_touch, d0, n_demands = tl.load(m + 4), tl.load(m + 5), tl.load(m + 6), tl.load(m + 7)
-        b0, want, c0, n_cache = tl.load(m + 8), tl.load(m + 9), tl.load(m + 10), tl.load(m + 11)
+        m = rounds + r * RW
+        f0, s0 = tl.load(m + RF_FREE_START), tl.load(m + RF_FREE_OFFSETS_START)
+        nseg, n_free = tl.load(m + RF_FREE_CALLS), tl.load(m + RF_FREE_IDS)
+        t0, n_touch = tl.load(m + RF_TOUCH_START), tl.load(m + RF_TOUCHES)
+        d0, n_demands = tl.load(m + RF_DEMANDS_START), tl.load(m + RF_DEMANDS)
+        b0, want = tl.load(m + RF_POPPED_START), tl.load(m + RF_POPPED)
+        c0, n_cache = tl.load(m + RF_CACHE_START), tl.load(m + RF_CACHINGS)
         release_batch(ps, pc, fr.ids + f0, None, n_free, fr.seg_off + s0, nseg, fr.pf, fr.seg_of, fr.code,
                       OP_FREE_BATCHED, False)
         tl.debug_barrier()
@@ -116,7 +122,7 @@ def launch_flush(ps, pc, free_ids, seg_off, touch_ids, demands, rounds, cache_id
                  *, n_rounds: int, n_free: int, n_touch: int, n_demands: int, n_cache: int, total: int):
     """Launch ``flush_kernel`` (one program; the pool has no KV events). Every argument is a device
     tensor with at least one entry, of which the first ``n_*`` count (``seg_off``: every round's
-    offsets; ``rounds``: ``round_table``'s ``n_rounds * ROUND_FIELDS`` entries, int32); ``total``:
+    offsets; ``rounds``: ``round_table``'s ``n_rounds * ROUND_WIDTH`` entries, int32); ``total``:
     the demands' sum, checked on the host (sizes the output). Returns ``(blocks: int32[total],
     offsets: int32[n_demands + 1])``, the offsets over all rounds' demands; ``blocks`` -1 where a
     round's pops fail or are skipped."""

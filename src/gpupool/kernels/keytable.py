@@ -1,10 +1,10 @@
 """The prefix-key map: a chunked hash table without tombstones over per-block key rows.
 
 Device helpers on a tile of lanes, one key per lane (docs/design.md; docs/algorithms.md section 4).
-``table: int64[NCHUNK * 16]`` slot words ``(31-bit tag << 32) | (entry + 1)`` (0 = EMPTY),
+``table: int64[NCHUNK * CHUNK]`` slot words ``(31-bit tag << 32) | (entry + 1)`` (0 = EMPTY),
 ``overflow: int32[NCHUNK]`` (entries that probed past the chunk). ``entry = block * MK + j`` indexes
-the key rows ``keys: int64[N*MK, 5]`` with columns (hi, lo, group, seq, table slot). A lookup returns
-the live entry with the smallest ``seq``.
+the key rows ``keys: int64[N*MK, KW]`` with columns ``layout.KeyCol`` (hi, lo, group, seq, table
+slot). A lookup returns the live entry with the smallest ``seq``.
 
 Races: lanes claim slots with one 64-bit ``atomic_cas`` each (the loser retries the same chunk) and
 bump overflow counts with ``atomic_add``, so lanes and programs never overwrite each other; table
@@ -16,11 +16,8 @@ import triton
 import triton.language as tl
 
 from .events import write_removed
+from .layout import CHUNK, K_GROUP, K_HI, K_LO, K_SEQ, K_SLOT, KW
 
-CHUNK = tl.constexpr(16)
-# columns of the key rows: key (hi, lo, group), insertion sequence number, table slot
-KW = tl.constexpr(5)
-K_HI, K_LO, K_GROUP, K_SEQ, K_SLOT = (tl.constexpr(c) for c in range(5))
 SEQ_NONE = tl.constexpr(9223372036854775807)
 
 

@@ -1,5 +1,6 @@
 """Every number the host and the kernels must agree on, defined once: control-word slots, the status
-word, op codes, error codes, event kinds and row layout, sentinels.
+word, op codes, error codes, event kinds and row columns, key-row columns, the key table's chunk
+width, the fallback reasons, the flush kernel's round table, sentinels.
 
 Each group is an ``IntEnum`` for the host; kernels read the ``tl.constexpr`` mirrors below it (a
 kernel cannot read an enum member), unpacked from :func:`constexprs` into names that repeat the
@@ -30,23 +31,39 @@ class Ctrl(IntEnum):
     ALLOC_PARALLEL = 7  # allocate_slots batches that took the request-parallel path (a statistic)
     ALLOC_FALLBACK = 8  # allocate_slots batches that needed the sequential path from some request on
     ALLOC_SPLIT = 9  # scratch: first request of the current batch left to the sequential path
-    FALLBACK_REASONS = 10  # slots 10..15: batches that fell back, per reason (kernels/requests/parallel.py)
+    FALLBACK_REASONS = 10  # slots 10 .. 10 + len(Fallback) - 1: batches that fell back, per reason
 
 
-CTRL_SIZE = 16
+CTRL_SIZE = 16  # Ctrl's slots and spare ones
 
 (HEAD, TAIL, NUM_FREE, KEY_SEQ, EV_COUNT, REUSE_COUNT, COMPACTIONS, ALLOC_PARALLEL, ALLOC_FALLBACK, ALLOC_SPLIT,
  FALLBACK_REASONS) = constexprs(Ctrl)
 
 
+class Fallback(IntEnum):
+    """Why a batch left the request-parallel path (kernels/requests/parallel.py;
+    ``ctrl[FALLBACK_REASONS + reason]`` counts them)."""
+
+    OUT_OF_BLOCKS = 0
+    SLIDING_WINDOW = 1
+    PREFIX = 2
+    PARTIAL_KEY = 3
+    FORCED = 4
+
+
+assert Ctrl.FALLBACK_REASONS + len(Fallback) <= CTRL_SIZE
+R_OUT_OF_BLOCKS, R_SLIDING_WINDOW, R_PREFIX, R_PARTIAL_KEY, R_FORCED = constexprs(Fallback)
+
+
 class Status(IntEnum):
-    """Slots of the sticky status word ``status: int64[4]``: the first error of a batched op."""
+    """Slots of the sticky status word ``status: int64[STATUS_SIZE]``: the first error of a batched op."""
 
     CODE = 0
     OP = 1
     VALUE = 2
 
 
+STATUS_SIZE = 4  # Status's slots and a spare one
 ST_CODE, ST_OP, ST_VALUE = constexprs(Status)
 
 
@@ -111,8 +128,65 @@ class Event(IntEnum):
     CLEARED = 4
 
 
-EVW = tl.constexpr(6)
+class EventCol(IntEnum):
+    """Columns of an event row (``Event`` gives each kind's use of ``A`` and ``B``)."""
+
+    KIND = 0
+    A = 1  # the block (REMOVED, STORED_ITEM); has_parent (STORED)
+    HI = 2  # the key's (or the parent's) high word
+    LO = 3
+    GROUP = 4
+    B = 5  # block_size (STORED); 0 otherwise
+
+
+EVENT_WIDTH = len(EventCol)
+EVW = tl.constexpr(EVENT_WIDTH)
 EV_REMOVED, EV_STORED, EV_STORED_ITEM, EV_CLEARED = constexprs(Event)
+EC_KIND, EC_A, EC_HI, EC_LO, EC_GROUP, EC_B = constexprs(EventCol)
+
+
+class KeyCol(IntEnum):
+    """Columns of the key rows ``keys: int64[N*MK, KEY_WIDTH]`` (row ``block * MK + j``;
+    kernels/keytable.py)."""
+
+    HI = 0  # the device key (gpupool.keys.device_key): high word
+    LO = 1
+    GROUP = 2
+    SEQ = 3  # insertion sequence number (lookups return the earliest)
+    SLOT = 4  # the key's slot in the table
+
+
+KEY_WIDTH = len(KeyCol)
+KW = tl.constexpr(KEY_WIDTH)
+K_HI, K_LO, K_GROUP, K_SEQ, K_SLOT = constexprs(KeyCol)
+
+#: Slots per chunk of the prefix-key table ``table: int64[NCHUNK * CHUNK_SLOTS + 1]`` (kernels/keytable.py).
+CHUNK_SLOTS = 16
+CHUNK = tl.constexpr(CHUNK_SLOTS)
+
+
+class RoundField(IntEnum):
+    """One round's entries in the flush kernel's round table ``rounds: int32[n_rounds * ROUND_WIDTH]``
+    (kernels/flush.py ``round_table``): where each part starts in its flattened array, and its count."""
+
+    FREE_START = 0  # free ids
+    FREE_OFFSETS_START = 1  # the round's own free offsets (from 0)
+    FREE_CALLS = 2
+    FREE_IDS = 3
+    TOUCH_START = 4
+    TOUCHES = 5
+    DEMANDS_START = 6
+    DEMANDS = 7
+    POPPED_START = 8  # the round's first popped block in the output
+    POPPED = 9  # blocks the round's demands want
+    CACHE_START = 10
+    CACHINGS = 11
+
+
+ROUND_WIDTH = len(RoundField)
+RW = tl.constexpr(ROUND_WIDTH)
+(RF_FREE_START, RF_FREE_OFFSETS_START, RF_FREE_CALLS, RF_FREE_IDS, RF_TOUCH_START, RF_TOUCHES, RF_DEMANDS_START,
+ RF_DEMANDS, RF_POPPED_START, RF_POPPED, RF_CACHE_START, RF_CACHINGS) = constexprs(RoundField)
 
 # Sentinels.
 BIG = tl.constexpr(2147483647)  # "no index" in min-reductions; int32 maximum

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from .common import checked_count, raw_count
+from .groups import block_hit, group_word
 from .keytable import lookup_blocks
 from .layout import BIG, E_INVALID_ARG, ST_CODE, ST_OP, ST_VALUE
 
@@ -49,13 +50,14 @@ def launch_lookup(ps, pc, key_hi, key_lo, key_group, num_keys, out, *, op: int):
 
 
 @triton.jit
-def find_longest_cache_hit(ps, pc: tl.constexpr, key_hi, key_lo, gstride, pstride, groups, G, length, out_blocks,
-                           out_stride, BLOCK: tl.constexpr):
-    """vLLM's ``find_longest_cache_hit``: the longest prefix of ``length`` chain positions on which
-    every one of the ``G`` groups hits. Group g's key at position t is ``key_hi/lo[g * gstride + t *
-    pstride]`` (its group id ``groups[g]``); its hit block goes to ``out_blocks[g * out_stride + t]``
-    (positions past the prefix may be written too). Returns (hits, hit blocks with ref_cnt 0, counted
-    per position and group, as the admission check counts them)."""
+def find_longest_cache_hit(ps, pc: tl.constexpr, key_hi, key_lo, gstride, pstride, groups, windows, G, length,
+                           out_blocks, out_stride, BLOCK: tl.constexpr):
+    """vLLM's ``find_longest_cache_hit``: the longest prefix of ``length`` chain positions that every
+    one of the ``G`` groups accepts (``kernels/groups.py`` ``block_hit`` with group g's word
+    ``windows[g]``; ``windows`` None: full attention). Group g's key at position t is
+    ``key_hi/lo[g * gstride + t * pstride]`` (its group id ``groups[g]``); its hit block goes to
+    ``out_blocks[g * out_stride + t]`` (positions past the prefix may be written too). Returns (hits,
+    hit blocks with ref_cnt 0, counted per position and group, as the admission check counts them)."""
     offs = tl.arange(0, BLOCK)
     hits = tl.zeros([], tl.int32)
     t = 0
@@ -72,7 +74,7 @@ def find_longest_cache_hit(ps, pc: tl.constexpr, key_hi, key_lo, gstride, pstrid
             grp = tl.zeros([BLOCK], tl.int32) + tl.load(groups + g)
             blk = lookup_blocks(ps, pc, hi, lo, grp, inb)
             tl.store(out_blocks + g * out_stride + pos, blk, mask=inb)
-            ok = ok & (blk >= 0)
+            ok = ok & block_hit(group_word(windows, g), blk)
             g += 1
         # Positions before the first miss of this tile extend the prefix.
         miss = tl.min(tl.where(inb & (ok == 0), pos, BIG), axis=0)
@@ -108,7 +110,7 @@ def longest_prefix_kernel(ps, pc: tl.constexpr, key_hi, key_lo, groups, G, lengt
     if ok == 0:
         record_error(ps.status, OP, length)
     base = r.to(tl.int64) * G * max_len
-    hits, zero_ref = find_longest_cache_hit(ps, pc, key_hi + base, key_lo + base, max_len, 1, groups, G,
+    hits, zero_ref = find_longest_cache_hit(ps, pc, key_hi + base, key_lo + base, max_len, 1, groups, None, G,
                                             tl.where(ok, length, 0), out_blocks + base, max_len, BLOCK)
     tl.store(out_hits + r, hits)
     tl.store(out_zero_ref + r, zero_ref)

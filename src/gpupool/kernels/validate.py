@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 
 from .common import warps_for
-from .keytable import CHUNK, K_GROUP, K_HI, K_LO, K_SLOT, KW, key_home, key_tag
-from .layout import BIG, HEAD, NUM_FREE, TAIL, constexprs
+from .keytable import key_home, key_tag
+from .layout import BIG, CHUNK, HEAD, K_GROUP, K_HI, K_LO, K_SLOT, KW, NUM_FREE, TAIL, constexprs
 
 
 class Check(IntEnum):

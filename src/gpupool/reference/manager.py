@@ -91,20 +91,16 @@ class ReferenceKVCacheManager(Locked):
         self.hashes[r].extend(hs)
 
     def _lookup_hits(self, r: int, num_tokens: int) -> list[list[int]]:
-        """Per group, the hit blocks of the longest prefix on which every group hits."""
+        """Per group, the hit blocks of the longest prefix every group accepts (each kind's
+        ``hit_length``, gpupool/groups.py)."""
         G = len(self.groups)
-        out: list[list[int]] = [[] for _ in range(G)]
         if not self.enable_caching:
-            return out
+            return [[] for _ in range(G)]
         full = self._full_hashes(r)
         cap = min(max(num_tokens - 1, 0) // self.block_size, len(full))
-        for i in range(cap):
-            got = self.pool.get_cached_block(full[i], list(range(G)))
-            if got is None:
-                break
-            for g in range(G):
-                out[g].append(got[g])
-        return out
+        found = [[self.pool.get_cached_block(full[i], [g]) for i in range(cap)] for g in range(G)]
+        n = min(kind.hit_length([b is not None for b in found[g]]) for g, kind in enumerate(self.groups))
+        return [[found[g][i][0] for i in range(n)] for g in range(G)]
 
     @locked
     def get_computed_blocks(self, slots, num_tokens) -> list[tuple[int, list[list[int]]]]:

@@ -36,6 +36,7 @@ from ..kernels.layout import Ctrl
 from ..pool import BlockPool as DevicePool
 from ..reference import ReferenceBlockPool
 from . import kv_events as _gp_kv_events
+from .compat import event_kwargs, supports_lookahead
 
 MEDIUM_GPU = "GPU"
 
@@ -440,6 +441,9 @@ class BlockPool:
         self.cached_block_hash_to_block = BlockHashToBlockView(self)
         self.kv_event_queue: list = []
         self._ev, self._ku = _vllm_side()
+        if num_hash_lookahead_tokens and not supports_lookahead(self._ku):
+            raise InvalidArgumentError("BlockPool", "num_hash_lookahead_tokens needs a vLLM with lookahead "
+                                                    "hashing (0.33); the installed vLLM has none")
         self._refresh(range(n))
 
     # ---- the host mirror ------------------------------------------------------------------------
@@ -569,11 +573,12 @@ class BlockPool:
     def _stored(self, request, hashes, parent, start: int, end: int, block_size: int, group: int,
                 extra_keys: list, lookahead) -> Any:
         lora = getattr(request, "lora_request", None)
-        return self._ev.BlockStored(
-            block_hashes=hashes, parent_block_hash=parent, token_ids=list(request.all_token_ids[start:end]),
-            block_size=block_size, lora_id=lora.adapter_id if lora else None, medium=self.medium,
-            lora_name=lora.name if lora else None, extra_keys=self._event_extra_keys(extra_keys),
-            group_idx=group, session_id=getattr(request, "session_id", None), lookahead_token_ids=lookahead)
+        return self._ev.BlockStored(**event_kwargs(  # vLLM 0.32's BlockStored has no lookahead_token_ids
+            self._ev.BlockStored, block_hashes=hashes, parent_block_hash=parent,
+            token_ids=list(request.all_token_ids[start:end]), block_size=block_size,
+            lora_id=lora.adapter_id if lora else None, medium=self.medium, lora_name=lora.name if lora else None,
+            extra_keys=self._event_extra_keys(extra_keys), group_idx=group,
+            session_id=getattr(request, "session_id", None), lookahead_token_ids=lookahead))
 
     def _lookahead(self, request, end: int) -> list[int]:
         return list(request.all_token_ids[end: end + self.num_hash_lookahead_tokens])

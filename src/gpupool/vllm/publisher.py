@@ -7,9 +7,15 @@ Optional ROUTER replay socket: a client (REQ or DEALER, which adds the empty del
 start sequence number as 8 bytes big-endian and gets every buffered batch with ``seq >= start`` as
 ``(topic, seq, payload)`` and then the end marker ``(b"", (-1).to_bytes(8, "big", signed=True), b"")``.
 
-As vLLM's, one background thread owns both sockets (ZMQ sockets are not thread-safe) and serves replay
-requests between batches; ``publish`` only queues.
+As vLLM's, one background thread owns both sockets (ZMQ sockets are not thread-safe), encodes and sends
+the batches and serves replay requests between them; ``publish`` only queues. Unlike vLLM 0.33's (whose
+``publish`` waits on a full queue, so a slow thread stalls the engine step), ``publish`` never waits: a
+full queue drops the batch, counted in ``dropped_batches`` and logged. A batch the thread cannot encode is
+logged, counted in ``failed_batches`` and skipped, takes no sequence number, and the thread goes on (as
+vLLM's). ``close()`` lets the thread send what is queued, then the sockets close with a bounded linger
+(``LINGER_S``) so the last batches still reach a subscriber that reads slowly.
 """
+import logging
 import queue
 import threading
 import time
@@ -21,6 +27,8 @@ import msgspec
 import zmq
 
 from .kv_events import EventBatch, KVCacheEvent, KVEventBatch, to_vllm_events
+
+_log = logging.getLogger(__name__)
 
 
 def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
@@ -47,14 +55,18 @@ class ZmqEventPublisher:
             OS's port when bound with port 0).
         replay_endpoint: optional ROUTER address (always bound) for replay requests.
         buffer_steps: batches kept for replay. hwm: the PUB socket's high-water mark.
-        max_queue_size: batches queued for the thread before ``publish`` blocks.
+        max_queue_size: batches queued for the thread; past it ``publish`` drops the batch.
         topic: the first frame of every message.
         medium, int_block_hashes: passed to :func:`~gpupool.vllm.kv_events.to_vllm_events`.
 
     Raises ``zmq.ZMQError`` when a socket cannot bind or connect.
+
+    ``dropped_batches``: batches ``publish`` dropped on a full queue; ``failed_batches``: batches the
+    thread could not encode or send (each logged).
     """
 
-    SHUTDOWN_TIMEOUT = 1.0
+    SHUTDOWN_TIMEOUT = 1.0  # close(): the longest wait for the thread to send what is queued
+    LINGER_S = 2.0  # how long a closed socket still tries to deliver its last messages
     END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
     def __init__(self, data_parallel_rank: int = 0, endpoint: str = "tcp://*:5557",
@@ -67,6 +79,10 @@ class ZmqEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._topic = topic.encode("utf-8")
         self._seq = count()
+        self._pack = msgspec.msgpack.Encoder()
+        self.dropped_batches = 0
+        self.failed_batches = 0
+        self._stop = threading.Event()
         self._ctx = zmq.Context.instance()
         endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
         replay_endpoint = offset_endpoint_port(replay_endpoint, data_parallel_rank)
@@ -99,9 +115,12 @@ class ZmqEventPublisher:
     def publish(self, events: Iterable) -> bool:
         """Queue one batch of ``events`` (gpupool's events, e.g. ``pool.take_events()``, or vLLM wire
         events), or an ``EventBatch`` as vLLM's ``publish`` takes (its ``data_parallel_rank`` set to this
-        publisher's when None); an empty list or batch sends nothing. Returns whether a batch was queued.
+        publisher's when None); an empty list or batch sends nothing. Never waits: returns whether the
+        batch was queued (False also when the queue is full and the batch was dropped, which is counted
+        in ``dropped_batches`` and logged).
 
-        Raises RuntimeError after ``close()``, TypeError for an object that is no KV event.
+        Raises RuntimeError after ``close()``, TypeError for an object that is no gpupool or vLLM KV event
+        (a vLLM ``EventBatch`` is not checked here: what the thread cannot encode it logs and skips).
         """
         if not self._running:
             raise RuntimeError("Publisher is closed")
@@ -110,8 +129,7 @@ class ZmqEventPublisher:
                 return False
             if events.data_parallel_rank is None:
                 events.data_parallel_rank = self.data_parallel_rank
-            self._queue.put(events)
-            return True
+            return self._enqueue(events)
         events = list(events)
         if not events:
             return False
@@ -121,40 +139,73 @@ class ZmqEventPublisher:
                                   int_block_hashes=self._int_hashes)
             it = iter(rest)
             wire = [w if w is not None else next(it) for w in wire]
-        self._queue.put(KVEventBatch(ts=time.time(), events=wire, data_parallel_rank=self.data_parallel_rank))
-        return True
+        return self._enqueue(KVEventBatch(ts=time.time(), events=wire, data_parallel_rank=self.data_parallel_rank))
+
+    def _enqueue(self, batch) -> bool:
+        try:
+            self._queue.put_nowait(batch)
+            return True
+        except queue.Full:
+            self.dropped_batches += 1
+            n = self.dropped_batches
+            if n & (n - 1) == 0:  # 1, 2, 4, ...: a slow consumer does not flood the log
+                _log.warning("gpupool.vllm publisher: queue full (%d batches), batch dropped (%d dropped so far)",
+                             self._queue.maxsize, n)
+            return False
 
     def close(self) -> None:
-        """Send what is queued, stop the thread (which closes the sockets); waits up to
-        ``SHUTDOWN_TIMEOUT`` seconds. Idempotent."""
+        """Let the thread send what is queued (up to ``SHUTDOWN_TIMEOUT`` seconds; what is left then is
+        logged as not sent), then it closes the sockets, which still deliver for up to ``LINGER_S``
+        seconds in ZMQ's I/O thread. Idempotent."""
         if not self._running:
             return
         self._running = False
-        self._queue.put(None)
+        self._stop.set()
         self._thread.join(timeout=self.SHUTDOWN_TIMEOUT)
+        if self._thread.is_alive():
+            _log.warning("gpupool.vllm publisher: %d batches not sent after %.1f s at close",
+                         self._queue.qsize(), self.SHUTDOWN_TIMEOUT)
 
     shutdown = close  # vLLM's name
 
+    def _encode(self, batch) -> bytes:
+        return self._pack.encode(batch)
+
     def _run(self) -> None:
-        pack = msgspec.msgpack.Encoder()
         try:
             while True:
                 if self._replay is not None and self._replay.poll(0):
-                    self._serve_replay()
+                    try:
+                        self._serve_replay()
+                    except Exception:  # noqa: BLE001 - a bad request must not stop the publishing
+                        _log.exception("gpupool.vllm publisher: replay request failed")
                 try:
                     batch = self._queue.get(timeout=0.05)
                 except queue.Empty:
+                    if self._stop.is_set():
+                        break  # closed and everything queued is sent
                     continue
-                if batch is None:
-                    break
-                seq = next(self._seq)
-                payload = pack.encode(batch)
-                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-                self._buffer.append((seq, payload))
+                self._send(batch)
         finally:  # the thread owns the sockets to the end
-            self._pub.close(linger=0)
+            linger = int(self.LINGER_S * 1000)
+            self._pub.close(linger=linger)
             if self._replay is not None:
-                self._replay.close(linger=0)
+                self._replay.close(linger=linger)
+
+    def _send(self, batch) -> None:
+        try:
+            payload = self._encode(batch)
+        except Exception:  # noqa: BLE001 - as vLLM's thread: log, skip the batch, go on
+            self.failed_batches += 1
+            _log.exception("gpupool.vllm publisher: a batch could not be encoded; skipped")
+            return
+        seq = next(self._seq)
+        self._buffer.append((seq, payload))  # replayable even if this send fails
+        try:
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        except zmq.ZMQError:
+            self.failed_batches += 1
+            _log.exception("gpupool.vllm publisher: batch %d could not be sent", seq)
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()

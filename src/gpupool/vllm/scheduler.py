@@ -42,6 +42,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from ..errors import InvalidArgumentError
 from .block_pool import BlockPool
+from .compat import lookahead_tokens
 from .fast_path import DeferredBlockPool
 
 
@@ -122,7 +123,7 @@ def install_gpupool_block_pool(scheduler, *, device: str | torch.device | None =
             _log.info("gpupool.vllm: per-call block pool (%s)", why)
     new = pool_cls(old.num_gpu_blocks, old.enable_caching, old.hash_block_size,
                    enable_kv_cache_events=old.enable_kv_cache_events, metrics_collector=old.metrics_collector,
-                   num_hash_lookahead_tokens=old.num_hash_lookahead_tokens, medium=old.medium,
+                   num_hash_lookahead_tokens=lookahead_tokens(old), medium=old.medium,
                    device=device, backend=backend, max_keys_per_block=max_keys_per_block)
     coord.block_pool = new
     kvm.block_pool = new
@@ -133,10 +134,14 @@ def install_gpupool_block_pool(scheduler, *, device: str | torch.device | None =
     connector = getattr(scheduler, "connector", None)
     if connector is not None:
         connector.bind_kv_cache_manager(kvm)
+    _log.info("gpupool.vllm: %s.%s (backend %s, device %s, %d blocks) replaces vLLM's BlockPool in %s",
+              type(new).__module__, type(new).__name__, backend, device, new.num_gpu_blocks,
+              type(scheduler).__name__)
     return new
 
 
-_log = logging.getLogger(__name__)
+# under vLLM's logger, so these lines appear in vLLM's log output with its format and level
+_log = logging.getLogger("vllm.gpupool")
 
 
 class _EndStep:
@@ -150,27 +155,33 @@ class _EndStep:
 
 
 class GpuPoolScheduler(_EndStep, AsyncScheduler):
-    """vLLM 0.33's ``AsyncScheduler`` whose KV-cache block pool is a :class:`gpupool.vllm.BlockPool`
+    """vLLM's ``AsyncScheduler`` whose KV-cache block pool is a :class:`gpupool.vllm.BlockPool`
     (the bookkeeping in gpupool's device pool on ``default_device()``); everything else is vLLM's.
 
     Same constructor as vLLM's scheduler. Raises what :func:`install_gpupool_block_pool` raises.
     The pool is ``self.gpupool_block_pool`` (also ``self.kv_cache_manager.block_pool``). vLLM decides
     async scheduling from ``scheduler_config.async_scheduling``, not from the class; where it is off
-    (``--no-async-scheduling``, pipeline parallelism, pooling models) vLLM's default would be the
-    synchronous ``Scheduler``, so use :class:`GpuPoolSyncScheduler` there (a warning is logged).
+    (vLLM's CPU platform, ``--no-async-scheduling``, pipeline parallelism, pooling models) vLLM's own
+    choice is the synchronous ``Scheduler``, so constructing this class then returns a
+    :class:`GpuPoolSyncScheduler` (logged), and ``--scheduler-cls gpupool.vllm.GpuPoolScheduler``
+    serves both cases.
     """
+
+    def __new__(cls, *args, **kwargs):
+        cfg = kwargs.get("vllm_config", args[0] if args else None)
+        if cls is GpuPoolScheduler and cfg is not None and not cfg.scheduler_config.async_scheduling:
+            _log.info("gpupool.vllm: async scheduling is off; using GpuPoolSyncScheduler (vLLM's Scheduler)")
+            return GpuPoolSyncScheduler(*args, **kwargs)  # not a GpuPoolScheduler: __init__ below is skipped
+        return super().__new__(cls)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if not self.scheduler_config.async_scheduling:
-            _log.warning("gpupool.vllm.GpuPoolScheduler is an AsyncScheduler but async scheduling is off; "
-                         "use --scheduler-cls gpupool.vllm.GpuPoolSyncScheduler")
         self.gpupool_block_pool = install_gpupool_block_pool(self)
 
 
 class GpuPoolSyncScheduler(_EndStep, Scheduler):
-    """vLLM 0.33's synchronous ``Scheduler`` with the gpupool block pool (as :class:`GpuPoolScheduler`),
-    for engines that run without async scheduling."""
+    """vLLM's synchronous ``Scheduler`` with the gpupool block pool (as :class:`GpuPoolScheduler`),
+    for engines that run without async scheduling (``GpuPoolScheduler`` becomes this one there)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

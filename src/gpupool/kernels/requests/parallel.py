@@ -8,7 +8,7 @@ later one sees; those cases are found on the device and cut the batch at the fir
 (the *split*). Requests ``[0, split)`` commit here; ``allocate_slots_kernel`` continues from the
 split (it returns at once when the split is the whole batch), so one captured graph serves both.
 
-Where the prefix sums stop being exact (the fallback reasons, counted in ``ctrl``):
+Where the prefix sums stop being exact (the fallback reasons, ``layout.Fallback``, counted in ``ctrl``):
 
 * ``OUT_OF_BLOCKS``: the first request that does not fit (the running free count depends on which
   earlier requests were admitted, and ``stop_on_failure`` stops there);
@@ -27,7 +27,6 @@ nothing there changes pool or manager state), ``parallel_commit`` (requests ``[0
 batch (a conservative set: a false hit only costs a fallback). The pool's ``s_first`` (idle BIG) and
 ``s_last`` (idle -1) are back at idle after a call.
 """
-from enum import IntEnum
 from typing import NamedTuple
 
 import triton
@@ -35,8 +34,8 @@ import triton.language as tl
 
 from ..common import segment_ids, segment_ids_pair, warps_for
 from ..layout import (
-    ALLOC_FALLBACK, ALLOC_PARALLEL, ALLOC_SPLIT, BIG, EV_COUNT, FALLBACK_REASONS, HEAD, KEY_SEQ, NUM_FREE, TAIL,
-    constexprs,
+    ALLOC_FALLBACK, ALLOC_PARALLEL, ALLOC_SPLIT, BIG, EV_COUNT, FALLBACK_REASONS, HEAD, KEY_SEQ, NUM_FREE,
+    R_FORCED, R_OUT_OF_BLOCKS, R_PARTIAL_KEY, R_PREFIX, R_SLIDING_WINDOW, TAIL,
 )
 from .checks import check_allocate_batch
 from .parallel_commit import allocate_all, cache_all, finish_requests, remove_skipped_all, touch_hits
@@ -45,19 +44,6 @@ from .parallel_scan import (
     scan_cached, scan_requests,
 )
 from .parallel_scratch import scratch_views
-
-
-class Fallback(IntEnum):
-    """Why a batch left the request-parallel path (``ctrl[FALLBACK_REASONS + reason]`` counts them)."""
-
-    OUT_OF_BLOCKS = 0
-    SLIDING_WINDOW = 1
-    PREFIX = 2
-    PARTIAL_KEY = 3
-    FORCED = 4
-
-
-R_OUT_OF_BLOCKS, R_SLIDING_WINDOW, R_PREFIX, R_PARTIAL_KEY, R_FORCED = constexprs(Fallback)
 
 
 class PoolWords(NamedTuple):

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ..common import first_index, lanes, ld
-from ..groups import num_skipped_blocks
+from ..groups import block_hit, num_skipped_blocks
 from ..keytable import key_home, lookup_blocks
 from ..layout import BIG, HEAD, TAIL
 from ..release import to_front
@@ -189,7 +189,7 @@ def find_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, nb, num_lookups):
             grp = tl.zeros_like(t) + tl.load(ms.group_ids + g)
             blk = lookup_blocks(ps, pc, ld(ms.req_hi + ka, m), ld(ms.req_lo + ka, m), grp, m)
             tl.store(row_of(ms, mc, g, r) + t, blk, mask=m)
-            ok = ok & (blk >= 0)
+            ok = ok & block_hit(tl.load(ms.windows + g), blk)
         tl.atomic_min(sc.req.miss + k, t, mask=m & ~ok)
         i += pc.BLOCK
     tl.debug_barrier()

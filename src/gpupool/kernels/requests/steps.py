@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..alloc import pop_and_claim
 from ..cache import add_key, cache_range
-from ..groups import num_skipped_blocks
+from ..groups import num_skipped_blocks, releases_blocks
 from ..layout import EV_COUNT, KEY_SEQ
 from ..lookup import find_longest_cache_hit as lookup_longest_prefix
 from ..release import free_checked, touch_checked
@@ -83,7 +83,7 @@ def remove_skipped_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, head, t
     g = 0
     while g < mc.G:
         w = tl.load(ms.windows + g)
-        if w > 0:
+        if releases_blocks(w):
             row = row_of(ms, mc, g, r)
             nskip = num_skipped_blocks(ncomp, window=w, BS=mc.BS, num_blocks=nblk)
             last_null = tl.full([], -1, tl.int32)
@@ -123,13 +123,13 @@ def max_cache_hit_length(num_tokens, num_hashes, BS: tl.constexpr, K: tl.constex
 
 
 @triton.jit
-def find_longest_cache_hit(ps, pc: tl.constexpr, key_hi, key_lo, gstride, pstride, groups, G, length, out_blocks,
-                           out_stride):
+def find_longest_cache_hit(ps, pc: tl.constexpr, key_hi, key_lo, gstride, pstride, groups, windows, G, length,
+                           out_blocks, out_stride):
     """vLLM's ``find_longest_cache_hit`` (``lookup.find_longest_cache_hit``: the key and output
-    layout) as a :class:`CacheHit`."""
+    layout, the groups' words ``windows``) as a :class:`CacheHit`."""
     hits, zero_ref = lookup_longest_prefix(ps, pc, key_hi, key_lo, gstride=gstride, pstride=pstride, groups=groups,
-                                           G=G, length=length, out_blocks=out_blocks, out_stride=out_stride,
-                                           BLOCK=pc.BLOCK)
+                                           windows=windows, G=G, length=length, out_blocks=out_blocks,
+                                           out_stride=out_stride, BLOCK=pc.BLOCK)
     return CacheHit(hits=hits, zero_ref=zero_ref)
 
 
@@ -143,7 +143,7 @@ def get_computed_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, num_token
         if (lookup != 0) & (nblk == 0):
             keys = keys_of(mc, 0, r) + mc.K - 1  # full block i: hash (i + 1) * K - 1
             hit = find_longest_cache_hit(ps, pc, ms.req_hi + keys, ms.req_lo + keys, gstride=mc.M * mc.K,
-                                         pstride=mc.K, groups=ms.group_ids, G=mc.G,
+                                         pstride=mc.K, groups=ms.group_ids, windows=ms.windows, G=mc.G,
                                          length=max_cache_hit_length(num_tokens, tl.load(ms.num_hashes + r),
                                                                      BS=mc.BS, K=mc.K),
                                          out_blocks=row_of(ms, mc, 0, r), out_stride=mc.R * mc.M)

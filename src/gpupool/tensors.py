@@ -1,0 +1,73 @@
+"""Host-tensor plumbing shared by the pool and the request manager: the checks that make a caller's
+tensor a kernel argument, and host values copied to the device. Every check raises a typed error
+(ArgumentTypeError, InvalidArgumentError) naming the op and the argument; none changes any state.
+"""
+from __future__ import annotations
+
+import torch
+
+from .args import as_id_list
+from .errors import ArgumentTypeError, InvalidArgumentError
+
+
+def to_device(values, dtype, device: torch.device) -> torch.Tensor:
+    """Host values as a ``dtype`` tensor on ``device``. On CUDA through a pinned buffer with
+    ``non_blocking``: a blocking copy from pageable memory makes PyTorch synchronise the stream, which
+    the batched ops must not."""
+    t = torch.tensor(list(values), dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def device_i32(op: str, t, what: str, device: torch.device) -> torch.Tensor:
+    """``t`` as a contiguous ``int32[n]`` kernel argument: a 1-D int32 tensor on ``device`` (another
+    shape is an error, not flattened, so a batch of lists cannot be read as one list)."""
+    if not isinstance(t, torch.Tensor):
+        raise ArgumentTypeError(op, f"{what} must be a torch.Tensor on {device}")
+    if t.dtype != torch.int32:
+        raise InvalidArgumentError(op, f"{what} must be int32, got {t.dtype}")
+    if t.device != device:
+        raise InvalidArgumentError(op, f"{what} is on {t.device}, the pool on {device}")
+    if t.dim() != 1:
+        raise InvalidArgumentError(op, f"{what} must be 1-D (int32[n]), got shape {tuple(t.shape)}")
+    return t.contiguous()
+
+
+def i32(op: str, x, what: str, device: torch.device) -> torch.Tensor:
+    """:func:`device_i32` of a tensor; a sequence of ints becomes a new ``int32`` tensor on ``device``."""
+    if isinstance(x, torch.Tensor):
+        return device_i32(op, x, what, device)
+    return torch.tensor(as_id_list(op, x), dtype=torch.int32, device=device)
+
+
+def device_count(op: str, count, device: torch.device) -> torch.Tensor | None:
+    """A count read on the device: the first entry of an ``int32`` tensor (``int32[1]`` view), or None
+    when ``count`` is None (the kernel then counts the whole array)."""
+    if count is None:
+        return None
+    c = device_i32(op, count, "the count", device)
+    if c.numel() < 1:
+        raise InvalidArgumentError(op, "the count tensor is empty (it needs one int32 entry)")
+    return c[:1]
+
+
+def out_buffer(op: str, t, dtype, n: int, what: str, device: torch.device) -> torch.Tensor:
+    """An output buffer a kernel writes in place: ``dtype``, on ``device``, contiguous, with room for
+    ``n`` entries (checked on the host from its shape: no out-of-bounds write, no lost copy); flat."""
+    if not isinstance(t, torch.Tensor):
+        raise ArgumentTypeError(op, f"{what} must be a torch.Tensor")
+    if t.dtype != dtype or t.device != device or not t.is_contiguous() or t.numel() < n:
+        raise InvalidArgumentError(op, f"{what} must be a contiguous {dtype} tensor on {device} with at "
+                                       f"least {n} entries, got {tuple(t.shape)} {t.dtype} on {t.device}")
+    return t.reshape(-1)
+
+
+def check_tensors(op: str, specs, dims: int, device: torch.device) -> None:
+    """Each ``(tensor, dtype, what)`` of ``specs`` is a ``dims``-D ``dtype`` tensor on ``device``."""
+    for t, dt, what in specs:
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentTypeError(op, f"{what} must be a torch.Tensor")
+        if t.dtype != dt or t.device != device or t.dim() != dims:
+            raise InvalidArgumentError(op, f"{what} must be a {dims}-D {dt} tensor on {device}, got "
+                                           f"{tuple(t.shape)} {t.dtype} on {t.device}")
