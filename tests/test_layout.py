@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_JIT_PARAMS = 16
 DEVICE_PATH = ["src/gpupool/pool.py", "src/gpupool/state.py", "src/gpupool/manager.py", "src/gpupool/graph.py",
                "src/gpupool/validate.py", "src/gpupool/args.py", "src/gpupool/errors.py", "src/gpupool/groups.py",
-               "src/gpupool/reservations.py"]
+               "src/gpupool/reservations.py", "src/gpupool/kv_cache.py"]
 
 
 def _jit_functions():

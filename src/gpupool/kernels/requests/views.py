@@ -41,11 +41,10 @@ def lane_lengths(ms, mc: tl.constexpr, slots, base_len, admitted, n, cap, k, idx
 
 
 @triton.jit
-def attention_views_kernel(ps, ms, mc: tl.constexpr, slots, base_len, admitted, num, cap, group, K,
-                           block_table, seqused_k, kv_indptr, kv_indices, kv_last_page_len,
+def attention_views_kernel(ps, ms, mc: tl.constexpr, slots, base_len, admitted, num, cap, group, K, views,
                            HAS_ADMITTED: tl.constexpr, RB: tl.constexpr, MB: tl.constexpr):
     """Grid ``(K, cdiv(cap, RB))``: program (k, t) writes step k's views of lanes ``t * RB ..`` of
-    ``slots[:num]`` (``int32[cap]``; module docstring), its ``kv_indices`` offset the pages of the
+    ``slots[:num]`` (``int32[cap]``; module docstring) into ``views`` (``AttentionViews``), its ``kv_indices`` offset the pages of the
     lanes before it (a sum over tiles of ``mc.BLOCK`` lanes). Program (0, 0) alone checks every lane
     of every step: a live lane whose slot is out of range or not in use, or whose length passes its
     row (``num_blocks * BS``) or is negative, and a count outside ``0..cap``, set the status word (op
@@ -66,11 +65,11 @@ def attention_views_kernel(ps, ms, mc: tl.constexpr, slots, base_len, admitted, 
     _, r, nblk, okr, _, seq, pages = lane_lengths(ms, mc, slots, base_len, admitted, n, cap, k, idx,
                                                   HAS_ADMITTED=HAS_ADMITTED)
     start = carry + tl.cumsum(pages, axis=0) - pages
-    tl.store(seqused_k + k * cap + idx, seq, mask=inb)
-    tl.store(kv_indptr + k * (cap + 1) + idx, start, mask=inb)
-    tl.store(kv_last_page_len + k * cap + idx, tl.where(seq > 0, (seq - 1) % mc.BS + 1, 0), mask=inb)
+    tl.store(views.seqused_k + k * cap + idx, seq, mask=inb)
+    tl.store(views.kv_indptr + k * (cap + 1) + idx, start, mask=inb)
+    tl.store(views.kv_last_page_len + k * cap + idx, tl.where(seq > 0, (seq - 1) % mc.BS + 1, 0), mask=inb)
     if (t + 1) * RB >= cap:  # the last tile closes the prefix sum
-        tl.store(kv_indptr + k * (cap + 1) + cap, carry + tl.sum(pages, axis=0))
+        tl.store(views.kv_indptr + k * (cap + 1) + cap, carry + tl.sum(pages, axis=0))
     row = (group * mc.R + r).to(tl.int64) * mc.M
     cols = tl.arange(0, MB)
     for j in range(0, mc.M, MB):
@@ -78,9 +77,9 @@ def attention_views_kernel(ps, ms, mc: tl.constexpr, slots, base_len, admitted, 
         blk = tl.load(ms.block_table + row[:, None] + jj[None, :], mask=okr[:, None] & (jj[None, :] < nblk[:, None]),
                       other=0)
         if k == 0:  # one table for every step: the rows hold the whole burst's blocks
-            tl.store(block_table + idx[:, None].to(tl.int64) * mc.M + jj[None, :], blk,
+            tl.store(views.block_table + idx[:, None].to(tl.int64) * mc.M + jj[None, :], blk,
                      mask=inb[:, None] & (jj[None, :] < mc.M))
-        tl.store(kv_indices + k * cap * mc.M + start[:, None] + jj[None, :], blk, mask=jj[None, :] < pages[:, None])
+        tl.store(views.kv_indices + k * cap * mc.M + start[:, None] + jj[None, :], blk, mask=jj[None, :] < pages[:, None])
     if (k == 0) & (t == 0):
         err, val, err_i = no_error()
         err = tl.where(n_ok, err, E_INVALID_ARG)
@@ -103,6 +102,5 @@ def launch_attention_views(ps, ms, mc, slots, base_len, admitted, num, group: in
     mb = min(triton.next_power_of_2(mc.M), TILE_ELEMS)
     rb = max(1, min(mc.BLOCK, TILE_ELEMS // mb))
     attention_views_kernel[(steps, triton.cdiv(cap, rb))](
-        ps, ms, mc, slots, base_len, slots if admitted is None else admitted, num, cap, group, steps,
-        views.block_table, views.seqused_k, views.kv_indptr, views.kv_indices, views.kv_last_page_len,
+        ps, ms, mc, slots, base_len, slots if admitted is None else admitted, num, cap, group, steps, views,
         HAS_ADMITTED=admitted is not None, RB=rb, MB=mb, num_warps=4)
