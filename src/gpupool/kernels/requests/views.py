@@ -57,13 +57,13 @@ def attention_views_kernel(ps, ms, mc: tl.constexpr, slots, base_len, admitted, 
     carry = tl.zeros([], tl.int32)
     for i in range(0, t * RB, mc.BLOCK):
         idx = i + lanes
-        _, _, _, _, _, _, pages = lane_lengths(ms, mc, slots, base_len, admitted, tl.minimum(n, t * RB), cap, k, idx,
-                                               HAS_ADMITTED=HAS_ADMITTED)
-        carry += tl.sum(pages, axis=0)
+        p_live, p_r, p_nblk, p_okr, p_ok, p_seq, p_pages = lane_lengths(
+            ms, mc, slots, base_len, admitted, tl.minimum(n, t * RB), cap, k, idx, HAS_ADMITTED=HAS_ADMITTED)
+        carry += tl.sum(p_pages, axis=0)
     idx = t * RB + tl.arange(0, RB)
     inb = idx < cap
-    _, r, nblk, okr, _, seq, pages = lane_lengths(ms, mc, slots, base_len, admitted, n, cap, k, idx,
-                                                  HAS_ADMITTED=HAS_ADMITTED)
+    live, r, nblk, okr, ok, seq, pages = lane_lengths(ms, mc, slots, base_len, admitted, n, cap, k, idx,
+                                                      HAS_ADMITTED=HAS_ADMITTED)
     start = carry + tl.cumsum(pages, axis=0) - pages
     tl.store(views.seqused_k + k * cap + idx, seq, mask=inb)
     tl.store(views.kv_indptr + k * (cap + 1) + idx, start, mask=inb)
@@ -87,10 +87,10 @@ def attention_views_kernel(ps, ms, mc: tl.constexpr, slots, base_len, admitted, 
         for kk in range(0, K):
             for i in range(0, cap, mc.BLOCK):
                 idx = i + lanes
-                live, r, _, okr, ok, _, _ = lane_lengths(ms, mc, slots, base_len, admitted, n, cap, kk, idx,
-                                                         HAS_ADMITTED=HAS_ADMITTED)
-                bad_val = tl.where(okr, tl.load(base_len + idx, mask=live, other=0) + kk, r)
-                err, val, err_i = keep_first(err, val, err_i, new_err=E_INVALID_ARG, bad=live & ~ok,
+                e_live, e_r, e_nblk, e_okr, e_ok, e_seq, e_pages = lane_lengths(
+                    ms, mc, slots, base_len, admitted, n, cap, kk, idx, HAS_ADMITTED=HAS_ADMITTED)
+                bad_val = tl.where(e_okr, tl.load(base_len + idx, mask=e_live, other=0) + kk, e_r)
+                err, val, err_i = keep_first(err, val, err_i, new_err=E_INVALID_ARG, bad=e_live & ~e_ok,
                                              idx=idx + kk * cap, val=bad_val)
         if err != 0:
             set_status(ps.status, code=err, op=OP_ATTENTION_VIEWS, value=val)
