@@ -600,6 +600,7 @@ def row(r: dict) -> str:
 
 
 def main(argv=None) -> int:
+    global DEVICE, NUM_BLOCKS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=",".join(CASES),
@@ -613,6 +614,9 @@ def main(argv=None) -> int:
     ap.add_argument("--measure", action="store_true",
                     help="time each op with CUDA events on the GPU instead of modelling it (no gpucost needed)")
     ap.add_argument("--reps", type=int, default=20, help="repetitions per op with --measure (median)")
+    ap.add_argument("--num-blocks", type=int, default=NUM_BLOCKS,
+                    help=f"pool size of every case but replay (default {NUM_BLOCKS:,}, the figures' size; smaller "
+                         "only to check the script quickly)")
     ap.add_argument("--replay-requests", type=int, default=1000,
                     help="requests of the bundled trace for the replay case (default 1,000)")
     args = ap.parse_args(argv)
@@ -624,7 +628,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown case(s) {', '.join(bad)}; choose from {', '.join(CASES)}")
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
 
-    global DEVICE
+    NUM_BLOCKS = args.num_blocks
     if args.measure:
         gc, gc_path = Measure(args.reps), "-"
         DEVICE = "cuda" if gc.cuda else "cpu"

@@ -291,8 +291,9 @@ def _add_bench_parser(sub) -> None:
 
 
 def bench_dir() -> Path:
-    """The benchmark suite: ``bench/`` next to the package in a source checkout."""
-    return Path(__file__).resolve().parents[1] / "bench"
+    """The benchmark suite: ``bench/`` at the root of a source checkout (``src/gpupool/cli.py`` is
+    two folders below it)."""
+    return Path(__file__).resolve().parents[2] / "bench"
 
 
 _SKIP_LINE = re.compile(r"^SKIPPED \[(\d+)\] [^:]+(?::\d+)?: (.*)$")
