@@ -344,3 +344,12 @@ def test_core_dependencies_are_only_torch_triton_numpy():
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     assert project["dependencies"] == ["torch", "triton", "numpy"]
     assert set(project["optional-dependencies"]["cli"]) == {"tqdm", "matplotlib"}
+
+
+def test_bench_dir_is_the_checkouts_bench_folder():
+    """``gpupool bench`` finds the suite at the checkout's ``bench/`` (src/ layout: two folders up)."""
+    from gpupool import cli
+
+    root = Path(__file__).resolve().parents[1]
+    assert cli.bench_dir() == root / "bench"
+    assert (cli.bench_dir() / "test_bench_pool.py").is_file() and (cli.bench_dir() / "plot.py").is_file()
