@@ -120,6 +120,9 @@ def test_version(capsys):
     (line(t=-5), ["line 2", "timestamp"]),
     ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, null]}', ["line 2", "hash_ids[1]"]),
     ("not json", ["line 2", "not valid JSON"]),
+    pytest.param("[" * 100_000 + "]" * 100_000, ["line 2", "nested too deeply"], id="nested-100000-deep"),
+    pytest.param(line().replace('"input_length": 600', '"input_length": ' + "9" * 5000),
+                 ["line 2", "number too long", "4300 digits"], id="int-of-5000-digits"),
 ])
 def test_bad_trace_lines_name_line_and_field(tmp_path, capsys, bad, needles):
     path = write(tmp_path, line(), bad)
@@ -353,3 +356,35 @@ def test_bench_dir_is_the_checkouts_bench_folder():
     root = Path(__file__).resolve().parents[1]
     assert cli.bench_dir() == root / "bench"
     assert (cli.bench_dir() / "test_bench_pool.py").is_file() and (cli.bench_dir() / "plot.py").is_file()
+
+
+# ---- reading the file: bytes, lines, pipes -------------------------------------------------------
+
+def test_non_utf8_is_reported_by_line(tmp_path, capsys):
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes((line() + "\n").encode() + line(ids=["cafX", 2]).encode().replace(b"X", b"\xe9") + b"\n")
+    fails(capsys, ["replay", str(p), "--pool", "reference"], "line 2", "not UTF-8", "0xe9")
+
+
+def test_a_utf8_byte_order_mark_is_accepted(tmp_path, capsys):
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + (line() + "\n" + line(t=1) + "\n").encode())
+    assert cli.main(["replay", str(p), "--pool", "reference"]) == 0
+    assert "requests        2" in capsys.readouterr().out
+
+
+def test_a_line_without_end_is_refused_at_the_cap(tmp_path, capsys, monkeypatch):
+    """``/dev/zero`` (no newline, ever) is one line error at MAX_LINE_BYTES, not a read until MemoryError."""
+    from gpupool.replay import trace as trace_mod
+
+    monkeypatch.setattr(trace_mod, "MAX_LINE_BYTES", 1 << 20)
+    src = "/dev/zero" if Path("/dev/zero").exists() else write(tmp_path, "x" * (2 << 20))
+    fails(capsys, ["replay", src, "--pool", "reference"], "line 1", "longer than 1 MiB")
+
+
+def test_a_closed_pipe_on_stdout_exits_quietly():
+    """``gpupool replay | head -1``: no traceback, the shell's SIGPIPE status (141), not 1 ("disagree")."""
+    p = subprocess.run(f"{sys.executable} -m gpupool replay --pool reference | head -1; exit ${{PIPESTATUS[0]}}",
+                       shell=True, executable="bash", capture_output=True, text=True, timeout=300)
+    assert p.stdout.startswith("trace ") and p.stdout.count("\n") == 1
+    assert p.returncode == 141 and p.stderr == "", p.stderr

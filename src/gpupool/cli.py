@@ -661,6 +661,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gpupool: error: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader of stdout went away (``gpupool replay | head -1``): stop quietly, as cat or yes do,
+        # with the shell's status for SIGPIPE; stdout goes to /dev/null so the exit's flush cannot fail
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13
 
 
 if __name__ == "__main__":  # pragma: no cover
