@@ -135,13 +135,9 @@ POOL_BYTES_PER_BLOCK = {"reference": 300, "device": 550}
 
 def _available_bytes(device: str | None) -> int | None:
     """Free memory where the pool would live (CUDA: the device's; else the host's), None if unknown."""
-    try:
-        if device is not None and device.startswith("cuda"):
-            import torch
-            return torch.cuda.mem_get_info(torch.device(device))[0]
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError, RuntimeError):
-        return None
+    from .memory import available_bytes
+
+    return available_bytes(device)
 
 
 def _check_pool_memory(kind: str, num_blocks: int, device: str | None) -> None:

@@ -42,7 +42,7 @@ from typing import NamedTuple
 import torch
 
 from .args import NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_id_list, as_int
-from .errors import ArgumentTypeError, InvalidArgumentError, InvariantError, OutOfBlocksError
+from .errors import ArgumentTypeError, InvalidArgumentError, InvalidCountError, InvariantError, OutOfBlocksError
 from .kernels.requests import copies as k_copies
 from .kernels.requests import decode as k_decode
 from .kernels.requests import exact as k_exact
@@ -272,19 +272,34 @@ class KVCacheManager:
         self._write_hashes(r, start, hs)
 
     # ---- batched ops (device tensors, no host sync) -------------------------------------------
-    def _i32(self, op: str, x, what: str) -> torch.Tensor:
+    def _i32(self, op: str, x, what: str, error=InvalidArgumentError) -> torch.Tensor:
+        """``x`` as an int32 tensor on the device: an int32 tensor as is, a sequence converted; a value of
+        a sequence outside int32 raises ``error`` (the reference's class for that argument: a count
+        InvalidCountError, an id InvalidArgumentError) before anything runs."""
         if isinstance(x, torch.Tensor):
             if x.dtype != torch.int32 or x.device != self.device:
                 raise InvalidArgumentError(op, f"{what} must be an int32 tensor on {self.device}")
             if x.dim() != 1:
                 raise InvalidArgumentError(op, f"{what} must be 1-D (int32[n]), got shape {tuple(x.shape)}")
             return x.contiguous()
-        return torch.tensor(as_id_list(op, x), dtype=torch.int32, device=self.device)
+        vals = as_id_list(op, x)
+        bad = next((v for v in vals if not -(1 << 31) <= v < 1 << 31), None)
+        if bad is not None:
+            raise error(op, f"{what}: {bad} is outside int32", bad)
+        return torch.tensor(vals, dtype=torch.int32, device=self.device)
 
     def _index_tensor(self, op: str, x, what: str) -> torch.Tensor:
-        """An int32 or int64 tensor on the device (read as is by the kernel: no narrowing), or a list."""
+        """An int32 or int64 tensor on the device (read as is by the kernel: no narrowing), or a list
+        (int64 where a value is past int32, so the kernel finds it out of range as for any other)."""
         if isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.device == self.device and x.dim() == 1:
             return x.contiguous()
+        if not isinstance(x, torch.Tensor):
+            x = as_id_list(op, x)
+            if any(not -(1 << 31) <= v < 1 << 31 for v in x):
+                bad = next((v for v in x if not -(1 << 63) <= v < 1 << 63), None)
+                if bad is not None:
+                    raise InvalidArgumentError(op, f"{what}: {bad} is outside int64", bad)
+                return torch.tensor(x, dtype=torch.int64, device=self.device)
         return self._i32(op, x, what)
 
     def _count(self, op: str, count, n: int) -> torch.Tensor:
@@ -332,8 +347,8 @@ class KVCacheManager:
         """An ``AllocateBatch`` from tensors or sequences (checked for dtype, device and lengths)."""
         op = "allocate_slots"
         s = self._i32(op, slots, "slots")
-        nt = self._i32(op, num_tokens, "num_tokens")
-        tg = self._i32(op, target_tokens, "target_tokens")
+        nt = self._i32(op, num_tokens, "num_tokens", InvalidCountError)
+        tg = self._i32(op, target_tokens, "target_tokens", InvalidCountError)
         b = s.numel()
         if lookup is None:
             lk = torch.zeros(b, dtype=torch.int8, device=self.device)
@@ -402,7 +417,7 @@ class KVCacheManager:
         raised at ``pool.check()``) and change nothing; lengths that differ raise InvalidArgumentError."""
         op = "reserve"
         s = self._i32(op, slots, "slots")
-        n = self._i32(op, num_tokens, "num_tokens")
+        n = self._i32(op, num_tokens, "num_tokens", InvalidCountError)
         if s.numel() != n.numel():
             raise InvalidArgumentError(op, "slots and num_tokens differ in length")
         if out is None:  # the kernel writes every entry: no fill kernel

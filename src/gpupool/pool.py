@@ -36,6 +36,7 @@ from .kernels import lookup as k_lookup
 from .kernels import release as k_release
 from .kernels.layout import Ctrl, Event, Op, op_name
 from .locking import locked, new_lock
+from .memory import allocate_checked
 from .registry import KeyRegistry
 from .state import PoolConfig, PoolState, allocate_state, make_config, metadata_bytes
 
@@ -106,7 +107,7 @@ class BlockPool:
         self.config = make_config(num_blocks, max_keys_per_block, caching=enable_caching,
                                   events=enable_kv_cache_events, ring_capacity=ring_capacity, num_chunks=num_chunks,
                                   event_capacity=event_capacity)
-        self.state = allocate_state(self.config, self.device)
+        self.state = allocate_checked(op, "num_blocks", num_blocks, lambda d: allocate_state(self.config, d), self.device)
         self.registry = KeyRegistry(self._live_keys)
         self._watchers: dict[int, Callable[[int], None]] = {}  # dict order = registration order
         self._events: list = []
