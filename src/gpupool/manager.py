@@ -538,7 +538,8 @@ class KVCacheManager:
         ``p = positions[t] + position_offset`` (``slots, positions: int32[T]`` on the device, the first
         ``num[0]`` counted). A slot not in use or a position outside its row gives -1 and
         InvalidArgumentError at the next ``check()``; with ``admitted: int32[T]``, entries whose flag is 0
-        give -1 and no error (requests a step did not admit). No host sync."""
+        give -1 and no error (requests a step did not admit); entries past ``num[0]`` give -1 (all of
+        them for a count past the arrays; docs/errors.md, "Outputs of a failed or skipped op"). No host sync."""
         op = "slot_mapping"
         g = as_int(op, group, "group")
         if not 0 <= g < len(self.groups):

@@ -387,8 +387,10 @@ class BlockPool:
         ``demands: int32[B]`` on the device (``num_demands: int32[1]`` may say only the first k count).
         Returns ``(blocks: int32[N + 1], offsets: int32[B + 1])``: demand k got
         ``blocks[offsets[k]:offsets[k+1]]``; every entry of ``blocks`` past ``offsets[num_demands]`` is -1
-        (all of ``blocks`` when the op fails or is skipped). Entries of ``offsets`` past
-        ``num_demands + 1`` are unspecified. Errors go to the status word (raised by :meth:`check`).
+        (all of ``blocks`` when the op fails or is skipped). When the op fails or is skipped (an earlier
+        error pending) every entry of ``offsets`` is 0 (no demand got a block); after a success the
+        entries past ``num_demands + 1`` are unspecified. Errors go to the status word (raised by
+        :meth:`check`; docs/errors.md, "Outputs of a failed or skipped op").
         """
         op = "allocate_batched"
         demands = self._device_i32(op, demands, "demands")
