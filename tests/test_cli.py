@@ -388,3 +388,33 @@ def test_a_closed_pipe_on_stdout_exits_quietly():
                        shell=True, executable="bash", capture_output=True, text=True, timeout=300)
     assert p.stdout.startswith("trace ") and p.stdout.count("\n") == 1
     assert p.returncode == 141 and p.stderr == "", p.stderr
+
+
+def test_both_with_a_device_limit_labels_the_requests_that_ran(tmp_path, capsys):
+    """``--pool both --device-limit N`` on the interpreter replays the first N requests on both pools,
+    and says so (it once said "whole trace")."""
+    path = write(tmp_path, *[line(t=i) for i in range(5)])
+    assert cli.main(["replay", path, "--pool", "both", "--device-limit", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "first 2 requests" in out and "whole trace" not in out
+
+
+def test_progress_is_lines_when_stderr_is_not_a_terminal(monkeypatch):
+    """Redirected (a log, CI): tqdm writes a line per refresh, every 10 s once a run has taken 10 s
+    (at once with --progress), as pip does, instead of nothing."""
+    import io
+
+    pytest.importorskip("tqdm")
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    kw = cli._progress(None, "reference pool")
+    assert kw["delay"] == 10.0 and kw["mininterval"] == 10.0
+    assert cli._progress(True, "x")["delay"] == 0.0 and cli._progress(False, "x") is False
+    from tqdm import tqdm
+
+    bar = tqdm(total=3, **{**kw, "delay": 0, "mininterval": 0})
+    for _ in range(3):
+        bar.update(1)
+    bar.close()
+    lines = err.getvalue().splitlines()
+    assert len(lines) >= 3 and "\r" not in err.getvalue() and lines[-1].startswith("reference pool: 100%")
