@@ -418,3 +418,11 @@ def test_progress_is_lines_when_stderr_is_not_a_terminal(monkeypatch):
     bar.close()
     lines = err.getvalue().splitlines()
     assert len(lines) >= 3 and "\r" not in err.getvalue() and lines[-1].startswith("reference pool: 100%")
+
+
+def test_singular_counts(tmp_path, capsys):
+    """``1 request``, not ``1 requests`` (and ``1 line was`` out of order)."""
+    path = write(tmp_path, line(t=5), line(t=1))
+    assert cli.main(["replay", path, "--pool", "both", "--device-limit", "1", "--limit", "1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "1 request " in out + " " and "1 requests" not in out and "1 line was out of" in out, out

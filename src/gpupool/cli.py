@@ -363,7 +363,7 @@ def cmd_bench(args) -> int:
     print(plot.table(json_path))
     skips = skip_reasons(log_text)
     if skips:
-        print(f"skipped {sum(n for n, _ in skips)} case(s):")
+        print(f"skipped {_count(sum(n for n, _ in skips), 'case')}:")
         for n, reason in skips:
             print(f"  {n:>4}  {reason}")
     size = json_path.stat().st_size / 1e6
@@ -387,6 +387,11 @@ def _load_bench_plot(suite: Path):
 
 def _fmt_int(x: int) -> str:
     return f"{x:,}"
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 request``, ``2 requests``, ``12,031 requests``."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 def format_report(rep: ReplayReport, speed: bool = True) -> str:
@@ -535,13 +540,13 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
                        f"smallest request needs {min(needs):,} blocks of {args.block_size} tokens; use --num-blocks "
                        f">= {min(needs) + 1:,} (every request fits from {max(needs) + 1:,})")
     label = args.trace or "bundled Mooncake conversation trace"
-    say(f"trace           {label}: {_fmt_int(len(trace))} requests"
+    say(f"trace           {label}: {_count(len(trace), 'request')}"
         + (f" (--limit {args.limit} of {tr.lines:,})" if args.limit is not None and args.limit < tr.lines else ""))
     for note in tr.notes:
         say(f"note: {note}")
     too_big = sum(1 for n in needs if n > usable)
     if too_big:
-        say(f"note: {too_big:,} requests need more than the pool's {usable:,} usable blocks and are rejected "
+        say(f"note: {_count(too_big, 'request')} {'needs' if too_big == 1 else 'need'} more than the pool's {usable:,} usable blocks and {'is' if too_big == 1 else 'are'} rejected "
             f"(--num-blocks {max(needs) + 1:,} admits all)")
     env = {"device": _device_label(device), "interpreter": interp, **versions()}
     meta = {"trace": label, "limit": args.limit, "mode": args.pool, "trace_check": tr.summary(), "environment": env}
@@ -562,7 +567,7 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
     dev_cut = len(dev_reqs) < len(trace)
     dev_title = f"device pool: gpupool.BlockPool on {_device_label(device)}"
     ref_title = "reference pool: gpupool.ReferenceBlockPool (pure Python, CPU)"
-    whole = f"first {len(trace):,} requests" if len(trace) < tr.lines else "whole trace"
+    whole = f"first {_count(len(trace), 'request')}" if len(trace) < tr.lines else "whole trace"
     code = 0
     if args.pool == "reference":
         say(f"--- {ref_title}, {whole}")
@@ -571,9 +576,9 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
         result = _json_result(meta, reference=rep)
     elif args.pool == "device":
         if dev_cut:
-            say(f"note: the device pool runs in Triton's CPU interpreter: replaying the first {len(dev_reqs)} "
-                f"requests (--device-limit)")
-        say(f"--- {dev_title}" + (f", first {len(dev_reqs):,} requests" if dev_cut else f", {whole}"))
+            say(f"note: the device pool runs in Triton's CPU interpreter: replaying the first "
+                f"{_count(len(dev_reqs), 'request')} (--device-limit)")
+        say(f"--- {dev_title}" + (f", first {_count(len(dev_reqs), 'request')}" if dev_cut else f", {whole}"))
         rep = run("device", dev_reqs, "device pool")
         say(format_report(rep, speed=not interp))
         result = _json_result(meta, device=rep)
@@ -583,10 +588,10 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
         same = args.pool == "both" or not interp
         if args.pool == "both" and dev_cut:
             say(f"note: the device pool runs in Triton's CPU interpreter: both pools replay the first "
-                f"{len(dev_reqs)} requests (--device-limit)")
+                f"{_count(len(dev_reqs), 'request')} (--device-limit)")
             trace = dev_reqs
             dev_cut = False
-        whole = f"first {len(trace):,} requests" if len(trace) < tr.lines else "whole trace"
+        whole = f"first {_count(len(trace), 'request')}" if len(trace) < tr.lines else "whole trace"
         if same:
             say(f"--- result: {dev_title}, {whole}")
             dev = run("device", dev_reqs, "device pool")
@@ -597,7 +602,7 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
             say(f"--- result: {ref_title}, {whole}")
             ref = run("reference", trace, "reference pool")
             say(format_report(ref))
-            say(f"--- check: {dev_title}, first {len(dev_reqs):,} requests (slow: the interpreter runs each "
+            say(f"--- check: {dev_title}, first {_count(len(dev_reqs), 'request')} (slow: the interpreter runs each "
                 f"kernel on the CPU; the progress bar shows the rate), against the reference pool on the same requests")
             dev = run("device", dev_reqs, "device pool")
             check_ref = ref if not dev_cut else run("reference", dev_reqs, "reference pool, check")
@@ -612,7 +617,7 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
             code = 1
         else:
             say(f"identical       yes: the device pool's counts and free-queue digest equal the reference pool's "
-                f"on {'the same' if same else 'the first'} {n_checked:,} requests")
+                f"on {'the same' if same else 'the first'} {_count(n_checked, 'request')}")
         speedup = None
         if interp:
             say("speed           not compared: the device pool ran in Triton's CPU interpreter, which says nothing "

@@ -56,6 +56,17 @@ class PoolError(Exception):
         return cls(op, msg.format(value=value) if "{value}" in msg else f"{msg} ({value})", value)
 
 
+def out_of_blocks_message(n: int, num_free: int) -> str:
+    """Both pools' words for too few free blocks (vLLM's, with the free count)."""
+    return f"cannot get {n} free blocks from the pool ({num_free} free)"
+
+
+def double_free_message(block: int, verb: str, ref_cnt: int) -> str:
+    """Both pools' words for a block released more times than it is referenced (``verb``: freed,
+    unpinned)."""
+    return f"block {block} {verb} more times than it is referenced (ref_cnt {ref_cnt}): a double free"
+
+
 class OutOfBlocksError(PoolError, ValueError):
     """More blocks asked for than are free (``get_new_blocks``)."""
 
@@ -150,5 +161,5 @@ ERRORS_BY_CODE = {
 __all__ = [
     "ErrorCode", "PoolError", "OutOfBlocksError", "InvalidCountError", "InvalidBlockIdError", "NullBlockError",
     "DoubleFreeError", "HashConflictError", "KeyCapacityError", "InvalidArgumentError", "ArgumentTypeError",
-    "InvariantError", "BufferFullError", "ERRORS_BY_CODE",
+    "InvariantError", "BufferFullError", "ERRORS_BY_CODE", "out_of_blocks_message", "double_free_message",
 ]

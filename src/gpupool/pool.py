@@ -27,7 +27,10 @@ from .args import (
     NULL_BLOCK, as_groups, as_host_list, as_id_list, as_int, cache_full_args, check_block_id, check_hash, device_arg,
     num_blocks_arg, partial_block_args,
 )
-from .errors import ArgumentTypeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError, PoolError
+from .errors import (
+    ArgumentTypeError, DoubleFreeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError, PoolError,
+    double_free_message, out_of_blocks_message,
+)
 from .events import AllBlocksCleared, BlockRemoved, BlockStored
 from .kernels import alloc as k_alloc
 from .kernels import cache as k_cache
@@ -137,7 +140,18 @@ class BlockPool:
             cb(b)
         if status[0]:
             s.status.zero_()
-            raise PoolError.from_status(status[0], op_name(status[1]), status[2])
+            raise self._recorded_error(status[0], op_name(status[1]), status[2], ctrl[Ctrl.NUM_FREE])
+
+    def _recorded_error(self, code: int, op: str, value: int, num_free: int) -> PoolError:
+        """The status word's error, worded as the reference pool words it: the free count of an
+        out-of-blocks error and the ref count of a double free, read now (the failed op, and every op
+        skipped after it, changed neither)."""
+        if code == OutOfBlocksError.code:
+            return OutOfBlocksError(op, out_of_blocks_message(value, num_free), value)
+        if code == DoubleFreeError.code and 0 <= value < self.num_blocks:
+            verb = "unpinned" if op == "unpin_blocks" else "freed"
+            return DoubleFreeError(op, double_free_message(value, verb, int(self.state.ref_cnt[value])), value)
+        return PoolError.from_status(code, op, value)
 
     synchronize = check
 
@@ -221,7 +235,7 @@ class BlockPool:
         if n < 0:
             raise InvalidCountError(op, f"cannot allocate a negative number of blocks ({n})", n)
         if n > self.num_blocks:
-            raise OutOfBlocksError(op, f"cannot get {n} free blocks from a pool of {self.num_blocks}", n)
+            raise OutOfBlocksError(op, out_of_blocks_message(n, int(self.state.ctrl[Ctrl.NUM_FREE])), n)
         blocks, _ = k_alloc.launch_alloc(self.state, self.config, self._tensor([n]), self._count(op, None, 1),
                                          op=Op.GET_NEW_BLOCKS, max_total=n, fill_tail=False)
         self.check()

@@ -217,7 +217,8 @@ def read_trace(path: str | PathLike | None = None, *, limit: int | None = None,
         reqs = reqs[:limit]
     t = Trace(reqs, name, block_size, lines, out_of_order, counts[0], counts[1])
     if out_of_order:
-        t.notes.append(f"{out_of_order:,} lines were out of timestamp order: sorted by timestamp (ties in file order)")
+        t.notes.append(f"{out_of_order:,} {'line was' if out_of_order == 1 else 'lines were'} out of timestamp order: "
+                       "sorted by timestamp (ties in file order)")
     if t.clamped:
         t.notes.append(f"--lenient: {t.clamped:,} of {lines:,} lines had hash_ids of the wrong length "
                        f"({counts[0]:,} short: their last blocks are not cached; {counts[1]:,} long: cut)")
