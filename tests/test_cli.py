@@ -146,7 +146,7 @@ def test_pool_too_small_for_any_request(tmp_path, capsys):
     fails(capsys, ["replay", path, "--pool", "reference", "--num-blocks", "2"], "too small", "--num-blocks >= 3")
     # One request fits: it runs, and the report says how many are rejected.
     assert cli.main(["replay", path, "--pool", "reference", "--num-blocks", "3", "--no-progress"]) == 0
-    assert "1 requests need more than" in capsys.readouterr().out
+    assert "1 request needs more than" in capsys.readouterr().out
 
 
 def test_lenient_clamps_and_counts(tmp_path, capsys):
