@@ -3,7 +3,7 @@
 Examples::
 
     gpupool replay                                  # bundled trace; see "what runs" below
-    gpupool replay --pool reference                 # CPU reference pool, whole trace (about a second)
+    gpupool replay --pool reference                 # CPU reference pool, whole trace (a few seconds)
     gpupool replay --pool both --json out.json      # both pools on the same requests; exit 1 unless equal
     gpupool replay my.jsonl --lenient --json -      # a trace of your own; the JSON report on stdout
     gpupool bench --quick                           # benchmarks (bench/), JSON + PNG under bench/out/
