@@ -79,6 +79,14 @@ class InvalidCountError(PoolError, ValueError):
 
     code = ErrorCode.INVALID_COUNT
     device_message = "a negative block count or a token count outside the table"
+    _TOKENS = "token count {value} is negative or past max_blocks_per_req * block_size"
+    device_message_by_op = {
+        "get_new_blocks": "cannot allocate a negative number of blocks ({value})",
+        "allocate_batched": "demand {value} is negative",
+        "allocate_slots": _TOKENS,
+        "reserve": "token count {value} is negative or takes its request past max_blocks_per_req * block_size",
+        "decode_step": _TOKENS,
+    }
 
 
 class InvalidBlockIdError(PoolError, IndexError):
@@ -128,7 +136,15 @@ class InvalidArgumentError(PoolError, ValueError):
     code = ErrorCode.INVALID_ARG
     device_message = ("invalid argument: a block or slot listed twice or not in use, or a count, offset, slot "
                       "or position that does not fit its array")
-    device_message_by_op = {"cache_full_blocks": "block {value} is listed twice"}
+    _SLOTS = ("slot {value} is out of range, not in use (add_request first) or listed twice; or the batch's "
+              "count, {value}, is past its arrays")
+    device_message_by_op = {
+        "cache_full_blocks": "block {value} is listed twice",
+        "allocate_slots": _SLOTS, "free": _SLOTS, "reserve": _SLOTS, "release_reservation": _SLOTS,
+        "decode_step": _SLOTS,
+        "slot_mapping": ("slot or position {value}: a slot out of range or not in use, or a position outside its "
+                         "slot's row; or the count, {value}, is past the arrays"),
+    }
 
 
 class ArgumentTypeError(InvalidArgumentError, TypeError):
