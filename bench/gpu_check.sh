@@ -11,7 +11,9 @@
 #      1,024 and K = 1, 2, 4, 8, each device mode's replay captured with the model as one CUDA graph),
 #   5. the benchmarks (`gpupool bench`: pytest-benchmark JSON + PNG),
 #   6. short tables (measured cases; decode loop; op, pool, N, batch, median us, GPU us), printed last.
-# Run from anywhere: bash bench/gpu_check.sh (GPU_CHECK_ALLOW_CPU=1: a dry run without CUDA).
+# Run from anywhere: bash bench/gpu_check.sh (GPU_CHECK_ALLOW_CPU=1: a dry run without CUDA, in
+# which the CUDA-only stage 1 is skipped with a message and the others run in Triton's interpreter).
+# GPU_CHECK_TINY=1 shrinks every stage to seconds (tests/test_documented_commands.py runs it so on CPU).
 # Output goes to $OUT if set, else bench/out.
 # Each stage has a timeout taken from one overall deadline; a failed stage is reported and the
 # next one still runs. Exit status: 0 when every stage passed, else 1.
@@ -61,24 +63,40 @@ fi
   $PY -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")' 2>&1
   nproc; date -u +%Y-%m-%dT%H:%M:%SZ
 } | tee "$OUTDIR/env.txt"
+CUDA=1
 if ! $PY -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   if [[ "${GPU_CHECK_ALLOW_CPU:-0}" != 1 ]]; then
     log "torch sees no CUDA device: the checks below would only repeat the CPU runs"; exit 1
   fi
+  CUDA=0
   log "no CUDA device; GPU_CHECK_ALLOW_CPU=1: dry run on the CPU (Triton interpreter, quick grid)"
 fi
-
-stage cuda_tests 100 350 $PY -m pytest -q -p no:cacheprovider tests -m cuda
-stage measured 120 230 $PY bench/model_cases.py --measure --reps 50 --sizes 64,1024 --json "$OUTDIR/measured.json"
-stage replay 100 220 $PY -m gpupool replay --pool both --json "$OUTDIR/replay.json"
-if $PY -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-  stage decode_loop 90 130 $PY bench/decode_loop_gpu.py --iters 5 --json "$OUTDIR/decode_loop.json"
-else  # the interpreter: a smoke run of the same code
-  stage decode_loop 200 130 $PY bench/decode_loop_gpu.py --device cpu --batch 2 --steps 2 --iters 1 --no-graph \
-    --hidden 64 --dtype float32 --json "$OUTDIR/decode_loop.json"
+# Sizes: the full check, or (GPU_CHECK_TINY=1) a few seconds a stage, to check the script itself.
+MEASURE_ARGS=(--reps 50 --sizes 64,1024)
+REPLAY_ARGS=()
+BENCH_ARGS=()
+DECODE_ARGS=(--iters 5)
+if (( ! CUDA )) || [[ "${GPU_CHECK_TINY:-0}" == 1 ]]; then  # the interpreter: a smoke run of the same code
+  DECODE_ARGS=(--batch 2 --steps 2 --iters 1 --hidden 64 --layers 1 --dtype float32)
+  (( CUDA )) || DECODE_ARGS+=(--device cpu --no-graph)
 fi
+if [[ "${GPU_CHECK_TINY:-0}" == 1 ]]; then
+  MEASURE_ARGS=(--reps 2 --sizes 64 --cases alloc_64x64 --num-blocks 8192)
+  REPLAY_ARGS=(--limit 20 --device-limit 5)
+  BENCH_ARGS=(--quick -k "alloc_free-reference-N4096-B64 or alloc_free-device-eager-N4096-B64")
+  export GPUPOOL_BENCH_MAX_TIME=${GPUPOOL_BENCH_MAX_TIME:-0.005}
+fi
+
+if (( CUDA )); then
+  stage cuda_tests 100 350 $PY -m pytest -q -p no:cacheprovider tests -m cuda
+else
+  log "cuda_tests: SKIPPED (no CUDA device: the tests marked cuda need one; not counted as a failure)"
+fi
+stage measured 120 230 $PY bench/model_cases.py --measure "${MEASURE_ARGS[@]}" --json "$OUTDIR/measured.json"
+stage replay 100 220 $PY -m gpupool replay --pool both "${REPLAY_ARGS[@]}" --json "$OUTDIR/replay.json"
+stage decode_loop 120 130 $PY bench/decode_loop_gpu.py "${DECODE_ARGS[@]}" --json "$OUTDIR/decode_loop.json"
 export GPUPOOL_BENCH_MAX_TIME=${GPUPOOL_BENCH_MAX_TIME:-0.05}
-stage bench 200 5 $PY -m gpupool bench --out "$OUTDIR/bench"
+stage bench 200 5 $PY -m gpupool bench "${BENCH_ARGS[@]}" --out "$OUTDIR/bench"
 
 echo
 log "stages failed: ${FAILED[*]:-none}"

@@ -70,8 +70,11 @@ Run (from the repository root; the package's kernels run in Triton's interpreter
     TRITON_INTERPRET=1 python bench/model_cases.py --cases decode_step --sizes 64 --report
     TRITON_INTERPRET=1 python bench/model_cases.py --json /tmp/model.json
 
-gpucost is not part of the project: it is looked for at ``--gpucost PATH``, else ``$GPUCOST``, else
-``../shared/tools/gpucost.py`` next to the repository root; without it the script exits with status 2.
+gpucost is NOT part of this repository (nor of any package): it is a development tool its developers
+keep beside the repository. It is looked for at ``--gpucost PATH``, else ``$GPUCOST``, else
+``../shared/tools/gpucost.py`` next to the repository root; without it (or if it does not load) the
+script prints one line and exits with status 2, so the modelled figures of bench/RESULTS.md cannot be
+recomputed from the repository alone. ``--measure`` needs no gpucost.
 The script always measures the tree it lives in (its ``gpupool`` and ``kernels`` directories come
 first on the import path, even when another checkout is installed editable).
 """
@@ -108,13 +111,18 @@ def load_gpucost(path_arg: str | None):
     """Import gpucost from --gpucost, $GPUCOST or ../shared/tools/gpucost.py; exit 2 if absent."""
     path = Path(path_arg or os.environ.get("GPUCOST") or DEFAULT_GPUCOST)
     if not path.is_file():
-        print(f"model_cases: gpucost not found at {path} (pass --gpucost PATH or set GPUCOST); "
-              "it is a development tool beside the repository, not part of gpupool", file=sys.stderr)
+        print(f"model_cases: gpucost not found at {path} (pass --gpucost PATH or set GPUCOST): the modelled "
+              "figures need this latency model, a development tool kept beside the repository, not part of it "
+              "(bench/RESULTS.md); --measure needs no gpucost", file=sys.stderr)
         sys.exit(2)
     spec = importlib.util.spec_from_file_location("gpucost", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["gpucost"] = mod
-    spec.loader.exec_module(mod)
+    try:
+        spec.loader.exec_module(mod)
+    except Exception as e:  # noqa: BLE001 - any failure of a foreign file: one line, not a traceback
+        print(f"model_cases: cannot load gpucost from {path}: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(2)
     return mod, path
 
 
@@ -600,6 +608,7 @@ def row(r: dict) -> str:
 
 
 def main(argv=None) -> int:
+    global DEVICE, NUM_BLOCKS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=",".join(CASES),
@@ -613,6 +622,9 @@ def main(argv=None) -> int:
     ap.add_argument("--measure", action="store_true",
                     help="time each op with CUDA events on the GPU instead of modelling it (no gpucost needed)")
     ap.add_argument("--reps", type=int, default=20, help="repetitions per op with --measure (median)")
+    ap.add_argument("--num-blocks", type=int, default=NUM_BLOCKS,
+                    help=f"pool size of every case but replay (default {NUM_BLOCKS:,}, the figures' size; smaller "
+                         "only to check the script quickly)")
     ap.add_argument("--replay-requests", type=int, default=1000,
                     help="requests of the bundled trace for the replay case (default 1,000)")
     args = ap.parse_args(argv)
@@ -624,7 +636,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown case(s) {', '.join(bad)}; choose from {', '.join(CASES)}")
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
 
-    global DEVICE
+    NUM_BLOCKS = args.num_blocks
     if args.measure:
         gc, gc_path = Measure(args.reps), "-"
         DEVICE = "cuda" if gc.cuda else "cpu"

@@ -74,6 +74,13 @@ def comparable(rows: list[dict]) -> tuple[list[dict], str | None]:
     return [r for r in rows if not str(r.get("pool", "")).startswith("device")], INTERPRETER_NOTE
 
 
+def _title(left_out: str | None) -> str:
+    """The figure's title: a device-vs-host comparison only when the device pool's lines are in it."""
+    if left_out:
+        return "gpupool: host-side pools only (device pool ran in Triton's CPU interpreter; median per call, lower is better)"
+    return "gpupool: device block pool vs host-side pools (median per call, lower is better)"
+
+
 def plot(json_path, png_path) -> Path:
     """Write the figure of ``json_path`` to ``png_path`` (Agg backend); returns ``png_path``."""
     import matplotlib
@@ -106,7 +113,7 @@ def plot(json_path, png_path) -> Path:
                 ax.plot([r["batch"] for r in gpu], [r["gpu_us"] for r in gpu], style_of[n], marker="x",
                         color="tab:red", linewidth=1.0, alpha=0.8)
         for t_op, t_b, t_us, label in TARGETS:
-            if t_op == op:
+            if t_op == op and not left_out:  # GPU targets only beside device lines
                 ax.plot([t_b], [t_us], marker="*", markersize=16, color="red", linestyle="none", zorder=5)
                 ax.annotate(label, (t_b, t_us), textcoords="offset points", xytext=(-10, -16), fontsize=8,
                             color="red", ha="right")
@@ -148,8 +155,9 @@ def plot(json_path, png_path) -> Path:
     if "gpu time" in pools_seen:
         handles.append(Line2D([], [], color="tab:red", marker="x", label="device-graph: GPU time (CUDA events)"))
     handles += [Line2D([], [], color="black", linestyle=style_of[n], label=f"pool of {n:,} blocks") for n in sizes]
-    handles.append(Line2D([], [], color="red", marker="*", markersize=12, linestyle="none",
-                          label="docs/design.md target"))
+    if not left_out:
+        handles.append(Line2D([], [], color="red", marker="*", markersize=12, linestyle="none",
+                              label="docs/design.md target (GPU)"))
     ax.legend(handles=handles, loc="upper left", fontsize=10, frameon=False)
     mach = meta["machine"]
     notes = [f"run: {meta['datetime'][:19]}", f"host: {mach.get('cpu', {}).get('brand_raw', mach.get('processor', '?'))}",
@@ -160,7 +168,7 @@ def plot(json_path, png_path) -> Path:
     elif missing:
         notes.append("not in this run: " + ", ".join(missing))
     ax.text(0.0, 0.02, "\n".join(notes), transform=ax.transAxes, fontsize=9, va="bottom", family="monospace")
-    fig.suptitle("gpupool: device block pool vs host-side pools (median per call, lower is better)", fontsize=14)
+    fig.suptitle(_title(left_out), fontsize=14)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)

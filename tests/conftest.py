@@ -53,3 +53,19 @@ def pytest_configure(config):
 
             settings.register_profile("strict-gpu", settings(), phases=[Phase.explicit, Phase.reuse, Phase.generate])
             settings.load_profile("strict-gpu")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Why tests were skipped, one line per reason, in the normal output (pytest shows reasons only
+    with ``-rs``): a skipped claim (vLLM's tests without their packages, say) must not pass in silence."""
+    if set(config.option.reportchars or "") & {"s", "a", "A"}:
+        return  # pytest lists every skip itself
+    merged: dict[str, int] = {}
+    for rep in terminalreporter.stats.get("skipped", []):
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        merged[reason] = merged.get(reason, 0) + 1
+    if merged:
+        terminalreporter.section("skip reasons (pytest -rs lists each test)", sep="-")
+        for reason, n in sorted(merged.items(), key=lambda kv: (-kv[1], kv[0])):
+            terminalreporter.write_line(f"{n:>4}  {reason}")

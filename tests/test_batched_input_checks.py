@@ -432,3 +432,87 @@ def test_slot_mapping_bad_slot_or_position_is_a_pool_error(slot, pos):
         with pytest.raises(InvalidArgumentError):
             m.pool.check()
 
+
+
+# ---- outputs of a failed or skipped op (docs/errors.md, "Outputs of a failed or skipped op") -----
+
+def _i32(xs):
+    return torch.tensor(xs, dtype=torch.int32)
+
+
+def test_allocate_batched_offsets_are_zero_after_a_failure_or_a_skip():
+    from gpupool.errors import InvalidCountError, OutOfBlocksError
+
+    pool = BlockPool(16)
+    for demands, err in (([2, 100], OutOfBlocksError), ([1, -1], InvalidCountError)):
+        out, offsets = pool.allocate_batched(_i32(demands))
+        assert offsets.tolist() == [0, 0, 0] and set(out.tolist()) == {-1}
+        with pytest.raises(err):
+            pool.check()
+    pool.allocate_batched(_i32([-1]))  # pending error: the next op is skipped
+    out, offsets = pool.allocate_batched(_i32([2, 1, 3]))
+    assert offsets.tolist() == [0, 0, 0, 0] and set(out.tolist()) == {-1}
+    with pytest.raises(InvalidCountError):
+        pool.check()
+    assert pool.get_num_free_blocks() == 15
+
+
+def test_allocate_slots_admits_nobody_after_a_failure_or_a_skip():
+    from gpupool.manager import KVCacheManager
+
+    m = KVCacheManager(64, block_size=4, max_num_reqs=4, max_blocks_per_req=8)
+    m.add_request(0, [])
+    buf = torch.full((2,), 7, dtype=torch.int32)  # a captured step's reused buffer
+    m.allocate_slots([0, 3], [4, 4], [4, 4], admitted=buf)  # slot 3 never added
+    assert buf.tolist() == [0, 0]
+    with pytest.raises(InvalidArgumentError):
+        m.pool.check()
+    buf.fill_(7)
+    m.allocate_slots(_i32([0]), _i32([4]), _i32([4]), num_reqs=_i32([5]), admitted=buf)  # count past the array
+    assert buf.tolist() == [0, 7]  # the batch's one entry; past the batch the buffer is the caller's
+    with pytest.raises(InvalidArgumentError):
+        m.pool.check()
+    m.pool.allocate_batched(_i32([-1]))  # pending: allocate_slots is skipped
+    buf.fill_(7)
+    m.allocate_slots([0], [4], [4], admitted=buf)
+    assert buf.tolist() == [0, 7]  # the one counted entry; past the batch the buffer is the caller's
+    with pytest.raises(PoolError):
+        m.pool.check()
+
+
+def test_slot_mapping_is_minus_one_past_the_count_and_for_a_bad_count():
+    from gpupool.manager import KVCacheManager
+
+    m = KVCacheManager(64, block_size=4, max_num_reqs=4, max_blocks_per_req=8)
+    m.add_request(0, [])
+    m.allocate_slots([0], [8], [8])
+    m.pool.check()
+    out = torch.full((3,), 12345, dtype=torch.int64)
+    m.slot_mapping(_i32([0, 0, 0]), _i32([0, 5, 6]), num=_i32([2]), out=out)
+    assert out[0] >= 0 and out[1] >= 0 and out[2] == -1
+    m.pool.check()
+    out.fill_(12345)
+    m.slot_mapping(_i32([0, 0, 0]), _i32([0, 5, 6]), num=_i32([9]), out=out)
+    assert out.tolist() == [-1, -1, -1]
+    with pytest.raises(InvalidArgumentError):
+        m.pool.check()
+
+
+def test_manager_device_errors_say_what_the_op_checks():
+    """The status word's errors of the manager's ops are worded per op (the slot, or the token count),
+    not the catch-all of every batched op."""
+    from gpupool.errors import InvalidCountError
+    from gpupool.manager import KVCacheManager
+
+    m = KVCacheManager(64, block_size=4, max_num_reqs=4, max_blocks_per_req=8)
+    m.add_request(0, [])
+    cases = [(InvalidArgumentError, lambda: m.allocate_slots([0, 3], [4, 4], [4, 4]), "allocate_slots: slot 3 is out of"),
+             (InvalidArgumentError, lambda: m.release_reservation([2]), "release_reservation: slot 2 "),
+             (InvalidCountError, lambda: m.reserve([0], [40]), "reserve: token count 40 is negative or takes"),
+             (InvalidCountError, lambda: m.allocate_slots([0], [40], [40]), "allocate_slots: token count 40 "),
+             (InvalidArgumentError, lambda: m.slot_mapping([0], [99]), "slot_mapping: slot or position 99")]
+    for exc, fn, says in cases:
+        fn()
+        with pytest.raises(exc) as e:
+            m.pool.check()
+        assert str(e.value).startswith(says) and "a block or slot listed twice" not in str(e.value), str(e.value)

@@ -46,3 +46,29 @@ def test_interpreter_rows_are_left_out_of_the_figure(tmp_path, monkeypatch):
     assert png.stat().st_size > 0
     kept, note = seen[0]
     assert [r["pool"] for r in kept] == ["reference"] and note == plot.INTERPRETER_NOTE
+
+
+def _figure_of(tmp_path, monkeypatch, device: str):
+    """The matplotlib figure ``plot.plot`` saves for a run on ``device``."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    figs = []
+    real = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, *a, **k: figs.append(self) or real(self, *a, **k))
+    plot.plot(_bench_json(tmp_path, device), tmp_path / "b.png")
+    fig = figs[0]
+    stars = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_marker() == "*"]
+    return fig._suptitle.get_text(), stars
+
+
+def test_figure_on_the_interpreter_is_titled_host_only_without_gpu_targets(tmp_path, monkeypatch):
+    title, stars = _figure_of(tmp_path, monkeypatch, "cpu (Triton interpreter)")
+    assert "host-side pools only" in title and "vs" not in title
+    assert not stars  # the GPU targets are not drawn beside host-only lines
+
+
+def test_figure_on_a_gpu_compares_and_draws_the_targets(tmp_path, monkeypatch):
+    title, stars = _figure_of(tmp_path, monkeypatch, "NVIDIA H200")
+    assert "device block pool vs host-side pools" in title
+    assert stars

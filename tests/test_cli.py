@@ -120,6 +120,9 @@ def test_version(capsys):
     (line(t=-5), ["line 2", "timestamp"]),
     ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, null]}', ["line 2", "hash_ids[1]"]),
     ("not json", ["line 2", "not valid JSON"]),
+    pytest.param("[" * 100_000 + "]" * 100_000, ["line 2", "nested too deeply"], id="nested-100000-deep"),
+    pytest.param(line().replace('"input_length": 600', '"input_length": ' + "9" * 5000),
+                 ["line 2", "number too long", "4300 digits"], id="int-of-5000-digits"),
 ])
 def test_bad_trace_lines_name_line_and_field(tmp_path, capsys, bad, needles):
     path = write(tmp_path, line(), bad)
@@ -143,7 +146,7 @@ def test_pool_too_small_for_any_request(tmp_path, capsys):
     fails(capsys, ["replay", path, "--pool", "reference", "--num-blocks", "2"], "too small", "--num-blocks >= 3")
     # One request fits: it runs, and the report says how many are rejected.
     assert cli.main(["replay", path, "--pool", "reference", "--num-blocks", "3", "--no-progress"]) == 0
-    assert "1 requests need more than" in capsys.readouterr().out
+    assert "1 request needs more than" in capsys.readouterr().out
 
 
 def test_lenient_clamps_and_counts(tmp_path, capsys):
@@ -344,3 +347,82 @@ def test_core_dependencies_are_only_torch_triton_numpy():
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     assert project["dependencies"] == ["torch", "triton", "numpy"]
     assert set(project["optional-dependencies"]["cli"]) == {"tqdm", "matplotlib"}
+
+
+def test_bench_dir_is_the_checkouts_bench_folder():
+    """``gpupool bench`` finds the suite at the checkout's ``bench/`` (src/ layout: two folders up)."""
+    from gpupool import cli
+
+    root = Path(__file__).resolve().parents[1]
+    assert cli.bench_dir() == root / "bench"
+    assert (cli.bench_dir() / "test_bench_pool.py").is_file() and (cli.bench_dir() / "plot.py").is_file()
+
+
+# ---- reading the file: bytes, lines, pipes -------------------------------------------------------
+
+def test_non_utf8_is_reported_by_line(tmp_path, capsys):
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes((line() + "\n").encode() + line(ids=["cafX", 2]).encode().replace(b"X", b"\xe9") + b"\n")
+    fails(capsys, ["replay", str(p), "--pool", "reference"], "line 2", "not UTF-8", "0xe9")
+
+
+def test_a_utf8_byte_order_mark_is_accepted(tmp_path, capsys):
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + (line() + "\n" + line(t=1) + "\n").encode())
+    assert cli.main(["replay", str(p), "--pool", "reference"]) == 0
+    assert "requests        2" in capsys.readouterr().out
+
+
+def test_a_line_without_end_is_refused_at_the_cap(tmp_path, capsys, monkeypatch):
+    """``/dev/zero`` (no newline, ever) is one line error at MAX_LINE_BYTES, not a read until MemoryError."""
+    from gpupool.replay import trace as trace_mod
+
+    monkeypatch.setattr(trace_mod, "MAX_LINE_BYTES", 1 << 20)
+    src = "/dev/zero" if Path("/dev/zero").exists() else write(tmp_path, "x" * (2 << 20))
+    fails(capsys, ["replay", src, "--pool", "reference"], "line 1", "longer than 1 MiB")
+
+
+def test_a_closed_pipe_on_stdout_exits_quietly():
+    """``gpupool replay | head -1``: no traceback, the shell's SIGPIPE status (141), not 1 ("disagree")."""
+    p = subprocess.run(f"{sys.executable} -m gpupool replay --pool reference | head -1; exit ${{PIPESTATUS[0]}}",
+                       shell=True, executable="bash", capture_output=True, text=True, timeout=300)
+    assert p.stdout.startswith("trace ") and p.stdout.count("\n") == 1
+    assert p.returncode == 141 and p.stderr == "", p.stderr
+
+
+def test_both_with_a_device_limit_labels_the_requests_that_ran(tmp_path, capsys):
+    """``--pool both --device-limit N`` on the interpreter replays the first N requests on both pools,
+    and says so (it once said "whole trace")."""
+    path = write(tmp_path, *[line(t=i) for i in range(5)])
+    assert cli.main(["replay", path, "--pool", "both", "--device-limit", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "first 2 requests" in out and "whole trace" not in out
+
+
+def test_progress_is_lines_when_stderr_is_not_a_terminal(monkeypatch):
+    """Redirected (a log, CI): tqdm writes a line per refresh, every 10 s once a run has taken 10 s
+    (at once with --progress), as pip does, instead of nothing."""
+    import io
+
+    pytest.importorskip("tqdm")
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    kw = cli._progress(None, "reference pool")
+    assert kw["delay"] == 10.0 and kw["mininterval"] == 10.0
+    assert cli._progress(True, "x")["delay"] == 0.0 and cli._progress(False, "x") is False
+    from tqdm import tqdm
+
+    bar = tqdm(total=3, **{**kw, "delay": 0, "mininterval": 0})
+    for _ in range(3):
+        bar.update(1)
+    bar.close()
+    lines = err.getvalue().splitlines()
+    assert len(lines) >= 3 and "\r" not in err.getvalue() and lines[-1].startswith("reference pool: 100%")
+
+
+def test_singular_counts(tmp_path, capsys):
+    """``1 request``, not ``1 requests`` (and ``1 line was`` out of order)."""
+    path = write(tmp_path, line(t=5), line(t=1))
+    assert cli.main(["replay", path, "--pool", "both", "--device-limit", "1", "--limit", "1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "1 request " in out + " " and "1 requests" not in out and "1 line was out of" in out, out

@@ -1202,3 +1202,29 @@ def test_unpin_many_watchers():
     assert p.num_watchers() <= 3
     assert_consistent(p)
 
+
+
+@pytest.mark.parametrize("case", ["out_of_blocks", "out_of_blocks_past_the_pool", "double_free", "double_unpin"])
+def test_both_pools_word_the_same_error_the_same_way(case):
+    """Out of blocks names the free count, a double free the block's ref count, in both pools and in
+    the same words (the device's read at ``check()``, which the failed op left unchanged)."""
+    msgs = []
+    for pool in pool_twin(8):
+        b = pool.get_new_blocks(2)
+        try:
+            if case == "out_of_blocks":
+                pool.get_new_blocks(7)
+            elif case == "out_of_blocks_past_the_pool":
+                pool.get_new_blocks(9)
+            elif case == "double_free":
+                pool.free_blocks(b)
+                pool.free_blocks(b[:1])
+            else:
+                pool.free_blocks(b[:1])
+                pool.unpin_blocks(b[:1], lambda blk: None)
+            if isinstance(pool, BlockPool):
+                pool.check()
+        except PoolError as e:
+            msgs.append(str(e))
+    assert len(msgs) == 2 and msgs[0] == msgs[1], msgs
+    assert "(5 free)" in msgs[0] if case.startswith("out_of") else "ref_cnt 0" in msgs[0]

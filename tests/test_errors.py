@@ -1297,3 +1297,25 @@ def test_manager_typed_errors(cls):
     assert rows == [m.block_table(g) if cls is ReferenceKVCacheManager else m.rows(g) for g in range(2)]
     m.validate()
 
+
+
+def test_a_pool_too_big_for_memory_is_a_pool_error_before_any_allocation(monkeypatch):
+    """``BlockPool(2**31 - 1)`` (hundreds of GiB of tensors): InvalidArgumentError naming the size,
+    found by sizing the tensors on the meta device, not torch's RuntimeError (or the host's OOM killer);
+    and an allocation torch refuses anyway is the same error."""
+    from gpupool import BlockPool, memory
+    from gpupool.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match=r"num_blocks 2,147,483,647: needs [\d,.]+ GiB"):
+        BlockPool(2**31 - 1)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: None)  # unknown: torch decides
+
+    real = torch.zeros
+
+    def refuse(*a, device=None, **k):
+        if str(device) == "meta":
+            return real(*a, device=device, **k)
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory\nmore")
+    monkeypatch.setattr(torch, "zeros", refuse)
+    with pytest.raises(InvalidArgumentError, match="num_blocks 1,024: cannot allocate .*DefaultCPUAllocator"):
+        BlockPool(1024)

@@ -584,7 +584,8 @@ _EXAMPLES = max(2, settings().max_examples // 5)  # dev: 2, ci: 5
 
 
 @pytest.mark.parametrize("parallel", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["parallel", "exact"])
-@pytest.mark.parametrize("kind", list(GROUP_KINDS))
+# full+full in the slow run only (quick budget): full+sliding covers two groups in the quick run
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "full+full" else k for k in GROUP_KINDS])
 @settings(max_examples=_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                           HealthCheck.data_too_large])
 @given(data=st.data())
@@ -637,7 +638,9 @@ def alloc(p: Pair, slots, nts, tgs, lks=None, sof=True):
                 lambda: p.dev.allocate_slots(slots, nts, tgs, lks, stop_on_failure=sof), admitted_norm)
 
 
-@pytest.mark.parametrize("groups", [("full",), ("full", "full"), ("full", SW)], ids=["full", "full+full", "full+sw"])
+# full+full in the slow run only (quick budget): full+sw covers two groups in the quick run
+@pytest.mark.parametrize("groups", [("full",), pytest.param(("full", "full"), marks=pytest.mark.slow), ("full", SW)],
+                         ids=["full", "full+full", "full+sw"])
 def test_get_computed_blocks_agree(groups):
     """Shared prefixes, a repeated hash (one block hit twice), every num_tokens cap, any slot order."""
     p = small_pair(groups)

@@ -143,3 +143,24 @@ def test_a_request_too_large_for_int32_is_rejected_on_both():
     ref, dev = both(trace, 8)
     assert ref.rejected == dev.rejected == 1
     assert_replays_agree(ref, dev)
+
+
+def test_progress_moves_as_the_interpreter_works(monkeypatch):
+    """In Triton's interpreter the loop syncs after short launches, so the bar moves during the run
+    (it once sat at 0 until a single launch had replayed 1,000 time points)."""
+    from gpupool.replay import device as dev_mod
+    from gpupool.replay.trace import TraceRequest
+
+    seen = []
+
+    class Bar:
+        def update(self, n):
+            seen.append(n)
+
+        def close(self):
+            pass
+    monkeypatch.setattr(dev_mod, "progress_bar", lambda progress, total, desc: Bar() if progress else None)
+    trace = [TraceRequest(float(i), 8, 1 + i % 3, (i % 4,)) for i in range(24)]
+    rep = dev_mod.replay_on_device(BlockPool(64), trace, block_size=4, tpot_ms=1.0, progress=True)
+    assert sum(seen) == 24 == rep.requests
+    assert len([n for n in seen if n > 0]) >= 2, seen  # in steps, not one jump at the end

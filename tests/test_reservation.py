@@ -307,6 +307,35 @@ def test_bad_input_is_a_typed_error_and_changes_nothing():
     validate(p)
 
 
+def test_values_past_int32_are_typed_errors_as_on_the_reference():
+    """A token count whose sum with ``num_computed`` passes int32 (``reserve([0, 1], [2**31 - 1, 4])``:
+    the device once wrapped and booked slot 1 with nothing reserved) and values past int32 in the
+    lists of ``reserve``, ``release_reservation``, ``allocate_slots`` and ``slot_mapping``: the
+    reference's error class, nothing changed (no torch RuntimeError)."""
+    p = pair()
+    add(p, 0, [], 0)
+    add(p, 1, [], 0)
+    assert alloc(p, [0, 1], [4, 8], [4, 8]) == [True, True]
+    big = 2 ** 40
+    for tensors in (False, True):  # fits int32: a device tensor too
+        expect_error(p, InvalidCountError, "int32 wrap", lambda: p.ref.reserve([0, 1], [2**31 - 1, 4]),
+                     lambda: p.dev.reserve(i32([0, 1]), i32([2**31 - 1, 4])) if tensors
+                     else p.dev.reserve([0, 1], [2**31 - 1, 4]))
+    cases = [
+        (InvalidCountError, "reserve tokens", lambda m: m.reserve([0, 1], [1, big])),
+        (InvalidArgumentError, "reserve slot", lambda m: m.reserve([big], [1])),
+        (InvalidArgumentError, "release slot", lambda m: m.release_reservation([0, -big])),
+        (InvalidCountError, "allocate_slots tokens", lambda m: m.allocate_slots([0], [big], [big], [False])),
+        (InvalidCountError, "allocate_slots target", lambda m: m.allocate_slots([0], [4], [big], [False])),
+        (InvalidArgumentError, "allocate_slots slot", lambda m: m.allocate_slots([big], [4], [4], [False])),
+        (InvalidArgumentError, "slot_mapping position", lambda m: m.slot_mapping([0], [big])),
+        (InvalidArgumentError, "slot_mapping slot", lambda m: m.slot_mapping([big], [0])),
+    ]
+    for exc, desc, fn in cases:
+        expect_error(p, exc, desc, lambda: fn(p.ref), lambda: fn(p.dev))
+    assert reservations(p) == ([0, 0, 0, 0], 0)
+
+
 def test_cow_ops_respect_reservations():
     """cow_move of another request may not take a reserved block; the reserved request's own
     cow_move draws from its reservation."""

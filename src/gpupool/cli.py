@@ -3,7 +3,7 @@
 Examples::
 
     gpupool replay                                  # bundled trace; see "what runs" below
-    gpupool replay --pool reference                 # CPU reference pool, whole trace (about a second)
+    gpupool replay --pool reference                 # CPU reference pool, whole trace (a few seconds)
     gpupool replay --pool both --json out.json      # both pools on the same requests; exit 1 unless equal
     gpupool replay my.jsonl --lenient --json -      # a trace of your own; the JSON report on stdout
     gpupool bench --quick                           # benchmarks (bench/), JSON + PNG under bench/out/
@@ -135,13 +135,9 @@ POOL_BYTES_PER_BLOCK = {"reference": 300, "device": 550}
 
 def _available_bytes(device: str | None) -> int | None:
     """Free memory where the pool would live (CUDA: the device's; else the host's), None if unknown."""
-    try:
-        if device is not None and device.startswith("cuda"):
-            import torch
-            return torch.cuda.mem_get_info(torch.device(device))[0]
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError, RuntimeError):
-        return None
+    from .memory import available_bytes
+
+    return available_bytes(device)
 
 
 def _check_pool_memory(kind: str, num_blocks: int, device: str | None) -> None:
@@ -291,8 +287,9 @@ def _add_bench_parser(sub) -> None:
 
 
 def bench_dir() -> Path:
-    """The benchmark suite: ``bench/`` next to the package in a source checkout."""
-    return Path(__file__).resolve().parents[1] / "bench"
+    """The benchmark suite: ``bench/`` at the root of a source checkout (``src/gpupool/cli.py`` is
+    two folders below it)."""
+    return Path(__file__).resolve().parents[2] / "bench"
 
 
 _SKIP_LINE = re.compile(r"^SKIPPED \[(\d+)\] [^:]+(?::\d+)?: (.*)$")
@@ -366,7 +363,7 @@ def cmd_bench(args) -> int:
     print(plot.table(json_path))
     skips = skip_reasons(log_text)
     if skips:
-        print(f"skipped {sum(n for n, _ in skips)} case(s):")
+        print(f"skipped {_count(sum(n for n, _ in skips), 'case')}:")
         for n, reason in skips:
             print(f"  {n:>4}  {reason}")
     size = json_path.stat().st_size / 1e6
@@ -390,6 +387,11 @@ def _load_bench_plot(suite: Path):
 
 def _fmt_int(x: int) -> str:
     return f"{x:,}"
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 request``, ``2 requests``, ``12,031 requests``."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 def format_report(rep: ReplayReport, speed: bool = True) -> str:
@@ -426,10 +428,27 @@ def format_comparison(ref: ReplayReport, dev: ReplayReport) -> str:
     return "\n".join(lines)
 
 
+class _Lines:
+    """A file for tqdm when stderr is not a terminal (a log, a pipe): each refresh of the bar as one
+    line, as pip and CI logs show progress, instead of carriage returns that pile up on one line."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").strip()
+        if text:
+            self.f.write(text + "\n")
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def _progress(flag: bool | None, desc: str):
     """The ``progress`` argument of a replay, the same rule for every pool: a bar when stderr is a
-    terminal (or ``--progress``), a line every 10 s when forced into a log, none with ``--no-progress``."""
-    if flag is False or (flag is None and not sys.stderr.isatty()):
+    terminal; when it is not (output redirected), a line every 10 s once a run has taken 10 s (with
+    ``--progress``, from the start); none with ``--no-progress``."""
+    if flag is False:
         return False
     if importlib.util.find_spec("tqdm") is None:
         if flag:
@@ -437,7 +456,8 @@ def _progress(flag: bool | None, desc: str):
         return False
     kw = {"desc": desc, "unit": "req", "leave": True}
     if not sys.stderr.isatty():
-        kw.update(mininterval=10.0, maxinterval=60.0)
+        kw.update(mininterval=10.0, maxinterval=10.0, delay=0.0 if flag else 10.0, file=_Lines(sys.stderr),
+                  ncols=100)
     return kw
 
 
@@ -520,13 +540,13 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
                        f"smallest request needs {min(needs):,} blocks of {args.block_size} tokens; use --num-blocks "
                        f">= {min(needs) + 1:,} (every request fits from {max(needs) + 1:,})")
     label = args.trace or "bundled Mooncake conversation trace"
-    say(f"trace           {label}: {_fmt_int(len(trace))} requests"
+    say(f"trace           {label}: {_count(len(trace), 'request')}"
         + (f" (--limit {args.limit} of {tr.lines:,})" if args.limit is not None and args.limit < tr.lines else ""))
     for note in tr.notes:
         say(f"note: {note}")
     too_big = sum(1 for n in needs if n > usable)
     if too_big:
-        say(f"note: {too_big:,} requests need more than the pool's {usable:,} usable blocks and are rejected "
+        say(f"note: {_count(too_big, 'request')} {'needs' if too_big == 1 else 'need'} more than the pool's {usable:,} usable blocks and {'is' if too_big == 1 else 'are'} rejected "
             f"(--num-blocks {max(needs) + 1:,} admits all)")
     env = {"device": _device_label(device), "interpreter": interp, **versions()}
     meta = {"trace": label, "limit": args.limit, "mode": args.pool, "trace_check": tr.summary(), "environment": env}
@@ -547,7 +567,7 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
     dev_cut = len(dev_reqs) < len(trace)
     dev_title = f"device pool: gpupool.BlockPool on {_device_label(device)}"
     ref_title = "reference pool: gpupool.ReferenceBlockPool (pure Python, CPU)"
-    whole = "whole trace" if args.limit is None else f"{len(trace):,} requests"
+    whole = f"first {_count(len(trace), 'request')}" if len(trace) < tr.lines else "whole trace"
     code = 0
     if args.pool == "reference":
         say(f"--- {ref_title}, {whole}")
@@ -556,9 +576,9 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
         result = _json_result(meta, reference=rep)
     elif args.pool == "device":
         if dev_cut:
-            say(f"note: the device pool runs in Triton's CPU interpreter: replaying the first {len(dev_reqs)} "
-                f"requests (--device-limit)")
-        say(f"--- {dev_title}" + (f", first {len(dev_reqs):,} requests" if dev_cut else f", {whole}"))
+            say(f"note: the device pool runs in Triton's CPU interpreter: replaying the first "
+                f"{_count(len(dev_reqs), 'request')} (--device-limit)")
+        say(f"--- {dev_title}" + (f", first {_count(len(dev_reqs), 'request')}" if dev_cut else f", {whole}"))
         rep = run("device", dev_reqs, "device pool")
         say(format_report(rep, speed=not interp))
         result = _json_result(meta, device=rep)
@@ -568,10 +588,10 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
         same = args.pool == "both" or not interp
         if args.pool == "both" and dev_cut:
             say(f"note: the device pool runs in Triton's CPU interpreter: both pools replay the first "
-                f"{len(dev_reqs)} requests (--device-limit)")
+                f"{_count(len(dev_reqs), 'request')} (--device-limit)")
             trace = dev_reqs
             dev_cut = False
-        whole = "whole trace" if args.limit is None else f"{len(trace):,} requests"
+        whole = f"first {_count(len(trace), 'request')}" if len(trace) < tr.lines else "whole trace"
         if same:
             say(f"--- result: {dev_title}, {whole}")
             dev = run("device", dev_reqs, "device pool")
@@ -582,8 +602,8 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
             say(f"--- result: {ref_title}, {whole}")
             ref = run("reference", trace, "reference pool")
             say(format_report(ref))
-            say(f"--- check: {dev_title}, first {len(dev_reqs):,} requests (slow: about 0.15 s per request), "
-                f"against the reference pool on the same requests")
+            say(f"--- check: {dev_title}, first {_count(len(dev_reqs), 'request')} (slow: the interpreter runs each "
+                f"kernel on the CPU; the progress bar shows the rate), against the reference pool on the same requests")
             dev = run("device", dev_reqs, "device pool")
             check_ref = ref if not dev_cut else run("reference", dev_reqs, "reference pool, check")
         mismatched = _compare(check_ref, dev)
@@ -597,7 +617,7 @@ def cmd_replay(args, argv: list[str] | None = None) -> int:
             code = 1
         else:
             say(f"identical       yes: the device pool's counts and free-queue digest equal the reference pool's "
-                f"on {'the same' if same else 'the first'} {n_checked:,} requests")
+                f"on {'the same' if same else 'the first'} {_count(n_checked, 'request')}")
         speedup = None
         if interp:
             say("speed           not compared: the device pool ran in Triton's CPU interpreter, which says nothing "
@@ -660,6 +680,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gpupool: error: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader of stdout went away (``gpupool replay | head -1``): stop quietly, as cat or yes do,
+        # with the shell's status for SIGPIPE; stdout goes to /dev/null so the exit's flush cannot fail
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13
 
 
 if __name__ == "__main__":  # pragma: no cover

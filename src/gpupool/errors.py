@@ -56,6 +56,17 @@ class PoolError(Exception):
         return cls(op, msg.format(value=value) if "{value}" in msg else f"{msg} ({value})", value)
 
 
+def out_of_blocks_message(n: int, num_free: int) -> str:
+    """Both pools' words for too few free blocks (vLLM's, with the free count)."""
+    return f"cannot get {n} free blocks from the pool ({num_free} free)"
+
+
+def double_free_message(block: int, verb: str, ref_cnt: int) -> str:
+    """Both pools' words for a block released more times than it is referenced (``verb``: freed,
+    unpinned)."""
+    return f"block {block} {verb} more times than it is referenced (ref_cnt {ref_cnt}): a double free"
+
+
 class OutOfBlocksError(PoolError, ValueError):
     """More blocks asked for than are free (``get_new_blocks``)."""
 
@@ -68,6 +79,14 @@ class InvalidCountError(PoolError, ValueError):
 
     code = ErrorCode.INVALID_COUNT
     device_message = "a negative block count or a token count outside the table"
+    _TOKENS = "token count {value} is negative or past max_blocks_per_req * block_size"
+    device_message_by_op = {
+        "get_new_blocks": "cannot allocate a negative number of blocks ({value})",
+        "allocate_batched": "demand {value} is negative",
+        "allocate_slots": _TOKENS,
+        "reserve": "token count {value} is negative or takes its request past max_blocks_per_req * block_size",
+        "decode_step": _TOKENS,
+    }
 
 
 class InvalidBlockIdError(PoolError, IndexError):
@@ -117,7 +136,15 @@ class InvalidArgumentError(PoolError, ValueError):
     code = ErrorCode.INVALID_ARG
     device_message = ("invalid argument: a block or slot listed twice or not in use, or a count, offset, slot "
                       "or position that does not fit its array")
-    device_message_by_op = {"cache_full_blocks": "block {value} is listed twice"}
+    _SLOTS = ("slot {value} is out of range, not in use (add_request first) or listed twice; or the batch's "
+              "count, {value}, is past its arrays")
+    device_message_by_op = {
+        "cache_full_blocks": "block {value} is listed twice",
+        "allocate_slots": _SLOTS, "free": _SLOTS, "reserve": _SLOTS, "release_reservation": _SLOTS,
+        "decode_step": _SLOTS,
+        "slot_mapping": ("slot or position {value}: a slot out of range or not in use, or a position outside its "
+                         "slot's row; or the count, {value}, is past the arrays"),
+    }
 
 
 class ArgumentTypeError(InvalidArgumentError, TypeError):
@@ -150,5 +177,5 @@ ERRORS_BY_CODE = {
 __all__ = [
     "ErrorCode", "PoolError", "OutOfBlocksError", "InvalidCountError", "InvalidBlockIdError", "NullBlockError",
     "DoubleFreeError", "HashConflictError", "KeyCapacityError", "InvalidArgumentError", "ArgumentTypeError",
-    "InvariantError", "BufferFullError", "ERRORS_BY_CODE",
+    "InvariantError", "BufferFullError", "ERRORS_BY_CODE", "out_of_blocks_message", "double_free_message",
 ]

@@ -43,7 +43,7 @@ import torch
 
 from . import tensors
 from .args import NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_id_list, as_int
-from .errors import ArgumentTypeError, InvalidArgumentError, InvariantError, OutOfBlocksError
+from .errors import ArgumentTypeError, InvalidArgumentError, InvalidCountError, InvariantError, OutOfBlocksError
 from .kernels.requests import copies as k_copies
 from .kernels.requests import decode as k_decode
 from .kernels.requests import exact as k_exact
@@ -276,13 +276,24 @@ class KVCacheManager:
         self._write_hashes(r, start, hs)
 
     # ---- batched ops (device tensors, no host sync) -------------------------------------------
-    def _i32(self, op: str, x, what: str) -> torch.Tensor:
-        return tensors.i32(op, x, what, self.device)
+    def _i32(self, op: str, x, what: str, error=InvalidArgumentError) -> torch.Tensor:
+        """``x`` as an int32 tensor on the device (``tensors.i32``); a value of a sequence outside int32
+        raises ``error`` (the reference's class for that argument: a count InvalidCountError, an id
+        InvalidArgumentError) before anything runs."""
+        return tensors.i32(op, x, what, self.device, error)
 
     def _index_tensor(self, op: str, x, what: str) -> torch.Tensor:
-        """An int32 or int64 tensor on the device (read as is by the kernel: no narrowing), or a list."""
+        """An int32 or int64 tensor on the device (read as is by the kernel: no narrowing), or a list
+        (int64 where a value is past int32, so the kernel finds it out of range as for any other)."""
         if isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.device == self.device and x.dim() == 1:
             return x.contiguous()
+        if not isinstance(x, torch.Tensor):
+            x = as_id_list(op, x)
+            if any(not -(1 << 31) <= v < 1 << 31 for v in x):
+                bad = next((v for v in x if not -(1 << 63) <= v < 1 << 63), None)
+                if bad is not None:
+                    raise InvalidArgumentError(op, f"{what}: {bad} is outside int64", bad)
+                return torch.tensor(x, dtype=torch.int64, device=self.device)
         return self._i32(op, x, what)
 
     def _count(self, op: str, count, n: int) -> torch.Tensor:
@@ -320,8 +331,8 @@ class KVCacheManager:
         """An ``AllocateBatch`` from tensors or sequences (checked for dtype, device and lengths)."""
         op = "allocate_slots"
         s = self._i32(op, slots, "slots")
-        nt = self._i32(op, num_tokens, "num_tokens")
-        tg = self._i32(op, target_tokens, "target_tokens")
+        nt = self._i32(op, num_tokens, "num_tokens", InvalidCountError)
+        tg = self._i32(op, target_tokens, "target_tokens", InvalidCountError)
         b = s.numel()
         if lookup is None:
             lk = torch.zeros(b, dtype=torch.int8, device=self.device)
@@ -390,7 +401,7 @@ class KVCacheManager:
         raised at ``pool.check()``) and change nothing; lengths that differ raise InvalidArgumentError."""
         op = "reserve"
         s = self._i32(op, slots, "slots")
-        n = self._i32(op, num_tokens, "num_tokens")
+        n = self._i32(op, num_tokens, "num_tokens", InvalidCountError)
         if s.numel() != n.numel():
             raise InvalidArgumentError(op, "slots and num_tokens differ in length")
         if out is None:  # the kernel writes every entry: no fill kernel
@@ -513,7 +524,8 @@ class KVCacheManager:
         ``p = positions[t] + position_offset`` (``slots, positions: int32[T]`` on the device, the first
         ``num[0]`` counted). A slot not in use or a position outside its row gives -1 and
         InvalidArgumentError at the next ``check()``; with ``admitted: int32[T]``, entries whose flag is 0
-        give -1 and no error (requests a step did not admit). No host sync."""
+        give -1 and no error (requests a step did not admit); entries past ``num[0]`` give -1 (all of
+        them for a count past the arrays; docs/errors.md, "Outputs of a failed or skipped op"). No host sync."""
         op = "slot_mapping"
         g = self._group(op, group)
         s = self._index_tensor(op, slots, "slots")

@@ -27,7 +27,10 @@ from .args import (
     NULL_BLOCK, as_groups, as_host_list, as_id_list, as_int, cache_full_args, check_block_id, check_hash, device_arg,
     num_blocks_arg, partial_block_args,
 )
-from .errors import ArgumentTypeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError, PoolError
+from .errors import (
+    ArgumentTypeError, DoubleFreeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError, PoolError,
+    double_free_message, out_of_blocks_message,
+)
 from .events import AllBlocksCleared, BlockRemoved, BlockStored
 from .kernels import alloc as k_alloc
 from .kernels import cache as k_cache
@@ -36,6 +39,7 @@ from .kernels import lookup as k_lookup
 from .kernels import release as k_release
 from .kernels.layout import CHUNK_SLOTS, KEY_WIDTH, Ctrl, Event, Fallback, KeyCol, Op, Status, op_name
 from .locking import locked, new_lock
+from .memory import allocate_checked
 from .registry import KeyRegistry
 from .state import PoolConfig, PoolState, allocate_state, make_config, metadata_bytes
 
@@ -107,7 +111,7 @@ class BlockPool:
         self.config = make_config(num_blocks, max_keys_per_block, caching=enable_caching,
                                   events=enable_kv_cache_events, ring_capacity=ring_capacity, num_chunks=num_chunks,
                                   event_capacity=event_capacity)
-        self.state = allocate_state(self.config, self.device)
+        self.state = allocate_checked(op, "num_blocks", num_blocks, lambda d: allocate_state(self.config, d), self.device)
         self.registry = KeyRegistry(self._live_keys)
         self._watchers: dict[int, Callable[[int], None]] = {}  # dict order = registration order
         self._events: list = []
@@ -137,7 +141,19 @@ class BlockPool:
             cb(b)
         if status[Status.CODE]:
             s.status.zero_()
-            raise PoolError.from_status(status[Status.CODE], op_name(status[Status.OP]), status[Status.VALUE])
+            raise self._recorded_error(status[Status.CODE], op_name(status[Status.OP]), status[Status.VALUE],
+                                       ctrl[Ctrl.NUM_FREE])
+
+    def _recorded_error(self, code: int, op: str, value: int, num_free: int) -> PoolError:
+        """The status word's error, worded as the reference pool words it: the free count of an
+        out-of-blocks error and the ref count of a double free, read now (the failed op, and every op
+        skipped after it, changed neither)."""
+        if code == OutOfBlocksError.code:
+            return OutOfBlocksError(op, out_of_blocks_message(value, num_free), value)
+        if code == DoubleFreeError.code and 0 <= value < self.num_blocks:
+            verb = "unpinned" if op == "unpin_blocks" else "freed"
+            return DoubleFreeError(op, double_free_message(value, verb, int(self.state.ref_cnt[value])), value)
+        return PoolError.from_status(code, op, value)
 
     synchronize = check
 
@@ -203,7 +219,7 @@ class BlockPool:
         if n < 0:
             raise InvalidCountError(op, f"cannot allocate a negative number of blocks ({n})", n)
         if n > self.num_blocks:
-            raise OutOfBlocksError(op, f"cannot get {n} free blocks from a pool of {self.num_blocks}", n)
+            raise OutOfBlocksError(op, out_of_blocks_message(n, int(self.state.ctrl[Ctrl.NUM_FREE])), n)
         blocks, _ = k_alloc.launch_alloc(self.state, self.config, self._tensor([n]), self._count(op, None, 1),
                                          op=Op.GET_NEW_BLOCKS, max_total=n, fill_tail=False)
         self.check()
@@ -369,8 +385,10 @@ class BlockPool:
         ``demands: int32[B]`` on the device (``num_demands: int32[1]`` may say only the first k count).
         Returns ``(blocks: int32[N + 1], offsets: int32[B + 1])``: demand k got
         ``blocks[offsets[k]:offsets[k+1]]``; every entry of ``blocks`` past ``offsets[num_demands]`` is -1
-        (all of ``blocks`` when the op fails or is skipped). Entries of ``offsets`` past
-        ``num_demands + 1`` are unspecified. Errors go to the status word (raised by :meth:`check`).
+        (all of ``blocks`` when the op fails or is skipped). When the op fails or is skipped (an earlier
+        error pending) every entry of ``offsets`` is 0 (no demand got a block); after a success the
+        entries past ``num_demands + 1`` are unspecified. Errors go to the status word (raised by
+        :meth:`check`; docs/errors.md, "Outputs of a failed or skipped op").
         """
         op = "allocate_batched"
         demands = self._device_i32(op, demands, "demands")

@@ -34,11 +34,16 @@ def device_i32(op: str, t, what: str, device: torch.device) -> torch.Tensor:
     return t.contiguous()
 
 
-def i32(op: str, x, what: str, device: torch.device) -> torch.Tensor:
-    """:func:`device_i32` of a tensor; a sequence of ints becomes a new ``int32`` tensor on ``device``."""
+def i32(op: str, x, what: str, device: torch.device, error=InvalidArgumentError) -> torch.Tensor:
+    """:func:`device_i32` of a tensor; a sequence of ints becomes a new ``int32`` tensor on ``device``
+    (a value outside int32 raises ``error`` first)."""
     if isinstance(x, torch.Tensor):
         return device_i32(op, x, what, device)
-    return torch.tensor(as_id_list(op, x), dtype=torch.int32, device=device)
+    vals = as_id_list(op, x)
+    bad = next((v for v in vals if not -(1 << 31) <= v < 1 << 31), None)
+    if bad is not None:
+        raise error(op, f"{what}: {bad} is outside int32", bad)
+    return torch.tensor(vals, dtype=torch.int32, device=device)
 
 
 def device_count(op: str, count, device: torch.device) -> torch.Tensor | None:

@@ -122,7 +122,8 @@ def alloc_kernel(ps, pc: tl.constexpr, demands, num_demands, cap, out_blocks, ou
     head, num_free, ref counts, evicted keys, events and the reuse log. All or nothing: a negative
     demand (E_INVALID_COUNT), a running sum above num_free (E_OUT_OF_BLOCKS, the first demand that
     fails, as the sequence of calls) or events that would not fit (E_BUFFER_FULL) set the status word
-    instead. With ``FILL > 0`` every entry of ``out_blocks: int32[N + 1]`` past the last offset is -1
+    instead; then (or when an earlier error is pending and the op is skipped) every entry of
+    ``out_offsets: int32[cap + 1]`` is 0. With ``FILL > 0`` every entry of ``out_blocks: int32[N + 1]`` past the last offset is -1
     (all of it when the op does nothing): programs 1.. fill ``FILL`` entries each past the demands'
     sum, in parallel with program 0, which fills the rest itself when the op fails.
     """
@@ -133,9 +134,24 @@ def alloc_kernel(ps, pc: tl.constexpr, demands, num_demands, cap, out_blocks, ou
             fill_minus_one(out_blocks, used, pc.N + 1, (pid - 1).to(tl.int64) * FILL, FILL)
     elif status_clear(ps.status):
         err, total = alloc_batch(ps, pc, demands, num_demands, cap, out_blocks, out_offsets, OP)
-        if FILL > 0:
-            if err != 0:  # the other programs filled from the demands' sum on
+        if err != 0:
+            if FILL > 0:  # the other programs filled from the demands' sum on
                 fill_head_minus_one(out_blocks, tl.minimum(total, pc.N + 1), pc.BLOCK)
+            tl.debug_barrier()  # strict: after alloc_batch's stores of the running sums, from other threads
+            zero_offsets(out_offsets, cap, pc.BLOCK)
+    else:  # skipped (an earlier error is pending): no demand got a block
+        zero_offsets(out_offsets, cap, pc.BLOCK)
+
+
+@triton.jit
+def zero_offsets(out_offsets, cap, BLOCK: tl.constexpr):
+    """``out_offsets[0 : cap + 1] = 0``: the offsets of an op that failed or was skipped (every demand
+    got ``blocks[0:0]``, nothing)."""
+    offs = tl.arange(0, BLOCK)
+    i = 0
+    while i < cap + 1:
+        tl.store(out_offsets + i + offs, tl.zeros([BLOCK], tl.int32), mask=(i + offs) < cap + 1)
+        i += BLOCK
 
 
 @triton.jit

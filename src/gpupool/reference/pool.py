@@ -16,7 +16,7 @@ from ..args import (
 )
 from ..errors import (
     ArgumentTypeError, DoubleFreeError, HashConflictError, InvalidArgumentError, InvalidCountError,
-    InvariantError, KeyCapacityError, NullBlockError, OutOfBlocksError,
+    InvariantError, KeyCapacityError, NullBlockError, OutOfBlocksError, double_free_message, out_of_blocks_message,
 )
 from ..events import AllBlocksCleared, BlockRemoved, BlockStored
 from ..locking import Locked, locked, new_lock
@@ -168,7 +168,7 @@ class ReferenceBlockPool(Locked):
         if n < 0:
             raise InvalidCountError(op, f"cannot allocate a negative number of blocks ({n})", n)
         if n > self.free_block_queue.size:
-            raise OutOfBlocksError(op, f"cannot get {n} free blocks from the pool ({self.free_block_queue.size} free)", n)
+            raise OutOfBlocksError(op, out_of_blocks_message(n, self.free_block_queue.size), n)
         blocks = self.free_block_queue.popleft_n(n)
         for b in blocks:
             if self.enable_caching:
@@ -194,7 +194,7 @@ class ReferenceBlockPool(Locked):
                 count[b] = count.get(b, 0) + 1
         for b, c in count.items():
             if c > self.ref_cnt[b]:
-                raise DoubleFreeError(op, f"block {b} freed {c} time(s) with ref_cnt {self.ref_cnt[b]}", b)
+                raise DoubleFreeError(op, double_free_message(b, "freed", self.ref_cnt[b]), b)
         front, back = [], []
         for b in ids:
             if b == NULL_BLOCK:
@@ -233,7 +233,7 @@ class ReferenceBlockPool(Locked):
             count[b] = count.get(b, 0) + 1
         for b, c in count.items():
             if c > self.ref_cnt[b]:
-                raise DoubleFreeError(op, f"block {b} unpinned {c} time(s) with ref_cnt {self.ref_cnt[b]}", b)
+                raise DoubleFreeError(op, double_free_message(b, "unpinned", self.ref_cnt[b]), b)
         back = []
         for b in ids:
             self.ref_cnt[b] -= 1

@@ -25,6 +25,10 @@ from .trace import TraceRequest
 
 DEFAULT_TIME_POINTS_PER_LAUNCH = 1024
 DEFAULT_LAUNCHES_PER_SYNC = 4
+#: in Triton's interpreter a time point costs milliseconds, not microseconds: short launches and a
+#: sync after each, so the progress bar moves every second or so instead of once per 1,000 requests
+INTERPRETER_TIME_POINTS_PER_LAUNCH = 16
+INTERPRETER_LAUNCHES_PER_SYNC = 1
 
 
 def upload_trace(trace: list[TraceRequest], num_blocks: int, block_size: int, tpot_ms: float, device,
@@ -86,13 +90,14 @@ def new_loop_state(num_requests: int, num_blocks: int, blocks: int, biggest: int
 
 def replay_on_device(pool, trace: list[TraceRequest], *, block_size: int = DEFAULT_BLOCK_SIZE,
                      tpot_ms: float = DEFAULT_TPOT_MS, progress: bool | Mapping = False,
-                     time_points_per_launch: int = DEFAULT_TIME_POINTS_PER_LAUNCH,
-                     launches_per_sync: int = DEFAULT_LAUNCHES_PER_SYNC) -> ReplayReport:
+                     time_points_per_launch: int | None = None,
+                     launches_per_sync: int | None = None) -> ReplayReport:
     """Replay ``trace`` on a device ``BlockPool`` with the event loop on the device (module docstring).
 
     Same model, arguments, checks and report as :func:`gpupool.replay.replay`; the report's ``pool``
     is ``"BlockPool (device loop)"``. ``time_points_per_launch`` (>= 1) bounds one launch's work;
-    the host waits for the device once per ``launches_per_sync`` (>= 1) launches. The pool must have
+    the host waits for the device once per ``launches_per_sync`` (>= 1) launches (None: 1,024 and 4 on
+    a GPU; 16 and 1 in Triton's interpreter, so that ``progress`` moves as the work is done). The pool must have
     KV events off (the loop has no consumer for them). Raises TypeError for a pool that is not a
     ``BlockPool``; ValueError (TraceError) for bad arguments or requests, a pool with blocks in use or
     with KV events on; the pool's errors (``check()``) if a kernel recorded one.
@@ -100,6 +105,11 @@ def replay_on_device(pool, trace: list[TraceRequest], *, block_size: int = DEFAU
     if not isinstance(pool, BlockPool):
         raise TypeError(f"replay_on_device needs a gpupool.BlockPool, got {type(pool).__name__}")
     trace = check_replay_args(pool, trace, block_size, tpot_ms)
+    interp = pool.device.type == "cpu"
+    if time_points_per_launch is None:
+        time_points_per_launch = INTERPRETER_TIME_POINTS_PER_LAUNCH if interp else DEFAULT_TIME_POINTS_PER_LAUNCH
+    if launches_per_sync is None:
+        launches_per_sync = INTERPRETER_LAUNCHES_PER_SYNC if interp else DEFAULT_LAUNCHES_PER_SYNC
     for name, v in (("time_points_per_launch", time_points_per_launch), ("launches_per_sync", launches_per_sync)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")

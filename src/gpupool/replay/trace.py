@@ -113,12 +113,22 @@ def check_requests(trace) -> list[TraceRequest]:
     return out
 
 
+#: bytes a trace line may hold (the bundled trace's longest is about 2 KB): a file without newlines
+#: (``/dev/zero``) is refused at this length instead of read until memory runs out
+MAX_LINE_BYTES = 4 << 20
+_BOM = b"\xef\xbb\xbf"
+
+
 def _parse_line(text: str, where: str, block_size: int, lenient: bool, counts: list[int]) -> TraceRequest:
     """One line as a TraceRequest; ``counts`` = [short, long] hash-id lists seen (lenient)."""
     try:
         row = json.loads(text)
     except json.JSONDecodeError as e:
         raise TraceError(f"{where}: not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise TraceError(f"{where}: not a trace line (JSON nested too deeply)") from None
+    except ValueError as e:  # an integer past Python's str-to-int limit (sys.get_int_max_str_digits())
+        raise TraceError(f"{where}: a number too long to read ({str(e).split(';')[0]})") from None
     if not isinstance(row, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(row).__name__}")
     missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in row]
@@ -141,6 +151,27 @@ def _parse_line(text: str, where: str, block_size: int, lenient: bool, counts: l
     return TraceRequest(ts, inp, out, tuple(ids))
 
 
+def _lines(f, name: str):
+    """The lines of the binary file ``f`` as text: UTF-8 (a byte-order mark at the start is dropped, as
+    Python's ``utf-8-sig`` does), at most MAX_LINE_BYTES each; TraceError names the line otherwise."""
+    lineno = 0
+    while True:
+        raw = f.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > MAX_LINE_BYTES:
+            raise TraceError(f"{name}, line {lineno}: longer than {MAX_LINE_BYTES >> 20} MiB without a newline; "
+                             f"not a JSON-lines trace")
+        if lineno == 1 and raw.startswith(_BOM):
+            raw = raw[len(_BOM):]
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TraceError(f"{name}, line {lineno}: not UTF-8 (byte {e.start + 1} of the line is "
+                             f"{raw[e.start]:#04x})") from None
+
+
 def read_trace(path: str | PathLike | None = None, *, limit: int | None = None,
                block_size: int = TRACE_BLOCK_SIZE, lenient: bool = False) -> Trace:
     """Read and check a Mooncake-format JSON-lines trace (default: the bundled conversation trace).
@@ -150,9 +181,11 @@ def read_trace(path: str | PathLike | None = None, *, limit: int | None = None,
     integers or strings with ``ceil(input_length / block_size)`` entries (with ``lenient``, a longer
     list is cut and a shorter one kept, and both are counted). Blank lines are skipped. Requests are
     sorted by timestamp (stable) and then cut to the first ``limit``.
-    Raises TraceError (a ValueError) naming the file, line and field of the first bad line, or for a
-    trace without any request; ValueError for a bad ``limit`` or ``block_size``; FileNotFoundError,
-    OSError or UnicodeDecodeError when the file cannot be read.
+    The file is UTF-8 (a leading byte-order mark is accepted), each line at most MAX_LINE_BYTES.
+    Raises TraceError (a ValueError) naming the file, line and field of the first bad line (also for
+    a line that is not UTF-8, too long, nested too deeply or holds a number too long to read), or for a
+    trace without any request; ValueError for a bad ``limit`` or ``block_size``; FileNotFoundError or
+    OSError when the file cannot be read.
     """
     if limit is not None and (not _is_int(limit) or limit < 0):
         raise ValueError(f"limit must be an integer >= 0, got {limit!r}")
@@ -167,8 +200,8 @@ def read_trace(path: str | PathLike | None = None, *, limit: int | None = None,
     reqs: list[TraceRequest] = []
     counts = [0, 0]
     out_of_order = 0
-    with source.open("r", encoding="utf-8") as f:
-        for lineno, text in enumerate(f, 1):
+    with source.open("rb") as f:
+        for lineno, text in enumerate(_lines(f, name), 1):
             if not text.strip():
                 continue
             r = _parse_line(text, f"{name}, line {lineno}", block_size, lenient, counts)
@@ -184,7 +217,8 @@ def read_trace(path: str | PathLike | None = None, *, limit: int | None = None,
         reqs = reqs[:limit]
     t = Trace(reqs, name, block_size, lines, out_of_order, counts[0], counts[1])
     if out_of_order:
-        t.notes.append(f"{out_of_order:,} lines were out of timestamp order: sorted by timestamp (ties in file order)")
+        t.notes.append(f"{out_of_order:,} {'line was' if out_of_order == 1 else 'lines were'} out of timestamp order: "
+                       "sorted by timestamp (ties in file order)")
     if t.clamped:
         t.notes.append(f"--lenient: {t.clamped:,} of {lines:,} lines had hash_ids of the wrong length "
                        f"({counts[0]:,} short: their last blocks are not cached; {counts[1]:,} long: cut)")

@@ -99,9 +99,18 @@ def with_event_room(ps, pc: tl.constexpr, err, val, rows):
 def check_allocate_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap):
     """(requests, error) of an ``allocate_slots`` batch: a count outside ``0..cap``, a slot out of
     range, repeated or not in use, a token count outside ``0 .. M * BS`` or events that might not fit
-    set the status word (the error is then nonzero). Also zeroes ``admitted``."""
+    set the status word (the error is then nonzero). Also zeroes ``admitted: int32[cap]``, all of
+    it, the op skipped or not."""
     nb, nb_ok = checked_count(batch.num_reqs, cap)
     err = tl.full([], E_INVALID_ARG, tl.int32)
+    # every flag 0 first: a failed or skipped batch (or a count past the array) admits nobody, whatever
+    # the buffer held (a captured step's reused ``admitted``)
+    offs = tl.arange(0, mc.BLOCK)
+    i = 0
+    while i < cap:
+        tl.store(batch.admitted + i + offs, tl.zeros([mc.BLOCK], tl.int32), mask=(i + offs) < cap)
+        i += mc.BLOCK
+    tl.debug_barrier()  # strict: before check_batch_counts zeroes the first nb again (other threads)
     if status_clear(ps.status):
         err, err_val = check_slots(ms, mc, slots=batch.slots, nb=nb)
         b_err, b_val, rows = check_batch_counts(ps, pc, ms, mc, batch, nb, MIN_TOKENS=0)

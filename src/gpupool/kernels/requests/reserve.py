@@ -48,7 +48,7 @@ def reserve_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_tokens
             k = i + offs
             m = k < nb
             r, n, okr, nc = request_tile(ms, mc, slots=slots, num_tokens=num_tokens, k=k, m=m)
-            bad = okr & ((n < 0) | (nc + n > mc.M * mc.BS))
+            bad = okr & ((n < 0) | (nc.to(tl.int64) + n > mc.M * mc.BS))  # int64: nc + n can pass int32
             if err == 0:
                 err, val, err_i = keep_first(err, val, err_i, new_err=E_INVALID_COUNT, bad=bad, idx=k, val=n)
             i += mc.BLOCK

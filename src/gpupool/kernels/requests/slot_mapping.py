@@ -27,14 +27,15 @@ def slot_mapping(ps, ms, mc: tl.constexpr, slots, positions, num, cap, out, grou
     """``out[t] = block_table[group, slots[t], p // BS] * BS + p % BS`` with ``p = positions[t] + offset``
     for ``t < num[0]`` (at most ``cap``): each slot in use and each position inside its row; else -1
     there and E_INVALID_ARG in the status word (the first bad entry). With ``HAS_ADMITTED``, entries
-    whose ``admitted[t]`` is 0 give -1 and are no error."""
+    whose ``admitted[t]`` is 0 give -1 and are no error. Entries ``num[0] .. cap - 1`` are -1 (all
+    of ``out[:cap]`` for a count outside ``0..cap``)."""
     n, n_ok = checked_count(num, cap)
     err = tl.where(n_ok, 0, E_INVALID_ARG)
     err_val = tl.where(n_ok, 0, tl.load(num)).to(tl.int64)
     offs = tl.arange(0, mc.BLOCK)
     err_i = tl.full([], BIG, tl.int32)
     i = 0
-    while i < n:
+    while i < cap:  # to cap: entries past the count are -1 too (all of them for a count past the arrays)
         idx = i + offs
         inb = idx < n
         m = inb
@@ -46,7 +47,7 @@ def slot_mapping(ps, ms, mc: tl.constexpr, slots, positions, num, cap, out, grou
         okr = okr & (tl.load(ms.active + r, mask=okr, other=0) != 0)
         nblk = tl.load(ms.num_blocks + r, mask=okr, other=0)
         ok = okr & (p >= 0) & (p < nblk.to(tl.int64) * mc.BS)
-        tl.store(out + idx, slot_of(ms, mc, group=group, r=r, p=p, ok=ok), mask=inb)
+        tl.store(out + idx, slot_of(ms, mc, group=group, r=r, p=p, ok=ok), mask=idx < cap)
         err, err_val, err_i = keep_first(err, err_val, err_i, new_err=E_INVALID_ARG, bad=m & ~ok, idx=idx,
                                          val=tl.where(okr, p, r))
         i += mc.BLOCK
