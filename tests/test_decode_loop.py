@@ -103,8 +103,9 @@ def test_a_copy_that_does_not_run_changes_the_fork(model, small, monkeypatch):
 def test_reservations_evict_no_more_than_single_steps(model):
     """Requests arrive as others finish and hit their cached prefixes: booking a burst's blocks
     (reserve) evicts no more cached blocks than single steps; popping them up front (pre-booking,
-    what engines do today) is reported beside it."""
-    reqs = workload(n=8, prompt=10, prefix=8, new=8, seed=5)
+    what engines do today) is reported beside it. 9 tokens a request: the prefill's, then two bursts
+    of 4, so no request ends inside a burst (one that does decodes to the burst's end)."""
+    reqs = workload(n=8, prompt=10, prefix=8, new=9, seed=5)
     want = {r.rid: dl.contiguous_decode(model, r) for r in reqs}
     stats = {}
     for mode, K in (("step", 1), ("burst", 4), ("prebook", 4)):
