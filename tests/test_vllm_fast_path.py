@@ -341,7 +341,7 @@ def test_batch_rounds_where_the_order_requires():
 def test_a_decode_step_is_one_flush():
     """vLLM's decode step over 32 running requests, each crossing into a new block (``get_new_blocks(1)``)
     and caching the block it filled (``cache_full_blocks``), after the frees of 2 finished requests:
-    one flush at ``end_step``, ONE ``apply_batched`` launch with two host-to-device copies and no
+    one flush at ``end_step``, ONE ``apply_predicted`` launch with two host-to-device copies and no
     synchronisation, where the per-call adapter launches 66 ops; ids and state equal."""
     n, nreq = 80, 32
     pools = [DeferredBlockPool(n, True, BS, device="cpu"), BlockPool(n, True, BS, device="cpu")]
@@ -355,8 +355,8 @@ def test_a_decode_step_is_one_flush():
             flushes0 = p.flushes
             counts = {}
             dev = p._dev
-            for name in ("apply_batched", "allocate_batched", "free_batched", "touch_batched", "cache_blocks_batched",
-                         "_tensor"):
+            for name in ("apply_predicted", "apply_batched", "allocate_batched", "free_batched", "touch_batched",
+                         "cache_blocks_batched", "_tensor"):
                 def counted(*a, _f=getattr(dev, name), _n=name, **k):
                     counts[_n] = counts.get(_n, 0) + 1
                     return _f(*a, **k)
@@ -370,7 +370,7 @@ def test_a_decode_step_is_one_flush():
         p.end_step()  # GpuPoolScheduler's, after schedule(): launches the step's batch
         if isinstance(p, DeferredBlockPool):
             # two host-to-device copies: ids, offsets, demands, rounds and expected pops in one, the keys
-            assert p.flushes - flushes0 == 1 and counts == {"apply_batched": 1, "_tensor": 2}, (p.flushes, counts)
+            assert p.flushes - flushes0 == 1 and counts == {"apply_predicted": 1, "_tensor": 2}, (p.flushes, counts)
             assert p.syncs == {}
             p.device_pool.validate()
         got.append((ids, driver.snapshot(p)))

@@ -32,7 +32,6 @@ import torch
 
 from .. import events as gp_events
 from ..errors import ArgumentTypeError, InvalidArgumentError, OutOfBlocksError, PoolError
-from ..kernels.layout import Ctrl
 from ..pool import BlockPool as DevicePool
 from ..reference import ReferenceBlockPool
 from . import kv_events as _gp_kv_events
@@ -450,23 +449,17 @@ class BlockPool:
         ids = list(dict.fromkeys(int(b) for b in ids))
         if self.backend == "reference":
             return self._refresh_reference(ids)
-        idx = torch.tensor(ids, dtype=torch.long, device=self._dev.device)
-        rows = self._mirror_rows(idx).tolist()
-        self._num_free = int(self._dev.state.ctrl[Ctrl.NUM_FREE])
-        self._apply_rows(ids, rows)
-
-    def _mirror_rows(self, idx: torch.Tensor) -> torch.Tensor:
-        """``int64[len(idx), 3 + 3 * max_keys]`` on the device: per block ref count, key count, covered
-        tokens, then (hi, lo, insertion seq) of each key slot."""
-        s, mk = self._dev.state, self._mk
-        kv = s.keys.view(self.num_gpu_blocks, mk, 5)[idx]
-        keys = torch.cat([kv[:, :, 0:2], kv[:, :, 3:4]], dim=2).reshape(idx.numel(), 3 * mk)  # hi, lo, seq
-        return torch.cat([s.ref_cnt[idx].long()[:, None], s.num_keys[idx].long()[:, None],
-                          s.hash_ntok[idx].long()[:, None], keys], dim=1)
+        dev = self._dev
+        idx = dev.host_tensor(ids, torch.int64)
+        flat = torch.cat([dev.counters()[1:2], dev.mirror_rows(idx).reshape(-1)]).tolist()  # one transfer
+        self._num_free = flat[0]
+        w = 3 + 3 * self._mk
+        self._apply_rows(ids, [flat[1 + i * w: 1 + (i + 1) * w] for i in range(len(ids))])
 
     def _apply_rows(self, ids: list[int], rows: list[list[int]]) -> None:
-        """Set the mirror of ``ids`` from :meth:`_mirror_rows`' rows (the key map from the difference)."""
-        name = self._dev.registry.name
+        """Set the mirror of ``ids`` from ``gpupool.BlockPool.mirror_rows``' rows (the key map from the
+        difference)."""
+        name = self._dev.key_name
         holders = self._holders
         for b, row in zip(ids, rows):
             self._ref[b] = row[0]

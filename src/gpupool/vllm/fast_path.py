@@ -56,12 +56,8 @@ import torch
 
 from ..args import MAX_GROUP_ID, MAX_TOKENS
 from ..errors import OutOfBlocksError, PoolError
-from ..kernels.layout import Ctrl
+from ..pool import PredictedBatch
 from .block_pool import BlockPool, KVCacheBlock, _hashes_at, make_block_hash_with_group_id
-
-# sync() reads ctrl[NUM_FREE : REUSE_COUNT + 1] as one slice: num_free, key seq, event count, reuse count
-if (Ctrl.NUM_FREE, Ctrl.KEY_SEQ, Ctrl.EV_COUNT, Ctrl.REUSE_COUNT) != (2, 3, 4, 5):
-    raise ImportError("gpupool.vllm.fast_path: the control-word layout changed (kernels/layout.py Ctrl)")
 
 # insertion sequence numbers of keys predicted on the host: after every device sequence number until
 # the next synchronisation replaces them with the device's
@@ -170,9 +166,9 @@ class DeferredBlockPool(BlockPool):
         self._pend_dev = None  # device: int32 ids of the placeholders of launched pops, in order
         self._pend_ref: list[int] = []  # reference backend: the same, on the host
         self._batch = _Batch()  # device backend: ops not launched yet
-        self._bad = None  # device: int64[1], popped ids that differed from the host's since the last sync
+        # device: the launches since the last synchronisation, (batch, confirmation, placeholders it added)
+        self._flights: list[tuple[_Batch, torch.Tensor, int]] = []
         self._watched = False  # unpin_blocks was called: pops run per call from then on
-        self._window = None  # ring offsets 0 .. FREE_WINDOW - 1 on the device (_window_dev)
         if self.deferred:
             self._set_window(self._read_window())
 
@@ -210,9 +206,8 @@ class DeferredBlockPool(BlockPool):
         return t.to(torch.int32)
 
     def _h2d(self, values, dtype) -> torch.Tensor:
-        """A host list on the device without a stream synchronisation (``gpupool.BlockPool._tensor``:
-        pinned and ``non_blocking`` on CUDA)."""
-        return self._dev._tensor(values, dtype)
+        """A host list on the device without a stream synchronisation (``gpupool.BlockPool.host_tensor``)."""
+        return self._dev.host_tensor(values, dtype)
 
     def _ref_ids(self, slots: list[int]) -> list[int]:
         n = self.num_gpu_blocks
@@ -220,16 +215,9 @@ class DeferredBlockPool(BlockPool):
 
     # ---- the host's copy of the free queue ----------------------------------------------------------
     def _window_dev(self) -> torch.Tensor:
-        """``int64[min(C, FREE_WINDOW)]`` on the device: the ids in the ring's first ``FREE_WINDOW``
-        slots from the head, -1 for holes (free blocks a touch unlinked) and slots past the tail; the
-        live ones are the free queue's first ids, in order (docs/algorithms.md section 1)."""
-        st, c = self._dev.state, self._dev.config.C
-        head, tail = st.ctrl[Ctrl.HEAD].long(), st.ctrl[Ctrl.TAIL].long()
-        if self._window is None:
-            self._window = torch.arange(min(c, FREE_WINDOW), dtype=torch.int64, device=self._dev.device)
-        rel = self._window
-        v = st.ring[(head + rel) & (c - 1)].long()
-        return torch.where((rel < tail - head) & (v >= 0), v, -1)
+        """``int64[min(C, FREE_WINDOW)]`` on the device: the free queue's first ids from the ring, -1
+        for holes (``gpupool.BlockPool.free_window``)."""
+        return self._dev.free_window(FREE_WINDOW)
 
     def _window_ref(self) -> list[int]:
         return list(self._dev.free_queue())[:FREE_WINDOW]
@@ -512,15 +500,19 @@ class DeferredBlockPool(BlockPool):
         return None
 
     def _flush(self) -> None:
-        """Launch the batch as ONE ``apply_batched`` (its rounds; in each, free: every call a segment;
-        touch; pop: every call a demand; cache), not waiting; the pops' ids are compared with the
-        host's on the device, the placeholders get theirs from its output, and a caching names them
-        as ``num_blocks + k``."""
+        """Launch the batch (:meth:`_launch`) and start a new one."""
         b = self._batch
         if not b:
             return
         self._batch = _Batch()
         self.flushes += 1
+        self._launch(b)
+
+    def _launch(self, b: _Batch) -> None:
+        """Launch ``b`` as ONE ``gpupool.BlockPool.apply_predicted`` (its rounds; in each, free: every
+        call a segment; touch; pop: every call a demand; cache), not waiting; the pops' ids are compared
+        with the host's on the device, the placeholders get theirs from its output, and a caching names
+        them as ``num_blocks + k``. The launch's confirmation is read at the next :meth:`sync`."""
         k0 = 0 if self._pend_dev is None else self._pend_dev.numel()
         rounds = [r for r in b.rounds if r]
         free = [x for r in rounds for x in r.free]
@@ -530,7 +522,7 @@ class DeferredBlockPool(BlockPool):
         cache_calls = [x for r in rounds for x in r.cache_calls]
         items = ([x for r in rounds for x in r.cache_keys], [x for r in rounds for x in r.cache_ntok], cache_calls)
         nf, nt, npred = len(free), len(touch), len(b.pred)
-        seg = [x for r in rounds for x in r.seg]  # each round's own offsets (apply_batched's rounds)
+        seg = [x for r in rounds for x in r.seg]  # each round's own offsets (apply_predicted's rounds)
         n = self.num_gpu_blocks
         if any(n <= s < n + k0 for s in free + touch + cache_slots):
             # a launched placeholder's id is on the device only: the id parts gathered there
@@ -538,20 +530,20 @@ class DeferredBlockPool(BlockPool):
             free_ids, touch_ids = (ids[:nf] if nf else None), (ids[nf:] if nt else None)
             seg_ids = self._h2d(seg, torch.int32) if nf else None
             cache_ids = self._cache_ids(cache_slots, k0, npred) if cache_calls else None
-        else:  # host ints: apply_batched copies them with the demands, in one transfer
+        else:  # host ints: apply_predicted copies them with the demands, in one transfer
             free_ids, touch_ids, seg_ids = free or None, touch or None, seg if nf else None
             # this flush's k-th placeholder is its (npred + k)-th pop, num_blocks + npred + k
             cache_ids = [s if s < n else s - k0 + npred for s in cache_slots] if cache_calls else None
-        if npred and self._bad is None:
-            self._bad = torch.zeros(1, dtype=torch.int64, device=self._dev.device)
-        blocks, _ = self._dev.apply_batched(
+        blocks, confirm = self._dev.apply_predicted(PredictedBatch(
             free_ids=free_ids, free_offsets=seg_ids, touch_ids=touch_ids, demands=demands, cache_ids=cache_ids,
-            cache_items=items, expected=b.pred or None, mismatches=self._bad if npred else None,
+            cache_items=items, expected=b.pred or None,
             rounds=[(len(r.free), len(r.seg) - 1, len(r.touch), len(r.demands), len(r.cache_calls))
-                    for r in rounds])
-        if blocks.numel() > npred:
+                    for r in rounds]))
+        added = blocks.numel() - npred
+        if added > 0:
             rest = blocks[npred:]
             self._pend_dev = rest if self._pend_dev is None else torch.cat([self._pend_dev, rest])
+        self._flights.append((b, confirm, max(added, 0)))
 
     def _cache_ids(self, slots: list[int], k0: int, npred: int) -> torch.Tensor:
         """``int32[len(slots)]`` on the device for the flush's caching: known ids, launched
@@ -582,8 +574,15 @@ class DeferredBlockPool(BlockPool):
     def sync(self, why: str = "sync", window: bool = False) -> None:
         """Bind the placeholders, make the mirror exact, check the host's claims and (``window`` or when
         low) refill the host's copy of the free queue: one device-to-host transfer (module docstring).
-        Raises what a launched op recorded (PoolError; not expected: the fast ops are checked on the
-        host first) and PoolError where the device disagrees with the host (free count, popped ids,
+
+        The host never keeps an op the device did not run: each launch's confirmation is read here,
+        and launches that an error recorded before them (by another user of the device pool, say)
+        made do nothing are launched again, after that error is taken from the status word, before
+        the mirror is read (a second transfer). That error is then raised, the mirror exact.
+
+        Raises what the device recorded (PoolError: another user's error, as above; a launch's own
+        failure, not expected since the fast ops are checked on the host first, after re-reading the
+        whole mirror) and PoolError where the device disagrees with the host (free count, popped ids,
         ref and key counts of the blocks changed, the queue's first ids)."""
         if not (self._pending or self._touched or self._dirty or window):
             return
@@ -596,26 +595,33 @@ class DeferredBlockPool(BlockPool):
         npend = len(self._pending)
         exact = not (self._pending or self._dirty)  # the host's rows of `known` are claims to check
         win = None
+        recorded = None  # an error another user of the device pool recorded (raised at the end)
         if self.backend == "device":
-            st, dev = self._dev.state, self._dev.device
-            pend = self._pend_dev[:npend].long() if npend else torch.zeros(0, dtype=torch.int64, device=dev)
-            idx = torch.cat([self._h2d(known, torch.int64), pend])
-            bad = self._bad if self._bad is not None else torch.zeros(1, dtype=torch.int64, device=dev)
-            parts = [st.status[:1].long(), st.ctrl[Ctrl.NUM_FREE:Ctrl.REUSE_COUNT + 1].long(), bad, pend]
+            while True:
+                flat, nflights = self._read_device(known, npend, refill)
+                status, num_free, _, evc, reuse = flat[:5]
+                conf = flat[5: 5 + 3 * nflights]
+                skipped = next((k for k in range(nflights) if conf[3 * k]), None)
+                failed = any(conf[3 * k] == 0 and conf[3 * k + 1] for k in range(nflights))
+                if failed:
+                    return self._own_failure()
+                if skipped is None:
+                    break
+                recorded = self._take_recorded() or recorded
+                self._relaunch(skipped)
+            nbad = sum(conf[3 * k + 2] for k in range(nflights))
+            o = 5 + 3 * nflights
+            ids = flat[o: o + npend]
+            o += npend
             if refill:
-                parts.append(self._window_dev())
-            flat = torch.cat(parts + [self._mirror_rows(idx).reshape(-1)]).tolist()  # the one transfer
-            status, num_free, _, evc, reuse, nbad = flat[:6]
-            ids = flat[6: 6 + npend]
-            o = 6 + npend
-            if refill:
-                nw = parts[-1].numel()
+                nw = min(self._dev.config.C, FREE_WINDOW)
                 win, o = flat[o: o + nw], o + nw
             w = 3 + 3 * self._mk
-            rows = [flat[o + i * w: o + (i + 1) * w] for i in range(len(idx))]
+            rows = [flat[o + i * w: o + (i + 1) * w] for i in range(len(known) + npend)]
             claims = [(r[0], r[1], None if r[2] < 0 else r[2]) for r in rows[:len(known)]]
             if status or reuse or (evc and self._dev.enable_kv_cache_events):
-                self._dev.check()  # raises a recorded error; fires reuse watchers (more reads, counted by callers)
+                # fires reuse watchers (more reads, counted by callers); an error here is another user's
+                recorded = self._take_recorded() or recorded
         else:
             ids = list(self._pend_ref)
             num_free, nbad = self._dev.get_num_free_blocks(), 0
@@ -635,26 +641,7 @@ class DeferredBlockPool(BlockPool):
             m = min(len(mine), len(got))
             if mine[:m] != got[:m]:
                 wrong.append("the free queue's first ids differ from the host's copy")
-        # placeholders -> their blocks: the bound block's old keys (evicted by the pop) leave the key map,
-        # the placeholder's predicted keys move onto the block with their predicted order
-        holders = self._holders
-        for k, blk in enumerate(self._pending):
-            s, b = n + k, ids[k]
-            for key in self._keys[b]:
-                hs = holders.get(key)
-                if hs is not None:
-                    hs.pop(b, None)
-                    if not hs:
-                        del holders[key]
-            for key in self._keys[s]:
-                hs = holders[key]
-                hs[b] = hs.pop(s)
-            self._keys[b] = self._keys[s]
-            self._ref[b], self._ntok[b] = self._ref[s], self._ntok[s]
-            blk._s = b
-            self.blocks[b] = blk
-        del self._ref[n:], self._keys[n:], self._ntok[n:]
-        self._pending, self._pend_dev, self._pend_ref, self._bad = [], None, [], None
+        self._bind(ids)
         rekeyed, self._touched, self._rekeyed = self._rekeyed, set(), set()
         self._version += 1
         if self.backend == "device":
@@ -674,6 +661,85 @@ class DeferredBlockPool(BlockPool):
         if wrong:
             self._q = None  # refilled from the device at the next synchronisation
             raise PoolError("DeferredBlockPool.sync", "; ".join(wrong))
+        if recorded is not None:
+            raise recorded
+
+    def _read_device(self, known: list[int], npend: int, refill: bool) -> tuple[list[int], int]:
+        """ONE device-to-host transfer: the device pool's counters, each launch's confirmation, the
+        placeholders' ids, (``refill``) the queue window and the mirror rows of ``known`` and the
+        placeholders' blocks. Returns (the values flat, the number of launches)."""
+        dev = self._dev
+        pend = self._pend_dev[:npend].long() if npend else torch.zeros(0, dtype=torch.int64, device=dev.device)
+        idx = torch.cat([self._h2d(known, torch.int64), pend])
+        parts = [dev.counters()] + [c for _, c, _ in self._flights] + [pend]
+        if refill:
+            parts.append(self._window_dev())
+        flat = torch.cat(parts + [dev.mirror_rows(idx).reshape(-1)]).tolist()
+        return flat, len(self._flights)
+
+    def _take_recorded(self) -> PoolError | None:
+        """The device pool's recorded error, taken from its status word (``check``), or None."""
+        try:
+            self._dev.check()
+        except PoolError as e:
+            return e
+        return None
+
+    def _relaunch(self, first: int) -> None:
+        """Launch again the batches from launch ``first`` on, which a recorded error made do nothing
+        (their placeholders' outputs dropped: the new launches give them)."""
+        redo = self._flights[first:]
+        self._flights = self._flights[:first]
+        keep = sum(a for _, _, a in self._flights)
+        self._pend_dev = self._pend_dev[:keep] if keep else None
+        for b, _, _ in redo:
+            self._launch(b)
+
+    def _bind(self, ids: list[int]) -> None:
+        """Placeholders -> their blocks (``ids``, in order): the bound block's old keys (evicted by the
+        pop) leave the key map, the placeholder's predicted keys move onto the block with their
+        predicted order. ``pool.blocks`` is not changed (one object per block id for the pool's life):
+        the placeholder reads its block's slot from then on."""
+        n, holders = self.num_gpu_blocks, self._holders
+        for k, blk in enumerate(self._pending):
+            s, b = n + k, ids[k]
+            for key in self._keys[b]:
+                hs = holders.get(key)
+                if hs is not None:
+                    hs.pop(b, None)
+                    if not hs:
+                        del holders[key]
+            for key in self._keys[s]:
+                hs = holders[key]
+                hs[b] = hs.pop(s)
+            self._keys[b] = self._keys[s]
+            self._ref[b], self._ntok[b] = self._ref[s], self._ntok[s]
+            blk._s = b  # pool.blocks[b] stays the canonical proxy: this one reads the same slot
+            if b == 0:
+                blk.is_null = True
+        del self._ref[n:], self._keys[n:], self._ntok[n:]
+        self._pending, self._pend_dev, self._pend_ref, self._flights = [], None, [], []
+
+    def _own_failure(self) -> None:
+        """A launch of the fast path failed on the device (not expected: its ops are checked on the
+        host first), some of its ops run: the whole mirror is read again from the device, each
+        placeholder of a pop that did not run is bound to the null block, and the error is raised."""
+        recorded = self._take_recorded()
+        n = self.num_gpu_blocks
+        npend = len(self._pending)
+        ids = self._pend_dev[:npend].tolist() if npend else []
+        ids = [b if 0 < b < n else 0 for b in ids]
+        for s in range(n, n + npend):  # the predicted keys of placeholders are void
+            for key in self._keys[s]:
+                hs = self._holders.get(key, {})
+                hs.pop(s, None)
+                if not hs:
+                    self._holders.pop(key, None)
+            self._keys[s] = ()
+        self._bind(ids)
+        self._touched, self._rekeyed, self._q, self._dirty = set(), set(), None, False
+        self._refresh(range(n))
+        raise recorded if recorded is not None else PoolError("DeferredBlockPool.sync", "a launch failed")
 
     # ---- everything else: synchronise, then the base class -------------------------------------------
     def _slow(name, moves_queue=False):  # noqa: N805 - a decorator factory used in the class body
