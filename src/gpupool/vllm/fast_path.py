@@ -54,10 +54,10 @@ from collections import Counter, OrderedDict
 
 import torch
 
-from ..args import MAX_GROUP_ID, MAX_TOKENS
+from ..args import MAX_GROUP_ID, MAX_TOKENS, as_host_list
 from ..errors import OutOfBlocksError, PoolError
 from ..pool import PredictedBatch
-from .block_pool import BlockPool, KVCacheBlock, _hashes_at, make_block_hash_with_group_id
+from .block_pool import BlockPool, KVCacheBlock, _hashes_at, count_arg, make_block_hash_with_group_id
 
 # insertion sequence numbers of keys predicted on the host: after every device sequence number until
 # the next synchronisation replaces them with the device's
@@ -260,9 +260,10 @@ class DeferredBlockPool(BlockPool):
         :meth:`sync`. Raises OutOfBlocksError past the (exact) free count."""
         if not self.deferred:
             return super().get_new_blocks(num_blocks)
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0 or self._watched:
-            # a bad count raises the per-call pool's error; with reuse watchers registered (unpin_blocks)
-            # a pop must call them at once, as vLLM does, so it runs per call
+        num_blocks = count_arg("get_new_blocks", num_blocks, "num_blocks")
+        if self._watched:
+            # with reuse watchers registered (unpin_blocks) a pop must call them at once, as vLLM does,
+            # so it runs per call
             self.sync("op:get_new_blocks")
             out = super().get_new_blocks(num_blocks)
             q = self._q
@@ -335,7 +336,7 @@ class DeferredBlockPool(BlockPool):
         copy of the queue (a free block unlinked) kept on the host."""
         if not self.deferred:
             return super().touch(blocks)
-        blocks = list(blocks)
+        blocks = as_host_list("touch", blocks, "blocks")
         slots = [s for s in self._slots(blocks) if s != 0]
         if not slots:
             return
@@ -359,21 +360,11 @@ class DeferredBlockPool(BlockPool):
         (synchronising) and raised by the base class, nothing changed."""
         if not self.deferred:
             return super().free_blocks(ordered_blocks)
-        mine, others = [], []
-        for blk in ordered_blocks:
-            if getattr(blk, "is_null", False):
-                continue
-            owner = getattr(blk, "pool", None)
-            (others if owner is not None and owner is not self else mine).append(blk)
-        slots = self._slots(mine)
+        mine, others = self._split_by_pool(ordered_blocks)
+        for owner, blks in others.values():  # all or nothing: every pool's blocks checked first
+            owner._check_release(blks)
+        slots = self._check_release(mine)
         ref = self._ref
-        if len(set(slots)) == len(slots):
-            short = any(ref[s] < 1 for s in slots)
-        else:
-            short = any(ref[s] < c for s, c in Counter(slots).items())
-        if short:
-            self.sync("op:free_blocks")
-            return super().free_blocks(mine + others)
         front, back = [], []
         for s in slots:
             ref[s] -= 1
@@ -384,8 +375,24 @@ class DeferredBlockPool(BlockPool):
         self._requeue(front, back, nf0)
         if slots:
             self._queue("free", slots, bool(front))
-        if others:
-            super().free_blocks(others)
+        for owner, blks in others.values():
+            owner.free_blocks(blks)
+
+    def _check_release(self, blocks) -> list[int]:
+        """The mirror slots of ``blocks``, checked to be this pool's and held as often as listed; a
+        release below 0 is checked on the device first (synchronising) and raised by the base class."""
+        if not self.deferred:
+            return super()._check_release(blocks)
+        slots = self._slots(blocks)
+        ref = self._ref
+        if len(set(slots)) == len(slots):
+            short = any(ref[s] < 1 for s in slots)
+        else:
+            short = any(ref[s] < c for s, c in Counter(slots).items())
+        if short:
+            self.sync("op:free_blocks")
+            super()._check_release(blocks)  # raises DoubleFreeError, the mirror exact
+        return slots
 
     def cache_full_blocks(self, request, blocks, num_cached_blocks: int, num_full_blocks: int, block_size: int,
                           kv_cache_group_id: int, block_mask=None) -> None:
@@ -393,6 +400,8 @@ class DeferredBlockPool(BlockPool):
         on the host, when every block in the range is non-null, held, un-keyed and listed once and
         there is no mask; otherwise synchronise and run as the base class."""
         nc, nf = num_cached_blocks, num_full_blocks
+        if self.deferred:
+            nc, nf = self._cache_counts(request, blocks, nc, nf, block_size)
         if not self.deferred or nc >= nf:
             return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
         if not self.enable_caching:  # a no-op (docs/semantics.md section 2) that checks its arguments
