@@ -38,14 +38,13 @@ from ..errors import (
 from ..pool import BlockPool as DevicePool
 from ..reference import ReferenceBlockPool
 from . import kv_events as _gp_kv_events
+from .host_mirror import HostMirror, vllm_key
 
 MEDIUM_GPU = "GPU"
 
 
 # ---- vLLM's key helpers (vllm/v1/core/kv_cache_utils.py), restated: they are 3 lines each ----------
-def make_block_hash_with_group_id(block_hash: bytes, group_id: int) -> bytes:
-    """vLLM's ``BlockHashWithGroupId``: the hash bytes, then the group id as 4 bytes big-endian."""
-    return bytes(block_hash) + int(group_id).to_bytes(4, "big", signed=False)
+make_block_hash_with_group_id = vllm_key
 
 
 # a ``block.ref_cnt`` raise is that many touches of the block: at most this many at once
@@ -452,15 +451,12 @@ class BlockPool:
             # model's forward pass queued on the default stream by a worker in this process (TP = 1)
             self.stream = torch.cuda.Stream(device=self._dev.device)
             self.stream.wait_stream(torch.cuda.current_stream(self._dev.device))  # the state's initialisation
-        self._seq = 0
         self._mk = self._dev.max_keys_per_block
         n = num_gpu_blocks
-        # the host mirror (docs/vllm.md): per block ref count, keys (vLLM key bytes, primary first),
-        # tokens of the primary key; per key {block id: insertion seq}; the free count; a version
-        self._ref = [0] * n
-        self._keys: list[tuple[bytes, ...]] = [()] * n
-        self._ntok: list[int | None] = [None] * n
-        self._holders: dict[bytes, dict[int, int]] = {}
+        # the host mirror (docs/vllm.md); its lists aliased here for the reads on vLLM's hot path
+        self.mirror = HostMirror(n)
+        m = self.mirror
+        self._ref, self._keys, self._ntok, self._holders = m.ref, m.keys, m.ntok, m.holders
         self._num_free = 0
         self._version = 0
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(self, i, is_null=(i == 0)) for i in range(n)]
@@ -487,56 +483,13 @@ class BlockPool:
         self._apply_rows(ids, [flat[1 + i * w: 1 + (i + 1) * w] for i in range(len(ids))])
 
     def _apply_rows(self, ids: list[int], rows: list[list[int]]) -> None:
-        """Set the mirror of ``ids`` from ``gpupool.BlockPool.mirror_rows``' rows (the key map from the
-        difference)."""
-        name = self._dev.key_name
-        holders = self._holders
-        for b, row in zip(ids, rows):
-            self._ref[b] = row[0]
-            nk = row[1]
-            self._ntok[b] = None if row[2] < 0 else row[2]
-            new = []
-            seqs = []
-            for j in range(nk):
-                h, g = name((row[3 + 3 * j], row[4 + 3 * j]))
-                new.append(make_block_hash_with_group_id(h, g))
-                seqs.append(row[5 + 3 * j])
-            new_t = tuple(new)
-            old = self._keys[b]
-            if old == new_t and all(holders[k].get(b) == q for k, q in zip(new_t, seqs)):
-                continue
-            for k in old:
-                hs = holders.get(k)
-                if hs is not None:
-                    hs.pop(b, None)
-                    if not hs:
-                        del holders[k]
-            for k, q in zip(new_t, seqs):
-                holders.setdefault(k, {})[b] = q
-            self._keys[b] = new_t
+        """Set the mirror of ``ids`` from ``gpupool.BlockPool.mirror_rows``' rows."""
+        self.mirror.apply_rows(ids, rows, self._dev.key_name)
 
     def _refresh_reference(self, ids: list[int]) -> None:
         """:meth:`_refresh` over the reference pool: its lists, a host insertion counter for order."""
-        r, holders = self._dev, self._holders
-        self._num_free = r.get_num_free_blocks()
-        for b in ids:
-            self._ref[b] = r.ref_cnt[b]
-            self._ntok[b] = r.hash_num_tokens[b]
-            new_t = tuple(make_block_hash_with_group_id(h, g) for h, g in r.keys[b])
-            old = self._keys[b]
-            if old == new_t:
-                continue
-            for k in old:
-                if k not in new_t:
-                    hs = holders[k]
-                    hs.pop(b, None)
-                    if not hs:
-                        del holders[k]
-            for k in new_t:
-                if k not in old:
-                    self._seq += 1
-                    holders.setdefault(k, {})[b] = self._seq
-            self._keys[b] = new_t
+        self._num_free = self._dev.get_num_free_blocks()
+        self.mirror.apply_reference(ids, self._dev)
 
     def _ids(self, blocks) -> list[int]:
         """The block ids of ``blocks`` (KVCacheBlocks of this pool), else ArgumentTypeError."""

@@ -50,7 +50,7 @@ interpreter.
 """
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 
 import torch
 
@@ -58,6 +58,8 @@ from ..args import MAX_GROUP_ID, MAX_TOKENS, as_host_list
 from ..errors import OutOfBlocksError, PoolError
 from ..pool import PredictedBatch
 from .block_pool import BlockPool, KVCacheBlock, _hashes_at, count_arg, make_block_hash_with_group_id
+from .op_batch import OpBatch
+from .queue_copy import FreeQueueCopy
 
 # insertion sequence numbers of keys predicted on the host: after every device sequence number until
 # the next synchronisation replaces them with the device's
@@ -67,55 +69,6 @@ _PREDICTED_SEQ = 1 << 62
 # in practice (vLLM's default 8,192-token budget is 512 blocks of 16); the work per refill does not
 # grow with the pool
 FREE_WINDOW = 2048
-
-
-class _Round:
-    """One round of a batch: ops run free, touch, pop, cache on the device (``apply_batched``'s
-    round). A new round starts where that order would move an op before one it must follow
-    (``DeferredBlockPool._cut``); otherwise the order commutes (docs/vllm.md, "The fast path")."""
-
-    __slots__ = ("free", "seg", "touch", "touched", "demands", "popped", "cache_slots", "cache_keys", "cache_ntok",
-                 "cache_calls", "cached")
-
-    def __init__(self):
-        self.free: list[int] = []  # slots, the free calls one after another
-        self.seg = [0]  # free call j is free[seg[j]:seg[j + 1]]
-        self.touch: list[int] = []
-        self.touched: set[int] = set()
-        self.demands: list[int] = []  # get_new_blocks counts, in call order
-        self.popped: set[int] = set()  # the predicted ids of its pops
-        self.cache_slots: list[int] = []  # each caching call's range, one after another
-        self.cache_keys: list[tuple] = []  # per cached block (hash, group) and covered tokens (checked)
-        self.cache_ntok: list[int] = []
-        self.cache_calls: list[int] = []  # blocks per caching call
-        self.cached: set[int] = set()
-
-    def __bool__(self) -> bool:
-        return bool(self.free or self.touch or self.demands or self.cache_calls)
-
-
-class _Batch:
-    """The device ops since the last launch, in rounds, run as one flush (ONE ``apply_batched``,
-    ``DeferredBlockPool._flush``). Pops the host predicted come before the others (placeholders):
-    a placeholder pop empties the host's copy of the queue until the next synchronisation, which
-    launches the batch first."""
-
-    __slots__ = ("rounds", "pred")
-
-    def __init__(self):
-        self.rounds = [_Round()]
-        self.pred: list[int] = []  # the ids the host predicted for its pops, in order
-
-    @property
-    def cur(self) -> _Round:
-        return self.rounds[-1]
-
-    def cut(self) -> None:
-        if self.rounds[-1]:
-            self.rounds.append(_Round())
-
-    def __bool__(self) -> bool:
-        return any(self.rounds)
 
 
 class PendingBlock(KVCacheBlock):
@@ -160,17 +113,16 @@ class DeferredBlockPool(BlockPool):
         self._pending: list[PendingBlock] = []
         self._touched: set[int] = set()  # blocks the ops since the last synchronisation changed
         self._rekeyed: set[int] = set()  # those of them the fast path keyed (predicted insertion seqs)
-        self._q: OrderedDict | None = None  # the free queue's first ids, exactly (None: not known)
-        self._low_mark = 0  # _q below this (and not the whole queue): refill at the next end_step
+        self.queue_copy = FreeQueueCopy()  # the free queue's first ids, exactly
         self._pseq = _PREDICTED_SEQ
         self._pend_dev = None  # device: int32 ids of the placeholders of launched pops, in order
         self._pend_ref: list[int] = []  # reference backend: the same, on the host
-        self._batch = _Batch()  # device backend: ops not launched yet
+        self._batch = OpBatch()  # device backend: ops not launched yet
         # device: the launches since the last synchronisation, (batch, confirmation, placeholders it added)
-        self._flights: list[tuple[_Batch, torch.Tensor, int]] = []
+        self._flights: list[tuple[OpBatch, torch.Tensor, int]] = []
         self._watched = False  # unpin_blocks was called: pops run per call from then on
         if self.deferred:
-            self._set_window(self._read_window())
+            self.queue_copy.fill(self._read_window())
 
     # ---- the hooks of the base class ---------------------------------------------------------------
     def _need_exact(self, why: str) -> None:
@@ -200,7 +152,7 @@ class DeferredBlockPool(BlockPool):
         n = self.num_gpu_blocks
         t = self._h2d(slots, torch.int64)
         if max(slots, default=0) >= n:
-            # only placeholders of launched pops are asked for (_Batch's order)
+            # only placeholders of launched pops are asked for (OpBatch's order)
             pend = self._pend_dev.long()
             t = torch.where(t < n, t, pend[(t - n).clamp(0, pend.numel() - 1)])
         return t.to(torch.int32)
@@ -225,33 +177,6 @@ class DeferredBlockPool(BlockPool):
     def _read_window(self) -> list[int]:
         return self._window_dev().tolist() if self.backend == "device" else self._window_ref()
 
-    def _set_window(self, ids) -> None:
-        q = OrderedDict.fromkeys(v for v in ids if v >= 0)
-        self._q, self._low_mark = q, len(q) // 2
-
-    def _window_low(self) -> bool:
-        """Whether the next synchronisation should refill ``_q``: unknown, or below the low mark and
-        not the whole queue (a whole copy stays whole: every rule keeps it exact)."""
-        q = self._q
-        return q is None or (len(q) < self._low_mark and len(q) < self._num_free)
-
-    def _requeue(self, front: list[int], back: list[int], num_free_before: int) -> None:
-        """A free call's blocks that reached 0 in ``_q``: ``front`` (no key) to the front, its first
-        element the new head; ``back`` (keyed) to the back, known only when ``_q`` was the whole queue
-        (docs/semantics.md section 2)."""
-        q = self._q
-        if q is None or not (front or back):
-            return
-        if any(s >= self.num_gpu_blocks for s in front + back):  # a placeholder's id is not known
-            self._q = None
-            return
-        whole = len(q) == num_free_before
-        for s in reversed(front):
-            q[s] = None
-            q.move_to_end(s, last=False)
-        if whole:
-            q.update(dict.fromkeys(back))
-
     # ---- the fast ops --------------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """vLLM's ``get_new_blocks``: the first ``num_blocks`` blocks of the host's copy of the free
@@ -266,47 +191,39 @@ class DeferredBlockPool(BlockPool):
             # so it runs per call
             self.sync("op:get_new_blocks")
             out = super().get_new_blocks(num_blocks)
-            q = self._q
-            if q is not None and num_blocks <= len(q):
-                for _ in range(num_blocks):
-                    q.popitem(last=False)
+            qc = self.queue_copy
+            if qc.fits(num_blocks):
+                qc.take(num_blocks)
             else:
-                self._q = None
+                qc.forget()
             return out
         if num_blocks > self._num_free:
             raise OutOfBlocksError("get_new_blocks", f"Cannot get {num_blocks} free blocks from the pool", num_blocks)
         if num_blocks == 0:
             return []
-        q = self._q
-        if (q is None or num_blocks > len(q)) and not self._pending:
+        qc = self.queue_copy
+        if not qc.fits(num_blocks) and not self._pending:
             self.sync("free_queue", window=True)
-            q = self._q
         self._num_free -= num_blocks
-        if q is not None and num_blocks <= len(q):
+        if qc.fits(num_blocks):
             return self._pop_known(num_blocks)
         return self._pop_pending(num_blocks)
 
     def _pop_known(self, num_blocks: int) -> list[KVCacheBlock]:
-        q, holders = self._q, self._holders
-        ids = [q.popitem(last=False)[0] for _ in range(num_blocks)]
+        ids = self.queue_copy.take(num_blocks)
         if self.backend == "device":
-            b = self._batch
-            b.cur.demands.append(num_blocks)
-            b.cur.popped.update(ids)
-            b.pred += ids
+            self._batch.add_pop(num_blocks, ids)
         else:
             got = self._dev.get_new_blocks(num_blocks)
             got = got.tolist() if isinstance(got, torch.Tensor) else list(got)
             if got != ids:  # the pool's answer stands: its blocks' rows are read at the next sync
-                self._q, self._dirty = None, True
+                self._dirty = True
+                self.queue_copy.forget()
                 self._touched.update(got)
                 raise PoolError("DeferredBlockPool.get_new_blocks", f"the host predicted the pop of {ids}, the pool took {got}")
+        drop = self.mirror.drop_keys
         for x in ids:
-            for key in self._keys[x]:  # evicted by the pop (docs/semantics.md section 2)
-                hs = holders[key]
-                hs.pop(x, None)
-                if not hs:
-                    del holders[key]
+            drop(x)  # evicted by the pop (docs/semantics.md section 2)
             self._keys[x], self._ntok[x], self._ref[x] = (), None, 1
             self._touched.add(x)
         return [self.blocks[x] for x in ids]
@@ -314,20 +231,18 @@ class DeferredBlockPool(BlockPool):
     def _pop_pending(self, num_blocks: int) -> list[KVCacheBlock]:
         k0 = len(self._pending)
         if self.backend == "device":
-            self._batch.cur.demands.append(num_blocks)
+            self._batch.add_pop(num_blocks, None)
         else:
             ids = self._dev.get_new_blocks(num_blocks)
             self._pend_ref.extend(ids.tolist() if isinstance(ids, torch.Tensor) else ids)
-        self._q = None
+        self.queue_copy.forget()
         self._dirty = True  # keyed blocks may have been evicted: reads of free blocks wait for a sync
         n = self.num_gpu_blocks
         out = []
         for j in range(num_blocks):
             blk = PendingBlock(self, n + k0 + j)
             self._pending.append(blk)
-            self._ref.append(1)
-            self._keys.append(())
-            self._ntok.append(None)
+            self.mirror.add_placeholder()
             out.append(blk)
         return out
 
@@ -345,12 +260,11 @@ class DeferredBlockPool(BlockPool):
             self.sync("touch")  # a ref-0 block may have been taken by a pop since: read it
             ref = self._ref
             slots = [s for s in self._slots(blocks) if s != 0]  # placeholders bound: their ids now
-        q = self._q
+        unlink = self.queue_copy.unlink
         for s in slots:
             if ref[s] == 0:
                 self._num_free -= 1
-                if q is not None:
-                    q.pop(s, None)  # past the copy if absent: the copy stays the queue's prefix
+                unlink(s)
             ref[s] += 1
         self._queue("touch", slots, False)
 
@@ -372,7 +286,7 @@ class DeferredBlockPool(BlockPool):
                 (back if self._keys[s] else front).append(s)
         nf0 = self._num_free
         self._num_free += len(front) + len(back)
-        self._requeue(front, back, nf0)
+        self.queue_copy.requeue(front, back, nf0, self.num_gpu_blocks)
         if slots:
             self._queue("free", slots, bool(front))
         for owner, blks in others.values():
@@ -413,27 +327,22 @@ class DeferredBlockPool(BlockPool):
             return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
         g = kv_cache_group_id
         slots = [blk._s for blk in blocks[nc:nf]]
-        if self.backend == "device":
-            r = self._batch.cur
-            r.cache_slots += slots
-            r.cache_keys += [(hashes[i], g) for i in range(nc, nf)]
-            r.cache_ntok += [(i + 1) * block_size for i in range(nc, nf)]
-            r.cache_calls.append(nf - nc)
-            r.cached.update(slots)
+        device = self.backend == "device"
+        if device:
+            self._batch.add_cache(slots, [(hashes[i], g) for i in range(nc, nf)],
+                                  [(i + 1) * block_size for i in range(nc, nf)])
         else:
             self._dev.cache_full_blocks([0] * nc + self._ref_ids(slots), hashes, nc, nf, block_size, g)
-        holders = self._holders
+        m = self.mirror
         for i, s in zip(range(nc, nf), slots):
-            key = make_block_hash_with_group_id(hashes[i], g)
-            self._keys[s] = (key,)
-            self._ntok[s] = (i + 1) * block_size
-            if self.backend == "device":
+            if device:  # predicted insertion seqs, after the device's until the next sync
                 self._pseq += 1
                 q = self._pseq
             else:  # the reference mirror orders keys by the adapter's own counter
-                self._seq += 1
-                q = self._seq
-            holders.setdefault(key, {})[s] = q
+                m.seq += 1
+                q = m.seq
+            m.add_key(s, make_block_hash_with_group_id(hashes[i], g), q)
+            self._ntok[s] = (i + 1) * block_size
             if s < self.num_gpu_blocks:
                 self._touched.add(s)
                 self._rekeyed.add(s)
@@ -467,71 +376,46 @@ class DeferredBlockPool(BlockPool):
 
     def _queue(self, kind: str, slots: list[int], front: bool) -> None:
         """Queue a touch or a free of ``slots`` (``front``: a block it frees goes to the queue's
-        front) in the batch, in a new round or after a launch where :meth:`_cut` says so."""
+        front) in the batch, in a new round or after a launch where ``OpBatch.placement`` says so."""
         for s in slots:
             if s < self.num_gpu_blocks:
                 self._touched.add(s)
         if self.backend == "device":
-            cut = self._cut(kind, slots, front)
-            if cut == "launch":
+            launched = self.num_gpu_blocks + (0 if self._pend_dev is None else self._pend_dev.numel())
+            where = self._batch.placement(kind, slots, front, launched)
+            if where == "launch":
                 self._flush()
-            elif cut == "round":
+            elif where == "round":
                 self._batch.cut()
-            r = self._batch.cur
             if kind == "touch":
-                r.touch += slots
-                r.touched.update(slots)
+                self._batch.add_touch(slots)
             else:
-                r.free += slots
-                r.seg.append(len(r.free))
+                self._batch.add_free(slots)
         elif kind == "touch":
             self._dev.touch(self._ref_ids(slots))
         else:
             self._dev.free_blocks(self._ref_ids(slots))
-
-    def _cut(self, kind: str, slots: list[int], front: bool) -> str | None:
-        """Where a touch or free of ``slots`` must go so that the round order (free, touch, pop, cache)
-        does not move it before an op it follows (docs/vllm.md, "The fast path"): ``"launch"`` for an
-        op on a placeholder not launched yet (the free and touch parts take device ids);
-        ``"round"`` (a new round) for a free of a block the round touches or caches, and, past the
-        round's pops, an op on a block they took or a free to the queue's front (the pops would take
-        it); else None, the op commuting with the round's pops: a pop of n takes the queue's first n
-        blocks, and a block freed to the back or a free block touched (still free after the pops, so
-        not among their first n) leaves those alone."""
-        launched = self.num_gpu_blocks + (0 if self._pend_dev is None else self._pend_dev.numel())
-        if any(s >= launched for s in slots):
-            return "launch"
-        r = self._batch.cur
-        if kind == "free" and not (r.cached.isdisjoint(slots) and r.touched.isdisjoint(slots)):
-            return "round"
-        if r.demands and (front or not r.popped.isdisjoint(slots)):
-            return "round"
-        return None
 
     def _flush(self) -> None:
         """Launch the batch (:meth:`_launch`) and start a new one."""
         b = self._batch
         if not b:
             return
-        self._batch = _Batch()
+        self._batch = OpBatch()
         self.flushes += 1
         self._launch(b)
 
-    def _launch(self, b: _Batch) -> None:
+    def _launch(self, b: OpBatch) -> None:
         """Launch ``b`` as ONE ``gpupool.BlockPool.apply_predicted`` (its rounds; in each, free: every
         call a segment; touch; pop: every call a demand; cache), not waiting; the pops' ids are compared
         with the host's on the device, the placeholders get theirs from its output, and a caching names
         them as ``num_blocks + k``. The launch's confirmation is read at the next :meth:`sync`."""
         k0 = 0 if self._pend_dev is None else self._pend_dev.numel()
-        rounds = [r for r in b.rounds if r]
-        free = [x for r in rounds for x in r.free]
-        touch = [x for r in rounds for x in r.touch]
-        demands = [x for r in rounds for x in r.demands]
-        cache_slots = [x for r in rounds for x in r.cache_slots]
-        cache_calls = [x for r in rounds for x in r.cache_calls]
-        items = ([x for r in rounds for x in r.cache_keys], [x for r in rounds for x in r.cache_ntok], cache_calls)
+        p = b.parts()
+        free, touch, demands, cache_slots, seg = p["free"], p["touch"], p["demands"], p["cache_slots"], p["seg"]
+        items = p["cache_items"]
+        cache_calls = items[2]
         nf, nt, npred = len(free), len(touch), len(b.pred)
-        seg = [x for r in rounds for x in r.seg]  # each round's own offsets (apply_predicted's rounds)
         n = self.num_gpu_blocks
         if any(n <= s < n + k0 for s in free + touch + cache_slots):
             # a launched placeholder's id is on the device only: the id parts gathered there
@@ -545,9 +429,7 @@ class DeferredBlockPool(BlockPool):
             cache_ids = [s if s < n else s - k0 + npred for s in cache_slots] if cache_calls else None
         blocks, confirm = self._dev.apply_predicted(PredictedBatch(
             free_ids=free_ids, free_offsets=seg_ids, touch_ids=touch_ids, demands=demands, cache_ids=cache_ids,
-            cache_items=items, expected=b.pred or None,
-            rounds=[(len(r.free), len(r.seg) - 1, len(r.touch), len(r.demands), len(r.cache_calls))
-                    for r in rounds]))
+            cache_items=items, expected=b.pred or None, rounds=p["rounds"]))
         added = blocks.numel() - npred
         if added > 0:
             rest = blocks[npred:]
@@ -576,7 +458,7 @@ class DeferredBlockPool(BlockPool):
             return
         self._flush()
         self.steps_since_sync += 1
-        low = self._window_low()
+        low = self.queue_copy.low(self._num_free)
         if low or self.steps_since_sync >= self.verify_every:
             self.sync("end_step", window=low)
 
@@ -598,7 +480,7 @@ class DeferredBlockPool(BlockPool):
         self._flush()
         self.syncs[why] += 1
         self.steps_since_sync = 0
-        refill = window or self._window_low()
+        refill = window or self.queue_copy.low(self._num_free)
         n = self.num_gpu_blocks
         known = sorted(self._touched)
         npend = len(self._pending)
@@ -645,11 +527,8 @@ class DeferredBlockPool(BlockPool):
             wrong.append(f"the host predicted {self._num_free} free blocks, the device has {num_free}")
         if exact and claims != [(self._ref[b], len(self._keys[b]), self._ntok[b]) for b in known]:
             wrong.append("ref counts, key counts or covered tokens of the blocks changed differ from the host's")
-        if win is not None and self._q is not None:
-            mine, got = list(self._q), [v for v in win if v >= 0]
-            m = min(len(mine), len(got))
-            if mine[:m] != got[:m]:
-                wrong.append("the free queue's first ids differ from the host's copy")
+        if win is not None and not self.queue_copy.agrees(win):
+            wrong.append("the free queue's first ids differ from the host's copy")
         self._bind(ids)
         rekeyed, self._touched, self._rekeyed = self._rekeyed, set(), set()
         self._version += 1
@@ -663,12 +542,12 @@ class DeferredBlockPool(BlockPool):
         else:
             self._refresh_reference(list(dict.fromkeys(known + ids)))
         if win is not None:
-            self._set_window(win)
+            self.queue_copy.fill(win)
         self._dirty = False
         if self.backend == "device":
             self._dev.registry.maybe_sweep()  # check()'s housekeeping (reads the device's keys when it sweeps)
         if wrong:
-            self._q = None  # refilled from the device at the next synchronisation
+            self.queue_copy.forget()  # refilled from the device at the next synchronisation
             raise PoolError("DeferredBlockPool.sync", "; ".join(wrong))
         if recorded is not None:
             raise recorded
@@ -709,24 +588,11 @@ class DeferredBlockPool(BlockPool):
         pop) leave the key map, the placeholder's predicted keys move onto the block with their
         predicted order. ``pool.blocks`` is not changed (one object per block id for the pool's life):
         the placeholder reads its block's slot from then on."""
-        n, holders = self.num_gpu_blocks, self._holders
-        for k, blk in enumerate(self._pending):
-            s, b = n + k, ids[k]
-            for key in self._keys[b]:
-                hs = holders.get(key)
-                if hs is not None:
-                    hs.pop(b, None)
-                    if not hs:
-                        del holders[key]
-            for key in self._keys[s]:
-                hs = holders[key]
-                hs[b] = hs.pop(s)
-            self._keys[b] = self._keys[s]
-            self._ref[b], self._ntok[b] = self._ref[s], self._ntok[s]
+        self.mirror.bind(self.num_gpu_blocks, ids[:len(self._pending)])
+        for blk, b in zip(self._pending, ids):
             blk._s = b  # pool.blocks[b] stays the canonical proxy: this one reads the same slot
             if b == 0:
                 blk.is_null = True
-        del self._ref[n:], self._keys[n:], self._ntok[n:]
         self._pending, self._pend_dev, self._pend_ref, self._flights = [], None, [], []
 
     def _own_failure(self) -> None:
@@ -738,15 +604,10 @@ class DeferredBlockPool(BlockPool):
         npend = len(self._pending)
         ids = self._pend_dev[:npend].tolist() if npend else []
         ids = [b if 0 < b < n else 0 for b in ids]
-        for s in range(n, n + npend):  # the predicted keys of placeholders are void
-            for key in self._keys[s]:
-                hs = self._holders.get(key, {})
-                hs.pop(s, None)
-                if not hs:
-                    self._holders.pop(key, None)
-            self._keys[s] = ()
+        self.mirror.forget_placeholder_keys(n)
         self._bind(ids)
-        self._touched, self._rekeyed, self._q, self._dirty = set(), set(), None, False
+        self._touched, self._rekeyed, self._dirty = set(), set(), False
+        self.queue_copy.forget()
         self._refresh(range(n))
         raise recorded if recorded is not None else PoolError("DeferredBlockPool.sync", "a launch failed")
 
@@ -758,7 +619,7 @@ class DeferredBlockPool(BlockPool):
                 return getattr(BlockPool, name)(self, *a, **k)
             finally:
                 if moves_queue:
-                    self._q = None  # refilled at the next pop or end_step
+                    self.queue_copy.forget()  # refilled at the next pop or end_step
         wrap.__name__ = name
         wrap.__doc__ = f"Synchronise, then :meth:`gpupool.vllm.BlockPool.{name}` (one op, one mirror transfer)."
         return wrap
