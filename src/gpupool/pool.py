@@ -538,7 +538,7 @@ class BlockPool:
     @locked
     def apply_predicted(self, batch: PredictedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`apply_batched` for a caller that predicts its pops and checked its cachings itself (the
-        vLLM fast path, docs/algorithms.md section 6): ``batch``'s parts as ``apply_batched``'s, its
+        vLLM fast path, docs/algorithms.md section 8): ``batch``'s parts as ``apply_batched``'s, its
         cachings as ``cache_items`` (per cached block its ``(hash, group)`` and covered tokens, checked by
         the caller with ``gpupool.args.cache_full_args``) and ``expected``, the ids the caller predicts
         for the first pops. Not waiting.

@@ -1,52 +1,18 @@
 """``DeferredBlockPool``: the drop-in vLLM ``BlockPool`` with its device work deferred and its answers
 known on the host, so that a vLLM scheduler step needs no device-to-host synchronisation in the
-common case and at most one when a step pops up to ``FREE_WINDOW // 2`` blocks (docs/vllm.md, "The
-fast path").
+common case and at most one when a step pops up to ``FREE_WINDOW // 2`` blocks. The algorithm, its
+parts (``HostMirror``, ``FreeQueueCopy``, ``OpBatch``, the device or reference backend) and when it
+synchronises: docs/algorithms.md section 8.
 
-vLLM's scheduler decides request by request on the pool's answers. The host computes them all:
-
-* ``get_num_free_blocks`` (does ``allocate_slots`` fit; when to preempt): ``get_new_blocks(n)`` takes
-  n, a ``touch`` of a ref-0 block takes 1, a ``free_blocks`` that brings a block to 0 gives 1
-  (docs/semantics.md section 2).
-* *which* blocks ``get_new_blocks`` takes: the free queue's head. Each synchronisation reads the
-  queue's first ids (the first ``FREE_WINDOW`` ring slots) into a host copy, ``_q``, which the host
-  keeps exact with the queue rules of docs/semantics.md section 2: a pop of n takes ``_q``'s first n
-  (their keys leave the mirror: evicted); a free puts the blocks that reach 0 without a key at the
-  front, the first one the new head, and keyed ones at the back (in ``_q`` only when it holds the
-  whole queue, else they lie past it); a touch of a free block unlinks it. So ``get_new_blocks``
-  hands out the blocks themselves (canonical proxies, exact ids) and the mirror (``ref_cnt``,
-  ``block_hash``, ``get_cached_block``) stays exact.
-* The device runs the same ops and checks the host's claim: the ids its pops take are compared with
-  the predicted ones on the device, and at the next synchronisation a mismatch, another free count,
-  another ref count or key count of a block the ops changed, or a queue window that does not continue
-  the host's copy raises PoolError.
-
-Only a pop of more blocks than ``_q`` holds (after a refill, if nothing is pending) falls back to
-placeholder :class:`PendingBlock` proxies whose ``block_id`` is bound at the next synchronisation;
-the mirror is then *dirty* (those pops may evict keys) and a read of a free block's fields, or a
-lookup answering one, synchronises first (counted).
-
-``get_new_blocks``, ``touch``, ``free_blocks`` and ``cache_full_blocks`` are gathered on the host into
-a batch, launched as one *flush*: ONE non-waiting ``apply_batched`` (one kernel: ``free_batched`` with
-a segment per call, ``touch_batched``, ``allocate_batched`` with a demand per call,
-``cache_blocks_batched``, in that order, round after round). Where this fixed order would move an op
-before one it must follow, a new round starts (:meth:`DeferredBlockPool._cut`). :meth:`DeferredBlockPool.
-end_step` (``GpuPoolScheduler`` calls it after each ``schedule()``) launches the step's batch and
-synchronises only to refill ``_q`` (below half of its last refill and not the whole queue) or, every
-``verify_every`` steps, to check. One synchronisation (:meth:`DeferredBlockPool.sync`) is ONE
-device-to-host transfer: the placeholders' ids, the mirror rows of every block the ops since the
-last one changed, the free count, the status word, the pop check, the reuse and event counters and,
-when refilling, the queue window. It also happens before any op outside the fast path
-(``evict_blocks``, ``reset_prefix_cache``, ``cache_partial_block``, ``move_block_hashes``,
-``unpin_blocks``, ``ref_cnt`` writes, a ``cache_full_blocks`` onto a keyed block or with a mask, the
-free-queue and prefix-cache views), which then runs as in :class:`gpupool.vllm.BlockPool` (one op,
-one mirror transfer).
+``get_new_blocks``, ``touch``, ``free_blocks`` and ``cache_full_blocks`` are answered from the host
+mirror and the host's copy of the free queue's head and gathered into a batch that
+:meth:`DeferredBlockPool.end_step` launches as ONE ``gpupool.BlockPool.apply_predicted``;
+:meth:`DeferredBlockPool.sync` is one device-to-host transfer that checks the host's claims, binds
+placeholders and relaunches what a recorded error made the device skip. Every other op synchronises
+first and runs as in :class:`gpupool.vllm.BlockPool`.
 
 Not deferred (the whole pool runs per call, as :class:`gpupool.vllm.BlockPool`): with KV events or a
-metrics collector (both need each op's device answer with the request at hand). Over the reference
-backend the same code runs with the CPU oracle (its answer to each pop compared with the host's at
-the call; the synchronisation is a host copy), which is how vLLM's tests exercise it without Triton's
-interpreter.
+metrics collector (both need each op's device answer with the request at hand).
 """
 from __future__ import annotations
 
