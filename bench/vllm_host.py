@@ -138,14 +138,15 @@ def vllm_pool():
 
 
 # ---- the scheduler loop ---------------------------------------------------------------------------
-# name: (running requests, prompt tokens, max tokens, new requests per step with a shared 16-block
-# prefix (and their max tokens), pool blocks per running request (None: room for all))
+# name: running requests (in decode, 1 in 16 crossing into a new block each step), their shortest
+# prompt, new requests per step with a shared 16-block prefix (6 tokens out each), pool blocks per
+# running request (None: room for all; 2.5: preemptions)
 WORKLOADS = {
-    "decode256": dict(running=256, prompt=24, arrivals=0, blocks=None),
-    "decode1024": dict(running=1024, prompt=24, arrivals=0, blocks=None),
-    "decode4096": dict(running=4096, prompt=24, arrivals=0, blocks=None),
-    "prefix": dict(running=256, prompt=24, arrivals=4, blocks=None),
-    "preempt": dict(running=256, prompt=24, arrivals=0, blocks=2.5),
+    "decode256": dict(running=256, prompt=17, arrivals=0, blocks=None),
+    "decode1024": dict(running=1024, prompt=17, arrivals=0, blocks=None),
+    "decode4096": dict(running=4096, prompt=17, arrivals=0, blocks=None),
+    "prefix": dict(running=256, prompt=17, arrivals=4, blocks=None),
+    "preempt": dict(running=256, prompt=17, arrivals=0, blocks=2.5),
 }
 
 
@@ -178,8 +179,8 @@ class SchedulerLoop:
                                        max_num_seqs=b + 64)
         self.wl, self.kernel, self.n, self.inflight = wl, kernel, 0, None
         self.shared = [7 + (i % 991) for i in range(16 * sd.BLOCK)]
-        for _ in range(b):
-            self._add([1 + (self.n * 131 + i) % 30000 for i in range(wl["prompt"])], 10 ** 6)
+        for j in range(b):  # prompts of 17..32 tokens: 1 in 16 requests crosses into a new block each step
+            self._add([1 + (self.n * 131 + i) % 30000 for i in range(wl["prompt"] + j % sd.BLOCK)], 10 ** 6)
         for _ in range(8):  # prefill done: every running request in decode
             self._step()
 
