@@ -618,14 +618,16 @@ class BlockPool:
         return blocks, offsets, differ
 
     # ---- the read API: device views for a host mirror of the pool (the vLLM adapter), no wait ------
-    def mirror_rows(self, idx: torch.Tensor) -> torch.Tensor:
-        """``int64[len(idx), 3 + 3 * max_keys_per_block]`` on the device, per block of ``idx``
-        (``int64[n]`` ids on the device): ref count, key count, tokens its primary key covers (-1:
-        none), then ``(hi, lo, insertion seq)`` of each key slot, primary first (slots past the key
-        count are unspecified; ``hi, lo`` are device keys, :meth:`key_name` gives vLLM's). Not waiting."""
+    def mirror_rows(self, idx: torch.Tensor, key_slots: int | None = None) -> torch.Tensor:
+        """``int64[len(idx), 3 + 3 * k]`` on the device (``k``: ``key_slots``, default
+        ``max_keys_per_block``), per block of ``idx`` (``int64[n]`` ids on the device): ref count, key
+        count, tokens its primary key covers (-1: none), then ``(hi, lo, insertion seq)`` of its first
+        ``k`` key slots, primary first (slots past the key count are unspecified; ``hi, lo`` are device
+        keys, :meth:`key_name` gives vLLM's). Not waiting."""
         s, mk = self.state, self.max_keys_per_block
-        kv = s.keys.view(self.num_blocks, mk, 5)[idx]
-        keys = torch.cat([kv[:, :, 0:2], kv[:, :, 3:4]], dim=2).reshape(idx.numel(), 3 * mk)
+        k = mk if key_slots is None else max(0, min(int(key_slots), mk))
+        kv = s.keys.view(self.num_blocks, mk, 5)[idx, :k]
+        keys = torch.cat([kv[:, :, 0:2], kv[:, :, 3:4]], dim=2).reshape(idx.numel(), 3 * k)
         return torch.cat([s.ref_cnt[idx].long()[:, None], s.num_keys[idx].long()[:, None],
                           s.hash_ntok[idx].long()[:, None], keys], dim=1)
 

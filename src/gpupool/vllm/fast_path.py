@@ -151,7 +151,8 @@ class DeferredBlockPool(BlockPool):
         :meth:`sync`. Raises OutOfBlocksError past the (exact) free count."""
         if not self.deferred:
             return super().get_new_blocks(num_blocks)
-        num_blocks = count_arg("get_new_blocks", num_blocks, "num_blocks")
+        if type(num_blocks) is not int or num_blocks < 0:
+            num_blocks = count_arg("get_new_blocks", num_blocks, "num_blocks")
         if self._watched:
             # with reuse watchers registered (unpin_blocks) a pop must call them at once, as vLLM does,
             # so it runs per call
@@ -280,10 +281,12 @@ class DeferredBlockPool(BlockPool):
         on the host, when every block in the range is non-null, held, un-keyed and listed once and
         there is no mask; otherwise synchronise and run as the base class."""
         nc, nf = num_cached_blocks, num_full_blocks
-        if self.deferred:
-            nc, nf = self._cache_counts(request, blocks, nc, nf, block_size)
-        if not self.deferred or nc >= nf:
+        if not self.deferred:
             return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
+        if type(nc) is not int or type(nf) is not int:  # the common case skips the full checks
+            nc, nf = self._cache_counts(request, blocks, nc, nf, block_size)
+        if nc >= nf:
+            return None
         if not self.enable_caching:  # a no-op (docs/semantics.md section 2) that checks its arguments
             self.sync("op:cache_full_blocks")
             return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
@@ -294,51 +297,64 @@ class DeferredBlockPool(BlockPool):
         g = kv_cache_group_id
         slots = [blk._s for blk in blocks[nc:nf]]
         device = self.backend == "device"
+        ntok = [(i + 1) * block_size for i in range(nc, nf)]
         if device:
-            self._batch.add_cache(slots, [(hashes[i], g) for i in range(nc, nf)],
-                                  [(i + 1) * block_size for i in range(nc, nf)])
+            self._batch.add_cache(slots, [(h, g) for h in hashes], ntok)
         else:
-            self._dev.cache_full_blocks([0] * nc + self._ref_ids(slots), hashes, nc, nf, block_size, g)
-        m = self.mirror
-        for i, s in zip(range(nc, nf), slots):
+            full = _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf)
+            self._dev.cache_full_blocks([0] * nc + self._ref_ids(slots), full, nc, nf, block_size, g)
+        m, suffix, n = self.mirror, g.to_bytes(4, "big"), self.num_gpu_blocks
+        touched, rekeyed, ntoks = self._touched, self._rekeyed, self._ntok
+        for h, s, t in zip(hashes, slots, ntok):
             if device:  # predicted insertion seqs, after the device's until the next sync
                 self._pseq += 1
                 q = self._pseq
             else:  # the reference mirror orders keys by the adapter's own counter
                 m.seq += 1
                 q = m.seq
-            m.add_key(s, make_block_hash_with_group_id(hashes[i], g), q)
-            self._ntok[s] = (i + 1) * block_size
-            if s < self.num_gpu_blocks:
-                self._touched.add(s)
-                self._rekeyed.add(s)
+            m.add_key(s, h + suffix, q)  # vLLM's BlockHashWithGroupId
+            ntoks[s] = t
+            if s < n:
+                touched.add(s)
+                rekeyed.add(s)
 
     def _fast_cache_hashes(self, request, blocks, nc, nf, block_size, group, block_mask):
-        """The hashes at ``block_size`` when a ``cache_full_blocks`` call can be queued (the docstring's
-        conditions, and every argument as ``gpupool.args.cache_full_args`` would accept it, so the
-        flush cannot fail on it), else None (the per-call path then runs it, or raises its error)."""
-        if not (block_mask is None and type(nc) is int and type(nf) is int and type(block_size) is int
-                and type(group) is int and 0 <= nc and block_size > 0 and 0 <= group <= MAX_GROUP_ID
-                and nf * block_size <= MAX_TOKENS):
+        """The hashes of blocks ``nc .. nf - 1`` at ``block_size`` when a ``cache_full_blocks`` call can be
+        queued (the docstring's conditions, and every argument as ``gpupool.args.cache_full_args`` would
+        accept it, so the launch cannot fail on it), else None (the per-call path then runs it, or
+        raises its error). Reads only those hashes (and the parent's), not the request's whole list."""
+        if not (block_mask is None and type(block_size) is int and type(group) is int and 0 <= nc
+                and block_size > 0 and 0 <= group <= MAX_GROUP_ID and nf * block_size <= MAX_TOKENS):
             return None
         rng = blocks[nc:nf]
         if len(rng) != nf - nc:
             return None
         keys, ref, seen = self._keys, self._ref, set()
-        for blk in rng:  # held, un-keyed, listed once: a pop may then run before the caching (_Round)
+        for blk in rng:  # held, un-keyed, listed once: a pop may then run before the caching (OpBatch)
             if not isinstance(blk, KVCacheBlock) or blk._pool is not self or blk.is_null:
                 return None
             s = blk._s
             if keys[s] or ref[s] <= 0 or s in seen:
                 return None
             seen.add(s)
-        try:
-            hashes = _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf)
-        except PoolError:
-            return None  # the per-call path raises it, as vLLM's assertion
-        if len(hashes) < nf or not all(type(h) is bytes for h in hashes[max(nc - 1, 0):nf]):
+        bh = getattr(request, "block_hashes", None)
+        if bh is None:
             return None
-        return hashes
+        if block_size == self.hash_block_size:
+            if len(bh) < nf:
+                return None
+            hashes = bh[max(nc - 1, 0):nf]
+        else:
+            try:
+                hashes = _hashes_at(bh, self.hash_block_size, block_size, nf)[max(nc - 1, 0):]
+            except PoolError:
+                return None  # the per-call path raises it, as vLLM's assertion
+            if len(hashes) < nf - max(nc - 1, 0):
+                return None
+        for h in hashes:  # the parent's too, as the per-call pool checks it
+            if type(h) is not bytes:
+                return None
+        return hashes[1:] if nc else hashes
 
     def _queue(self, kind: str, slots: list[int], front: bool) -> None:
         """Queue a touch or a free of ``slots`` (``front``: a block it frees goes to the queue's
@@ -455,7 +471,7 @@ class DeferredBlockPool(BlockPool):
         recorded = None  # an error another user of the device pool recorded (raised at the end)
         if self.backend == "device":
             while True:
-                flat, nflights = self._read_device(known, npend, refill)
+                flat, nflights = self._read_device(known, npend, refill, narrow=exact)
                 status, num_free, _, evc, reuse = flat[:5]
                 conf = flat[5: 5 + 3 * nflights]
                 skipped = next((k for k in range(nflights) if conf[3 * k]), None)
@@ -473,7 +489,7 @@ class DeferredBlockPool(BlockPool):
             if refill:
                 nw = min(self._dev.config.C, FREE_WINDOW)
                 win, o = flat[o: o + nw], o + nw
-            w = 3 + 3 * self._mk
+            w = 6 if exact else 3 + 3 * self._mk  # exact: only the claims and the primary key's seq
             rows = [flat[o + i * w: o + (i + 1) * w] for i in range(len(known) + npend)]
             claims = [(r[0], r[1], None if r[2] < 0 else r[2]) for r in rows[:len(known)]]
             if status or reuse or (evc and self._dev.enable_kv_cache_events):
@@ -501,9 +517,12 @@ class DeferredBlockPool(BlockPool):
         if self.backend == "device":
             self._num_free = num_free
             if exact and not wrong:  # the claims held: only the keys the host predicted take the device's seqs
-                pick = [i for i, b in enumerate(known) if b in rekeyed]
-                self._apply_rows([known[i] for i in pick], [rows[i] for i in pick])
+                self.mirror.set_seqs([(b, rows[i]) for i, b in enumerate(known) if b in rekeyed])
             else:
+                if exact:  # the claims failed: the whole rows (a second transfer, on this path only)
+                    w = 3 + 3 * self._mk
+                    flat = self._dev.mirror_rows(self._h2d(known, torch.int64)).reshape(-1).tolist()
+                    rows = [flat[i * w: (i + 1) * w] for i in range(len(known))]
                 self._apply_rows(known + ids, rows)
         else:
             self._refresh_reference(list(dict.fromkeys(known + ids)))
@@ -518,17 +537,18 @@ class DeferredBlockPool(BlockPool):
         if recorded is not None:
             raise recorded
 
-    def _read_device(self, known: list[int], npend: int, refill: bool) -> tuple[list[int], int]:
+    def _read_device(self, known: list[int], npend: int, refill: bool, narrow: bool) -> tuple[list[int], int]:
         """ONE device-to-host transfer: the device pool's counters, each launch's confirmation, the
         placeholders' ids, (``refill``) the queue window and the mirror rows of ``known`` and the
-        placeholders' blocks. Returns (the values flat, the number of launches)."""
+        placeholders' blocks (``narrow``: only their first key slot). Returns (the values flat, the
+        number of launches)."""
         dev = self._dev
         pend = self._pend_dev[:npend].long() if npend else torch.zeros(0, dtype=torch.int64, device=dev.device)
         idx = torch.cat([self._h2d(known, torch.int64), pend])
         parts = [dev.counters()] + [c for _, c, _ in self._flights] + [pend]
         if refill:
             parts.append(self._window_dev())
-        flat = torch.cat(parts + [dev.mirror_rows(idx).reshape(-1)]).tolist()
+        flat = torch.cat(parts + [dev.mirror_rows(idx, 1 if narrow else None).reshape(-1)]).tolist()
         return flat, len(self._flights)
 
     def _take_recorded(self) -> PoolError | None:
