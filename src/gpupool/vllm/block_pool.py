@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .. import events as gp_events
-from ..args import MAX_TOKENS, as_groups, as_host_list, as_int, check_hash
+from ..args import MAX_GROUP_ID, MAX_TOKENS, as_groups, as_host_list, as_int, check_hash
 from ..errors import (
     ArgumentTypeError, DoubleFreeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError, PoolError,
 )
@@ -565,8 +565,11 @@ class BlockPool:
         (from the mirror; ``device_lookups=True``: a device lookup). Raises ArgumentTypeError for a
         hash that is not bytes or groups that are not ints, InvalidArgumentError for a group outside
         ``0 .. 2**31 - 1`` (either way)."""
-        block_hash = check_hash("get_cached_block", block_hash)
-        kv_cache_group_ids = as_groups("get_cached_block", kv_cache_group_ids)
+        if type(block_hash) is not bytes:
+            block_hash = check_hash("get_cached_block", block_hash)
+        if type(kv_cache_group_ids) is not list or not all(type(g) is int and 0 <= g <= MAX_GROUP_ID
+                                                           for g in kv_cache_group_ids):
+            kv_cache_group_ids = as_groups("get_cached_block", kv_cache_group_ids)
         if self.device_lookups:
             ids = self._dev.get_cached_block(bytes(block_hash), list(kv_cache_group_ids))
             return None if ids is None else [self.blocks[b] for b in ids]

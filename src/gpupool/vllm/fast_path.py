@@ -326,6 +326,8 @@ class DeferredBlockPool(BlockPool):
         if not (block_mask is None and type(block_size) is int and type(group) is int and 0 <= nc
                 and block_size > 0 and 0 <= group <= MAX_GROUP_ID and nf * block_size <= MAX_TOKENS):
             return None
+        if type(blocks) is not list:
+            return None
         rng = blocks[nc:nf]
         if len(rng) != nf - nc:
             return None
