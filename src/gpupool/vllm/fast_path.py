@@ -59,7 +59,7 @@ class PendingBlock(KVCacheBlock):
 
 class DeferredBlockPool(BlockPool):
     """:class:`gpupool.vllm.BlockPool` with the fast ops deferred and predicted (module docstring;
-    docs/vllm.md, "The fast path").
+    docs/algorithms.md section 8).
 
     Same constructor. ``syncs`` counts the synchronisations by reason (``end_step``, ``free_queue``
     (a refill before a pop), ``block_id``, ``ref_cnt``, ``get_one_block``, ``op:<name>``, ...);
