@@ -16,6 +16,18 @@ vLLM's pool is imported from its sdist (``GPUPOOL_VLLM_SRC``, else the tests' ca
 only gpupool's figure is printed.
 
     TRITON_INTERPRET=1 python bench/vllm_host.py [--requests 1024] [--steps 40]
+
+``--scheduler``: vLLM 0.33's own scheduler loop instead (``AsyncScheduler.schedule()`` then
+``update_from_output()`` of the batch before, one batch in flight, as vLLM's test_async_scheduler.py
+drives it), with vLLM's ``BlockPool`` (stock) and with ``GpuPoolScheduler``'s fast path, on the
+workloads of :data:`WORKLOADS`: B requests in decode (B = 256, 1,024, 4,096), a prefix-hit mix and a
+preemption mix. The figure is the process CPU time of a whole scheduler step (``time.process_time``,
+the garbage collector off for every variant), less the time inside gpupool's kernel launch (the
+interpreted kernel; on a GPU the launch is asynchronous); the variants' repetitions are interleaved
+(A, B, A, B, ...) so that a slower period of a shared machine weighs on both. Prints the ratio
+gpupool / stock per workload.
+
+    TRITON_INTERPRET=1 python bench/vllm_host.py --scheduler [--workloads decode256,prefix] [--reps 5]
 """
 from __future__ import annotations
 
@@ -125,12 +137,128 @@ def vllm_pool():
     return BlockPool(N, True, BS)
 
 
+# ---- the scheduler loop ---------------------------------------------------------------------------
+# name: running requests (in decode, 1 in 16 crossing into a new block each step), their shortest
+# prompt, new requests per step with a shared 16-block prefix (6 tokens out each), pool blocks per
+# running request (None: room for all; 2.5: preemptions)
+WORKLOADS = {
+    "decode256": dict(running=256, prompt=17, arrivals=0, blocks=None),
+    "decode1024": dict(running=1024, prompt=17, arrivals=0, blocks=None),
+    "decode4096": dict(running=4096, prompt=17, arrivals=0, blocks=None),
+    "prefix": dict(running=256, prompt=17, arrivals=4, blocks=None),
+    "preempt": dict(running=256, prompt=17, arrivals=0, blocks=2.5),
+}
+
+
+class SchedulerLoop:
+    """One scheduler (stock or gpupool) on one workload, stepped ``schedule()`` + ``update_from_output()``
+    with one batch in flight; :meth:`steps` returns the CPU seconds of n steps."""
+
+    def __init__(self, variant: str, wl: dict, kernel: list):
+        import sched_driver as sd  # vLLM's source, the stubs, make_scheduler
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.request import Request
+        self.sd, self.SP, self.Req, self.MRO = sd, SamplingParams, Request, ModelRunnerOutput
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(sd.BLOCK, sha256)
+        b = wl["running"]
+        per = wl["blocks"]
+        nblk = int(b * per) + 64 if per else b * 48 + 4096
+        os.environ["GPUPOOL_VLLM_BACKEND"] = "device"
+        os.environ["GPUPOOL_VLLM_DEVICE"] = "cpu"
+        if variant == "stock":
+            cls = AsyncScheduler
+        else:
+            from gpupool.vllm import GpuPoolScheduler
+            cls = GpuPoolScheduler
+        self.sched = sd.make_scheduler(cls, nblk, max_model_len=8192, max_num_batched_tokens=max(8192, 2 * b),
+                                       max_num_seqs=b + 64)
+        self.wl, self.kernel, self.n, self.inflight = wl, kernel, 0, None
+        self.shared = [7 + (i % 991) for i in range(16 * sd.BLOCK)]
+        for j in range(b):  # prompts of 17..32 tokens: 1 in 16 requests crosses into a new block each step
+            self._add([1 + (self.n * 131 + i) % 30000 for i in range(wl["prompt"] + j % sd.BLOCK)], 10 ** 6)
+        for _ in range(8):  # prefill done: every running request in decode
+            self._step()
+
+    def _add(self, prompt, max_tokens):
+        sp = self.SP(max_tokens=max_tokens, ignore_eos=True)
+        sp.update_from_generation_config({}, 50256)
+        self.sched.add_request(self.Req(request_id=f"r{self.n}", prompt_token_ids=prompt, sampling_params=sp,
+                                        pooling_params=None, block_hasher=self.hasher))
+        self.n += 1
+
+    def _step(self):
+        for _ in range(self.wl["arrivals"]):
+            self._add(self.shared + [1 + self.n % 30000, 2], 6)
+        out = self.sched.schedule()
+        prev, self.inflight = self.inflight, (out if out.num_scheduled_tokens else None)
+        if prev is not None:
+            ids = list(prev.num_scheduled_tokens)
+            mro = self.MRO(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                           sampled_token_ids=[[1000 + len(r)] for r in ids], logprobs=None, prompt_logprobs_dict={},
+                           pooler_output=[])
+            self.sched.update_from_output(prev, mro)
+
+    def steps(self, n: int) -> float:
+        gc.collect()
+        gc.disable()
+        try:
+            k0, t0 = self.kernel[0], time.process_time()
+            for _ in range(n):
+                self._step()
+            return time.process_time() - t0 - (self.kernel[0] - k0)
+        finally:
+            gc.enable()
+
+
+def scheduler_main(a) -> int:
+    sys.path.insert(0, str(ROOT / "tests" / "vllm_conformance"))
+    if vllm_pool() is None:
+        print("vLLM 0.33's source is not available (GPUPOOL_VLLM_SRC or the tests' cache): nothing to compare")
+        return 1
+    from gpupool.kernels import flush as k_flush
+    launch, kernel = k_flush.launch_flush, [0.0]
+
+    def timed(*args, **kw):  # the interpreted kernel's CPU time, left out of gpupool's figure
+        t0 = time.process_time()
+        try:
+            return launch(*args, **kw)
+        finally:
+            kernel[0] += time.process_time() - t0
+    k_flush.launch_flush = timed
+    print(f"{'workload':<12} {'stock us/step':>14} {'gpupool us/step':>16} {'ratio':>7}   (CPU time, {a.reps} x "
+          f"{a.steps} steps each, interleaved)")
+    for name in a.workloads.split(","):
+        wl = WORKLOADS[name]
+        loops = {v: SchedulerLoop(v, wl, kernel) for v in ("stock", "gpupool")}
+        tot = {v: 0.0 for v in loops}
+        for _ in range(a.reps):
+            for v, lp in loops.items():
+                tot[v] += lp.steps(a.steps)
+        n = a.reps * a.steps
+        pool = loops["gpupool"].sched.kv_cache_manager.block_pool
+        print(f"{name:<12} {tot['stock'] / n * 1e6:>14,.0f} {tot['gpupool'] / n * 1e6:>16,.0f} "
+              f"{tot['gpupool'] / tot['stock']:>6.2f}x   ({type(pool).__name__}, syncs {dict(pool.syncs)})", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (per repetition with --scheduler)")
+    ap.add_argument("--scheduler", action="store_true", help="vLLM's scheduler loop, stock against gpupool")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if a.scheduler:
+        a.steps = a.steps or 8
+        return scheduler_main(a)
+    a.steps = a.steps or 40
     from gpupool.kernels import flush as k_flush
     from gpupool.vllm.fast_path import DeferredBlockPool
 

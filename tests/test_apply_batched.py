@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpupool import BlockPool as DevicePool
+from gpupool.pool import PredictedBatch
 from gpupool.errors import DoubleFreeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError, PoolError
 
 from harness.compare import assert_pools_agree
@@ -166,30 +167,54 @@ def test_rounds_that_do_not_add_up_raise_at_the_call():
 
 
 def test_host_parts_and_expected_pops():
-    """The id parts as host ints (one copy with the demands) act as the same tensors; ``expected``
-    counts the pops that differ into ``mismatches`` on the device; bad host parts raise at the call,
-    nothing changed."""
+    """The id parts as host ints (one copy with the demands) act as the same tensors;
+    ``apply_predicted`` counts the pops that differ from ``expected`` into its confirmation; bad host
+    parts raise at the call, nothing changed."""
     _, dev, old, held = setup()
     _, twin, old2, held2 = setup()
     assert (old2, held2) == (old, held)
     calls = [([h("c0"), h("c1")], 1, 2, BS, 0)]
-    kw = dict(demands=[2, 1], cache_calls=calls, rounds=[(1, 1, 1, 1, 0), (0, 0, 0, 1, 1)])
-    mism = torch.zeros(1, dtype=torch.int64)
-    a, _ = dev.apply_batched(free_ids=[held[5]], free_offsets=[0, 1, 0], touch_ids=[old[0]], cache_ids=[N + 2],
-                             expected=[held[5], held[5]], mismatches=mism, **kw)  # the 2nd is wrong
+    kw = dict(demands=[2, 1], rounds=[(1, 1, 1, 1, 0), (0, 0, 0, 1, 1)])
+    items = ([(h("c1"), 0)], [2 * BS], [1])
+    a, confirm = dev.apply_predicted(PredictedBatch(free_ids=[held[5]], free_offsets=[0, 1, 0], touch_ids=[old[0]],
+                                                    cache_ids=[N + 2], cache_items=items,
+                                                    expected=[held[5], held[5]], **kw))  # the 2nd is wrong
     b, _ = twin.apply_batched(free_ids=i32([held[5]]), free_offsets=i32([0, 1, 0]), touch_ids=i32([old[0]]),
-                              cache_ids=i32([N + 2]), **kw)
+                              cache_ids=i32([N + 2]), cache_calls=calls, **kw)
     dev.check()
     twin.check()
     assert a.tolist() == b.tolist() and pool_state(dev) == pool_state(twin)
-    assert a.tolist()[0] == held[5] and int(mism) == 1
+    assert a.tolist()[0] == held[5] and confirm.tolist() == [0, 0, 1]
     before = pool_state(dev)
-    for bad in (dict(free_ids=[2**31], free_offsets=[0, 1]), dict(touch_ids=["x"]),
-                dict(demands=[1], expected=[1]), dict(demands=[1], expected=[1, 2], mismatches=mism),
-                dict(demands=[1], expected=i32([1]), mismatches=mism)):
+    for bad in (dict(free_ids=[2**31], free_offsets=[0, 1]), dict(touch_ids=["x"])):
         with pytest.raises(PoolError):
             dev.apply_batched(**bad)
         assert pool_state(dev) == before
+    for bad in (dict(demands=[1], expected=[1, 2]), dict(demands=[1], expected=i32([1])),
+                dict(demands=[1], cache_ids=[1], cache_items=([], [], []))):
+        with pytest.raises(PoolError):
+            dev.apply_predicted(PredictedBatch(**bad))
+        assert pool_state(dev) == before
+
+
+def test_a_launch_confirms_whether_it_ran():
+    """``apply_predicted``'s confirmation: (0, 0, _) when it ran; the status before the launch when an
+    error recorded earlier made it do nothing; (0, code, _) when it failed itself."""
+    _, dev, old, held = setup()
+    _, c = dev.apply_predicted(PredictedBatch(demands=[1]))
+    assert c.tolist() == [0, 0, 0]
+    before = pool_state(dev)
+    dev.free_batched(i32([old[0]]), i32([0, 1]))  # a double free: recorded, nothing changed
+    blocks, c = dev.apply_predicted(PredictedBatch(demands=[1], expected=[old[1]]))
+    code = c.tolist()[0]
+    assert code != 0 and c.tolist() == [code, code, 1] and blocks.tolist() == [-1]
+    with pytest.raises(DoubleFreeError):
+        dev.check()
+    assert pool_state(dev) == before
+    _, c = dev.apply_predicted(PredictedBatch(free_ids=[old[0]], free_offsets=[0, 1]))
+    assert c.tolist()[0] == 0 and c.tolist()[1] != 0
+    with pytest.raises(DoubleFreeError):
+        dev.check()
 
 
 def test_a_failing_part_stops_the_later_ones():

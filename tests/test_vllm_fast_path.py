@@ -163,13 +163,13 @@ def test_a_wrong_prediction_is_caught(backend):
     (device: the popped ids compared on the device), as PoolError; the copy is then read again."""
     kw = dict(device="cpu") if backend == "device" else dict(backend="reference")
     pool = DeferredBlockPool(8, True, BS, **kw)
-    first = list(pool._q)
-    pool._q = type(pool._q).fromkeys([first[1], first[0]] + first[2:])
+    first = list(pool.queue_copy.ids)
+    pool.queue_copy.ids = type(pool.queue_copy.ids).fromkeys([first[1], first[0]] + first[2:])
     with pytest.raises(PoolError, match="pop"):
         pool.get_new_blocks(1)
         pool.sync()
     pool.sync("again", window=True)
-    assert list(pool._q) == pool.device_pool.free_queue()[: len(pool._q)]
+    assert list(pool.queue_copy.ids) == pool.device_pool.free_queue()[: len(pool.queue_copy.ids)]
 
 
 def test_dirty_mirror_syncs_only_for_free_blocks(monkeypatch):
@@ -186,7 +186,7 @@ def test_dirty_mirror_syncs_only_for_free_blocks(monkeypatch):
     held = pool.get_new_blocks(1)
     pool.free_blocks(list(reversed(a)))  # 4 keyed blocks at the back, 2 un-keyed in front
     pool.sync()
-    assert len(pool._q) == 2
+    assert len(pool.queue_copy.ids) == 2
     pool.syncs.clear()
     pool.get_new_blocks(3)  # 2 un-keyed + the first keyed one (a[3], freed first): past the copy, dirty
     assert pool._dirty and dict(pool.syncs) == {"free_queue": 1}
@@ -203,25 +203,25 @@ def test_end_step_refills_and_verifies(monkeypatch):
     from gpupool.vllm import fast_path
     monkeypatch.setattr(fast_path, "FREE_WINDOW", 8)
     pool = DeferredBlockPool(20, True, BS, backend="reference")
-    assert len(pool._q) == 8 and pool._low_mark == 4
+    assert len(pool.queue_copy.ids) == 8 and pool.queue_copy.low_mark == 4
     pool.get_new_blocks(4)
     pool.end_step()
-    assert pool.syncs == {} and len(pool._q) == 4
+    assert pool.syncs == {} and len(pool.queue_copy.ids) == 4
     pool.get_new_blocks(1)
     pool.end_step()  # 3 < 4 and 14 free: refill
-    assert dict(pool.syncs) == {"end_step": 1} and list(pool._q) == list(range(6, 14))
+    assert dict(pool.syncs) == {"end_step": 1} and list(pool.queue_copy.ids) == list(range(6, 14))
     pool.verify_every = 3
     got = pool.get_new_blocks(1)
     pool.free_blocks(got)  # back at the front: the copy is unchanged
     pool.end_step()
     pool.end_step()
-    assert dict(pool.syncs) == {"end_step": 1} and list(pool._q) == list(range(6, 14))
+    assert dict(pool.syncs) == {"end_step": 1} and list(pool.queue_copy.ids) == list(range(6, 14))
     pool.end_step()  # the third step since the last synchronisation: verify
     assert dict(pool.syncs) == {"end_step": 2}
     for step in range(4):
         pool.end_step()  # nothing to check: no synchronisation
     assert dict(pool.syncs) == {"end_step": 2}
-    pool.get_new_blocks(len(pool._q))  # empties the copy (not the queue): the next pop refills first
+    pool.get_new_blocks(len(pool.queue_copy.ids))  # empties the copy (not the queue): the next pop refills first
     pool.get_new_blocks(1)
     assert dict(pool.syncs) == {"end_step": 2, "free_queue": 1}
 
@@ -278,8 +278,8 @@ def test_cache_full_blocks_batched_equals_cache_full_blocks():
 
 
 def test_batch_rounds_where_the_order_requires():
-    """The device backend's batch (fast_path._Batch) runs free, touch, pop, cache in that order, round
-    after round, all rounds in ONE launch (``DeferredBlockPool._cut``): pops and cachings pile up in
+    """The device backend's batch (gpupool.vllm.op_batch.OpBatch) runs free, touch, pop, cache in that order, round
+    after round, all rounds in ONE launch (``OpBatch.placement``): pops and cachings pile up in
     one round, and so do touches of free blocks and frees of keyed blocks after pops; a free of a
     block cached in the round, an un-keyed block freed (to the front) after a pop, and a touch or free
     of a block popped in the round start a new one. The sequence runs on the per-call pool too: same
@@ -341,7 +341,7 @@ def test_batch_rounds_where_the_order_requires():
 def test_a_decode_step_is_one_flush():
     """vLLM's decode step over 32 running requests, each crossing into a new block (``get_new_blocks(1)``)
     and caching the block it filled (``cache_full_blocks``), after the frees of 2 finished requests:
-    one flush at ``end_step``, ONE ``apply_batched`` launch with two host-to-device copies and no
+    one flush at ``end_step``, ONE ``apply_predicted`` launch with two host-to-device copies and no
     synchronisation, where the per-call adapter launches 66 ops; ids and state equal."""
     n, nreq = 80, 32
     pools = [DeferredBlockPool(n, True, BS, device="cpu"), BlockPool(n, True, BS, device="cpu")]
@@ -355,8 +355,8 @@ def test_a_decode_step_is_one_flush():
             flushes0 = p.flushes
             counts = {}
             dev = p._dev
-            for name in ("apply_batched", "allocate_batched", "free_batched", "touch_batched", "cache_blocks_batched",
-                         "_tensor"):
+            for name in ("apply_predicted", "apply_batched", "allocate_batched", "free_batched", "touch_batched",
+                         "cache_blocks_batched", "_tensor"):
                 def counted(*a, _f=getattr(dev, name), _n=name, **k):
                     counts[_n] = counts.get(_n, 0) + 1
                     return _f(*a, **k)
@@ -370,7 +370,7 @@ def test_a_decode_step_is_one_flush():
         p.end_step()  # GpuPoolScheduler's, after schedule(): launches the step's batch
         if isinstance(p, DeferredBlockPool):
             # two host-to-device copies: ids, offsets, demands, rounds and expected pops in one, the keys
-            assert p.flushes - flushes0 == 1 and counts == {"apply_batched": 1, "_tensor": 2}, (p.flushes, counts)
+            assert p.flushes - flushes0 == 1 and counts == {"apply_predicted": 1, "_tensor": 2}, (p.flushes, counts)
             assert p.syncs == {}
             p.device_pool.validate()
         got.append((ids, driver.snapshot(p)))
@@ -385,14 +385,14 @@ def test_the_free_queue_copy_is_a_window():
     from gpupool.vllm.fast_path import FREE_WINDOW
     n = FREE_WINDOW + 64
     pool, ref = DeferredBlockPool(n, True, BS, device="cpu"), BlockPool(n, True, BS, device="cpu")
-    assert list(pool._q) == list(range(1, FREE_WINDOW + 1))
+    assert list(pool.queue_copy.ids) == list(range(1, FREE_WINDOW + 1))
     a = pool.get_new_blocks(FREE_WINDOW - 1)
     assert pool.syncs == {} and not pool._dirty
     b = pool.get_new_blocks(2)
     assert dict(pool.syncs) == {"free_queue": 1} and not pool._dirty
     want = ref.get_new_blocks(FREE_WINDOW - 1) + ref.get_new_blocks(2)
     assert [x.block_id for x in a + b] == [x.block_id for x in want]
-    assert len(pool._q) == pool.get_num_free_blocks() == n - 1 - (FREE_WINDOW + 1)
+    assert len(pool.queue_copy.ids) == pool.get_num_free_blocks() == n - 1 - (FREE_WINDOW + 1)
     pool.sync()
     pool.device_pool.validate()
 

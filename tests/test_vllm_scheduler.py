@@ -110,11 +110,11 @@ def test_same_decisions_as_vllm_async_scheduler(tmp_path):
     for mode in ("device", "heavy_device", "device_w4"):
         for s in r[mode]:  # each read is one sync() of the pool (nothing else reads the device)
             assert s["gpupool_ops"]["d2h"] == sum(s["gpupool_ops"]["syncs"].values()), s
-    for mode in ("device", "heavy_device", "device_w4"):  # the only device op: one apply_batched launch per flush
+    for mode in ("device", "heavy_device", "device_w4"):  # the only device op: one apply_predicted launch per flush
         for s in r[mode]:
             o = s["gpupool_ops"]
-            assert set(o) <= {"apply_batched", "flushes", "syncs", "d2h"}, o
-            assert o.get("apply_batched", 0) == o["flushes"], o
+            assert set(o) <= {"apply_predicted", "flushes", "syncs", "d2h"}, o
+            assert o.get("apply_predicted", 0) == o["flushes"], o
             if mode != "device_w4":  # one launch per step (its rounds); placeholders can need more
                 assert o["flushes"] <= 1, (mode, s["step"], o)
     per_call = r["device_percall"]

@@ -44,6 +44,23 @@ from .registry import KeyRegistry
 from .state import PoolConfig, PoolState, allocate_state, make_config, metadata_bytes
 
 
+@dataclass
+class PredictedBatch:
+    """The parts of :meth:`BlockPool.apply_predicted` (each as ``apply_batched``'s argument of that
+    name): ``cache_items`` is ``(keys, ntok, per_call)``, per cached block its ``(hash, group)`` and
+    covered tokens and the number of blocks of each caching call; ``expected``: host ints, the ids
+    predicted for the first pops (None: none)."""
+
+    free_ids: object = None
+    free_offsets: object = None
+    touch_ids: object = None
+    demands: list = ()
+    cache_ids: object = None
+    cache_items: tuple = ((), (), ())
+    rounds: list | None = None
+    expected: list | None = None
+
+
 @dataclass(frozen=True)
 class PoolHandle:
     """What the request manager and the replay use of a pool (internal; docs/design.md, layers):
@@ -116,6 +133,7 @@ class BlockPool:
         self._watchers: dict[int, Callable[[int], None]] = {}  # dict order = registration order
         self._events: list = []
         self._lock = new_lock()
+        self._window_offsets: dict[int, torch.Tensor] = {}  # free_window's ring offsets, per length
 
     def handle(self) -> PoolHandle:
         """The internal handle the request manager and the replay work through."""
@@ -481,13 +499,12 @@ class BlockPool:
 
     @locked
     def apply_batched(self, *, free_ids=None, free_offsets=None, touch_ids=None, demands=(), cache_ids=None,
-                      cache_calls=(), rounds=None, expected=None, mismatches: torch.Tensor | None = None,
-                      cache_items=None) -> tuple[torch.Tensor, torch.Tensor]:
+                      cache_calls=(), rounds=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``free_batched(free_ids, free_offsets)``, ``touch_batched(touch_ids)``,
         ``allocate_batched(demands)`` and ``cache_blocks_batched(cache_ids, cache_calls)`` in that
-        order, as ONE launch, not waiting (docs/semantics.md section 2, batched forms; the vLLM fast
-        path's flush, docs/vllm.md). Every part is optional and is that op exactly; a part that fails
-        records its error in the status word and the later parts do nothing, as four launches would.
+        order, as ONE launch, not waiting (docs/semantics.md section 2, batched forms). Every part is
+        optional and is that op exactly; a part that fails records its error in the status word and the
+        later parts do nothing, as four launches would.
 
         ``free_ids``, ``free_offsets``, ``touch_ids``, ``cache_ids``: each an ``int32[n]`` tensor on the
         pool's device or host ints; the host ones travel in ONE host-to-device copy with the demands
@@ -504,25 +521,55 @@ class BlockPool:
         another, and ``num_blocks + k`` in a caching names the k-th of them (an earlier round's or its
         own round's).
 
-        ``expected`` (host ints, at most ``sum(demands)``) with ``mismatches`` (``int64[1]`` on the
-        device): the first pops are compared with these ids on the device and the number that differ
-        is added to ``mismatches`` (no wait), for a caller that predicts the pops (the vLLM fast path).
-
-        ``cache_items``: instead of ``cache_calls``, the calls already checked by the caller with
-        ``gpupool.args.cache_full_args`` (the vLLM fast path checks each at its call): ``(keys, ntok,
-        per_call)``, per cached block its ``(hash, group)`` and covered tokens, and the number of
-        blocks of each call.
-
         Raises at once (nothing changed) what the four ops raise for bad host values, and
-        InvalidArgumentError for a pool with KV events (the caching part writes none), rounds that
-        do not add up or ``expected`` without ``mismatches`` or longer than the pops,
-        InvalidCountError for a negative demand, OutOfBlocksError for a demands' sum (a round's) above
-        the pool's ``num_blocks - 1`` blocks (it can never fit, whatever the frees before it); device
-        errors, a sum above the free blocks among them, go to the status word (raised by
-        :meth:`check`)."""
+        InvalidArgumentError for a pool with KV events (the caching part writes none) or rounds that
+        do not add up, InvalidCountError for a negative demand, OutOfBlocksError for a demands' sum (a
+        round's) above the pool's ``num_blocks - 1`` blocks (it can never fit, whatever the frees
+        before it); device errors, a sum above the free blocks among them, go to the status word
+        (raised by :meth:`check`). A caller that predicts the pops uses :meth:`apply_predicted`."""
         op = "apply_batched"
         if self.enable_kv_cache_events:
             raise InvalidArgumentError(op, "a pool with KV events runs the ops one by one")
+        _, n_cids = self._i32_part(op, cache_ids, "cache_ids")
+        keys, ntok, per_call = self._cache_items(op, cache_calls, n_cids, "cache_ids")
+        blocks, offsets, _ = self._launch_batch(op, free_ids, free_offsets, touch_ids, demands, cache_ids,
+                                                (keys, ntok, per_call), rounds, None)
+        return blocks, offsets
+
+    @locked
+    def apply_predicted(self, batch: PredictedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`apply_batched` for a caller that predicts its pops and checked its cachings itself (the
+        vLLM fast path, docs/algorithms.md section 8): ``batch``'s parts as ``apply_batched``'s, its
+        cachings as ``cache_items`` (per cached block its ``(hash, group)`` and covered tokens, checked by
+        the caller with ``gpupool.args.cache_full_args``) and ``expected``, the ids the caller predicts
+        for the first pops. Not waiting.
+
+        Returns ``(blocks: int32[sum(demands)], confirm: int64[3])`` on the device: the pops as
+        ``apply_batched``'s, and the launch's confirmation, read at the caller's next synchronisation:
+        the status code before the launch (not 0: a recorded error made the launch do nothing), the
+        status code after it (not 0 with the first 0: this launch failed) and how many of the first
+        pops differ from ``expected``. Raises at once what ``apply_batched`` raises for bad host values,
+        and InvalidArgumentError for ``expected`` longer than the pops or cache items that do not
+        match ``cache_ids``."""
+        op = "apply_predicted"
+        if self.enable_kv_cache_events:
+            raise InvalidArgumentError(op, "a pool with KV events runs the ops one by one")
+        keys, ntok, per_call = batch.cache_items
+        n_cids = 0 if batch.cache_ids is None else len(batch.cache_ids)
+        if not (len(keys) == len(ntok) == sum(per_call) == (n_cids if self.enable_caching else 0)):
+            raise InvalidArgumentError(op, f"cache_items: {len(keys)} keys, {len(ntok)} token counts, "
+                                           f"{sum(per_call)} blocks in the calls, {n_cids} cache_ids")
+        before = self.state.status[:1].clone()
+        blocks, _, differ = self._launch_batch(op, batch.free_ids, batch.free_offsets, batch.touch_ids,
+                                               batch.demands, batch.cache_ids, batch.cache_items, batch.rounds,
+                                               [] if batch.expected is None else batch.expected)
+        confirm = torch.cat([before, self.state.status[:1], differ])
+        return blocks, confirm
+
+    def _launch_batch(self, op, free_ids, free_offsets, touch_ids, demands, cache_ids, cache_items, rounds,
+                      expected):
+        """The launch behind :meth:`apply_batched` and :meth:`apply_predicted`: (blocks, offsets, pops
+        differing from ``expected``: ``int64[1]`` on the device)."""
         dem = [as_int(op, d, "demand") for d in as_host_list(op, demands, "demands")]
         bad = [d for d in dem if d < 0]
         if bad:
@@ -536,17 +583,9 @@ class BlockPool:
             if n_seg < 1:
                 raise InvalidArgumentError(op, "free_offsets needs at least one entry (0)")
         tids, n_touch = self._i32_part(op, touch_ids, "touch_ids")
-        cids, n_cids = self._i32_part(op, cache_ids, "cache_ids")
+        cids, _ = self._i32_part(op, cache_ids, "cache_ids")
         exp, n_exp = self._i32_part(op, expected, "expected")
-        if cache_items is None:
-            keys, ntok, per_call = self._cache_items(op, cache_calls, n_cids, "cache_ids")
-        else:
-            if cache_calls:
-                raise InvalidArgumentError(op, "cache_calls and cache_items are two forms of one part: give one")
-            keys, ntok, per_call = (list(x) for x in cache_items)
-            if not (len(keys) == len(ntok) == sum(per_call) == (n_cids if self.enable_caching else 0)):
-                raise InvalidArgumentError(op, f"cache_items: {len(keys)} keys, {len(ntok)} token counts, "
-                                               f"{sum(per_call)} blocks in the calls, {n_cids} cache_ids")
+        keys, ntok, per_call = cache_items
         parts = self._rounds(op, rounds, n_free, n_seg, n_touch, dem, per_call)
         for part in parts:
             want = sum(part[3])
@@ -554,11 +593,8 @@ class BlockPool:
                 raise OutOfBlocksError(op, f"the demands' sum {want} exceeds the pool's {self.num_blocks - 1} blocks"
                                        + (" (in a round)" if rounds is not None else ""), want)
         total = sum(dem)
-        if exp is not None and (isinstance(exp, torch.Tensor) or n_exp > total or not isinstance(
-                mismatches, torch.Tensor) or mismatches.dtype != torch.int64 or mismatches.device != self.device
-                or mismatches.numel() != 1):
-            raise InvalidArgumentError(op, "expected: host ints, at most the pops, with mismatches (int64[1] on "
-                                           f"{self.device})")
+        if exp is not None and (isinstance(exp, torch.Tensor) or n_exp > total):
+            raise InvalidArgumentError(op, "expected: host ints, at most the pops")
         table = k_flush.round_table(parts, seg is not None)
         host = [0] + dem + table  # ONE copy: a placeholder entry for empty parts, demands, rounds, host parts
         at = {}
@@ -576,9 +612,52 @@ class BlockPool:
             dev(tids, "t") if n_touch else one, small[1:1 + nd] if dem else one, small[1 + nd:1 + nd + len(table)],
             dev(cids, "c") if keys else one, *self._key_tensors(keys, ntok), n_rounds=len(parts), n_free=n_free,
             n_touch=n_touch, n_demands=nd, n_cache=len(keys), total=total)
-        if n_exp:
-            mismatches += (blocks[:n_exp] != dev(exp, "e")).sum()
-        return blocks, offsets
+        differ = None
+        if expected is not None:
+            differ = ((blocks[:n_exp] != dev(exp, "e")).sum().reshape(1) if n_exp
+                      else torch.zeros(1, dtype=torch.int64, device=self.device))
+        return blocks, offsets, differ
+
+    # ---- the read API: device views for a host mirror of the pool (the vLLM adapter), no wait ------
+    def mirror_rows(self, idx: torch.Tensor, key_slots: int | None = None) -> torch.Tensor:
+        """``int64[len(idx), 3 + 3 * k]`` on the device (``k``: ``key_slots``, default
+        ``max_keys_per_block``), per block of ``idx`` (``int64[n]`` ids on the device): ref count, key
+        count, tokens its primary key covers (-1: none), then ``(hi, lo, insertion seq)`` of its first
+        ``k`` key slots, primary first (slots past the key count are unspecified; ``hi, lo`` are device
+        keys, :meth:`key_name` gives vLLM's). Not waiting."""
+        s, mk = self.state, self.max_keys_per_block
+        k = mk if key_slots is None else max(0, min(int(key_slots), mk))
+        kv = s.keys.view(self.num_blocks, mk, 5)[idx, :k]
+        keys = torch.cat([kv[:, :, 0:2], kv[:, :, 3:4]], dim=2).reshape(idx.numel(), 3 * k)
+        return torch.cat([s.ref_cnt[idx].long()[:, None], s.num_keys[idx].long()[:, None],
+                          s.hash_ntok[idx].long()[:, None], keys], dim=1)
+
+    def free_window(self, n: int) -> torch.Tensor:
+        """``int64[min(ring capacity, n)]`` on the device: the ids in the free queue's first ``n`` ring
+        slots from the head, -1 for holes (free blocks a touch unlinked) and slots past the tail; the
+        others are the free queue's first ids, in order (docs/algorithms.md section 1). Not waiting."""
+        st, c = self.state, self.config.C
+        rel = self._window_offsets.get(n)
+        if rel is None:
+            rel = self._window_offsets[n] = torch.arange(min(c, n), dtype=torch.int64, device=self.device)
+        head, tail = st.ctrl[Ctrl.HEAD].long(), st.ctrl[Ctrl.TAIL].long()
+        v = st.ring[(head + rel) & (c - 1)].long()
+        return torch.where((rel < tail - head) & (v >= 0), v, -1)
+
+    def counters(self) -> torch.Tensor:
+        """``int64[5]`` on the device: the status word's error code (0: none), the free count, the key
+        insertion counter, the undrained event rows and the undrained reuse-log entries. Not waiting."""
+        st = self.state
+        return torch.cat([st.status[:1], st.ctrl[Ctrl.NUM_FREE:Ctrl.REUSE_COUNT + 1].long()])
+
+    def key_name(self, device_key: tuple[int, int]) -> tuple[bytes, int]:
+        """The ``(block hash bytes, group)`` of a device key ``(hi, lo)`` read by :meth:`mirror_rows`."""
+        return self.registry.name(device_key)
+
+    def host_tensor(self, values, dtype=torch.int64) -> torch.Tensor:
+        """Host ints as a 1-D tensor on the device without a stream synchronisation (pinned and
+        ``non_blocking`` on CUDA)."""
+        return self._tensor(values, dtype)
 
     def _i32_part(self, op: str, v, what: str):
         """An ``apply_batched`` part: (None, 0), (the checked device tensor, length) or (host ints

@@ -31,20 +31,43 @@ from typing import Any
 import torch
 
 from .. import events as gp_events
-from ..errors import ArgumentTypeError, InvalidArgumentError, OutOfBlocksError, PoolError
-from ..kernels.layout import Ctrl
+from ..args import MAX_GROUP_ID, MAX_TOKENS, as_groups, as_host_list, as_int, check_hash
+from ..errors import (
+    ArgumentTypeError, DoubleFreeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError, PoolError,
+)
 from ..pool import BlockPool as DevicePool
 from ..reference import ReferenceBlockPool
 from . import kv_events as _gp_kv_events
 from .compat import event_kwargs, supports_lookahead
+from .host_mirror import HostMirror, vllm_key
 
 MEDIUM_GPU = "GPU"
 
 
 # ---- vLLM's key helpers (vllm/v1/core/kv_cache_utils.py), restated: they are 3 lines each ----------
-def make_block_hash_with_group_id(block_hash: bytes, group_id: int) -> bytes:
-    """vLLM's ``BlockHashWithGroupId``: the hash bytes, then the group id as 4 bytes big-endian."""
-    return bytes(block_hash) + int(group_id).to_bytes(4, "big", signed=False)
+make_block_hash_with_group_id = vllm_key
+
+
+# a ``block.ref_cnt`` raise is that many touches of the block: at most this many at once
+MAX_REF_RAISE = 1 << 16
+
+
+def count_arg(op: str, x, what: str) -> int:
+    """A count (``num_blocks``, ``num_cached_blocks``, ...): an int >= 0 (not bool; numpy and 0-d
+    tensor ints taken), else ArgumentTypeError / InvalidCountError."""
+    n = as_int(op, x, what)
+    if n < 0:
+        raise InvalidCountError(op, f"{what} must be >= 0, got {n}", n)
+    return n
+
+
+def vllm_key_arg(op: str, key) -> bytes:
+    """vLLM's ``BlockHashWithGroupId``: bytes longer than the 4-byte group suffix, else
+    ArgumentTypeError / InvalidArgumentError."""
+    key = check_hash(op, key)
+    if len(key) <= 4:
+        raise InvalidArgumentError(op, f"a key is the block hash then its 4-byte group id; got {len(key)} bytes")
+    return key
 
 
 def get_block_hash(key: bytes) -> bytes:
@@ -400,6 +423,11 @@ class BlockPool:
         if not isinstance(num_gpu_blocks, int) or isinstance(num_gpu_blocks, bool) or num_gpu_blocks <= 0:
             raise _as_assertion(InvalidArgumentError("BlockPool", f"num_gpu_blocks must be a positive int, got "
                                                                   f"{num_gpu_blocks!r}"))
+        hbs = as_int("BlockPool", hash_block_size, "hash_block_size") if not isinstance(hash_block_size, bool) else 0
+        if hbs <= 0:
+            raise _as_assertion(InvalidArgumentError("BlockPool", f"hash_block_size must be a positive int, got "
+                                                                  f"{hash_block_size!r}"))
+        hash_block_size = hbs
         self.num_gpu_blocks = num_gpu_blocks
         self.medium = medium
         self.enable_caching = bool(enable_caching)
@@ -424,15 +452,12 @@ class BlockPool:
             # model's forward pass queued on the default stream by a worker in this process (TP = 1)
             self.stream = torch.cuda.Stream(device=self._dev.device)
             self.stream.wait_stream(torch.cuda.current_stream(self._dev.device))  # the state's initialisation
-        self._seq = 0
         self._mk = self._dev.max_keys_per_block
         n = num_gpu_blocks
-        # the host mirror (docs/vllm.md): per block ref count, keys (vLLM key bytes, primary first),
-        # tokens of the primary key; per key {block id: insertion seq}; the free count; a version
-        self._ref = [0] * n
-        self._keys: list[tuple[bytes, ...]] = [()] * n
-        self._ntok: list[int | None] = [None] * n
-        self._holders: dict[bytes, dict[int, int]] = {}
+        # the host mirror (docs/vllm.md); its lists aliased here for the reads on vLLM's hot path
+        self.mirror = HostMirror(n)
+        m = self.mirror
+        self._ref, self._keys, self._ntok, self._holders = m.ref, m.keys, m.ntok, m.holders
         self._num_free = 0
         self._version = 0
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(self, i, is_null=(i == 0)) for i in range(n)]
@@ -454,74 +479,26 @@ class BlockPool:
         ids = list(dict.fromkeys(int(b) for b in ids))
         if self.backend == "reference":
             return self._refresh_reference(ids)
-        idx = torch.tensor(ids, dtype=torch.long, device=self._dev.device)
-        rows = self._mirror_rows(idx).tolist()
-        self._num_free = int(self._dev.state.ctrl[Ctrl.NUM_FREE])
-        self._apply_rows(ids, rows)
-
-    def _mirror_rows(self, idx: torch.Tensor) -> torch.Tensor:
-        """``int64[len(idx), 3 + 3 * max_keys]`` on the device: per block ref count, key count, covered
-        tokens, then (hi, lo, insertion seq) of each key slot."""
-        s, mk = self._dev.state, self._mk
-        kv = s.keys.view(self.num_gpu_blocks, mk, 5)[idx]
-        keys = torch.cat([kv[:, :, 0:2], kv[:, :, 3:4]], dim=2).reshape(idx.numel(), 3 * mk)  # hi, lo, seq
-        return torch.cat([s.ref_cnt[idx].long()[:, None], s.num_keys[idx].long()[:, None],
-                          s.hash_ntok[idx].long()[:, None], keys], dim=1)
+        dev = self._dev
+        idx = dev.host_tensor(ids, torch.int64)
+        flat = torch.cat([dev.counters()[1:2], dev.mirror_rows(idx).reshape(-1)]).tolist()  # one transfer
+        self._num_free = flat[0]
+        w = 3 + 3 * self._mk
+        self._apply_rows(ids, [flat[1 + i * w: 1 + (i + 1) * w] for i in range(len(ids))])
 
     def _apply_rows(self, ids: list[int], rows: list[list[int]]) -> None:
-        """Set the mirror of ``ids`` from :meth:`_mirror_rows`' rows (the key map from the difference)."""
-        name = self._dev.registry.name
-        holders = self._holders
-        for b, row in zip(ids, rows):
-            self._ref[b] = row[0]
-            nk = row[1]
-            self._ntok[b] = None if row[2] < 0 else row[2]
-            new = []
-            seqs = []
-            for j in range(nk):
-                h, g = name((row[3 + 3 * j], row[4 + 3 * j]))
-                new.append(make_block_hash_with_group_id(h, g))
-                seqs.append(row[5 + 3 * j])
-            new_t = tuple(new)
-            old = self._keys[b]
-            if old == new_t and all(holders[k].get(b) == q for k, q in zip(new_t, seqs)):
-                continue
-            for k in old:
-                hs = holders.get(k)
-                if hs is not None:
-                    hs.pop(b, None)
-                    if not hs:
-                        del holders[k]
-            for k, q in zip(new_t, seqs):
-                holders.setdefault(k, {})[b] = q
-            self._keys[b] = new_t
+        """Set the mirror of ``ids`` from ``gpupool.BlockPool.mirror_rows``' rows."""
+        self.mirror.apply_rows(ids, rows, self._dev.key_name)
 
     def _refresh_reference(self, ids: list[int]) -> None:
         """:meth:`_refresh` over the reference pool: its lists, a host insertion counter for order."""
-        r, holders = self._dev, self._holders
-        self._num_free = r.get_num_free_blocks()
-        for b in ids:
-            self._ref[b] = r.ref_cnt[b]
-            self._ntok[b] = r.hash_num_tokens[b]
-            new_t = tuple(make_block_hash_with_group_id(h, g) for h, g in r.keys[b])
-            old = self._keys[b]
-            if old == new_t:
-                continue
-            for k in old:
-                if k not in new_t:
-                    hs = holders[k]
-                    hs.pop(b, None)
-                    if not hs:
-                        del holders[k]
-            for k in new_t:
-                if k not in old:
-                    self._seq += 1
-                    holders.setdefault(k, {})[b] = self._seq
-            self._keys[b] = new_t
+        self._num_free = self._dev.get_num_free_blocks()
+        self.mirror.apply_reference(ids, self._dev)
 
     def _ids(self, blocks) -> list[int]:
+        """The block ids of ``blocks`` (KVCacheBlocks of this pool), else ArgumentTypeError."""
         out = []
-        for blk in blocks:
+        for blk in as_host_list("BlockPool", blocks, "blocks"):
             if not isinstance(blk, KVCacheBlock) or blk._pool is not self:
                 raise ArgumentTypeError("BlockPool", f"expected a KVCacheBlock of this pool, got {blk!r}")
             out.append(blk.block_id)
@@ -529,7 +506,11 @@ class BlockPool:
 
     def _set_ref_cnt(self, blk: KVCacheBlock, value: int) -> None:
         cur = self._ref[blk.block_id]
-        if (not isinstance(value, int) or blk.is_null or cur <= 0 or value < cur):
+        if isinstance(value, int) and not isinstance(value, bool) and value - cur > MAX_REF_RAISE:
+            raise _as_assertion(InvalidArgumentError(
+                "KVCacheBlock.ref_cnt", f"block {blk.block_id}: ref_cnt raised by {value - cur}, more than "
+                f"{MAX_REF_RAISE} at once", value))
+        if (not isinstance(value, int) or isinstance(value, bool) or blk.is_null or cur <= 0 or value < cur):
             raise _as_assertion(InvalidArgumentError(
                 "KVCacheBlock.ref_cnt", f"block {blk.block_id}: ref_cnt of a gpupool block may only be raised on "
                 f"a held block (from {cur} to {value!r}); release references with free_blocks", blk.block_id))
@@ -586,7 +567,14 @@ class BlockPool:
     # ---- vLLM's BlockPool interface ---------------------------------------------------------------
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]) -> list[KVCacheBlock] | None:
         """The earliest-inserted block under ``(block_hash, g)`` for each group, or None if any misses
-        (from the mirror; ``device_lookups=True``: a device lookup)."""
+        (from the mirror; ``device_lookups=True``: a device lookup). Raises ArgumentTypeError for a
+        hash that is not bytes or groups that are not ints, InvalidArgumentError for a group outside
+        ``0 .. 2**31 - 1`` (either way)."""
+        if type(block_hash) is not bytes:
+            block_hash = check_hash("get_cached_block", block_hash)
+        if type(kv_cache_group_ids) is not list or not all(type(g) is int and 0 <= g <= MAX_GROUP_ID
+                                                           for g in kv_cache_group_ids):
+            kv_cache_group_ids = as_groups("get_cached_block", kv_cache_group_ids)
         if self.device_lookups:
             ids = self._dev.get_cached_block(bytes(block_hash), list(kv_cache_group_ids))
             return None if ids is None else [self.blocks[b] for b in ids]
@@ -603,8 +591,11 @@ class BlockPool:
                           num_full_blocks: int, block_size: int, kv_cache_group_id: int,
                           block_mask: list[bool] | None = None) -> None:
         """vLLM's ``cache_full_blocks``: one gpupool ``cache_full_blocks`` with ``request.block_hashes``
-        viewed at ``block_size`` (docs/semantics.md section 2)."""
-        nc, nf = num_cached_blocks, num_full_blocks
+        viewed at ``block_size`` (docs/semantics.md section 2). Raises ArgumentTypeError /
+        InvalidCountError / InvalidArgumentError (and AssertionError) for counts that are not ints
+        >= 0, ``num_full_blocks`` past ``blocks`` or a request without ``block_hashes``, before
+        anything is allocated."""
+        nc, nf = self._cache_counts(request, blocks, num_cached_blocks, num_full_blocks, block_size)
         if nc >= nf:
             return
         with _asserts:
@@ -634,6 +625,25 @@ class BlockPool:
                                 nc * block_size, nf * block_size, block_size, kv_cache_group_id, keys, look)
 
         self._drain_events(stored)
+
+    def _cache_counts(self, request, blocks, nc, nf, block_size) -> tuple[int, int]:
+        """``cache_full_blocks``' counts checked (module docstring of the method): (nc, nf)."""
+        op = "cache_full_blocks"
+        with _asserts:
+            nc, nf = count_arg(op, nc, "num_cached_blocks"), count_arg(op, nf, "num_full_blocks")
+            if nc >= nf:
+                return nc, nf
+            bs = count_arg(op, block_size, "block_size")
+            if not hasattr(blocks, "__getitem__") or not hasattr(blocks, "__len__"):
+                raise ArgumentTypeError(op, f"blocks must be a list of KVCacheBlocks, got {type(blocks).__name__}")
+            if nf > len(blocks):
+                raise InvalidArgumentError(op, f"num_full_blocks {nf} is past the request's {len(blocks)} blocks", nf)
+            if nf * bs > MAX_TOKENS:
+                raise InvalidArgumentError(op, f"{nf} blocks of {bs} tokens exceed {MAX_TOKENS} tokens", nf)
+            if getattr(request, "block_hashes", None) is None:
+                raise ArgumentTypeError(op, f"request must be a vLLM Request (with block_hashes), got "
+                                            f"{type(request).__name__}")
+        return nc, nf
 
     def emit_cached_block_events(self, request, num_cached_blocks: int, block_size: int,
                                  kv_cache_group_id: int) -> None:
@@ -697,7 +707,9 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` from the free queue's head (evicting their keys), each with ref_cnt 1.
-        Raises OutOfBlocksError (a ValueError, as vLLM's) when fewer are free."""
+        Raises OutOfBlocksError (a ValueError, as vLLM's) when fewer are free, ArgumentTypeError /
+        InvalidCountError for a count that is not an int >= 0."""
+        num_blocks = count_arg("get_new_blocks", num_blocks, "num_blocks")
         if num_blocks > self._num_free:
             raise OutOfBlocksError("get_new_blocks", f"Cannot get {num_blocks} free blocks from the pool", num_blocks)
         ids = self._dev.get_new_blocks(num_blocks)
@@ -726,6 +738,8 @@ class BlockPool:
     def _insert_key(self, key: bytes, block: KVCacheBlock) -> None:
         """Register ``key`` (vLLM's key bytes) on ``block``: gpupool's ``cache_full_blocks`` of one
         block with block size 1 (``block_hash_num_tokens`` is then whatever the pool records for it)."""
+        with _asserts:
+            key = vllm_key_arg("cached_block_hash_to_block.insert", key)
         (b,) = self._ids([block])
         with _asserts:
             self._dev.cache_full_blocks([b], [get_block_hash(key)], 0, 1, 1, get_group_id(key))
@@ -747,8 +761,8 @@ class BlockPool:
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """A prefix hit: each non-null block leaves the free queue if ref_cnt is 0, then ref_cnt += 1."""
-        blocks = list(blocks)
-        ids = [b for b in self._ids(blocks)]
+        blocks = as_host_list("touch", blocks, "blocks")
+        ids = self._ids(blocks)
         live = [b for b in ids if b != 0]
         if not live:
             return
@@ -761,21 +775,19 @@ class BlockPool:
                     mc.on_block_accessed(blk)
 
     def is_block_writable(self, block: KVCacheBlock) -> bool:
+        """Whether ``block`` (a block of this pool, else ArgumentTypeError) may take new tokens."""
+        self._ids([block])
         return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Release one reference per block in eviction order (null blocks skipped; blocks of another
-        pool forwarded to it, as vLLM does)."""
-        mine, others = [], {}
-        for blk in ordered_blocks:
-            if getattr(blk, "is_null", False):
-                continue
-            owner = getattr(blk, "pool", None)
-            if owner is not None and owner is not self:
-                others.setdefault(id(owner), (owner, []))[1].append(blk)
-                continue
-            mine.append(blk)
-        ids = self._ids(mine)
+        pool forwarded to it, as vLLM does). All or nothing: every block of every pool is checked
+        first (ArgumentTypeError for one that is no block, DoubleFreeError (and AssertionError) for a
+        release below 0), then this pool's are freed, then the others'."""
+        mine, others = self._split_by_pool(ordered_blocks)
+        for owner, blks in others.values():
+            owner._check_release(blks)
+        ids = self._check_release(mine)
         if ids:
             with _asserts:
                 self._dev.free_blocks(ids)
@@ -783,10 +795,36 @@ class BlockPool:
         for owner, blks in others.values():
             owner.free_blocks(blks)
 
+    def _split_by_pool(self, ordered_blocks) -> tuple[list, dict]:
+        """(this pool's non-null blocks, {id(pool): (pool, its blocks)} for gpupool pools' others)."""
+        mine, others = [], {}
+        for blk in as_host_list("free_blocks", ordered_blocks, "ordered_blocks"):
+            if getattr(blk, "is_null", False):
+                continue
+            owner = getattr(blk, "pool", None)
+            if isinstance(owner, BlockPool) and owner is not self:
+                others.setdefault(id(owner), (owner, []))[1].append(blk)
+                continue
+            mine.append(blk)
+        return mine, others
+
+    def _check_release(self, blocks) -> list[int]:
+        """The ids of ``blocks``, checked to be this pool's and held as often as listed (from the
+        mirror, exact for held blocks), nothing changed; raises ArgumentTypeError, DoubleFreeError."""
+        ids = self._ids(blocks)
+        counts: dict[int, int] = {}
+        for b in ids:
+            counts[b] = counts.get(b, 0) + 1
+        for b, c in counts.items():
+            if self.blocks[b].ref_cnt < c:
+                raise _as_assertion(DoubleFreeError("free_blocks", f"block {b} freed more times than it is "
+                                                                   "referenced (double free)", b))
+        return ids
+
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Remove every key of each listed block id; ref counts and the queue unchanged. Raises
         InvalidBlockIdError (and AssertionError, as vLLM) for an id out of range."""
-        ids = list(block_ids)
+        ids = as_host_list("evict_blocks", block_ids, "block_ids")
         if not ids:
             return
         with _asserts:

@@ -1,67 +1,31 @@
 """``DeferredBlockPool``: the drop-in vLLM ``BlockPool`` with its device work deferred and its answers
 known on the host, so that a vLLM scheduler step needs no device-to-host synchronisation in the
-common case and at most one when a step pops up to ``FREE_WINDOW // 2`` blocks (docs/vllm.md, "The
-fast path").
+common case and at most one when a step pops up to ``FREE_WINDOW // 2`` blocks. The algorithm, its
+parts (``HostMirror``, ``FreeQueueCopy``, ``OpBatch``, the device or reference backend) and when it
+synchronises: docs/algorithms.md section 8.
 
-vLLM's scheduler decides request by request on the pool's answers. The host computes them all:
-
-* ``get_num_free_blocks`` (does ``allocate_slots`` fit; when to preempt): ``get_new_blocks(n)`` takes
-  n, a ``touch`` of a ref-0 block takes 1, a ``free_blocks`` that brings a block to 0 gives 1
-  (docs/semantics.md section 2).
-* *which* blocks ``get_new_blocks`` takes: the free queue's head. Each synchronisation reads the
-  queue's first ids (the first ``FREE_WINDOW`` ring slots) into a host copy, ``_q``, which the host
-  keeps exact with the queue rules of docs/semantics.md section 2: a pop of n takes ``_q``'s first n
-  (their keys leave the mirror: evicted); a free puts the blocks that reach 0 without a key at the
-  front, the first one the new head, and keyed ones at the back (in ``_q`` only when it holds the
-  whole queue, else they lie past it); a touch of a free block unlinks it. So ``get_new_blocks``
-  hands out the blocks themselves (canonical proxies, exact ids) and the mirror (``ref_cnt``,
-  ``block_hash``, ``get_cached_block``) stays exact.
-* The device runs the same ops and checks the host's claim: the ids its pops take are compared with
-  the predicted ones on the device, and at the next synchronisation a mismatch, another free count,
-  another ref count or key count of a block the ops changed, or a queue window that does not continue
-  the host's copy raises PoolError.
-
-Only a pop of more blocks than ``_q`` holds (after a refill, if nothing is pending) falls back to
-placeholder :class:`PendingBlock` proxies whose ``block_id`` is bound at the next synchronisation;
-the mirror is then *dirty* (those pops may evict keys) and a read of a free block's fields, or a
-lookup answering one, synchronises first (counted).
-
-``get_new_blocks``, ``touch``, ``free_blocks`` and ``cache_full_blocks`` are gathered on the host into
-a batch, launched as one *flush*: ONE non-waiting ``apply_batched`` (one kernel: ``free_batched`` with
-a segment per call, ``touch_batched``, ``allocate_batched`` with a demand per call,
-``cache_blocks_batched``, in that order, round after round). Where this fixed order would move an op
-before one it must follow, a new round starts (:meth:`DeferredBlockPool._cut`). :meth:`DeferredBlockPool.
-end_step` (``GpuPoolScheduler`` calls it after each ``schedule()``) launches the step's batch and
-synchronises only to refill ``_q`` (below half of its last refill and not the whole queue) or, every
-``verify_every`` steps, to check. One synchronisation (:meth:`DeferredBlockPool.sync`) is ONE
-device-to-host transfer: the placeholders' ids, the mirror rows of every block the ops since the
-last one changed, the free count, the status word, the pop check, the reuse and event counters and,
-when refilling, the queue window. It also happens before any op outside the fast path
-(``evict_blocks``, ``reset_prefix_cache``, ``cache_partial_block``, ``move_block_hashes``,
-``unpin_blocks``, ``ref_cnt`` writes, a ``cache_full_blocks`` onto a keyed block or with a mask, the
-free-queue and prefix-cache views), which then runs as in :class:`gpupool.vllm.BlockPool` (one op,
-one mirror transfer).
+``get_new_blocks``, ``touch``, ``free_blocks`` and ``cache_full_blocks`` are answered from the host
+mirror and the host's copy of the free queue's head and gathered into a batch that
+:meth:`DeferredBlockPool.end_step` launches as ONE ``gpupool.BlockPool.apply_predicted``;
+:meth:`DeferredBlockPool.sync` is one device-to-host transfer that checks the host's claims, binds
+placeholders and relaunches what a recorded error made the device skip. Every other op synchronises
+first and runs as in :class:`gpupool.vllm.BlockPool`.
 
 Not deferred (the whole pool runs per call, as :class:`gpupool.vllm.BlockPool`): with KV events or a
-metrics collector (both need each op's device answer with the request at hand). Over the reference
-backend the same code runs with the CPU oracle (its answer to each pop compared with the host's at
-the call; the synchronisation is a host copy), which is how vLLM's tests exercise it without Triton's
-interpreter.
+metrics collector (both need each op's device answer with the request at hand).
 """
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 
 import torch
 
-from ..args import MAX_GROUP_ID, MAX_TOKENS
+from ..args import MAX_GROUP_ID, MAX_TOKENS, as_host_list
 from ..errors import OutOfBlocksError, PoolError
-from ..kernels.layout import Ctrl
-from .block_pool import BlockPool, KVCacheBlock, _hashes_at, make_block_hash_with_group_id
-
-# sync() reads ctrl[NUM_FREE : REUSE_COUNT + 1] as one slice: num_free, key seq, event count, reuse count
-if (Ctrl.NUM_FREE, Ctrl.KEY_SEQ, Ctrl.EV_COUNT, Ctrl.REUSE_COUNT) != (2, 3, 4, 5):
-    raise ImportError("gpupool.vllm.fast_path: the control-word layout changed (kernels/layout.py Ctrl)")
+from ..pool import PredictedBatch
+from .block_pool import BlockPool, KVCacheBlock, _hashes_at, count_arg, make_block_hash_with_group_id
+from .op_batch import OpBatch
+from .queue_copy import FreeQueueCopy
 
 # insertion sequence numbers of keys predicted on the host: after every device sequence number until
 # the next synchronisation replaces them with the device's
@@ -71,55 +35,6 @@ _PREDICTED_SEQ = 1 << 62
 # in practice (vLLM's default 8,192-token budget is 512 blocks of 16); the work per refill does not
 # grow with the pool
 FREE_WINDOW = 2048
-
-
-class _Round:
-    """One round of a batch: ops run free, touch, pop, cache on the device (``apply_batched``'s
-    round). A new round starts where that order would move an op before one it must follow
-    (``DeferredBlockPool._cut``); otherwise the order commutes (docs/vllm.md, "The fast path")."""
-
-    __slots__ = ("free", "seg", "touch", "touched", "demands", "popped", "cache_slots", "cache_keys", "cache_ntok",
-                 "cache_calls", "cached")
-
-    def __init__(self):
-        self.free: list[int] = []  # slots, the free calls one after another
-        self.seg = [0]  # free call j is free[seg[j]:seg[j + 1]]
-        self.touch: list[int] = []
-        self.touched: set[int] = set()
-        self.demands: list[int] = []  # get_new_blocks counts, in call order
-        self.popped: set[int] = set()  # the predicted ids of its pops
-        self.cache_slots: list[int] = []  # each caching call's range, one after another
-        self.cache_keys: list[tuple] = []  # per cached block (hash, group) and covered tokens (checked)
-        self.cache_ntok: list[int] = []
-        self.cache_calls: list[int] = []  # blocks per caching call
-        self.cached: set[int] = set()
-
-    def __bool__(self) -> bool:
-        return bool(self.free or self.touch or self.demands or self.cache_calls)
-
-
-class _Batch:
-    """The device ops since the last launch, in rounds, run as one flush (ONE ``apply_batched``,
-    ``DeferredBlockPool._flush``). Pops the host predicted come before the others (placeholders):
-    a placeholder pop empties the host's copy of the queue until the next synchronisation, which
-    launches the batch first."""
-
-    __slots__ = ("rounds", "pred")
-
-    def __init__(self):
-        self.rounds = [_Round()]
-        self.pred: list[int] = []  # the ids the host predicted for its pops, in order
-
-    @property
-    def cur(self) -> _Round:
-        return self.rounds[-1]
-
-    def cut(self) -> None:
-        if self.rounds[-1]:
-            self.rounds.append(_Round())
-
-    def __bool__(self) -> bool:
-        return any(self.rounds)
 
 
 class PendingBlock(KVCacheBlock):
@@ -144,7 +59,7 @@ class PendingBlock(KVCacheBlock):
 
 class DeferredBlockPool(BlockPool):
     """:class:`gpupool.vllm.BlockPool` with the fast ops deferred and predicted (module docstring;
-    docs/vllm.md, "The fast path").
+    docs/algorithms.md section 8).
 
     Same constructor. ``syncs`` counts the synchronisations by reason (``end_step``, ``free_queue``
     (a refill before a pop), ``block_id``, ``ref_cnt``, ``get_one_block``, ``op:<name>``, ...);
@@ -164,17 +79,16 @@ class DeferredBlockPool(BlockPool):
         self._pending: list[PendingBlock] = []
         self._touched: set[int] = set()  # blocks the ops since the last synchronisation changed
         self._rekeyed: set[int] = set()  # those of them the fast path keyed (predicted insertion seqs)
-        self._q: OrderedDict | None = None  # the free queue's first ids, exactly (None: not known)
-        self._low_mark = 0  # _q below this (and not the whole queue): refill at the next end_step
+        self.queue_copy = FreeQueueCopy()  # the free queue's first ids, exactly
         self._pseq = _PREDICTED_SEQ
         self._pend_dev = None  # device: int32 ids of the placeholders of launched pops, in order
         self._pend_ref: list[int] = []  # reference backend: the same, on the host
-        self._batch = _Batch()  # device backend: ops not launched yet
-        self._bad = None  # device: int64[1], popped ids that differed from the host's since the last sync
+        self._batch = OpBatch()  # device backend: ops not launched yet
+        # device: the launches since the last synchronisation, (batch, confirmation, placeholders it added)
+        self._flights: list[tuple[OpBatch, torch.Tensor, int]] = []
         self._watched = False  # unpin_blocks was called: pops run per call from then on
-        self._window = None  # ring offsets 0 .. FREE_WINDOW - 1 on the device (_window_dev)
         if self.deferred:
-            self._set_window(self._read_window())
+            self.queue_copy.fill(self._read_window())
 
     # ---- the hooks of the base class ---------------------------------------------------------------
     def _need_exact(self, why: str) -> None:
@@ -204,15 +118,14 @@ class DeferredBlockPool(BlockPool):
         n = self.num_gpu_blocks
         t = self._h2d(slots, torch.int64)
         if max(slots, default=0) >= n:
-            # only placeholders of launched pops are asked for (_Batch's order)
+            # only placeholders of launched pops are asked for (OpBatch's order)
             pend = self._pend_dev.long()
             t = torch.where(t < n, t, pend[(t - n).clamp(0, pend.numel() - 1)])
         return t.to(torch.int32)
 
     def _h2d(self, values, dtype) -> torch.Tensor:
-        """A host list on the device without a stream synchronisation (``gpupool.BlockPool._tensor``:
-        pinned and ``non_blocking`` on CUDA)."""
-        return self._dev._tensor(values, dtype)
+        """A host list on the device without a stream synchronisation (``gpupool.BlockPool.host_tensor``)."""
+        return self._dev.host_tensor(values, dtype)
 
     def _ref_ids(self, slots: list[int]) -> list[int]:
         n = self.num_gpu_blocks
@@ -220,49 +133,15 @@ class DeferredBlockPool(BlockPool):
 
     # ---- the host's copy of the free queue ----------------------------------------------------------
     def _window_dev(self) -> torch.Tensor:
-        """``int64[min(C, FREE_WINDOW)]`` on the device: the ids in the ring's first ``FREE_WINDOW``
-        slots from the head, -1 for holes (free blocks a touch unlinked) and slots past the tail; the
-        live ones are the free queue's first ids, in order (docs/algorithms.md section 1)."""
-        st, c = self._dev.state, self._dev.config.C
-        head, tail = st.ctrl[Ctrl.HEAD].long(), st.ctrl[Ctrl.TAIL].long()
-        if self._window is None:
-            self._window = torch.arange(min(c, FREE_WINDOW), dtype=torch.int64, device=self._dev.device)
-        rel = self._window
-        v = st.ring[(head + rel) & (c - 1)].long()
-        return torch.where((rel < tail - head) & (v >= 0), v, -1)
+        """``int64[min(C, FREE_WINDOW)]`` on the device: the free queue's first ids from the ring, -1
+        for holes (``gpupool.BlockPool.free_window``)."""
+        return self._dev.free_window(FREE_WINDOW)
 
     def _window_ref(self) -> list[int]:
         return list(self._dev.free_queue())[:FREE_WINDOW]
 
     def _read_window(self) -> list[int]:
         return self._window_dev().tolist() if self.backend == "device" else self._window_ref()
-
-    def _set_window(self, ids) -> None:
-        q = OrderedDict.fromkeys(v for v in ids if v >= 0)
-        self._q, self._low_mark = q, len(q) // 2
-
-    def _window_low(self) -> bool:
-        """Whether the next synchronisation should refill ``_q``: unknown, or below the low mark and
-        not the whole queue (a whole copy stays whole: every rule keeps it exact)."""
-        q = self._q
-        return q is None or (len(q) < self._low_mark and len(q) < self._num_free)
-
-    def _requeue(self, front: list[int], back: list[int], num_free_before: int) -> None:
-        """A free call's blocks that reached 0 in ``_q``: ``front`` (no key) to the front, its first
-        element the new head; ``back`` (keyed) to the back, known only when ``_q`` was the whole queue
-        (docs/semantics.md section 2)."""
-        q = self._q
-        if q is None or not (front or back):
-            return
-        if any(s >= self.num_gpu_blocks for s in front + back):  # a placeholder's id is not known
-            self._q = None
-            return
-        whole = len(q) == num_free_before
-        for s in reversed(front):
-            q[s] = None
-            q.move_to_end(s, last=False)
-        if whole:
-            q.update(dict.fromkeys(back))
 
     # ---- the fast ops --------------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -272,52 +151,46 @@ class DeferredBlockPool(BlockPool):
         :meth:`sync`. Raises OutOfBlocksError past the (exact) free count."""
         if not self.deferred:
             return super().get_new_blocks(num_blocks)
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0 or self._watched:
-            # a bad count raises the per-call pool's error; with reuse watchers registered (unpin_blocks)
-            # a pop must call them at once, as vLLM does, so it runs per call
+        if type(num_blocks) is not int or num_blocks < 0:
+            num_blocks = count_arg("get_new_blocks", num_blocks, "num_blocks")
+        if self._watched:
+            # with reuse watchers registered (unpin_blocks) a pop must call them at once, as vLLM does,
+            # so it runs per call
             self.sync("op:get_new_blocks")
             out = super().get_new_blocks(num_blocks)
-            q = self._q
-            if q is not None and num_blocks <= len(q):
-                for _ in range(num_blocks):
-                    q.popitem(last=False)
+            qc = self.queue_copy
+            if qc.fits(num_blocks):
+                qc.take(num_blocks)
             else:
-                self._q = None
+                qc.forget()
             return out
         if num_blocks > self._num_free:
             raise OutOfBlocksError("get_new_blocks", f"Cannot get {num_blocks} free blocks from the pool", num_blocks)
         if num_blocks == 0:
             return []
-        q = self._q
-        if (q is None or num_blocks > len(q)) and not self._pending:
+        qc = self.queue_copy
+        if not qc.fits(num_blocks) and not self._pending:
             self.sync("free_queue", window=True)
-            q = self._q
         self._num_free -= num_blocks
-        if q is not None and num_blocks <= len(q):
+        if qc.fits(num_blocks):
             return self._pop_known(num_blocks)
         return self._pop_pending(num_blocks)
 
     def _pop_known(self, num_blocks: int) -> list[KVCacheBlock]:
-        q, holders = self._q, self._holders
-        ids = [q.popitem(last=False)[0] for _ in range(num_blocks)]
+        ids = self.queue_copy.take(num_blocks)
         if self.backend == "device":
-            b = self._batch
-            b.cur.demands.append(num_blocks)
-            b.cur.popped.update(ids)
-            b.pred += ids
+            self._batch.add_pop(num_blocks, ids)
         else:
             got = self._dev.get_new_blocks(num_blocks)
             got = got.tolist() if isinstance(got, torch.Tensor) else list(got)
             if got != ids:  # the pool's answer stands: its blocks' rows are read at the next sync
-                self._q, self._dirty = None, True
+                self._dirty = True
+                self.queue_copy.forget()
                 self._touched.update(got)
                 raise PoolError("DeferredBlockPool.get_new_blocks", f"the host predicted the pop of {ids}, the pool took {got}")
+        drop = self.mirror.drop_keys
         for x in ids:
-            for key in self._keys[x]:  # evicted by the pop (docs/semantics.md section 2)
-                hs = holders[key]
-                hs.pop(x, None)
-                if not hs:
-                    del holders[key]
+            drop(x)  # evicted by the pop (docs/semantics.md section 2)
             self._keys[x], self._ntok[x], self._ref[x] = (), None, 1
             self._touched.add(x)
         return [self.blocks[x] for x in ids]
@@ -325,20 +198,18 @@ class DeferredBlockPool(BlockPool):
     def _pop_pending(self, num_blocks: int) -> list[KVCacheBlock]:
         k0 = len(self._pending)
         if self.backend == "device":
-            self._batch.cur.demands.append(num_blocks)
+            self._batch.add_pop(num_blocks, None)
         else:
             ids = self._dev.get_new_blocks(num_blocks)
             self._pend_ref.extend(ids.tolist() if isinstance(ids, torch.Tensor) else ids)
-        self._q = None
+        self.queue_copy.forget()
         self._dirty = True  # keyed blocks may have been evicted: reads of free blocks wait for a sync
         n = self.num_gpu_blocks
         out = []
         for j in range(num_blocks):
             blk = PendingBlock(self, n + k0 + j)
             self._pending.append(blk)
-            self._ref.append(1)
-            self._keys.append(())
-            self._ntok.append(None)
+            self.mirror.add_placeholder()
             out.append(blk)
         return out
 
@@ -347,7 +218,7 @@ class DeferredBlockPool(BlockPool):
         copy of the queue (a free block unlinked) kept on the host."""
         if not self.deferred:
             return super().touch(blocks)
-        blocks = list(blocks)
+        blocks = as_host_list("touch", blocks, "blocks")
         slots = [s for s in self._slots(blocks) if s != 0]
         if not slots:
             return
@@ -356,12 +227,11 @@ class DeferredBlockPool(BlockPool):
             self.sync("touch")  # a ref-0 block may have been taken by a pop since: read it
             ref = self._ref
             slots = [s for s in self._slots(blocks) if s != 0]  # placeholders bound: their ids now
-        q = self._q
+        unlink = self.queue_copy.unlink
         for s in slots:
             if ref[s] == 0:
                 self._num_free -= 1
-                if q is not None:
-                    q.pop(s, None)  # past the copy if absent: the copy stays the queue's prefix
+                unlink(s)
             ref[s] += 1
         self._queue("touch", slots, False)
 
@@ -371,21 +241,11 @@ class DeferredBlockPool(BlockPool):
         (synchronising) and raised by the base class, nothing changed."""
         if not self.deferred:
             return super().free_blocks(ordered_blocks)
-        mine, others = [], []
-        for blk in ordered_blocks:
-            if getattr(blk, "is_null", False):
-                continue
-            owner = getattr(blk, "pool", None)
-            (others if owner is not None and owner is not self else mine).append(blk)
-        slots = self._slots(mine)
+        mine, others = self._split_by_pool(ordered_blocks)
+        for owner, blks in others.values():  # all or nothing: every pool's blocks checked first
+            owner._check_release(blks)
+        slots = self._check_release(mine)
         ref = self._ref
-        if len(set(slots)) == len(slots):
-            short = any(ref[s] < 1 for s in slots)
-        else:
-            short = any(ref[s] < c for s, c in Counter(slots).items())
-        if short:
-            self.sync("op:free_blocks")
-            return super().free_blocks(mine + others)
         front, back = [], []
         for s in slots:
             ref[s] -= 1
@@ -393,11 +253,27 @@ class DeferredBlockPool(BlockPool):
                 (back if self._keys[s] else front).append(s)
         nf0 = self._num_free
         self._num_free += len(front) + len(back)
-        self._requeue(front, back, nf0)
+        self.queue_copy.requeue(front, back, nf0, self.num_gpu_blocks)
         if slots:
             self._queue("free", slots, bool(front))
-        if others:
-            super().free_blocks(others)
+        for owner, blks in others.values():
+            owner.free_blocks(blks)
+
+    def _check_release(self, blocks) -> list[int]:
+        """The mirror slots of ``blocks``, checked to be this pool's and held as often as listed; a
+        release below 0 is checked on the device first (synchronising) and raised by the base class."""
+        if not self.deferred:
+            return super()._check_release(blocks)
+        slots = self._slots(blocks)
+        ref = self._ref
+        if len(set(slots)) == len(slots):
+            short = any(ref[s] < 1 for s in slots)
+        else:
+            short = any(ref[s] < c for s, c in Counter(slots).items())
+        if short:
+            self.sync("op:free_blocks")
+            super()._check_release(blocks)  # raises DoubleFreeError, the mirror exact
+        return slots
 
     def cache_full_blocks(self, request, blocks, num_cached_blocks: int, num_full_blocks: int, block_size: int,
                           kv_cache_group_id: int, block_mask=None) -> None:
@@ -405,8 +281,12 @@ class DeferredBlockPool(BlockPool):
         on the host, when every block in the range is non-null, held, un-keyed and listed once and
         there is no mask; otherwise synchronise and run as the base class."""
         nc, nf = num_cached_blocks, num_full_blocks
-        if not self.deferred or nc >= nf:
+        if not self.deferred:
             return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
+        if type(nc) is not int or type(nf) is not int:  # the common case skips the full checks
+            nc, nf = self._cache_counts(request, blocks, nc, nf, block_size)
+        if nc >= nf:
+            return None
         if not self.enable_caching:  # a no-op (docs/semantics.md section 2) that checks its arguments
             self.sync("op:cache_full_blocks")
             return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
@@ -416,121 +296,110 @@ class DeferredBlockPool(BlockPool):
             return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
         g = kv_cache_group_id
         slots = [blk._s for blk in blocks[nc:nf]]
-        if self.backend == "device":
-            r = self._batch.cur
-            r.cache_slots += slots
-            r.cache_keys += [(hashes[i], g) for i in range(nc, nf)]
-            r.cache_ntok += [(i + 1) * block_size for i in range(nc, nf)]
-            r.cache_calls.append(nf - nc)
-            r.cached.update(slots)
+        device = self.backend == "device"
+        ntok = [(i + 1) * block_size for i in range(nc, nf)]
+        if device:
+            self._batch.add_cache(slots, [(h, g) for h in hashes], ntok)
         else:
-            self._dev.cache_full_blocks([0] * nc + self._ref_ids(slots), hashes, nc, nf, block_size, g)
-        holders = self._holders
-        for i, s in zip(range(nc, nf), slots):
-            key = make_block_hash_with_group_id(hashes[i], g)
-            self._keys[s] = (key,)
-            self._ntok[s] = (i + 1) * block_size
-            if self.backend == "device":
+            full = _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf)
+            self._dev.cache_full_blocks([0] * nc + self._ref_ids(slots), full, nc, nf, block_size, g)
+        m, suffix, n = self.mirror, g.to_bytes(4, "big"), self.num_gpu_blocks
+        touched, rekeyed, ntoks = self._touched, self._rekeyed, self._ntok
+        for h, s, t in zip(hashes, slots, ntok):
+            if device:  # predicted insertion seqs, after the device's until the next sync
                 self._pseq += 1
                 q = self._pseq
             else:  # the reference mirror orders keys by the adapter's own counter
-                self._seq += 1
-                q = self._seq
-            holders.setdefault(key, {})[s] = q
-            if s < self.num_gpu_blocks:
-                self._touched.add(s)
-                self._rekeyed.add(s)
+                m.seq += 1
+                q = m.seq
+            m.add_key(s, h + suffix, q)  # vLLM's BlockHashWithGroupId
+            ntoks[s] = t
+            if s < n:
+                touched.add(s)
+                rekeyed.add(s)
 
     def _fast_cache_hashes(self, request, blocks, nc, nf, block_size, group, block_mask):
-        """The hashes at ``block_size`` when a ``cache_full_blocks`` call can be queued (the docstring's
-        conditions, and every argument as ``gpupool.args.cache_full_args`` would accept it, so the
-        flush cannot fail on it), else None (the per-call path then runs it, or raises its error)."""
-        if not (block_mask is None and type(nc) is int and type(nf) is int and type(block_size) is int
-                and type(group) is int and 0 <= nc and block_size > 0 and 0 <= group <= MAX_GROUP_ID
-                and nf * block_size <= MAX_TOKENS):
+        """The hashes of blocks ``nc .. nf - 1`` at ``block_size`` when a ``cache_full_blocks`` call can be
+        queued (the docstring's conditions, and every argument as ``gpupool.args.cache_full_args`` would
+        accept it, so the launch cannot fail on it), else None (the per-call path then runs it, or
+        raises its error). Reads only those hashes (and the parent's), not the request's whole list."""
+        if not (block_mask is None and type(block_size) is int and type(group) is int and 0 <= nc
+                and block_size > 0 and 0 <= group <= MAX_GROUP_ID and nf * block_size <= MAX_TOKENS):
+            return None
+        if type(blocks) is not list:
             return None
         rng = blocks[nc:nf]
         if len(rng) != nf - nc:
             return None
         keys, ref, seen = self._keys, self._ref, set()
-        for blk in rng:  # held, un-keyed, listed once: a pop may then run before the caching (_Round)
+        for blk in rng:  # held, un-keyed, listed once: a pop may then run before the caching (OpBatch)
             if not isinstance(blk, KVCacheBlock) or blk._pool is not self or blk.is_null:
                 return None
             s = blk._s
             if keys[s] or ref[s] <= 0 or s in seen:
                 return None
             seen.add(s)
-        try:
-            hashes = _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf)
-        except PoolError:
-            return None  # the per-call path raises it, as vLLM's assertion
-        if len(hashes) < nf or not all(type(h) is bytes for h in hashes[max(nc - 1, 0):nf]):
+        bh = getattr(request, "block_hashes", None)
+        if bh is None:
             return None
-        return hashes
+        if block_size == self.hash_block_size:
+            if len(bh) < nf:
+                return None
+            hashes = bh[max(nc - 1, 0):nf]
+        else:
+            try:
+                hashes = _hashes_at(bh, self.hash_block_size, block_size, nf)[max(nc - 1, 0):]
+            except PoolError:
+                return None  # the per-call path raises it, as vLLM's assertion
+            if len(hashes) < nf - max(nc - 1, 0):
+                return None
+        for h in hashes:  # the parent's too, as the per-call pool checks it
+            if type(h) is not bytes:
+                return None
+        return hashes[1:] if nc else hashes
 
     def _queue(self, kind: str, slots: list[int], front: bool) -> None:
         """Queue a touch or a free of ``slots`` (``front``: a block it frees goes to the queue's
-        front) in the batch, in a new round or after a launch where :meth:`_cut` says so."""
+        front) in the batch, in a new round or after a launch where ``OpBatch.placement`` says so."""
         for s in slots:
             if s < self.num_gpu_blocks:
                 self._touched.add(s)
         if self.backend == "device":
-            cut = self._cut(kind, slots, front)
-            if cut == "launch":
+            launched = self.num_gpu_blocks + (0 if self._pend_dev is None else self._pend_dev.numel())
+            where = self._batch.placement(kind, slots, front, launched)
+            if where == "launch":
                 self._flush()
-            elif cut == "round":
+            elif where == "round":
                 self._batch.cut()
-            r = self._batch.cur
             if kind == "touch":
-                r.touch += slots
-                r.touched.update(slots)
+                self._batch.add_touch(slots)
             else:
-                r.free += slots
-                r.seg.append(len(r.free))
+                self._batch.add_free(slots)
         elif kind == "touch":
             self._dev.touch(self._ref_ids(slots))
         else:
             self._dev.free_blocks(self._ref_ids(slots))
 
-    def _cut(self, kind: str, slots: list[int], front: bool) -> str | None:
-        """Where a touch or free of ``slots`` must go so that the round order (free, touch, pop, cache)
-        does not move it before an op it follows (docs/vllm.md, "The fast path"): ``"launch"`` for an
-        op on a placeholder not launched yet (the free and touch parts take device ids);
-        ``"round"`` (a new round) for a free of a block the round touches or caches, and, past the
-        round's pops, an op on a block they took or a free to the queue's front (the pops would take
-        it); else None, the op commuting with the round's pops: a pop of n takes the queue's first n
-        blocks, and a block freed to the back or a free block touched (still free after the pops, so
-        not among their first n) leaves those alone."""
-        launched = self.num_gpu_blocks + (0 if self._pend_dev is None else self._pend_dev.numel())
-        if any(s >= launched for s in slots):
-            return "launch"
-        r = self._batch.cur
-        if kind == "free" and not (r.cached.isdisjoint(slots) and r.touched.isdisjoint(slots)):
-            return "round"
-        if r.demands and (front or not r.popped.isdisjoint(slots)):
-            return "round"
-        return None
-
     def _flush(self) -> None:
-        """Launch the batch as ONE ``apply_batched`` (its rounds; in each, free: every call a segment;
-        touch; pop: every call a demand; cache), not waiting; the pops' ids are compared with the
-        host's on the device, the placeholders get theirs from its output, and a caching names them
-        as ``num_blocks + k``."""
+        """Launch the batch (:meth:`_launch`) and start a new one."""
         b = self._batch
         if not b:
             return
-        self._batch = _Batch()
+        self._batch = OpBatch()
         self.flushes += 1
+        self._launch(b)
+
+    def _launch(self, b: OpBatch) -> None:
+        """Launch ``b`` as ONE ``gpupool.BlockPool.apply_predicted`` (its rounds; in each, free: every
+        call a segment; touch; pop: every call a demand; cache), not waiting; the pops' ids are compared
+        with the host's on the device, the placeholders get theirs from its output, and a caching names
+        them as ``num_blocks + k``. The launch's confirmation is read at the next :meth:`sync`."""
         k0 = 0 if self._pend_dev is None else self._pend_dev.numel()
-        rounds = [r for r in b.rounds if r]
-        free = [x for r in rounds for x in r.free]
-        touch = [x for r in rounds for x in r.touch]
-        demands = [x for r in rounds for x in r.demands]
-        cache_slots = [x for r in rounds for x in r.cache_slots]
-        cache_calls = [x for r in rounds for x in r.cache_calls]
-        items = ([x for r in rounds for x in r.cache_keys], [x for r in rounds for x in r.cache_ntok], cache_calls)
+        p = b.parts()
+        free, touch, demands, cache_slots, seg = p["free"], p["touch"], p["demands"], p["cache_slots"], p["seg"]
+        items = p["cache_items"]
+        cache_calls = items[2]
         nf, nt, npred = len(free), len(touch), len(b.pred)
-        seg = [x for r in rounds for x in r.seg]  # each round's own offsets (apply_batched's rounds)
         n = self.num_gpu_blocks
         if any(n <= s < n + k0 for s in free + touch + cache_slots):
             # a launched placeholder's id is on the device only: the id parts gathered there
@@ -538,20 +407,18 @@ class DeferredBlockPool(BlockPool):
             free_ids, touch_ids = (ids[:nf] if nf else None), (ids[nf:] if nt else None)
             seg_ids = self._h2d(seg, torch.int32) if nf else None
             cache_ids = self._cache_ids(cache_slots, k0, npred) if cache_calls else None
-        else:  # host ints: apply_batched copies them with the demands, in one transfer
+        else:  # host ints: apply_predicted copies them with the demands, in one transfer
             free_ids, touch_ids, seg_ids = free or None, touch or None, seg if nf else None
             # this flush's k-th placeholder is its (npred + k)-th pop, num_blocks + npred + k
             cache_ids = [s if s < n else s - k0 + npred for s in cache_slots] if cache_calls else None
-        if npred and self._bad is None:
-            self._bad = torch.zeros(1, dtype=torch.int64, device=self._dev.device)
-        blocks, _ = self._dev.apply_batched(
+        blocks, confirm = self._dev.apply_predicted(PredictedBatch(
             free_ids=free_ids, free_offsets=seg_ids, touch_ids=touch_ids, demands=demands, cache_ids=cache_ids,
-            cache_items=items, expected=b.pred or None, mismatches=self._bad if npred else None,
-            rounds=[(len(r.free), len(r.seg) - 1, len(r.touch), len(r.demands), len(r.cache_calls))
-                    for r in rounds])
-        if blocks.numel() > npred:
+            cache_items=items, expected=b.pred or None, rounds=p["rounds"]))
+        added = blocks.numel() - npred
+        if added > 0:
             rest = blocks[npred:]
             self._pend_dev = rest if self._pend_dev is None else torch.cat([self._pend_dev, rest])
+        self._flights.append((b, confirm, max(added, 0)))
 
     def _cache_ids(self, slots: list[int], k0: int, npred: int) -> torch.Tensor:
         """``int32[len(slots)]`` on the device for the flush's caching: known ids, launched
@@ -575,47 +442,61 @@ class DeferredBlockPool(BlockPool):
             return
         self._flush()
         self.steps_since_sync += 1
-        low = self._window_low()
+        low = self.queue_copy.low(self._num_free)
         if low or self.steps_since_sync >= self.verify_every:
             self.sync("end_step", window=low)
 
     def sync(self, why: str = "sync", window: bool = False) -> None:
         """Bind the placeholders, make the mirror exact, check the host's claims and (``window`` or when
         low) refill the host's copy of the free queue: one device-to-host transfer (module docstring).
-        Raises what a launched op recorded (PoolError; not expected: the fast ops are checked on the
-        host first) and PoolError where the device disagrees with the host (free count, popped ids,
+
+        The host never keeps an op the device did not run: each launch's confirmation is read here,
+        and launches that an error recorded before them (by another user of the device pool, say)
+        made do nothing are launched again, after that error is taken from the status word, before
+        the mirror is read (a second transfer). That error is then raised, the mirror exact.
+
+        Raises what the device recorded (PoolError: another user's error, as above; a launch's own
+        failure, not expected since the fast ops are checked on the host first, after re-reading the
+        whole mirror) and PoolError where the device disagrees with the host (free count, popped ids,
         ref and key counts of the blocks changed, the queue's first ids)."""
         if not (self._pending or self._touched or self._dirty or window):
             return
         self._flush()
         self.syncs[why] += 1
         self.steps_since_sync = 0
-        refill = window or self._window_low()
+        refill = window or self.queue_copy.low(self._num_free)
         n = self.num_gpu_blocks
         known = sorted(self._touched)
         npend = len(self._pending)
         exact = not (self._pending or self._dirty)  # the host's rows of `known` are claims to check
         win = None
+        recorded = None  # an error another user of the device pool recorded (raised at the end)
         if self.backend == "device":
-            st, dev = self._dev.state, self._dev.device
-            pend = self._pend_dev[:npend].long() if npend else torch.zeros(0, dtype=torch.int64, device=dev)
-            idx = torch.cat([self._h2d(known, torch.int64), pend])
-            bad = self._bad if self._bad is not None else torch.zeros(1, dtype=torch.int64, device=dev)
-            parts = [st.status[:1].long(), st.ctrl[Ctrl.NUM_FREE:Ctrl.REUSE_COUNT + 1].long(), bad, pend]
+            while True:
+                flat, nflights = self._read_device(known, npend, refill, narrow=exact)
+                status, num_free, _, evc, reuse = flat[:5]
+                conf = flat[5: 5 + 3 * nflights]
+                skipped = next((k for k in range(nflights) if conf[3 * k]), None)
+                failed = any(conf[3 * k] == 0 and conf[3 * k + 1] for k in range(nflights))
+                if failed:
+                    return self._own_failure()
+                if skipped is None:
+                    break
+                recorded = self._take_recorded() or recorded
+                self._relaunch(skipped)
+            nbad = sum(conf[3 * k + 2] for k in range(nflights))
+            o = 5 + 3 * nflights
+            ids = flat[o: o + npend]
+            o += npend
             if refill:
-                parts.append(self._window_dev())
-            flat = torch.cat(parts + [self._mirror_rows(idx).reshape(-1)]).tolist()  # the one transfer
-            status, num_free, _, evc, reuse, nbad = flat[:6]
-            ids = flat[6: 6 + npend]
-            o = 6 + npend
-            if refill:
-                nw = parts[-1].numel()
+                nw = min(self._dev.config.C, FREE_WINDOW)
                 win, o = flat[o: o + nw], o + nw
-            w = 3 + 3 * self._mk
-            rows = [flat[o + i * w: o + (i + 1) * w] for i in range(len(idx))]
+            w = 6 if exact else 3 + 3 * self._mk  # exact: only the claims and the primary key's seq
+            rows = [flat[o + i * w: o + (i + 1) * w] for i in range(len(known) + npend)]
             claims = [(r[0], r[1], None if r[2] < 0 else r[2]) for r in rows[:len(known)]]
             if status or reuse or (evc and self._dev.enable_kv_cache_events):
-                self._dev.check()  # raises a recorded error; fires reuse watchers (more reads, counted by callers)
+                # fires reuse watchers (more reads, counted by callers); an error here is another user's
+                recorded = self._take_recorded() or recorded
         else:
             ids = list(self._pend_ref)
             num_free, nbad = self._dev.get_num_free_blocks(), 0
@@ -630,50 +511,93 @@ class DeferredBlockPool(BlockPool):
             wrong.append(f"the host predicted {self._num_free} free blocks, the device has {num_free}")
         if exact and claims != [(self._ref[b], len(self._keys[b]), self._ntok[b]) for b in known]:
             wrong.append("ref counts, key counts or covered tokens of the blocks changed differ from the host's")
-        if win is not None and self._q is not None:
-            mine, got = list(self._q), [v for v in win if v >= 0]
-            m = min(len(mine), len(got))
-            if mine[:m] != got[:m]:
-                wrong.append("the free queue's first ids differ from the host's copy")
-        # placeholders -> their blocks: the bound block's old keys (evicted by the pop) leave the key map,
-        # the placeholder's predicted keys move onto the block with their predicted order
-        holders = self._holders
-        for k, blk in enumerate(self._pending):
-            s, b = n + k, ids[k]
-            for key in self._keys[b]:
-                hs = holders.get(key)
-                if hs is not None:
-                    hs.pop(b, None)
-                    if not hs:
-                        del holders[key]
-            for key in self._keys[s]:
-                hs = holders[key]
-                hs[b] = hs.pop(s)
-            self._keys[b] = self._keys[s]
-            self._ref[b], self._ntok[b] = self._ref[s], self._ntok[s]
-            blk._s = b
-            self.blocks[b] = blk
-        del self._ref[n:], self._keys[n:], self._ntok[n:]
-        self._pending, self._pend_dev, self._pend_ref, self._bad = [], None, [], None
+        if win is not None and not self.queue_copy.agrees(win):
+            wrong.append("the free queue's first ids differ from the host's copy")
+        self._bind(ids)
         rekeyed, self._touched, self._rekeyed = self._rekeyed, set(), set()
         self._version += 1
         if self.backend == "device":
             self._num_free = num_free
             if exact and not wrong:  # the claims held: only the keys the host predicted take the device's seqs
-                pick = [i for i, b in enumerate(known) if b in rekeyed]
-                self._apply_rows([known[i] for i in pick], [rows[i] for i in pick])
+                self.mirror.set_seqs([(b, rows[i]) for i, b in enumerate(known) if b in rekeyed])
             else:
+                if exact:  # the claims failed: the whole rows (a second transfer, on this path only)
+                    w = 3 + 3 * self._mk
+                    flat = self._dev.mirror_rows(self._h2d(known, torch.int64)).reshape(-1).tolist()
+                    rows = [flat[i * w: (i + 1) * w] for i in range(len(known))]
                 self._apply_rows(known + ids, rows)
         else:
             self._refresh_reference(list(dict.fromkeys(known + ids)))
         if win is not None:
-            self._set_window(win)
+            self.queue_copy.fill(win)
         self._dirty = False
         if self.backend == "device":
             self._dev.registry.maybe_sweep()  # check()'s housekeeping (reads the device's keys when it sweeps)
         if wrong:
-            self._q = None  # refilled from the device at the next synchronisation
+            self.queue_copy.forget()  # refilled from the device at the next synchronisation
             raise PoolError("DeferredBlockPool.sync", "; ".join(wrong))
+        if recorded is not None:
+            raise recorded
+
+    def _read_device(self, known: list[int], npend: int, refill: bool, narrow: bool) -> tuple[list[int], int]:
+        """ONE device-to-host transfer: the device pool's counters, each launch's confirmation, the
+        placeholders' ids, (``refill``) the queue window and the mirror rows of ``known`` and the
+        placeholders' blocks (``narrow``: only their first key slot). Returns (the values flat, the
+        number of launches)."""
+        dev = self._dev
+        pend = self._pend_dev[:npend].long() if npend else torch.zeros(0, dtype=torch.int64, device=dev.device)
+        idx = torch.cat([self._h2d(known, torch.int64), pend])
+        parts = [dev.counters()] + [c for _, c, _ in self._flights] + [pend]
+        if refill:
+            parts.append(self._window_dev())
+        flat = torch.cat(parts + [dev.mirror_rows(idx, 1 if narrow else None).reshape(-1)]).tolist()
+        return flat, len(self._flights)
+
+    def _take_recorded(self) -> PoolError | None:
+        """The device pool's recorded error, taken from its status word (``check``), or None."""
+        try:
+            self._dev.check()
+        except PoolError as e:
+            return e
+        return None
+
+    def _relaunch(self, first: int) -> None:
+        """Launch again the batches from launch ``first`` on, which a recorded error made do nothing
+        (their placeholders' outputs dropped: the new launches give them)."""
+        redo = self._flights[first:]
+        self._flights = self._flights[:first]
+        keep = sum(a for _, _, a in self._flights)
+        self._pend_dev = self._pend_dev[:keep] if keep else None
+        for b, _, _ in redo:
+            self._launch(b)
+
+    def _bind(self, ids: list[int]) -> None:
+        """Placeholders -> their blocks (``ids``, in order): the bound block's old keys (evicted by the
+        pop) leave the key map, the placeholder's predicted keys move onto the block with their
+        predicted order. ``pool.blocks`` is not changed (one object per block id for the pool's life):
+        the placeholder reads its block's slot from then on."""
+        self.mirror.bind(self.num_gpu_blocks, ids[:len(self._pending)])
+        for blk, b in zip(self._pending, ids):
+            blk._s = b  # pool.blocks[b] stays the canonical proxy: this one reads the same slot
+            if b == 0:
+                blk.is_null = True
+        self._pending, self._pend_dev, self._pend_ref, self._flights = [], None, [], []
+
+    def _own_failure(self) -> None:
+        """A launch of the fast path failed on the device (not expected: its ops are checked on the
+        host first), some of its ops run: the whole mirror is read again from the device, each
+        placeholder of a pop that did not run is bound to the null block, and the error is raised."""
+        recorded = self._take_recorded()
+        n = self.num_gpu_blocks
+        npend = len(self._pending)
+        ids = self._pend_dev[:npend].tolist() if npend else []
+        ids = [b if 0 < b < n else 0 for b in ids]
+        self.mirror.forget_placeholder_keys(n)
+        self._bind(ids)
+        self._touched, self._rekeyed, self._dirty = set(), set(), False
+        self.queue_copy.forget()
+        self._refresh(range(n))
+        raise recorded if recorded is not None else PoolError("DeferredBlockPool.sync", "a launch failed")
 
     # ---- everything else: synchronise, then the base class -------------------------------------------
     def _slow(name, moves_queue=False):  # noqa: N805 - a decorator factory used in the class body
@@ -683,7 +607,7 @@ class DeferredBlockPool(BlockPool):
                 return getattr(BlockPool, name)(self, *a, **k)
             finally:
                 if moves_queue:
-                    self._q = None  # refilled at the next pop or end_step
+                    self.queue_copy.forget()  # refilled at the next pop or end_step
         wrap.__name__ = name
         wrap.__doc__ = f"Synchronise, then :meth:`gpupool.vllm.BlockPool.{name}` (one op, one mirror transfer)."
         return wrap

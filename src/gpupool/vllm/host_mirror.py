@@ -1,0 +1,125 @@
+"""The host mirror of a gpupool device pool (docs/vllm.md, "The drop-in BlockPool"): the fields vLLM's
+callers read thousands of times per step, kept on the host so that a read never touches the device."""
+from __future__ import annotations
+
+
+def vllm_key(block_hash: bytes, group_id: int) -> bytes:
+    """vLLM's ``BlockHashWithGroupId``: the hash bytes, then the group id as 4 bytes big-endian."""
+    return bytes(block_hash) + int(group_id).to_bytes(4, "big", signed=False)
+
+
+class HostMirror:
+    """Per mirror slot (a block id; the fast path's placeholders use slots ``>= num_blocks``): ``ref``
+    (ref count), ``keys`` (vLLM key bytes, primary first), ``ntok`` (tokens of the primary key, None
+    without); per key ``holders``: ``{slot: insertion seq}`` (the earliest-inserted holder answers a
+    lookup). ``seq``: the host's own insertion counter (the reference backend's order)."""
+
+    __slots__ = ("ref", "keys", "ntok", "holders", "seq")
+
+    def __init__(self, num_blocks: int):
+        self.ref = [0] * num_blocks
+        self.keys: list[tuple[bytes, ...]] = [()] * num_blocks
+        self.ntok: list[int | None] = [None] * num_blocks
+        self.holders: dict[bytes, dict[int, int]] = {}
+        self.seq = 0
+
+    def earliest(self, key: bytes) -> int | None:
+        """The slot holding ``key`` that inserted it first, or None."""
+        hs = self.holders.get(key)
+        return min(hs, key=hs.__getitem__) if hs else None
+
+    def drop_keys(self, slot: int) -> None:
+        """Every key of ``slot`` leaves the key map (an eviction); ``keys[slot]`` is left to the caller."""
+        holders = self.holders
+        for key in self.keys[slot]:
+            hs = holders.get(key)
+            if hs is not None:
+                hs.pop(slot, None)
+                if not hs:
+                    del holders[key]
+
+    def add_key(self, slot: int, key: bytes, seq: int) -> None:
+        """``slot`` holds ``key`` (its only key, the primary) inserted at ``seq``."""
+        self.keys[slot] = (key,)
+        self.holders.setdefault(key, {})[slot] = seq
+
+    def apply_rows(self, ids: list[int], rows: list[list[int]], key_name) -> None:
+        """Set ``ids`` from ``gpupool.BlockPool.mirror_rows``' rows (``key_name``: device key -> (hash,
+        group)); the key map from the difference."""
+        holders = self.holders
+        for b, row in zip(ids, rows):
+            self.ref[b] = row[0]
+            self.ntok[b] = None if row[2] < 0 else row[2]
+            new, seqs = [], []
+            for j in range(row[1]):
+                new.append(vllm_key(*key_name((row[3 + 3 * j], row[4 + 3 * j]))))
+                seqs.append(row[5 + 3 * j])
+            new_t = tuple(new)
+            if self.keys[b] == new_t and all(holders[k].get(b) == q for k, q in zip(new_t, seqs)):
+                continue
+            self.drop_keys(b)
+            for k, q in zip(new_t, seqs):
+                holders.setdefault(k, {})[b] = q
+            self.keys[b] = new_t
+
+    def set_seqs(self, rows) -> None:
+        """``(slot, mirror row)`` pairs of blocks whose keys the host knows (ref, key count and tokens
+        confirmed): only their insertion seqs are taken from the rows."""
+        holders, keys = self.holders, self.keys
+        for b, row in rows:
+            for j, key in enumerate(keys[b]):
+                holders[key][b] = row[5 + 3 * j]
+
+    def apply_reference(self, ids, pool) -> None:
+        """Set ``ids`` from a ``gpupool.reference.ReferenceBlockPool`` (its lists; new keys ordered by
+        :attr:`seq`)."""
+        holders = self.holders
+        for b in ids:
+            self.ref[b] = pool.ref_cnt[b]
+            self.ntok[b] = pool.hash_num_tokens[b]
+            new_t = tuple(vllm_key(h, g) for h, g in pool.keys[b])
+            old = self.keys[b]
+            if old == new_t:
+                continue
+            for k in old:
+                if k not in new_t:
+                    hs = holders[k]
+                    hs.pop(b, None)
+                    if not hs:
+                        del holders[k]
+            for k in new_t:
+                if k not in old:
+                    self.seq += 1
+                    holders.setdefault(k, {})[b] = self.seq
+            self.keys[b] = new_t
+
+    def add_placeholder(self) -> None:
+        """One more slot past the blocks: a held block (ref 1, no key) whose id is not known yet."""
+        self.ref.append(1)
+        self.keys.append(())
+        self.ntok.append(None)
+
+    def bind(self, num_blocks: int, ids: list[int]) -> None:
+        """Placeholder slot ``num_blocks + k`` becomes block ``ids[k]``: the block's old keys (evicted
+        by the pop) leave the key map, the placeholder's keys move onto it with their order; the
+        placeholder slots are dropped."""
+        holders = self.holders
+        for k, b in enumerate(ids):
+            s = num_blocks + k
+            self.drop_keys(b)
+            for key in self.keys[s]:
+                hs = holders[key]
+                hs[b] = hs.pop(s)
+            self.keys[b] = self.keys[s]
+            self.ref[b], self.ntok[b] = self.ref[s], self.ntok[s]
+        del self.ref[num_blocks:], self.keys[num_blocks:], self.ntok[num_blocks:]
+
+    def forget_placeholder_keys(self, num_blocks: int) -> None:
+        """The keys predicted on placeholders leave the key map (their pops did not run)."""
+        for s in range(num_blocks, len(self.ref)):
+            for key in self.keys[s]:
+                hs = self.holders.get(key, {})
+                hs.pop(s, None)
+                if not hs:
+                    self.holders.pop(key, None)
+            self.keys[s] = ()
