@@ -25,7 +25,10 @@ FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 TICK = re.compile(r"`((?:gpupool|python3?|bash|TRITON_INTERPRET=1) [^`]+)`")
 PROGS = ("gpupool", "python", "python3", "bash")
 # the documented pytest runs of the test suite and installs: checked by tests/test_readme.py, not run here
-NOT_RUN = re.compile(r"^(pip |python3? -m pytest .*\btests\b|\.ci/run|vllm serve)")
+# and the commands of an installed vLLM (docs/vllm.md): tests/test_vllm_live.py builds that environment
+# (tests/vllm_live/env.py) and runs them there, tests/test_vllm_drift.py the drift check
+NOT_RUN = re.compile(r"^(pip |python3? -m pytest .*\btests\b|\.ci/run|vllm serve|python3? -m vllm\.|"
+                     r"python3? -m gpupool\.vllm\.compat|python3? tests/vllm_live/env\.py)")
 
 
 def _split(text: str) -> list[str]:
@@ -117,7 +120,17 @@ def tiny(cmd: str, tmp: Path) -> tuple[list[str], dict, int | None]:
         rest = [str(tmp / "m.json") if k and rest[k - 1] == "--json" else a for k, a in enumerate(rest)]
         return [sys.executable, *rest], env, None
     if prog in ("python", "python3") and rest[:1] == ["bench/vllm_host.py"]:
-        return [sys.executable, *_set(_set(rest, "--requests", "32"), "--steps", "2")], env, None
+        rest = _set(_set(rest, "--requests", "32"), "--steps", "2")
+        return [sys.executable, *(_set(rest, "--reps", "1") if "--scheduler" in rest else rest)], env, None
+    if prog in ("python", "python3") and rest[:1] == ["examples/decode_loop.py"]:
+        small = ["--modes", "host", "burst", "--steps", "2", "--requests", "2", "--max-new", "3", "--prompt-len", "6",
+                 "--prefix-len", "4", "--hidden", "16", "--heads", "2", "--kv-heads", "1", "--layers", "1",
+                 "--vocab", "32"]
+        return [sys.executable, *[a for a in rest if a != "--quick"], *small], env, None
+    if prog in ("python", "python3") and rest[:1] == ["bench/decode_loop_gpu.py"]:
+        small = ["--device", "cpu", "--batch", "2", "--steps", "2", "--iters", "1", "--no-graph", "--hidden", "64",
+                 "--layers", "1", "--dtype", "float32", "--modes", "host", "burst"]
+        return [sys.executable, *rest, *small], env, None
     if prog in ("python", "python3") and rest[:1] == ["bench/fallback_mix.py"]:
         return [sys.executable, *_set(_set(rest, "--batch", "4"), "--steps", "2")], env, None
     if prog == "bash" and rest == ["bench/gpu_check.sh"]:
