@@ -76,6 +76,12 @@ def test_bash_block_is_valid(i):
             valued = {"-m", "-n", "-k", "-p"}  # options whose value is the next word
             paths = [a for k, a in enumerate(args) if not a.startswith("-") and (k == 0 or args[k - 1] not in valued)]
             assert all((ROOT / a).exists() for a in paths), paths
+        elif prog in ("python", "python3") and argv[1].endswith(".py"):  # a script of the repository
+            assert (ROOT / argv[1]).is_file(), argv[1]
+            if argv[1] == "examples/decode_loop.py":  # its options parse (tests/test_documented_commands.py runs it)
+                sys.path.insert(0, str(ROOT / "examples"))
+                import decode_loop
+                decode_loop.parser().parse_args(argv[2:])
         elif prog == ".ci/run":
             assert (ROOT / ".ci" / "run").is_file()
         else:
