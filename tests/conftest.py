@@ -23,6 +23,39 @@ settings.register_profile("fast", settings.get_profile("ci"))  # the old name of
 settings.register_profile("deep", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("GPUPOOL_HYPOTHESIS_PROFILE", "dev"))
 
+# The heaviest of the quick tests (4 to 37 s each on 2 cores), run with the slow ones instead, which
+# .ci/run runs too: each keeps a lighter sibling in the quick run (another parameter of the same test,
+# or a test of the same code path), so `pytest -m "not slow"` stays under 3 minutes on 2 cores.
+HEAVY_QUICK = (
+    "test_decode_burst.py::test_burst_equals_single_steps_and_reference[full-events-K2]",
+    "test_import_order.py::test_differential_tests_pass_after_importing_triton_first",
+    "test_apply_batched.py::test_rounds_equal_the_single_calls_round_after_round",
+    "test_allocate_slots_parallel.py::test_decode_batch_is_parallel[full+full]",
+    "test_cli.py::test_a_closed_pipe_on_stdout_exits_quietly",
+    "test_reservation.py::test_allocation_inside_a_reservation_evicts_in_lru_order[parallel]",
+    "test_decode_step.py::test_eager_decode_step_equals_reference[groups1-events]",
+    "test_decode_step.py::test_eager_decode_step_equals_reference[groups1-no-events]",
+    "test_kernel_barriers.py::test_cache_blocks_with_its_barrier_is_clean_and_passes_under_stale",
+    "test_vllm_fast_path_hunts.py::test_device_small_window_big_pops",
+    "test_kv_cache_manager.py::test_get_computed_blocks_agree[full+sw]",
+    "test_kv_cache_manager.py::test_manager_matches_reference[full+sliding-parallel]",
+    "test_allocate_slots_parallel.py::test_sliding_window_hashed_release_is_parallel",
+    "test_reservation.py::test_bad_input_is_a_typed_error_and_changes_nothing",
+    "test_decode_step.py::test_eager_decode_step_equals_reference[groups0-events]",
+    "test_vllm_fast_path.py::test_a_decode_step_is_one_flush",
+    "test_decode_loop.py::test_a_burst_reads_the_device_once_per_replay",
+    "test_errors.py::test_mixed_valid_and_invalid_ops_on_both_pools",
+    "test_vllm_fast_path_orders.py::test_batch_order_equals_call_order",
+    "test_cache_blocks_batched.py::test_one_launch_equals_the_calls_in_order",
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.split("tests/")[-1] in HEAVY_QUICK:
+            item.add_marker(pytest.mark.slow)
+
 
 # ---- strict GPU mode (issue 25; tests/strict/) ---------------------------------------------------
 def pytest_addoption(parser):
