@@ -47,6 +47,12 @@ HEAVY_QUICK = (
     "test_errors.py::test_mixed_valid_and_invalid_ops_on_both_pools",
     "test_vllm_fast_path_orders.py::test_batch_order_equals_call_order",
     "test_cache_blocks_batched.py::test_one_launch_equals_the_calls_in_order",
+    "test_device_pool.py::test_key_table_near_its_limit[1-5-4]",
+    "test_documented_commands.py::test_documented_command_runs[TRITON_INTERPRET=1 python bench/model_cases.py]",
+    "test_allocate_slots_parallel.py::test_zero_ref_hit_an_earlier_request_pops_falls_back",
+    "test_vllm_publisher.py::test_close_sends_every_queued_batch",
+    "test_vllm_adapter_args.py::test_fuzz_entry_points",
+    "test_batched_input_checks.py::test_fuzz[allocate_slots]",
 )
 
 
