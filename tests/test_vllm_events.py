@@ -32,6 +32,7 @@ zmq = pytest.importorskip("zmq", reason="gpupool[vllm] needs pyzmq (pip install 
 import gpupool  # noqa: E402
 from gpupool import events as gp_events  # noqa: E402
 from gpupool.vllm import KVEventBatch, ZmqEventPublisher, to_vllm_events  # noqa: E402
+from harness.zmq_sub import warm_up
 from harness.keys import hashes  # noqa: E402
 
 SDIST_URL = ("https://files.pythonhosted.org/packages/f7/25/aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/"
@@ -187,17 +188,7 @@ def pub_sub():
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     sub.connect(pub.endpoint)
-    # PUB drops what it sends before the subscription arrives: send warm-up batches until one lands
-    warm = [gp_events.AllBlocksCleared()]
-    for _ in range(100):
-        pub.publish(warm)
-        if sub.poll(50):
-            break
-    else:
-        pytest.fail("SUB never received a warm-up batch")
-    last = -1
-    while sub.poll(200):
-        last = int.from_bytes(sub.recv_multipart()[1], "big")
+    last = warm_up(pub, sub, [gp_events.AllBlocksCleared()])
     yield pub, sub, last
     sub.close(linger=0)
     pub.close()

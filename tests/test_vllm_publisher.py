@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from harness.zmq_sub import warm_up
+
 msgspec = pytest.importorskip("msgspec", reason="gpupool[vllm] needs msgspec (pip install 'gpupool[vllm]')")
 zmq = pytest.importorskip("zmq", reason="gpupool[vllm] needs pyzmq (pip install 'gpupool[vllm]')")
 
@@ -31,16 +33,7 @@ def _connected(rcvhwm: int = 0, **kw):
     sub.setsockopt(zmq.RCVHWM, rcvhwm)
     sub.setsockopt(zmq.RCVBUF, 4096)
     sub.connect(pub.endpoint)
-    for _ in range(100):
-        pub.publish(GOOD)
-        if sub.poll(50):
-            break
-    else:
-        pytest.fail("SUB never received a warm-up batch")
-    last = -1
-    while sub.poll(200):
-        last = int.from_bytes(sub.recv_multipart()[1], "big")
-    return pub, sub, last
+    return pub, sub, warm_up(pub, sub, GOOD)
 
 
 def _call_with_deadline(fn, seconds: float):
