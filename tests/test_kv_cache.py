@@ -82,7 +82,6 @@ def test_paged_kv_cache_shapes_and_errors():
 def host_views(ref, slots, lens, K=1, admitted=None):
     """The views from the reference manager's rows, built on the host (the oracle)."""
     rows = ref.block_table(0)
-    B = len(slots)
     table = [(rows[r] + [0] * M)[:M] if admitted is None or admitted[0][i] else [0] * M for i, r in enumerate(slots)]
     seq, indptr, indices, last = [], [], [], []
     for k in range(K):
