@@ -22,11 +22,22 @@ from typing import NamedTuple
 
 import torch
 
-from .args import as_int
+from .args import as_int, device_arg
 from .errors import ArgumentTypeError, InvalidArgumentError
 from .kernels.kv_store import launch_store_kv
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _sizes(op: str, *named) -> list[int]:
+    """Each ``(value, name)`` as an int >= 1 (ArgumentTypeError / InvalidArgumentError)."""
+    out = []
+    for v, name in named:
+        v = as_int(op, v, name)
+        if v < 1:
+            raise InvalidArgumentError(op, f"{name} must be >= 1, got {v}", v)
+        out.append(v)
+    return out
 
 
 class AttentionViews(NamedTuple):
@@ -45,8 +56,10 @@ class AttentionViews(NamedTuple):
 
     @staticmethod
     def empty(max_batch: int, max_blocks_per_req: int, steps: int = 1, device=None) -> "AttentionViews":
-        """Zeroed views for ``max_batch`` lanes, rows of ``max_blocks_per_req`` blocks, ``steps`` steps."""
-        B, M, K = max_batch, max_blocks_per_req, steps
+        """Zeroed views for ``max_batch`` lanes, rows of ``max_blocks_per_req`` blocks, ``steps`` steps.
+        Raises ArgumentTypeError for a size that is not an int, InvalidArgumentError for one below 1."""
+        B, M, K = _sizes("AttentionViews.empty", (max_batch, "max_batch"), (max_blocks_per_req, "max_blocks_per_req"),
+                         (steps, "steps"))
         z = dict(dtype=torch.int32, device=device)
         return AttentionViews(torch.zeros((B, M), **z), torch.zeros((K, B), **z), torch.zeros((K, B + 1), **z),
                               torch.zeros((K, B * M), **z), torch.zeros((K, B), **z))
@@ -56,7 +69,11 @@ class AttentionViews(NamedTuple):
         return self.seqused_k.shape[0]
 
     def step(self, k: int) -> "AttentionViews":
-        """Step ``k``'s views (the same tensors, row k: ``seqused_k: int32[B]``, ...; no copy)."""
+        """Step ``k``'s views (the same tensors, row k: ``seqused_k: int32[B]``, ...; no copy). Raises
+        InvalidArgumentError for ``k`` outside ``0..steps - 1`` (ArgumentTypeError: not an int)."""
+        k = as_int("AttentionViews.step", k, "k")
+        if not 0 <= k < self.steps:
+            raise InvalidArgumentError("AttentionViews.step", f"step {k} out of range 0..{self.steps - 1}", k)
         return AttentionViews(self.block_table, self.seqused_k[k], self.kv_indptr[k], self.kv_indices[k],
                               self.kv_last_page_len[k])
 
@@ -69,18 +86,19 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float16, device=None):
         op = "PagedKVCache"
-        sizes = [as_int(op, v, name) for v, name in ((num_layers, "num_layers"), (num_blocks, "num_blocks"),
-                                                     (block_size, "block_size"), (num_kv_heads, "num_kv_heads"),
-                                                     (head_dim, "head_dim"))]
-        for v, name in zip(sizes, ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim")):
-            if v < 1:
-                raise InvalidArgumentError(op, f"{name} must be >= 1, got {v}", v)
+        sizes = _sizes(op, (num_layers, "num_layers"), (num_blocks, "num_blocks"), (block_size, "block_size"),
+                       (num_kv_heads, "num_kv_heads"), (head_dim, "head_dim"))
         if dtype not in _FLOATS:
             raise InvalidArgumentError(op, f"dtype must be one of {_FLOATS}, got {dtype}")
+        device = None if device is None else device_arg(op, device)
         self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = sizes
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
-        self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        try:
+            self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+            self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise InvalidArgumentError(op, f"cannot allocate {2 * self.num_layers} caches of {list(shape)} {dtype}: "
+                                           f"{str(e).splitlines()[0][:120]}") from e
 
     def layers(self) -> list[torch.Tensor]:
         """Every cache tensor, ``[k_0, v_0, k_1, v_1, ...]``: what ``DecodeStep(kv_caches=)`` and
@@ -89,7 +107,12 @@ class PagedKVCache:
 
     def store(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
               num_tokens: torch.Tensor | None = None) -> None:
-        """:func:`store_kv` into layer ``layer``'s caches."""
+        """:func:`store_kv` into layer ``layer``'s caches (InvalidArgumentError for a layer outside
+        ``0..num_layers - 1``, ArgumentTypeError for one that is not an int)."""
+        layer = as_int("PagedKVCache.store", layer, "layer")
+        if not 0 <= layer < self.num_layers:
+            raise InvalidArgumentError("PagedKVCache.store", f"layer {layer} out of range 0..{self.num_layers - 1}",
+                                       layer)
         store_kv(key, value, self.key_caches[layer], self.value_caches[layer], slot_mapping, num_tokens)
 
 
@@ -122,6 +145,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
             raise InvalidArgumentError(op, f"{what} must be a float tensor, got {t.dtype}")
         if t.device != k_cache.device:
             raise InvalidArgumentError(op, f"{what} is on {t.device}, k_cache on {k_cache.device}")
+    if k_cache.device.type == "meta":
+        raise InvalidArgumentError(op, "the caches are on the meta device, which holds no memory to write")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise InvalidArgumentError(op, "k_cache and v_cache must be contiguous")
     if slot_mapping.dtype not in (torch.int32, torch.int64) or slot_mapping.dim() != 1 \
@@ -143,9 +168,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch
     Query j of lane b sits at position ``seq_lens[b] - Sq + j`` and attends to the keys at positions up
     to its own (FlashAttention's ``causal=True`` with a KV cache). A lane with no key gives zeros.
     Returns ``[B, Sq, Hq, D]`` in ``q``'s dtype. Plain torch, fixed shapes, no host sync."""
+    _check_attention("attention", q, 4, (k, "k"), (v, "v"))
     B, Sq, Hq, D = q.shape
     L, Hk = k.shape[1], k.shape[2]
-    if Hq % Hk:
+    _check_index("attention", seq_lens, "seq_lens", q.device, (B,))
+    if k.shape[0] != B or k.shape[3] != D:
+        raise InvalidArgumentError("attention", f"k and v must be [{B}, L, Hk, {D}] for q {tuple(q.shape)}, got "
+                                                f"{tuple(k.shape)}")
+    if Hk < 1 or Hq % Hk:
         raise InvalidArgumentError("attention", f"{Hq} query heads are not a multiple of {Hk} KV heads")
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     if Hq != Hk:
@@ -159,6 +189,36 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch
     return torch.einsum("bhqk,bkhd->bqhd", p, v.to(q.dtype))
 
 
+def _check_attention(op: str, q, q_dims: int, *caches) -> None:
+    """``q`` a float tensor of ``q_dims`` dimensions; each ``(cache, name)`` a 4-D float tensor on
+    ``q``'s device, all of one shape (host checks from the shapes: no sync)."""
+    _check_tensor(op, q, "q")
+    if q.dtype not in _FLOATS or q.dim() != q_dims:
+        raise InvalidArgumentError(op, f"q must be a {q_dims}-D float tensor, got {tuple(q.shape)} {q.dtype}")
+    for t, what in caches:
+        _check_tensor(op, t, what)
+        if t.dtype not in _FLOATS or t.dim() != 4 or t.shape != caches[0][0].shape or t.device != q.device:
+            raise InvalidArgumentError(op, f"{what} must be a 4-D float tensor on {q.device} of the shape of "
+                                           f"{caches[0][1]}, got {tuple(t.shape)} {t.dtype} on {t.device}")
+
+
+def _check_index(op: str, t, what: str, device, shape: tuple, at_least: bool = False) -> None:
+    """``t`` an integer tensor on ``device`` of ``shape`` (of ``len(shape)`` dims, each at least
+    ``shape``'s with ``at_least``)."""
+    _check_tensor(op, t, what)
+    ok = t.dim() == len(shape) and all((a >= b) if at_least else a == b for a, b in zip(t.shape, shape))
+    if not ok or t.dtype not in (torch.int32, torch.int64) or t.device != device:
+        raise InvalidArgumentError(op, f"{what} must be an int32/int64 tensor {list(shape)}{' or longer' if at_least else ''}"
+                                       f" on {device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
+
+
+def _check_paged(op: str, q, q_dims: int, k_cache, v_cache) -> None:
+    _check_attention(op, q, q_dims, (k_cache, "k_cache"), (v_cache, "v_cache"))
+    if k_cache.shape[3] != q.shape[-1] or k_cache.shape[2] < 1 or q.shape[-2] % k_cache.shape[2]:
+        raise InvalidArgumentError(op, f"q {tuple(q.shape)} does not match caches {tuple(k_cache.shape)}: the head "
+                                       "dims must agree and the query heads be a multiple of the KV heads")
+
+
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """``cache: [num_blocks, bs, H, D]`` read through ``pages: int[B, P]`` (block ids): ``[B, P * bs, H, D]``."""
     B, P = pages.shape
@@ -170,7 +230,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """FlashAttention's ``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqused_k,
     block_table=block_table, causal=True)`` in plain torch: ``q: [B, Sq, Hq, D]``, caches ``[num_blocks,
     bs, Hk, D]``, ``block_table: int32[B, M]``, ``seqused_k: int32[B]``; only the first
-    ``ceil(seqused_k[b] / bs)`` entries of a row are used. Returns ``[B, Sq, Hq, D]``."""
+    ``ceil(seqused_k[b] / bs)`` entries of a row are used. Returns ``[B, Sq, Hq, D]``. Raises
+    InvalidArgumentError / ArgumentTypeError for wrong types, shapes, dtypes or devices (from the
+    shapes: the block ids themselves are not read on the host)."""
+    op = "paged_attention"
+    _check_paged(op, q, 4, k_cache, v_cache)
+    _check_index(op, block_table, "block_table", q.device, (q.shape[0], 0), at_least=True)
     return attention(q, gather_pages(k_cache, block_table), gather_pages(v_cache, block_table), seqused_k, scale)
 
 
@@ -180,8 +245,18 @@ def paged_attention_flashinfer(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """FlashInfer's paged decode (``BatchDecodeWithPagedKVCacheWrapper``, NHD layout) in plain torch:
     ``q: [B, Hq, D]`` (one query per lane, the newest token), ``kv_indptr: int32[B + 1]``,
     ``kv_indices: int32[>= kv_indptr[B]]``, ``kv_last_page_len: int32[B]``; ``max_pages`` bounds the
-    pages of a lane (fixed shapes: the block table's width). Returns ``[B, Hq, D]``."""
+    pages of a lane (fixed shapes: the block table's width). Returns ``[B, Hq, D]``. Raises
+    InvalidArgumentError / ArgumentTypeError for wrong types, shapes, dtypes, devices or a
+    ``max_pages`` below 0 (from the shapes: the page ids themselves are not read on the host)."""
+    op = "paged_attention_flashinfer"
+    _check_paged(op, q, 3, k_cache, v_cache)
     B = q.shape[0]
+    max_pages = as_int(op, max_pages, "max_pages")
+    if max_pages < 0:
+        raise InvalidArgumentError(op, f"max_pages must be >= 0, got {max_pages}", max_pages)
+    _check_index(op, kv_indptr, "kv_indptr", q.device, (B + 1,), at_least=True)
+    _check_index(op, kv_indices, "kv_indices", q.device, (0,), at_least=True)
+    _check_index(op, kv_last_page_len, "kv_last_page_len", q.device, (B,), at_least=True)
     start = kv_indptr[:B].long()
     npages = kv_indptr[1:B + 1].long() - start
     j = torch.arange(max_pages, device=q.device)[None, :]
