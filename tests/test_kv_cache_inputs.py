@@ -75,3 +75,28 @@ def test_attention_entry_points_still_take_good_input():
     assert paged_attention(q, kc, kc, bt, seq).shape == q.shape
     assert paged_attention_flashinfer(q1, kc, kc, ip, ix, lp, 2).shape == q1.shape
     assert attention(q, kv, kv, seq).shape == q.shape
+
+
+def _manager():
+    from gpupool.manager import KVCacheManager
+    m = KVCacheManager(16, block_size=BS, max_num_reqs=4, max_blocks_per_req=8, device="cpu")
+    m.add_request(0, [])
+    return m
+
+
+def test_attention_views_of_an_empty_batch_are_empty():
+    m = _manager()
+    v = m.attention_views(slots=[], base_len=[])
+    assert v.block_table.shape == (0, 8) and v.kv_indptr.tolist() == [[0]]
+    m.pool.check()
+
+
+def test_attention_views_reject_admitted_of_three_dims_and_aliased_out():
+    m = _manager()
+    with pytest.raises(InvalidArgumentError):  # was flattened to [2, 1] and taken as two steps
+        m.attention_views(slots=[0], base_len=[1], admitted=torch.ones(2, 1, 1, dtype=i32))
+    o = AttentionViews.empty(1, 8)
+    shared = o._replace(kv_last_page_len=o.seqused_k)  # one step's lengths written over by its last pages
+    with pytest.raises(InvalidArgumentError):
+        m.attention_views(slots=[0], base_len=[1], out=shared)
+    m.pool.check()

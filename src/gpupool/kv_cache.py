@@ -29,13 +29,13 @@ from .kernels.kv_store import launch_store_kv
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _sizes(op: str, *named) -> list[int]:
-    """Each ``(value, name)`` as an int >= 1 (ArgumentTypeError / InvalidArgumentError)."""
+def _sizes(op: str, *named, low: int = 1) -> list[int]:
+    """Each ``(value, name)`` as an int >= ``low`` (ArgumentTypeError / InvalidArgumentError)."""
     out = []
     for v, name in named:
         v = as_int(op, v, name)
-        if v < 1:
-            raise InvalidArgumentError(op, f"{name} must be >= 1, got {v}", v)
+        if v < low:
+            raise InvalidArgumentError(op, f"{name} must be >= {low}, got {v}", v)
         out.append(v)
     return out
 
@@ -57,9 +57,11 @@ class AttentionViews(NamedTuple):
     @staticmethod
     def empty(max_batch: int, max_blocks_per_req: int, steps: int = 1, device=None) -> "AttentionViews":
         """Zeroed views for ``max_batch`` lanes, rows of ``max_blocks_per_req`` blocks, ``steps`` steps.
-        Raises ArgumentTypeError for a size that is not an int, InvalidArgumentError for one below 1."""
-        B, M, K = _sizes("AttentionViews.empty", (max_batch, "max_batch"), (max_blocks_per_req, "max_blocks_per_req"),
-                         (steps, "steps"))
+        Raises ArgumentTypeError for a size that is not an int, InvalidArgumentError for one below 1
+        (below 0 for ``max_batch``: an empty batch has empty views)."""
+        op = "AttentionViews.empty"
+        (B,) = _sizes(op, (max_batch, "max_batch"), low=0)
+        M, K = _sizes(op, (max_blocks_per_req, "max_blocks_per_req"), (steps, "steps"))
         z = dict(dtype=torch.int32, device=device)
         return AttentionViews(torch.zeros((B, M), **z), torch.zeros((K, B), **z), torch.zeros((K, B + 1), **z),
                               torch.zeros((K, B * M), **z), torch.zeros((K, B), **z))

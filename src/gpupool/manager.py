@@ -567,7 +567,7 @@ class KVCacheManager:
         if admitted is not None:
             if not isinstance(admitted, torch.Tensor):
                 raise ArgumentTypeError(op, "admitted must be an int32 tensor [K, B] or [B]")
-            adm = admitted.reshape(-1, admitted.shape[-1]) if admitted.dim() else admitted
+            adm = admitted.reshape(-1, admitted.shape[-1]) if admitted.dim() in (1, 2) else admitted
             if adm.dtype != torch.int32 or adm.device != self.device or adm.dim() != 2 or adm.shape[1] != B \
                     or not adm.is_contiguous():
                 raise InvalidArgumentError(op, f"admitted must be a contiguous int32 tensor [K, {B}] on {self.device}, "
@@ -596,6 +596,8 @@ class KVCacheManager:
                     or t.device != self.device or not t.is_contiguous():
                 raise InvalidArgumentError(op, f"out.{name} must be a contiguous int32 tensor {list(shape)} on "
                                                f"{self.device}")
+        if len({t.data_ptr() for t in v if t.numel()}) < sum(1 for t in v if t.numel()):
+            raise InvalidArgumentError(op, "out's five tensors must not share memory (AttentionViews.empty)")
 
     def _attention_views(self, slots, base_len, num, admitted, group: int, steps: int, out: AttentionViews) -> None:
         """:meth:`attention_views` of arguments already checked (a ``DecodeStep``'s buffers)."""
