@@ -39,6 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama import Llama, LlamaConfig  # noqa: E402
 from meter import Meter  # noqa: E402
 
+from gpupool.args import device_arg  # noqa: E402
+from gpupool.errors import PoolError  # noqa: E402
 from gpupool.graph import DecodeStep  # noqa: E402
 from gpupool.keys import hash_request_tokens  # noqa: E402
 from gpupool.kernels.copy_blocks import copy_blocks  # noqa: E402
@@ -379,6 +381,7 @@ class Engine:
                 with self._decode_meter:
                     results = self._decode_host(running) if self.host else self._decode_device(running)
                 leaving, still, preempted = [], [], []
+                generated = sum(seq.generated for seq in running)
                 for seq, (first, toks) in zip(running, results):
                     if seq.first_pending:
                         seq.tokens.append(first)
@@ -403,6 +406,9 @@ class Engine:
                         preempted.append(seq)
                     else:
                         still.append(seq)
+                if len(running) == 1 and preempted and sum(seq.generated for seq in running) == generated:
+                    # alone, preempted before a token: resuming would run the same step again, forever
+                    raise RuntimeError(f"request {running[0].req.rid} does not fit the pool even alone")
                 if leaving:
                     self._free(leaving)
                     free_slots = sorted(free_slots + leaving)
@@ -497,11 +503,53 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+QUICK = dict(requests=4, max_new=6, steps=[1, 4], num_blocks=24)  # --quick's sizes; flags given still win
+
+
+def check_args(p: argparse.ArgumentParser, args) -> None:
+    """Sizes the workload and the model can run with, else ``p.error`` (a usage message, exit 2)."""
+    sizes = ["requests", "prompt_len", "max_new", "num_blocks", "block_size", "max_num_reqs", "max_blocks_per_req"]
+    if not args.model:
+        sizes += ["vocab", "hidden", "layers", "heads", "kv_heads"]
+    for name in sizes:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if any(k < 1 for k in args.steps):
+        p.error(f"--steps must all be >= 1, got {args.steps}")
+    if not 0 <= args.prefix_len <= args.prompt_len:
+        p.error(f"--prefix-len must be in 0..--prompt-len ({args.prompt_len}), got {args.prefix_len}")
+    if not args.model:
+        if args.heads % args.kv_heads:
+            p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+        if args.hidden % args.heads or (args.hidden // args.heads) % 2:
+            p.error(f"--hidden ({args.hidden}) must be --heads ({args.heads}) times an even head size (rotary "
+                    "embeddings rotate pairs)")
+    burst = max(args.steps) - 1 if {"burst", "prebook"} & set(args.modes) else 0  # a burst runs past a request's end
+    need = -(-(args.prompt_len + args.max_new - 1 + burst) // args.block_size)  # the last token is not stored
+    if need > args.max_blocks_per_req:
+        p.error(f"a request takes up to {need} blocks of {args.block_size} tokens (--prompt-len + --max-new, and a "
+                f"burst's --steps - 1 past the end), more than --max-blocks-per-req ({args.max_blocks_per_req})")
+    if need > args.num_blocks - 1:  # block 0 is the null block
+        p.error(f"--num-blocks ({args.num_blocks}) is too small for one request alone: it takes up to {need} "
+                "blocks, and block 0 is the null block")
+    try:
+        device_arg("decode_loop", args.device)
+    except PoolError as e:
+        p.error(str(e))
+
+
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     if args.quick:
-        args.requests, args.max_new, args.steps, args.num_blocks = 4, 6, [1, 4], 24
-    rows = run_all(args)
+        p.set_defaults(**QUICK)
+        args = p.parse_args(argv)
+    check_args(p, args)
+    try:
+        rows = run_all(args)
+    except PoolError as e:  # a size the checks above cannot see (a checkpoint's, the pool's own limits)
+        print(f"decode_loop: {e}", file=sys.stderr)
+        return 2
     print(format_table(rows))
     return 0 if all(r["identical"] for r in rows) else 1
 

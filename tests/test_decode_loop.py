@@ -134,3 +134,31 @@ def test_the_command_prints_the_table(capsys):
                     "--hidden", "16", "--heads", "2", "--kv-heads", "1", "--layers", "1", "--vocab", "32"]) == 0
     out = capsys.readouterr().out
     assert "identical" in out.splitlines()[0] and " yes " in out
+
+
+# ---- the command's flags --------------------------------------------------------------------------------
+@pytest.mark.parametrize("flags", [["--kv-heads", "3"], ["--heads", "0"], ["--hidden", "63"], ["--prefix-len", "30"],
+                                   ["--max-blocks-per-req", "1"], ["--num-blocks", "2"], ["--steps", "0"],
+                                   ["--requests", "0"], ["--max-new", "0"], ["--block-size", "0"],
+                                   ["--device", "meta"], ["--device", "bogus"]])
+def test_bad_flags_end_with_a_usage_message(flags, capsys):
+    """Each used to end in a traceback (ZeroDivisionError, a shape error, a pool error) or, under
+    --quick, to be overridden silently."""
+    with pytest.raises(SystemExit) as e:
+        dl.main(["--quick", "--modes", "host", *flags])
+    assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_quick_keeps_the_flags_given():
+    p = dl.parser()
+    p.set_defaults(**dl.QUICK)
+    args = p.parse_args(["--quick", "--requests", "1", "--max-new", "1"])
+    assert (args.requests, args.max_new, args.num_blocks) == (1, 1, 24)
+
+
+def test_a_request_that_never_fits_alone_raises_instead_of_looping(model):
+    """Two usable blocks, a request that needs three: it was admitted, preempted before its next token,
+    and admitted again, forever."""
+    reqs = dl.make_workload(1, 8, 4, 4, CFG.vocab_size, 0, fork=False)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        run(model, reqs, "host", num_blocks=3)
