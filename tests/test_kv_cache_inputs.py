@@ -100,3 +100,10 @@ def test_attention_views_reject_admitted_of_three_dims_and_aliased_out():
     with pytest.raises(InvalidArgumentError):
         m.attention_views(slots=[0], base_len=[1], out=shared)
     m.pool.check()
+
+
+@pytest.mark.parametrize("views", ["no", 1, None])
+def test_decode_step_views_must_be_a_bool(views):
+    from gpupool.graph import DecodeStep
+    with pytest.raises(ArgumentTypeError):  # "no" used to build the views
+        DecodeStep(_manager(), 2, views=views)

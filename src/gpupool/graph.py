@@ -41,7 +41,7 @@ import torch
 from collections.abc import Sequence
 
 from .args import as_id_list, as_int
-from .errors import InvalidArgumentError
+from .errors import ArgumentTypeError, InvalidArgumentError
 from .kernels.layout import INT32_MAX
 
 INT32_MIN = -INT32_MAX - 1
@@ -71,6 +71,8 @@ class DecodeStep:
         steps = as_int("DecodeStep", steps, "steps")
         if steps < 1:
             raise InvalidArgumentError("DecodeStep", f"steps must be >= 1, got {steps}", steps)
+        if not isinstance(views, bool):  # "no" or a tensor would read as True
+            raise ArgumentTypeError("DecodeStep", f"views must be a bool, got {type(views).__name__}")
         self.m = manager
         self.steps = steps
         kv_caches = [] if kv_caches is None else kv_caches
