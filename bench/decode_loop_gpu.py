@@ -182,10 +182,14 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"])
     p.add_argument("--no-graph", dest="graph", action="store_false")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
+    for name in ("batch", "steps", "iters", "prompt_len", "block_size", "hidden", "layers"):
+        v = getattr(args, name)
+        if min(v if isinstance(v, list) else [v]) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if args.device == "cpu":
         print("note: on a CPU the pool's kernels run in Triton's interpreter: these times say nothing about a GPU")
     cfg = LlamaConfig(vocab_size=1024, hidden_size=args.hidden, num_layers=args.layers, num_heads=max(1, args.hidden // 64),

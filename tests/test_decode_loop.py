@@ -162,3 +162,13 @@ def test_a_request_that_never_fits_alone_raises_instead_of_looping(model):
     reqs = dl.make_workload(1, 8, 4, 4, CFG.vocab_size, 0, fork=False)
     with pytest.raises(RuntimeError, match="does not fit"):
         run(model, reqs, "host", num_blocks=3)
+
+
+@pytest.mark.parametrize("flags", [["--iters", "0"], ["--dtype", "int32"], ["--batch", "0"], ["--steps", "0"]])
+def test_gpu_bench_bad_flags_end_with_a_usage_message(flags, capsys):
+    """--iters 0 ended in ZeroDivisionError after the whole run, --dtype int32 in a pool error."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import decode_loop_gpu as bench
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--device", "cpu", "--no-graph", *flags])
+    assert e.value.code == 2 and "error:" in capsys.readouterr().err
