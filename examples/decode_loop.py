@@ -499,7 +499,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="a local LlamaForCausalLM directory (needs transformers)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-fork", action="store_true")
-    p.add_argument("--quick", action="store_true", help="a small workload: 4 requests, K in {1, 4}")
+    p.add_argument("--quick", action="store_true",
+                   help="a small workload: 4 requests, 6 new tokens, K in {1, 4}, 24 blocks (flags given with it win)")
     return p
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from gpupool.errors import ArgumentTypeError, InvalidArgumentError, PoolError
-from gpupool.kv_cache import AttentionViews, PagedKVCache, attention, paged_attention, paged_attention_flashinfer, store_kv
+from gpupool.kv_cache import (AttentionViews, PagedKVCache, attention, paged_attention, paged_attention_flashinfer,
+                              store_kv)
 
 BS = 4
 i32 = torch.int32
@@ -37,7 +38,8 @@ def test_store_kv_rejects_caches_on_the_meta_device():
 
 @pytest.mark.parametrize("call", [lambda: AttentionViews.empty(-1, 2), lambda: AttentionViews.empty(1.5, 2),
                                   lambda: AttentionViews.empty(2, None), lambda: AttentionViews.empty(2, 2).step(1),
-                                  lambda: AttentionViews.empty(2, 2).step(-1), lambda: AttentionViews.empty(2, 2).step(0.5)])
+                                  lambda: AttentionViews.empty(2, 2).step(-1),
+                                  lambda: AttentionViews.empty(2, 2).step(0.5)])
 def test_attention_views_sizes_and_steps_are_checked(call):
     with pytest.raises(PoolError):
         call()

@@ -210,8 +210,9 @@ def _check_index(op: str, t, what: str, device, shape: tuple, at_least: bool = F
     _check_tensor(op, t, what)
     ok = t.dim() == len(shape) and all((a >= b) if at_least else a == b for a, b in zip(t.shape, shape))
     if not ok or t.dtype not in (torch.int32, torch.int64) or t.device != device:
-        raise InvalidArgumentError(op, f"{what} must be an int32/int64 tensor {list(shape)}{' or longer' if at_least else ''}"
-                                       f" on {device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
+        longer = " or longer" if at_least else ""
+        raise InvalidArgumentError(op, f"{what} must be an int32/int64 tensor {list(shape)}{longer} on {device}, got"
+                                       f" {tuple(t.shape)} {t.dtype} on {t.device}")
 
 
 def _check_paged(op: str, q, q_dims: int, k_cache, v_cache) -> None:
