@@ -109,3 +109,11 @@ def test_decode_step_views_must_be_a_bool(views):
     from gpupool.graph import DecodeStep
     with pytest.raises(ArgumentTypeError):  # "no" used to build the views
         DecodeStep(_manager(), 2, views=views)
+
+
+@pytest.mark.parametrize("args,word", [((None, [1]), "slots"), (([0], [0.5]), "num_tokens"),
+                                       (([0], [1], "ab"), "finished")])
+def test_set_inputs_names_the_argument_at_fault(args, word):
+    from gpupool.graph import DecodeStep
+    with pytest.raises(ArgumentTypeError, match=word):  # every error used to say "block ids"
+        DecodeStep(_manager(), 2).set_inputs(*args)

@@ -115,20 +115,22 @@ def as_host_list(op: str, xs, what: str) -> list:
     return list(xs)
 
 
-def as_id_list(op: str, ids) -> list[int]:
-    """Block ids (a sequence of ints, or an integer tensor / array of any integer dtype) as Python ints."""
+def as_id_list(op: str, ids, what: str = "block ids") -> list[int]:
+    """Block ids (a sequence of ints, or an integer tensor / array of any integer dtype) as Python ints;
+    ``what`` names them in the errors."""
     if hasattr(ids, "tolist") and not isinstance(ids, list):
         dtype = str(getattr(ids, "dtype", ""))
         if "int" not in dtype:
-            raise ArgumentTypeError(op, f"block ids must have an integer dtype, got {dtype}")
+            raise ArgumentTypeError(op, f"{what} must have an integer dtype, got {dtype}")
         if _on_meta(ids):
-            raise ArgumentTypeError(op, "block ids are a tensor on the meta device, which holds no values")
+            raise ArgumentTypeError(op, f"{what} are a tensor on the meta device, which holds no values")
         ids = ids.tolist()
         if isinstance(ids, int):
             ids = [ids]
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-        raise ArgumentTypeError(op, f"block ids must be a sequence of ints, got {type(ids).__name__}")
-    return [as_int(op, b, "block id") for b in ids]
+        raise ArgumentTypeError(op, f"{what} must be a sequence of ints, got {type(ids).__name__}")
+    item = "block id" if what == "block ids" else f"an entry of {what}"
+    return [as_int(op, b, item) for b in ids]
 
 
 def as_flag_list(op: str, values) -> list[bool]:

@@ -114,7 +114,8 @@ class DecodeStep:
         int, InvalidArgumentError for lists longer than ``max_batch`` or of different lengths
         (values themselves are checked on the device, as the step checks them)."""
         op = "DecodeStep.set_inputs"
-        s, n, f = as_id_list(op, slots), as_id_list(op, num_tokens), as_id_list(op, finished)
+        s, n = as_id_list(op, slots, "slots"), as_id_list(op, num_tokens, "num_tokens")
+        f = as_id_list(op, finished, "finished")
         B = self.max_batch
         if len(s) != len(n):
             raise InvalidArgumentError(op, f"{len(s)} slots but {len(n)} token counts")
