@@ -76,7 +76,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "strict_gpu_off: not run under --strict-gpu's checker (tests that run their own)")
+    config.addinivalue_line("markers", "strict_gpu_off: not run under --strict-gpu's checker (tests that run their own, "
+                                       "or whose kernels other tests check under it)")
     mode = config.getoption("--strict-gpu")
     if mode:
         from strict.checker import MODES

@@ -17,6 +17,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import decode_loop as dl  # noqa: E402
 from llama import Llama, LlamaConfig  # noqa: E402
 
+# the loop's kernels (the step, the burst, the views, the KV store) run under --strict-gpu in their own
+# tests (test_decode_step, test_decode_burst, test_kv_cache); here they only serve the model
+pytestmark = pytest.mark.strict_gpu_off
+
 CFG = LlamaConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                   intermediate_size=64)
 POOL = dict(block_size=4, max_num_reqs=4, max_blocks_per_req=8)
