@@ -73,6 +73,10 @@ KNOWN = {
     "tests/v1/core/test_prefix_caching.py::test_different_block_size": _INTERNALS,
     "tests/v1/core/test_single_type_kv_cache_manager.py::test_chunked_local_attention_possible_cached_prefix": _INTERNALS,
     "tests/v1/core/test_single_type_kv_cache_manager.py::test_sliding_window_possible_cached_prefix": _INTERNALS,
+    # one free_blocks over this pool's blocks and those of vLLM's HiSparse host pool (vLLM's own
+    # KVCacheBlock objects): gpupool's free_blocks is all or nothing and refuses a block it does not
+    # own (the plug-in does not swap a HiSparse pool: docs/vllm.md)
+    "tests/v1/core/test_prefix_caching.py::test_hisparse_deferred_free_retains_host_blocks_until_fence": _FOREIGN,
 }
 
 
