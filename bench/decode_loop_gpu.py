@@ -79,40 +79,20 @@ def advance(seqs: list[dl.Seq], results) -> int:
 
 
 class HostGraph:
-    """The host mode with the model's forward pass in a CUDA graph over static inputs."""
+    """The host mode with the model's forward pass in a CUDA graph over a static upload buffer."""
 
     def __init__(self, eng: dl.Engine, B: int):
         self.eng, self.B = eng, B
-        dev, M = eng.dev, eng.M
-        self.packed = torch.zeros(B * M + 4 * B, dtype=torch.int64, device=dev)
-        self.nxt = None
+        self.packed = torch.zeros(B * eng.M + 4 * B, dtype=torch.int64, device=eng.dev)
         self.graph = None
 
-    def _views(self):
-        B, M, p = self.B, self.eng.M, self.packed
-        o = B * M
-        return (p[:o].view(B, M).to(torch.int32), p[o:o + B].to(torch.int32), p[o + B:o + 2 * B],
-                p[o + 2 * B:o + 3 * B], p[o + 3 * B:o + 4 * B])
-
     def _body(self):
-        eng = self.eng
-        tbl, seqused, sm, sl, pos = self._views()
-        tok = eng.last_token[sl]
-        self.tok = tok
-        self.nxt = eng._forward_step(tok, pos, sm, tbl, seqused)
-        eng.last_token[sl] = torch.where(seqused > 0, self.nxt, tok)
+        self.tok, self.nxt = self.eng.host_forward(self.packed, self.B)
 
     def decode(self, seqs, capture: bool):
-        eng, bs, B = self.eng, self.eng.bs, self.B
-        slots = [s.slot for s in seqs]
-        ntok = [s.ctx + 1 for s in seqs]
-        adm = eng.m.allocate_slots(slots, ntok, ntok, stop_on_failure=False)
-        rows = eng.m.block_table(0)
-        table = [x for r in slots for x in (rows[r] + [0] * eng.M)[:eng.M]]
-        sm = [rows[r][(n - 1) // bs] * bs + (n - 1) % bs for r, n in zip(slots, ntok)]
-        host = torch.tensor(table + ntok + sm + slots + [n - 1 for n in ntok], dtype=torch.int64,
-                            pin_memory=eng.dev.type == "cuda")
-        self.packed.copy_(host, non_blocking=True)
+        eng = self.eng
+        adm, vals = eng.host_step(seqs)
+        self.packed.copy_(torch.tensor(vals, dtype=torch.int64, pin_memory=eng.dev.type == "cuda"), non_blocking=True)
         if self.graph is None:
             self._body()
             if capture:
@@ -122,7 +102,7 @@ class HostGraph:
         else:
             self.graph.replay()
         first, toks = torch.stack([self.tok, self.nxt]).tolist()
-        return [(first[i], [toks[i] if adm[i] else None]) for i in range(B)]
+        return [(first[i], [toks[i] if a else None]) for i, a in enumerate(adm)]
 
 
 class DeviceGraph:
@@ -143,9 +123,7 @@ class DeviceGraph:
             return out
         eng.step.set_inputs([s.slot for s in seqs], [s.ctx + 1 for s in seqs])
         self.graph.replay()
-        K = eng.K
-        rows = torch.cat([eng.in_tokens[None, :B], eng.out_tokens[:, :B], eng.step.admitted_steps[:, :B].long()]).tolist()
-        return [(rows[0][i], [rows[1 + k][i] if rows[1 + K + k][i] else None for k in range(K)]) for i in range(B)]
+        return eng.read_replay(B)
 
 
 def bench_one(model, mode: str, B: int, K: int, args) -> dict:

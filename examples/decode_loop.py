@@ -311,15 +311,21 @@ class Engine:
             tok = torch.where(st.admitted_steps[k, :B] != 0, nxt, tok)
         self.last_token[slots] = tok
 
-    def _decode_device(self, running: list[Seq]) -> list[list[int]]:
-        B = len(running)
+    def _decode_device(self, running: list[Seq]) -> list[tuple[int, list[int | None]]]:
+        """One replay of the device modes over ``running``: its inputs in one copy, the step and the K
+        forward passes, then the replay's one host read (:meth:`read_replay`)."""
         self.step.set_inputs([s.slot for s in running], [s.ctx + 1 for s in running])
         with self.m.lock:
-            self._burst_body(B)
+            self._burst_body(len(running))
         self.stats.replays += 1
+        return self.read_replay(len(running))
+
+    def read_replay(self, B: int) -> list[tuple[int, list[int | None]]]:
+        """The replay's one host read: per lane (its input token at step 0, its K tokens, None from
+        the first step that did not admit it); counts the requests stopped mid-burst."""
         both = torch.cat([self.in_tokens[None, :B], self.out_tokens[:, :B], self.step.admitted_steps[:, :B].long(),
                           self.reserved_ok[None, :B].long()])
-        rows = both.tolist()  # the replay's one host read
+        rows = both.tolist()
         K = self.K
         out = [(rows[0][i], [rows[1 + k][i] if rows[1 + K + k][i] else None for k in range(K)]) for i in range(B)]
         for i, (_, toks) in enumerate(out):
@@ -328,30 +334,37 @@ class Engine:
                 self.stats.booked_stops += self.mode == "burst" and rows[1 + 2 * K][i] == 1
         return out
 
-    def _decode_host(self, running: list[Seq]) -> list[list[int]]:
-        m, dev, bs = self.m, self.dev, self.bs
+    def host_step(self, running: list[Seq]) -> tuple[list[bool], list[int]]:
+        """The host pool's step: ``allocate_slots`` on the host, then what the step uploads, packed:
+        the block table ``[B, M]``, lengths, slot mapping (-1 where not admitted), slots, positions."""
+        m, bs = self.m, self.bs
         slots = [s.slot for s in running]
         ntok = [s.ctx + 1 for s in running]
         adm = m.allocate_slots(slots, ntok, ntok, stop_on_failure=False)
         rows = m.block_table(0)
-        B = len(running)
-        table = [rows[r] + [0] * (self.M - len(rows[r])) for r in slots]
+        table = [x for r in slots for x in rows[r] + [0] * (self.M - len(rows[r]))]
         seq = [n if a else 0 for n, a in zip(ntok, adm)]
         sm = [rows[r][(n - 1) // bs] * bs + (n - 1) % bs if a else -1 for r, n, a in zip(slots, ntok, adm)]
-        packed = torch.tensor([x for row in table for x in row] + seq + sm + slots + [n - 1 for n in ntok],
-                              dtype=torch.int64, device=dev)  # the step's one upload
+        return adm, table + seq + sm + slots + [n - 1 for n in ntok]
+
+    def host_forward(self, packed: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device part of a host-mode step over :meth:`host_step`'s upload ``packed: int64``:
+        one forward pass; returns (input tokens, greedy next tokens), both ``int64[B]``."""
         o = B * self.M
         tbl = packed[:o].view(B, self.M).to(torch.int32)
         seqused = packed[o:o + B].to(torch.int32)
-        slot_mapping = packed[o + B:o + 2 * B]
         sl = packed[o + 2 * B:o + 3 * B]
-        pos = packed[o + 3 * B:o + 4 * B]
         tok = self.last_token[sl]
-        nxt = self._forward_step(tok, pos, slot_mapping, tbl, seqused)
+        nxt = self._forward_step(tok, packed[o + 3 * B:o + 4 * B], packed[o + B:o + 2 * B], tbl, seqused)
         self.last_token[sl] = torch.where(seqused > 0, nxt, tok)
+        return tok, nxt
+
+    def _decode_host(self, running: list[Seq]) -> list[tuple[int, list[int | None]]]:
+        adm, vals = self.host_step(running)
+        tok, nxt = self.host_forward(torch.tensor(vals, dtype=torch.int64, device=self.dev), len(running))  # one upload
         self.stats.replays += 1
         first, toks = torch.stack([tok, nxt]).tolist()  # the step's one host read
-        return [(first[i], [toks[i] if adm[i] else None]) for i in range(B)]
+        return [(first[i], [toks[i] if a else None]) for i, a in enumerate(adm)]
 
     # ---- the loop ---------------------------------------------------------------------------------------
     def run(self, requests: list[Request]) -> dict[int, list[int]]:

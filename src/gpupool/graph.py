@@ -36,17 +36,15 @@ burst is admitted at every step: its blocks are drawn from it and no other reque
 """
 from __future__ import annotations
 
-import torch
-
 from collections.abc import Sequence
+
+import torch
 
 from .args import as_id_list, as_int
 from .errors import ArgumentTypeError, InvalidArgumentError
-from .kernels.layout import INT32_MAX
-
-INT32_MIN = -INT32_MAX - 1
 from .kv_cache import AttentionViews
 from .manager import KVCacheManager
+from .tensors import check_int32
 
 
 class DecodeStep:
@@ -121,9 +119,8 @@ class DecodeStep:
             raise InvalidArgumentError(op, f"{len(s)} slots but {len(n)} token counts")
         if len(s) > B or len(f) > B:
             raise InvalidArgumentError(op, f"at most max_batch = {B} requests a step", max(len(s), len(f)))
-        bad = [v for v in s + n + f if not INT32_MIN <= v <= INT32_MAX]
-        if bad:
-            raise InvalidArgumentError(op, f"{bad[0]} does not fit int32", bad[0])
+        for vals, what in ((s, "slots"), (n, "num_tokens"), (f, "finished")):
+            check_int32(op, vals, what)
         pad = [0] * B
         host = torch.tensor((s + pad)[:B] + (n + pad)[:B] + (f + pad)[:B] + [len(s), len(f)], dtype=torch.int32,
                             pin_memory=self._inputs.is_cuda)

@@ -50,10 +50,15 @@ def i32(op: str, x, what: str, device: torch.device, error=InvalidArgumentError)
     if isinstance(x, torch.Tensor):
         return device_i32(op, x, what, device)
     vals = as_id_list(op, x)
+    check_int32(op, vals, what, error)
+    return torch.tensor(vals, dtype=torch.int32, device=device)
+
+
+def check_int32(op: str, vals: list[int], what: str, error=InvalidArgumentError) -> None:
+    """Raise ``error`` naming the first of ``vals`` outside int32 (before any tensor is made of them)."""
     bad = next((v for v in vals if not -(1 << 31) <= v < 1 << 31), None)
     if bad is not None:
         raise error(op, f"{what}: {bad} is outside int32", bad)
-    return torch.tensor(vals, dtype=torch.int32, device=device)
 
 
 def device_count(op: str, count, device: torch.device) -> torch.Tensor | None:
