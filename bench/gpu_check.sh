@@ -13,7 +13,7 @@
 #   6. short tables (measured cases; decode loop; op, pool, N, batch, median us, GPU us), printed last.
 # Run from anywhere: bash bench/gpu_check.sh (GPU_CHECK_ALLOW_CPU=1: a dry run without CUDA, in
 # which the CUDA-only stage 1 is skipped with a message and the others run in Triton's interpreter).
-# GPU_CHECK_TINY=1 shrinks every stage to seconds (tests/test_documented_commands.py runs it so on CPU).
+# GPU_CHECK_TINY=1 shrinks every stage to seconds (tests/project/test_documented_commands.py runs it so on CPU).
 # Output goes to $OUT if set, else bench/out.
 # Each stage has a timeout taken from one overall deadline; a failed stage is reported and the
 # next one still runs. Exit status: 0 when every stage passed, else 1.

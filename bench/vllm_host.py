@@ -125,13 +125,13 @@ def _steps(pool, reqs, shared, state, steps, end_step):
 def vllm_pool():
     src = os.environ.get("GPUPOOL_VLLM_SRC")
     if not src:
-        sys.path.insert(0, str(ROOT / "tests"))
+        sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "vllm_plugin")]
         from test_vllm_conformance import CACHE
         src = str(CACHE / "vllm-0.33.0-src")
     if not (Path(src) / "vllm" / "v1" / "core" / "block_pool.py").is_file():
         return None
     os.environ["GPUPOOL_VLLM_SRC"] = src
-    sys.path.insert(0, str(ROOT / "tests" / "vllm_conformance"))
+    sys.path.insert(0, str(ROOT / "tests" / "vllm_plugin" / "conformance"))
     import plugin  # noqa: F401 - vLLM's source and the stubs
     from vllm.v1.core.block_pool import BlockPool
     return BlockPool(N, True, BS)
@@ -216,7 +216,7 @@ class SchedulerLoop:
 
 
 def scheduler_main(a) -> int:
-    sys.path.insert(0, str(ROOT / "tests" / "vllm_conformance"))
+    sys.path.insert(0, str(ROOT / "tests" / "vllm_plugin" / "conformance"))
     if vllm_pool() is None:
         print("vLLM 0.33's source is not available (GPUPOOL_VLLM_SRC or the tests' cache): nothing to compare")
         return 1

@@ -27,32 +27,32 @@ settings.load_profile(os.environ.get("GPUPOOL_HYPOTHESIS_PROFILE", "dev"))
 # .ci/run runs too: each keeps a lighter sibling in the quick run (another parameter of the same test,
 # or a test of the same code path), so `pytest -m "not slow"` stays under 3 minutes on 2 cores.
 HEAVY_QUICK = (
-    "test_decode_burst.py::test_burst_equals_single_steps_and_reference[full-events-K2]",
-    "test_import_order.py::test_differential_tests_pass_after_importing_triton_first",
-    "test_apply_batched.py::test_rounds_equal_the_single_calls_round_after_round",
-    "test_allocate_slots_parallel.py::test_decode_batch_is_parallel[full+full]",
-    "test_cli.py::test_a_closed_pipe_on_stdout_exits_quietly",
-    "test_reservation.py::test_allocation_inside_a_reservation_evicts_in_lru_order[parallel]",
-    "test_decode_step.py::test_eager_decode_step_equals_reference[groups1-events]",
-    "test_decode_step.py::test_eager_decode_step_equals_reference[groups1-no-events]",
-    "test_kernel_barriers.py::test_cache_blocks_with_its_barrier_is_clean_and_passes_under_stale",
-    "test_vllm_fast_path_hunts.py::test_device_small_window_big_pops",
-    "test_kv_cache_manager.py::test_get_computed_blocks_agree[full+sw]",
-    "test_kv_cache_manager.py::test_manager_matches_reference[full+sliding-parallel]",
-    "test_allocate_slots_parallel.py::test_sliding_window_hashed_release_is_parallel",
-    "test_reservation.py::test_bad_input_is_a_typed_error_and_changes_nothing",
-    "test_decode_step.py::test_eager_decode_step_equals_reference[groups0-events]",
-    "test_vllm_fast_path.py::test_a_decode_step_is_one_flush",
-    "test_decode_loop.py::test_a_burst_reads_the_device_once_per_replay",
-    "test_errors.py::test_mixed_valid_and_invalid_ops_on_both_pools",
-    "test_vllm_fast_path_orders.py::test_batch_order_equals_call_order",
-    "test_cache_blocks_batched.py::test_one_launch_equals_the_calls_in_order",
-    "test_device_pool.py::test_key_table_near_its_limit[1-5-4]",
-    "test_documented_commands.py::test_documented_command_runs[TRITON_INTERPRET=1 python bench/model_cases.py]",
-    "test_allocate_slots_parallel.py::test_zero_ref_hit_an_earlier_request_pops_falls_back",
-    "test_vllm_publisher.py::test_close_sends_every_queued_batch",
-    "test_vllm_adapter_args.py::test_fuzz_entry_points",
-    "test_batched_input_checks.py::test_fuzz[allocate_slots]",
+    "manager/test_decode_burst.py::test_burst_equals_single_steps_and_reference[full-events-K2]",
+    "kernels/test_import_order.py::test_differential_tests_pass_after_importing_triton_first",
+    "pool/test_apply_batched.py::test_rounds_equal_the_single_calls_round_after_round",
+    "manager/test_allocate_slots_parallel.py::test_decode_batch_is_parallel[full+full]",
+    "replay/test_cli.py::test_a_closed_pipe_on_stdout_exits_quietly",
+    "manager/test_reservation.py::test_allocation_inside_a_reservation_evicts_in_lru_order[parallel]",
+    "manager/test_decode_step.py::test_eager_decode_step_equals_reference[groups1-events]",
+    "manager/test_decode_step.py::test_eager_decode_step_equals_reference[groups1-no-events]",
+    "kernels/test_kernel_barriers.py::test_cache_blocks_with_its_barrier_is_clean_and_passes_under_stale",
+    "vllm_plugin/test_vllm_fast_path_hunts.py::test_device_small_window_big_pops",
+    "manager/test_kv_cache_manager.py::test_get_computed_blocks_agree[full+sw]",
+    "manager/test_kv_cache_manager.py::test_manager_matches_reference[full+sliding-parallel]",
+    "manager/test_allocate_slots_parallel.py::test_sliding_window_hashed_release_is_parallel",
+    "manager/test_reservation.py::test_bad_input_is_a_typed_error_and_changes_nothing",
+    "manager/test_decode_step.py::test_eager_decode_step_equals_reference[groups0-events]",
+    "vllm_plugin/test_vllm_fast_path.py::test_a_decode_step_is_one_flush",
+    "decode/test_decode_loop.py::test_a_burst_reads_the_device_once_per_replay",
+    "pool/test_pool_errors.py::test_mixed_valid_and_invalid_ops_on_both_pools",
+    "vllm_plugin/test_vllm_fast_path_orders.py::test_batch_order_equals_call_order",
+    "pool/test_cache_blocks_batched.py::test_one_launch_equals_the_calls_in_order",
+    "pool/test_device_pool.py::test_key_table_near_its_limit[1-5-4]",
+    "project/test_documented_commands.py::test_documented_command_runs[TRITON_INTERPRET=1 python bench/model_cases.py]",
+    "manager/test_allocate_slots_parallel.py::test_zero_ref_hit_an_earlier_request_pops_falls_back",
+    "vllm_plugin/test_vllm_publisher.py::test_close_sends_every_queued_batch",
+    "vllm_plugin/test_vllm_adapter_args.py::test_fuzz_entry_points",
+    "pool/test_batched_input_checks.py::test_fuzz[allocate_slots]",
 )
 
 
@@ -63,7 +63,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-# ---- strict GPU mode (issue 25; tests/strict/) ---------------------------------------------------
+# ---- strict GPU mode (tests/strict/) --------------------------------------------------------------
 def pytest_addoption(parser):
     parser.addoption(
         "--strict-gpu", nargs="?", const="detect", default=os.environ.get("GPUPOOL_STRICT_GPU") or None,

@@ -3,7 +3,7 @@
 A manager's ``groups`` are given as ``"full"`` or ``("sliding_window", tokens)`` and become
 :class:`GroupKind` values, whose rules call their kind's spec in :data:`KINDS`. The reference manager
 calls them; the device kernels call their twins in ``kernels/groups.py`` (same formula, tested equal
-in tests/test_groups.py), which read a group's kind from its word in ``ManagerState.windows``
+in tests/pool/test_groups.py), which read a group's kind from its word in ``ManagerState.windows``
 (:meth:`GroupKind.device_word`: the window for a sliding window, 0 for full attention). A new kind is
 one :class:`KindSpec` subclass here and its branch in each hook there (vLLM's
 ``SingleTypeKVCacheManager`` subclasses, ``vllm/v1/core/single_type_kv_cache_manager.py``).

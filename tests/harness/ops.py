@@ -124,3 +124,12 @@ def run_in_threads(errors: list, *targets: Callable) -> None:
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def flat_segments(segs) -> tuple[list[int], list[int]]:
+    """Segments of block ids as ``free_batched`` takes them: the ids laid end to end and the
+    ``len(segs) + 1`` offsets of the segments' starts (the last is the total)."""
+    flat, offs = [b for seg in segs for b in seg], [0]
+    for seg in segs:
+        offs.append(offs[-1] + len(seg))
+    return flat, offs

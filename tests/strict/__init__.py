@@ -1,4 +1,4 @@
-"""Strict GPU mode for the tests (issue 25): :mod:`strict.checker` (the interpreter hooks and the
+"""Strict GPU mode for the tests: :mod:`strict.checker` (the interpreter hooks and the
 thread model) and :mod:`strict.plugin` (``pytest --strict-gpu[=MODE]``)."""
 from .checker import ALL, MARKER, MODES, Checker, Hazard, active
 

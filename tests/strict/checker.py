@@ -1,4 +1,4 @@
-"""strict-gpu: find the races Triton's interpreter hides (issue 25), by hooking the interpreter.
+"""strict-gpu: find the races Triton's interpreter hides, by hooking the interpreter.
 
 Triton's interpreter (``TRITON_INTERPRET=1``, triton 3.9) runs a launch's programs one after another,
 a tensor op's lanes all at once, a duplicate-address store as "last lane wins" and

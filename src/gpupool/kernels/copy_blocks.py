@@ -10,7 +10,7 @@ elements of the base (``(layer.data_ptr() - base.data_ptr()) // unit``), and add
 so this reaches every layer's separate allocation. The interpreter (``TRITON_INTERPRET=1``) also
 dereferences raw host addresses, and for CPU tensors it hands the kernel the tensors' own storage (it
 copies storage only for non-CPU tensors), so the same trick works on CPU: checked by
-``tests/test_copy_blocks.py`` with layers allocated separately. For the one case where it cannot work,
+``tests/decode/test_copy_blocks.py`` with layers allocated separately. For the one case where it cannot work,
 the interpreter on CUDA tensors (it copies just the base tensor to the host), the launcher falls back to
 one launch per layer. A pointer table (``int64`` addresses cast with ``.to(tl.pointer_type(...))``) would
 work as well; the offset table was kept because the base argument carries the element type and its

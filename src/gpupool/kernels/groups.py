@@ -3,7 +3,7 @@ one hook per rule, the same formulas on tensors, for both request paths (``kerne
 ``kernels/requests/parallel.py``) and the lookups. A group reaches a kernel as its word in
 ``ManagerState.windows`` (``GroupKind.device_word``): the window in tokens for a sliding window, 0 for
 full attention. Each hook is the one place that reads a kind from that word, so a new kind is one
-branch per hook. tests/test_groups.py checks each twin equals its Python rule."""
+branch per hook. tests/pool/test_groups.py checks each twin equals its Python rule."""
 import triton
 import triton.language as tl
 

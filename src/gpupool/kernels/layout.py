@@ -4,7 +4,7 @@ width, the fallback reasons, the flush kernel's round table, sentinels.
 
 Each group is an ``IntEnum`` for the host; kernels read the ``tl.constexpr`` mirrors below it (a
 kernel cannot read an enum member), unpacked from :func:`constexprs` into names that repeat the
-members' (with a prefix). ``tests/test_layout.py`` checks that every mirror equals its member.
+members' (with a prefix). ``tests/project/test_layout.py`` checks that every mirror equals its member.
 """
 from enum import IntEnum
 

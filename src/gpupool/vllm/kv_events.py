@@ -3,7 +3,7 @@
 The Struct classes below copy vLLM 0.33's field names, types, order, defaults and Struct options
 (``EventBatch``: ``array_like=True, omit_defaults=True, gc=False``; events: ``omit_defaults=True,
 gc=False, tag=True``, so each event is a msgpack map tagged ``"type": "<class name>"`` and a batch is
-the array ``[ts, [events], data_parallel_rank]``). tests/test_vllm_events.py checks the msgpack bytes
+the array ``[ts, [events], data_parallel_rank]``). tests/vllm_plugin/test_vllm_events.py checks the msgpack bytes
 equal vLLM's own classes' for the events of a real pool op sequence.
 
 Mapping gpupool event (``gpupool.events``, from ``BlockPool.take_events()``) -> vLLM wire event:

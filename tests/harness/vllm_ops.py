@@ -1,0 +1,116 @@
+"""Op generators of the vLLM adapter's differential tests (hypothesis strategies over
+tests/vllm_plugin/conformance/driver.py's ops) and the runner of the fast path's batch-order mix."""
+import sys
+
+from hypothesis import strategies as st
+
+from .paths import CONFORMANCE
+
+sys.path.insert(0, str(CONFORMANCE))
+import driver  # noqa: E402
+
+N = 10
+
+# conformance/driver.py's op lists (vLLM's pool and the adapter replay the same list)
+DRIVER_OPS = st.one_of(
+    st.tuples(st.just("alloc"), st.integers(0, 5), st.integers(0, 3), st.integers(0, 5)),
+    st.tuples(st.just("cache"), st.integers(0, 7), st.integers(0, 6)),
+    st.tuples(st.just("free"), st.integers(0, 7)),
+    st.tuples(st.just("hit"), st.integers(0, 3)),
+    st.tuples(st.just("evict"), st.integers(0, N - 1), st.integers(0, N - 1)),
+    st.tuples(st.just("reset")),
+    st.tuples(st.just("cow"), st.integers(0, 7)),
+)
+
+BS = driver.BLOCK_SIZE
+R = st.integers(0, 7)  # a request, modulo the live ones
+SEED = st.integers(0, 3)  # a request's tokens (driver.tokens_of): few seeds, so hits are frequent
+ALLOC = st.tuples(st.just("alloc"), st.integers(1, 3), SEED, st.integers(0, 3))  # get_new_blocks, cache c of them
+FREE = st.tuples(st.just("free"), R)  # the request ends
+IDS = st.tuples(st.just("ids"), R)  # block_id, ref_cnt, block_hash of a request's blocks: a synchronisation
+BATCH_OPS = st.one_of(  # pops, frees and id reads weighted up: a read between batches gives known un-keyed ids
+    ALLOC, ALLOC, ALLOC, FREE, FREE, IDS, IDS,
+    st.tuples(st.just("cache"), R, st.integers(1, 3)),  # cache_full_blocks of the next blocks
+    st.tuples(st.just("free1"), R, st.integers(0, 3)),  # one block freed, the null block in its place
+    st.tuples(st.just("hit"), SEED),  # prefix hit, touch: a new request
+    st.tuples(st.just("hitfree"), SEED),  # prefix hit, touch, freed at once
+    st.tuples(st.just("share"), R),  # touch of a request's held blocks: a new request sharing them
+    st.tuples(st.just("cow"), R),  # ref_cnt += 1 of a request's first block
+    st.tuples(st.just("refs"), R),  # ref_cnt, block_hash only
+    st.tuples(st.just("evict"), st.integers(0, 40), st.integers(0, 40)),
+)
+
+
+def prefix_hit(pool, seed):
+    """The cached blocks of the token chain of ``seed``, up to the first miss (group 0)."""
+    hit = []
+    for hh in driver.chain(driver.tokens_of(seed)):
+        got = pool.get_cached_block(hh, [0])
+        if got is None:
+            break
+        hit.append(got[0])
+    return hit
+
+
+def apply_op(pool, op, reqs, seen):
+    """One op (OPS' comments); what it reads goes to ``seen`` (blocks handed out as lists of blocks)."""
+    kind, n = op[0], pool.num_gpu_blocks
+    r = reqs[op[1] % len(reqs)] if reqs and kind in ("cache", "free1", "share", "cow", "ids", "refs") else None
+    if kind == "alloc" and op[1] <= pool.get_num_free_blocks():
+        blocks = pool.get_new_blocks(op[1])
+        r = {"req": driver.request(driver.tokens_of(op[2])[: op[1] * BS]), "blocks": blocks, "cached": 0,
+             "extra": []}
+        reqs.append(r)
+        seen.append(blocks)
+        if op[3] > 0:
+            r["cached"] = min(op[3], op[1])
+            pool.cache_full_blocks(r["req"], blocks, 0, r["cached"], BS, 0)
+    elif kind == "cache" and r is not None:
+        full = min(r["cached"] + op[2], len(r["blocks"]))
+        if full > r["cached"] and not any(b.is_null for b in r["blocks"][r["cached"]:full]):
+            pool.cache_full_blocks(r["req"], r["blocks"], r["cached"], full, BS, 0)
+            r["cached"] = full
+    elif kind == "free" and reqs:
+        r = reqs.pop(op[1] % len(reqs))
+        pool.free_blocks(list(reversed(r["blocks"])) + r["extra"])
+    elif kind == "free1" and r is not None and r["blocks"]:
+        j = op[2] % len(r["blocks"])
+        b = r["blocks"][j]
+        if not b.is_null and b not in r["extra"]:
+            pool.free_blocks([b])
+            r["blocks"][j] = pool.null_block
+    elif kind in ("hit", "hitfree"):
+        hit = prefix_hit(pool, op[1])
+        seen.append([(b.ref_cnt, b.block_hash) for b in hit])  # vLLM's evictable count reads these
+        pool.touch(hit)
+        seen.append(hit)
+        if kind == "hitfree":
+            pool.free_blocks(list(reversed(hit)))
+        else:
+            reqs.append({"req": driver.request(driver.tokens_of(op[1])[: len(hit) * BS]), "blocks": hit,
+                         "cached": len(hit), "extra": []})
+    elif kind == "share" and r is not None:
+        held = [b for b in r["blocks"] if not b.is_null]
+        pool.touch(held)
+        reqs.append({"req": r["req"], "blocks": list(r["blocks"]), "cached": r["cached"], "extra": []})
+    elif kind == "cow" and r is not None:
+        held = [b for b in r["blocks"] if not b.is_null]
+        if held:
+            held[0].ref_cnt += 1
+            r["extra"].append(held[0])
+    elif kind == "ids" and r is not None:
+        seen.append([(b.block_id, b.ref_cnt, b.block_hash) for b in r["blocks"]])
+    elif kind == "refs" and r is not None:
+        seen.append([(b.ref_cnt, b.block_hash) for b in r["blocks"]])
+    elif kind == "evict":
+        pool.evict_blocks({op[1] % n, op[2] % n})
+    seen.append(pool.get_num_free_blocks())
+
+
+def run_ops(pool, ops):
+    reqs, seen = [], []
+    for op in ops:
+        apply_op(pool, op, reqs, seen)
+    # the ids of the blocks handed out, read at the end (as vLLM builds its SchedulerOutput)
+    return [[b.block_id for b in s] if isinstance(s, list) and s and hasattr(s[0], "block_id") else s
+            for s in seen]

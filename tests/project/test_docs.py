@@ -1,0 +1,50 @@
+"""Every reference to the project's docs points at a file in ``docs/`` and, where it names one, at a
+section that exists; nothing cites documents that are not in the repository."""
+from __future__ import annotations
+
+from harness.paths import ROOT
+import re
+from pathlib import Path
+
+SOURCES = [p for d in ("src", "tests", "bench", "examples") for p in (ROOT / d).rglob("*")
+           if p.suffix in (".py", ".md", ".sh")] + [ROOT / "README.md", ROOT / ".ci" / "run"]
+REF = re.compile(r"docs/(\w+)\.md(?:,? sections? (\d+)(?:(?: to |-| and |, )(\d+))*)?")
+
+
+def _sections(doc: Path) -> set[int]:
+    return {int(m) for m in re.findall(r"^## (\d+)\.", doc.read_text(encoding="utf-8"), re.M)}
+
+
+def test_doc_references_resolve():
+    bad = []
+    for src in SOURCES:
+        text = src.read_text(encoding="utf-8", errors="replace")
+        for m in REF.finditer(text):
+            doc = ROOT / "docs" / f"{m.group(1)}.md"
+            if not doc.is_file():
+                bad.append(f"{src.relative_to(ROOT)}: {m.group(0)} (no such file)")
+                continue
+            wanted = {int(g) for g in m.groups()[1:] if g}
+            missing = wanted - _sections(doc)
+            if missing:
+                bad.append(f"{src.relative_to(ROOT)}: {m.group(0)} (no section {sorted(missing)})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_references_to_documents_outside_the_repository():
+    this = Path(__file__).resolve()
+    hits = [f"{p.relative_to(ROOT)}" for p in SOURCES if p.resolve() != this
+            and re.search(r"\b(SPEC|DESIGN|DESIGN-NOTES)\.md\b", p.read_text(encoding="utf-8", errors="replace"))]
+    assert not hits, hits
+
+
+PATH_REF = re.compile(r"`((?:src|tests|bench|docs)/[\w/.\-]*)`")
+
+
+def test_paths_named_in_the_docs_exist():
+    """Every backticked repository path in README.md and docs/ (``src/gpupool/pool.py``) exists
+    (``bench/out/`` holds what the benchmarks write)."""
+    bad = [f"{doc.relative_to(ROOT)}: {m.group(1)}"
+           for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+           for m in PATH_REF.finditer(doc.read_text(encoding="utf-8")) if not m.group(1).startswith("bench/out/") and not (ROOT / m.group(1)).exists()]
+    assert not bad, "\n".join(bad)

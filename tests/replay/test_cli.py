@@ -1,0 +1,429 @@
+"""The ``gpupool`` command's errors, options and reports (docs/errors.md, command-line errors).
+
+Every failure is one line ``gpupool: error: ...`` on stderr with exit status 2, and nothing is
+replayed first. Traces here are tiny files; the device pool runs only where a test says so.
+"""
+from __future__ import annotations
+
+from harness.paths import ROOT
+import json
+import os
+from pathlib import Path
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gpupool import cli
+from gpupool.replay import TraceError, read_trace
+
+LINE = '{{"timestamp": {t}, "input_length": {i}, "output_length": {o}, "hash_ids": {ids}}}'
+
+
+def line(t=0, i=600, o=10, ids=(1, 2)):
+    return LINE.format(t=t, i=i, o=o, ids=json.dumps(list(ids)))
+
+
+def write(tmp_path, *lines, name="t.jsonl"):
+    p = tmp_path / name
+    p.write_text("".join(x + "\n" for x in lines))
+    return str(p)
+
+
+def fails(capsys, argv, *needles):
+    """Run the command; it must exit 2 with one ``gpupool: error:`` line naming ``needles``."""
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:  # argparse errors
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gpupool: error: "), err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# ---- invocation errors --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, needles", [
+    (["replay", "--device", "foo"], ["--device", "foo", "cpu, cuda or cuda:N"]),
+    (["replay", "--num-blocks", "0"], ["--num-blocks", ">= 1"]),
+    (["replay", "--num-blocks", "many"], ["--num-blocks", "integer"]),
+    (["replay", "--tpot-ms", "-1"], ["--tpot-ms"]),
+    (["replay", "--pool", "gpu"], ["--pool", "gpu"]),
+    (["replay", "--limit", "0"], ["--limit"]),
+    (["replay", "--device-limit", "x"], ["--device-limit"]),
+    (["replay", "--no-such-option"], ["--no-such-option"]),
+    (["frobnicate"], ["frobnicate"]),
+    ([], ["COMMAND"]),
+])
+def test_bad_invocations_are_one_line_errors(capsys, argv, needles):
+    fails(capsys, argv, *needles)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.parametrize("dev", ["cuda", "cuda:1"])
+def test_device_cuda_without_a_gpu(capsys, dev):
+    msg = fails(capsys, ["replay", "--device", dev, "--limit", "2"], f"--device {dev}", "no CUDA device",
+                "--device cpu")
+    assert "TRITON_INTERPRET" not in msg
+
+
+def test_device_cpu_with_kernels_set_up_for_the_gpu(capsys, monkeypatch):
+    """In-process the backend cannot be switched: a clear error, not a traceback (the command line
+    re-executes itself with TRITON_INTERPRET=1 instead; see the next test)."""
+    from gpupool import _backend
+
+    monkeypatch.setattr(_backend, "interpreted", lambda: False)
+    fails(capsys, ["replay", "--device", "cpu", "--limit", "2"], "TRITON_INTERPRET=1")
+
+
+def test_device_cpu_reexecs_with_the_interpreter(monkeypatch):
+    from gpupool import _backend
+
+    monkeypatch.setattr(_backend, "interpreted", lambda: False)
+    monkeypatch.delenv(cli._REEXEC_ENV, raising=False)
+    monkeypatch.setattr(sys, "argv", ["gpupool", "replay", "--device", "cpu"])
+    seen = {}
+
+    def fake_execve(path, args, env):
+        seen.update(path=path, args=args, env=env)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(os, "execve", fake_execve)
+    with pytest.raises(SystemExit):
+        cli.main()
+    assert seen["args"][1:] == ["-m", "gpupool", "replay", "--device", "cpu"]
+    assert seen["env"]["TRITON_INTERPRET"] == "1" and seen["env"][cli._REEXEC_ENV] == "1"
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("gpupool ") and "torch" in out and "triton" in out
+
+
+# ---- trace errors -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad, needles", [
+    ('{"timestamp": 0, "input_length": 600, "output_length": 1}', ["line 2", "hash_ids"]),
+    (line(i=600, ids=[1]), ["line 2", "hash_ids has 1 ids", "needs 2", "--lenient"]),
+    (line(i=600, ids=[1, 2, 3]), ["line 2", "hash_ids has 3 ids"]),
+    (line(i=600, ids=[]), ["line 2", "hash_ids has empty"]),
+    (line(i=0), ["line 2", "input_length"]),
+    (line(o=-1), ["line 2", "output_length"]),
+    (line(t=-5), ["line 2", "timestamp"]),
+    ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, null]}', ["line 2", "hash_ids[1]"]),
+    ("not json", ["line 2", "not valid JSON"]),
+    pytest.param("[" * 100_000 + "]" * 100_000, ["line 2", "nested too deeply"], id="nested-100000-deep"),
+    pytest.param(line().replace('"input_length": 600', '"input_length": ' + "9" * 5000),
+                 ["line 2", "number too long", "4300 digits"], id="int-of-5000-digits"),
+])
+def test_bad_trace_lines_name_line_and_field(tmp_path, capsys, bad, needles):
+    path = write(tmp_path, line(), bad)
+    fails(capsys, ["replay", path, "--pool", "reference"], path, *needles)
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n\n"])
+def test_empty_or_blank_trace(tmp_path, capsys, text):
+    p = tmp_path / "empty.jsonl"
+    p.write_text(text)
+    fails(capsys, ["replay", str(p), "--pool", "reference"], "no requests")
+
+
+def test_missing_trace_and_directory(tmp_path, capsys):
+    fails(capsys, ["replay", str(tmp_path / "nope.jsonl"), "--pool", "reference"], "not found")
+    fails(capsys, ["replay", str(tmp_path), "--pool", "reference"], "directory")
+
+
+def test_pool_too_small_for_any_request(tmp_path, capsys):
+    path = write(tmp_path, line(i=600, o=10), line(t=1, i=1000, o=100))  # 2 and 3 blocks of 512
+    fails(capsys, ["replay", path, "--pool", "reference", "--num-blocks", "2"], "too small", "--num-blocks >= 3")
+    # One request fits: it runs, and the report says how many are rejected.
+    assert cli.main(["replay", path, "--pool", "reference", "--num-blocks", "3", "--no-progress"]) == 0
+    assert "1 request needs more than" in capsys.readouterr().out
+
+
+def test_lenient_clamps_and_counts(tmp_path, capsys):
+    path = write(tmp_path, line(i=600, ids=[1]), line(t=1, i=600, ids=[1, 2, 3, 4]), line(t=2, i=600, ids=[1, 2]))
+    fails(capsys, ["replay", path, "--pool", "reference"], "line 1", "hash_ids")
+    out = tmp_path / "r.json"
+    assert cli.main(["replay", path, "--pool", "reference", "--lenient", "--json", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "2 of 3 lines had hash_ids of the wrong length (1 short" in text and "1 long: cut" in text
+    check = json.loads(out.read_text())["trace_check"]
+    assert (check["clamped_short_hash_ids"], check["clamped_long_hash_ids"]) == (1, 1)
+    t = read_trace(path, lenient=True)
+    assert [r.hash_ids for r in t.requests] == [(1,), (1, 2), (1, 2)]
+
+
+def test_string_hash_ids_equal_their_integer_spelling(tmp_path):
+    ints = write(tmp_path, line(ids=[7, 8]), line(t=5, ids=[7, 9]), name="i.jsonl")
+    strs = write(tmp_path, line(ids=["7", "8"]), line(t=5, ids=["7", "9"]), name="s.jsonl")
+    other = write(tmp_path, line(ids=["conv_17:0", "conv_17:1"]), line(t=5, ids=["conv_17:0", "x"]), name="o.jsonl")
+    from gpupool import ReferenceBlockPool
+    from gpupool.replay import replay
+
+    reps = [replay(ReferenceBlockPool(64), read_trace(p).requests) for p in (ints, strs, other)]
+    assert reps[0].free_queue_sha256 == reps[1].free_queue_sha256 and reps[0].hit_blocks == reps[1].hit_blocks == 1
+    assert reps[2].hit_blocks == 1
+
+
+def test_unsorted_timestamps_are_sorted_and_reported(tmp_path, capsys):
+    path = write(tmp_path, line(t=5, ids=[1, 2]), line(t=0, ids=[3, 4]), line(t=5, ids=[5, 6]), line(t=1, ids=[7, 8]))
+    t = read_trace(path)
+    assert [r.timestamp for r in t.requests] == [0, 1, 5, 5] and t.out_of_order == 2
+    assert [r.hash_ids[0] for r in t.requests] == [3, 7, 1, 5]  # ties keep file order
+    out = tmp_path / "r.json"
+    assert cli.main(["replay", path, "--pool", "reference", "--no-progress", "--json", str(out)]) == 0
+    assert "2 lines were out of timestamp order: sorted" in capsys.readouterr().out
+    check = json.loads(out.read_text())["trace_check"]
+    assert check["reordered_by_timestamp"] is True and check["out_of_order"] == 2
+    with pytest.raises(TraceError):
+        read_trace(write(tmp_path, "", name="e.jsonl"))
+
+
+def test_trace_block_size_option(tmp_path, capsys):
+    path = write(tmp_path, line(i=40, ids=[1, 2, 3]))  # 3 ids of 16 tokens
+    fails(capsys, ["replay", path, "--pool", "reference"], "--trace-block-size")
+    assert cli.main(["replay", path, "--pool", "reference", "--trace-block-size", "16", "--block-size", "16",
+                     "--no-progress"]) == 0
+
+
+# ---- outputs ------------------------------------------------------------------------------------
+
+def test_unwritable_json_is_found_before_the_replay(tmp_path, capsys, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cli, "read_trace", lambda *a, **k: calls.append(1))
+    fails(capsys, ["replay", "--json", str(tmp_path / "no" / "dir" / "r.json")], "does not exist")
+    fails(capsys, ["replay", "--json", str(tmp_path)], "directory")
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        fails(capsys, ["replay", "--json", str(ro / "r.json")], "not writable")
+    fails(capsys, ["replay", "--json", ""], "needs a file name")
+    if Path("/proc/self").is_dir():  # a folder that passes os.access but takes no new file, even as root
+        fails(capsys, ["replay", "--json", "/proc/gpupool-report.json"], "not writable")
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+    cli._check_json_path(str(kept))  # an existing file is only tested, not emptied
+    assert kept.read_text() == "old"
+    cli._check_json_path(str(tmp_path / "new.json"))  # nor is a trial file left behind
+    assert not (tmp_path / "new.json").exists()
+    assert calls == []
+
+
+def test_device_with_the_reference_pool_is_an_error(capsys):
+    fails(capsys, ["replay", "--pool", "reference", "--device", "cpu"], "--pool reference", "drop --device")
+
+
+def test_cpu_0_is_cpu():
+    assert cli._device_arg("cpu:0") == "cpu"
+
+
+def test_json_to_stdout(tmp_path, capsys):
+    path = write(tmp_path, line(), line(t=1, ids=[1, 3]))
+    assert cli.main(["replay", path, "--pool", "reference", "--json", "-", "--no-progress"]) == 0
+    cap = capsys.readouterr()
+    data = json.loads(cap.out)  # stdout is only the JSON; the text report went to stderr
+    assert data["reference"]["requests"] == 2 and data["reference"]["hit_blocks"] == 1 and "hit ratio" in cap.err
+    assert data["device"] is None and data["match"] is None
+    assert not os.path.exists("-")
+    env = data["environment"]
+    assert set(env) >= {"gpupool", "torch", "triton", "device", "interpreter"}
+    assert env["device"] is None and env["interpreter"] is False  # the reference pool alone: no device
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path (no GPU)")
+def test_default_replay_on_cpu_is_reference_whole_plus_device_prefix(tmp_path, capsys):
+    """``gpupool replay`` without a GPU: the reference pool's whole-trace result, the device pool on a
+    prefix checked against the reference pool on that prefix, and no speed comparison."""
+    lines = [line(t=i, i=600 + 100 * (i % 3), o=5, ids=[i % 4, 10 + i % 2]) for i in range(12)]
+    path = write(tmp_path, *lines)
+    out = tmp_path / "r.json"
+    assert cli.main(["replay", path, "--device-limit", "5", "--json", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "--- result: reference pool" in text and "whole trace" in text
+    assert "--- check: device pool" in text and "first 5 requests" in text
+    assert "identical       yes" in text and "speed           not compared" in text and "x the reference" not in text
+    data = json.loads(out.read_text())
+    assert data["reference"]["requests"] == 12 and data["device"]["requests"] == 5
+    assert data["reference_on_checked_requests"]["requests"] == 5
+    assert data["match"] is True and data["speedup"] is None
+    assert data["environment"]["interpreter"] is True and data["environment"]["device"] == "cpu (Triton interpreter)"
+    assert data["device"]["free_queue_sha256"] == data["reference_on_checked_requests"]["free_queue_sha256"]
+    assert data["device"]["pool"].startswith("BlockPool")
+    assert data["environment"]["gpupool"] == cli.versions()["gpupool"]
+
+
+def test_device_replay_is_named_in_one_place():
+    """The device loop is imported only by ``_device_replay`` (so it can be switched in one line)."""
+    src = open(cli.__file__, encoding="utf-8").read()
+    assert src.count("from .replay.device import") == 1
+    assert callable(cli._device_replay())
+
+
+def test_bench_skip_reasons_are_merged():
+    log = ("...\nSKIPPED [3] bench/test_bench_pool.py:12: vllm is not installed (import vllm fails)\n"
+           "SKIPPED [2] bench/test_bench_pool.py:40: CUDA graphs need a CUDA device\n"
+           "SKIPPED [1] bench/conftest.py:9: vllm is not installed (import vllm fails)\n")
+    assert cli.skip_reasons(log) == [(4, "vllm is not installed (import vllm fails)"),
+                                     (2, "CUDA graphs need a CUDA device")]
+
+
+def test_module_entry_point_runs():
+    """``python -m gpupool`` (what the console script does) exits 2 with one line on a bad option."""
+    p = subprocess.run([sys.executable, "-m", "gpupool", "replay", "--device", "foo"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().startswith("gpupool: error:") and len(p.stderr.splitlines()) == 1
+
+
+def test_string_hash_ids_on_the_device_pool(tmp_path):
+    """The device loop keys string ids the same way (a few requests, so the interpreter is quick)."""
+    from gpupool import BlockPool, ReferenceBlockPool
+    from gpupool.replay import replay
+
+    path = write(tmp_path, line(ids=["a:0", "a:1"]), line(t=1, ids=["a:0", "b"]), line(t=2, i=1100, ids=["a:0", 7, "x"]))
+    reqs = read_trace(path).requests
+    ref = replay(ReferenceBlockPool(16), reqs)
+    dev = cli._device_replay()(BlockPool(16), reqs, block_size=512, tpot_ms=20.0, progress=False)
+    assert ref.hit_blocks == 2
+    assert cli._compare(ref, dev) == []
+
+
+@pytest.mark.parametrize("mode", ["reference", "device", "both", "auto"])
+def test_json_report_has_one_shape_in_every_mode(tmp_path, capsys, mode):
+    path = write(tmp_path, line(), line(t=1, ids=[1, 3]))
+    assert cli.main(["replay", path, "--pool", mode, "--json", "-", "--no-progress"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert list(data) == ["trace", "limit", "mode", "trace_check", "environment", "reference", "device",
+                          "reference_on_checked_requests", "checked_requests", "match", "mismatched", "speedup"]
+    ran = {"reference": ["reference"], "device": ["device"]}.get(mode, ["reference", "device"])
+    assert [k for k in ("reference", "device") if data[k] is not None] == ran
+    assert all(data[k]["requests"] == 2 for k in ran)
+    assert (data["match"] is None) == (len(ran) == 1)
+
+
+def test_block_size_other_than_the_traces_is_refused(tmp_path, capsys):
+    path = write(tmp_path, line(), line(t=1, ids=[1, 3]))
+    fails(capsys, ["replay", path, "--pool", "reference", "--block-size", "16"], "one hash id per 512 tokens")
+    out = tmp_path / "r.json"
+    assert cli.main(["replay", path, "--pool", "reference", "--block-size", "16", "--trace-block-size", "16",
+                     "--lenient", "--no-progress", "--json", str(out)]) == 0
+
+
+def test_a_pool_too_big_for_memory_is_one_line_before_anything_is_built(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_available_bytes", lambda device: 10**9)
+    for kind in ("reference", "device"):
+        with pytest.raises(cli.CLIError, match="needs about .* GiB and 0.9 GiB is free"):
+            cli.make_pool(kind, 100_000_000, "cpu")
+
+
+def test_library_and_cli_work_without_tqdm_and_matplotlib(tmp_path, monkeypatch, capsys):
+    """tqdm and matplotlib are extras (``gpupool[cli]``): without them the replay runs with no bar,
+    ``--progress`` and ``gpupool bench`` say what to install."""
+    import importlib.util as iu
+    real = iu.find_spec
+    monkeypatch.setattr(iu, "find_spec", lambda name, *a, **k: None if name in ("tqdm", "matplotlib") else real(name, *a, **k))
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm fails
+    path = write(tmp_path, line(), line(t=1, ids=[1, 3]))
+    assert cli.main(["replay", path, "--pool", "reference", "--no-progress"]) == 0
+    capsys.readouterr()
+    fails(capsys, ["replay", path, "--pool", "reference", "--progress"], "needs tqdm", "gpupool[cli]")
+    fails(capsys, ["bench"], "needs matplotlib", "gpupool[cli,test]")
+    from gpupool.replay.model import progress_bar
+    with pytest.raises(ModuleNotFoundError, match=r"gpupool\[cli\]"):
+        progress_bar(True, 3, "x")
+
+
+def test_core_dependencies_are_only_torch_triton_numpy():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["dependencies"] == ["torch", "triton", "numpy"]
+    assert set(project["optional-dependencies"]["cli"]) == {"tqdm", "matplotlib"}
+
+
+def test_bench_dir_is_the_checkouts_bench_folder():
+    """``gpupool bench`` finds the suite at the checkout's ``bench/`` (src/ layout: two folders up)."""
+    from gpupool import cli
+
+    root = ROOT
+    assert cli.bench_dir() == root / "bench"
+    assert (cli.bench_dir() / "test_bench_pool.py").is_file() and (cli.bench_dir() / "plot.py").is_file()
+
+
+# ---- reading the file: bytes, lines, pipes -------------------------------------------------------
+
+def test_non_utf8_is_reported_by_line(tmp_path, capsys):
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes((line() + "\n").encode() + line(ids=["cafX", 2]).encode().replace(b"X", b"\xe9") + b"\n")
+    fails(capsys, ["replay", str(p), "--pool", "reference"], "line 2", "not UTF-8", "0xe9")
+
+
+def test_a_utf8_byte_order_mark_is_accepted(tmp_path, capsys):
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + (line() + "\n" + line(t=1) + "\n").encode())
+    assert cli.main(["replay", str(p), "--pool", "reference"]) == 0
+    assert "requests        2" in capsys.readouterr().out
+
+
+def test_a_line_without_end_is_refused_at_the_cap(tmp_path, capsys, monkeypatch):
+    """``/dev/zero`` (no newline, ever) is one line error at MAX_LINE_BYTES, not a read until MemoryError."""
+    from gpupool.replay import trace as trace_mod
+
+    monkeypatch.setattr(trace_mod, "MAX_LINE_BYTES", 1 << 20)
+    src = "/dev/zero" if Path("/dev/zero").exists() else write(tmp_path, "x" * (2 << 20))
+    fails(capsys, ["replay", src, "--pool", "reference"], "line 1", "longer than 1 MiB")
+
+
+def test_a_closed_pipe_on_stdout_exits_quietly():
+    """``gpupool replay | head -1``: no traceback, the shell's SIGPIPE status (141), not 1 ("disagree")."""
+    p = subprocess.run(f"{sys.executable} -m gpupool replay --pool reference | head -1; exit ${{PIPESTATUS[0]}}",
+                       shell=True, executable="bash", capture_output=True, text=True, timeout=300)
+    assert p.stdout.startswith("trace ") and p.stdout.count("\n") == 1
+    assert p.returncode == 141 and p.stderr == "", p.stderr
+
+
+def test_both_with_a_device_limit_labels_the_requests_that_ran(tmp_path, capsys):
+    """``--pool both --device-limit N`` on the interpreter replays the first N requests on both pools,
+    and says so (it once said "whole trace")."""
+    path = write(tmp_path, *[line(t=i) for i in range(5)])
+    assert cli.main(["replay", path, "--pool", "both", "--device-limit", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "first 2 requests" in out and "whole trace" not in out
+
+
+def test_progress_is_lines_when_stderr_is_not_a_terminal(monkeypatch):
+    """Redirected (a log, CI): tqdm writes a line per refresh, every 10 s once a run has taken 10 s
+    (at once with --progress), as pip does, instead of nothing."""
+    import io
+
+    pytest.importorskip("tqdm")
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    kw = cli._progress(None, "reference pool")
+    assert kw["delay"] == 10.0 and kw["mininterval"] == 10.0
+    assert cli._progress(True, "x")["delay"] == 0.0 and cli._progress(False, "x") is False
+    from tqdm import tqdm
+
+    bar = tqdm(total=3, **{**kw, "delay": 0, "mininterval": 0})
+    for _ in range(3):
+        bar.update(1)
+    bar.close()
+    lines = err.getvalue().splitlines()
+    assert len(lines) >= 3 and "\r" not in err.getvalue() and lines[-1].startswith("reference pool: 100%")
+
+
+def test_singular_counts(tmp_path, capsys):
+    """``1 request``, not ``1 requests`` (and ``1 line was`` out of order)."""
+    path = write(tmp_path, line(t=5), line(t=1))
+    assert cli.main(["replay", path, "--pool", "both", "--device-limit", "1", "--limit", "1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "1 request " in out + " " and "1 requests" not in out and "1 line was out of" in out, out

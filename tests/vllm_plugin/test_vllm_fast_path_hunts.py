@@ -1,0 +1,129 @@
+"""Differential hunts against ``DeferredBlockPool`` (from an adversarial review): the per-call
+``BlockPool`` and the fast path on random op lists (tests/vllm_plugin/test_vllm_fast_path_orders.py's plus
+``end_step``, ``sync``, free-queue reads, a block freed twice at ref 2, touches of arbitrary blocks,
+resets) with the host's copy of the free queue cut to a few ring slots, on tiny pools, over both
+backends; every answer read, every id and the final state equal (a PoolError raised by both counts as
+an equal answer). The review ran ~24,000 examples; here 100 over the reference backend and up to 10
+per device test."""
+from harness.paths import CONFORMANCE
+import sys
+from unittest import mock
+
+from hypothesis import given, settings, HealthCheck
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(CONFORMANCE))
+import driver  # noqa: E402
+from harness import vllm_ops as O  # noqa: E402
+from gpupool.vllm import BlockPool, fast_path  # noqa: E402
+from gpupool.vllm.fast_path import DeferredBlockPool  # noqa: E402
+from gpupool.errors import PoolError  # noqa: E402
+
+BS = driver.BLOCK_SIZE
+EXTRA = st.one_of(
+    st.tuples(st.just("end_step")), st.tuples(st.just("sync")), st.tuples(st.just("queue")),
+    st.tuples(st.just("dup"), O.R),  # cow then free listing the block twice
+    st.tuples(st.just("touchfree"), st.integers(0, 40)),  # touch of an arbitrary (maybe free) block
+)
+OPS = st.one_of(O.BATCH_OPS, EXTRA)
+
+
+def _apply(pool, op, reqs, seen):
+    kind = op[0]
+    if kind == "end_step":
+        pool.end_step()
+    elif kind == "sync":
+        if hasattr(pool, "sync"):
+            pool.sync()
+    elif kind == "queue":
+        seen.append([b.block_id for b in pool.free_block_queue.get_all_free_blocks()])
+    elif kind == "dup" and reqs:
+        r = reqs.pop(op[1] % len(reqs))
+        held = [b for b in r["blocks"] if not b.is_null]
+        if held:
+            held[0].ref_cnt += 1
+        pool.free_blocks(held[:1] + list(reversed(r["blocks"])) + r["extra"])
+    elif kind == "touchfree":
+        b = pool.blocks[op[1] % pool.num_gpu_blocks]
+        if not b.is_null:
+            pool.touch([b])
+            reqs.append({"req": driver.request([]), "blocks": [b], "cached": 1, "extra": []})
+    else:
+        O.apply_op(pool, op, reqs, seen)
+        return
+    seen.append(pool.get_num_free_blocks())
+
+
+_apply_base = _apply
+
+
+def _run(pool, ops):
+    reqs, seen = [], []
+    for op in ops:
+        try:
+            globals()["_apply"](pool, op, reqs, seen)
+        except PoolError as e:  # e.g. a shared request caching a block already cached: must match
+            seen.append(type(e).__name__)
+    return [[b.block_id for b in s] if isinstance(s, list) and s and hasattr(s[0], "block_id") else s
+            for s in seen]
+
+
+def check(ops, n, window, backend="device", caching=True):
+    kw = dict(device="cpu") if backend == "device" else dict(backend="reference")
+    with mock.patch.object(fast_path, "FREE_WINDOW", window):
+        per_call = BlockPool(n, caching, BS, **kw)
+        deferred = DeferredBlockPool(n, caching, BS, **kw)
+        assert _run(per_call, ops) == _run(deferred, ops)
+        deferred.sync()
+        assert driver.snapshot(per_call) == driver.snapshot(deferred)
+        assert (deferred._ref, deferred._keys, deferred._ntok) == (per_call._ref, per_call._keys, per_call._ntok)
+        if backend == "device":
+            deferred.device_pool.validate()
+            assert deferred.device_pool.ref_counts() == per_call.device_pool.ref_counts()
+            assert deferred.device_pool.free_queue() == per_call.device_pool.free_queue()
+
+
+@settings(max_examples=max(100, settings().max_examples), deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=st.lists(OPS, min_size=4, max_size=30), n=st.sampled_from([2, 3, 4, 6, 10]),
+       window=st.sampled_from([1, 2, 3, 4, 8]), caching=st.booleans())
+def test_reference_small_window(ops, n, window, caching):
+    check(ops, n, window, "reference", caching)
+
+
+@settings(max_examples=min(10, settings().max_examples), deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=st.lists(OPS, min_size=4, max_size=24), n=st.sampled_from([3, 6, 12]),
+       window=st.sampled_from([1, 2, 3, 5]))
+def test_device_small_window(ops, n, window):
+    check(ops, n, window, "device")
+
+
+BIG = st.tuples(st.just("alloc"), st.integers(2, 6), O.SEED, st.integers(0, 6))
+OPS2 = st.one_of(BIG, BIG, O.BATCH_OPS, EXTRA, st.tuples(st.just("end_step")))
+
+
+@settings(max_examples=min(10, settings().max_examples), deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(ops=st.lists(OPS2, min_size=6, max_size=30), n=st.sampled_from([4, 8, 12]),
+       window=st.sampled_from([1, 2, 3, 4]))
+def test_device_small_window_big_pops(ops, n, window):
+    check(ops, n, window, "device")
+
+
+OPS3 = st.one_of(BIG, O.BATCH_OPS, EXTRA, st.tuples(st.just("reset")))
+
+
+def _apply3(pool, op, reqs, seen):
+    if op[0] == "reset":
+        seen.append(pool.reset_prefix_cache())
+        seen.append(pool.get_num_free_blocks())
+    else:
+        _apply_base(pool, op, reqs, seen)
+
+
+@settings(max_examples=min(10, settings().max_examples), deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(ops=st.lists(OPS3, min_size=6, max_size=30), n=st.sampled_from([2, 3, 5, 9]),
+       window=st.sampled_from([1, 2, 3, 2048]), caching=st.booleans())
+def test_device_reset_tiny_pools(ops, n, window, caching):
+    with mock.patch(__name__ + "._apply", _apply3):
+        check(ops, n, window, "device", caching)

