@@ -18,6 +18,8 @@ The model is docs/semantics.md section 5; the errors docs/errors.md. Every failu
 one line ``gpupool: error: ...`` with exit status 2; 1 means the device pool and the reference pool
 disagreed (a bug) or benchmarks failed.
 """
+# ``gpupool.cli.main`` is the function (the console script ``gpupool.cli:main``); its module is reached
+# with ``from gpupool.cli.main import ...``.
 from .main import build_parser, main
 from .types import CLIError, CLISubcommand
 

@@ -2,7 +2,6 @@
 table, plot and skip reasons."""
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import re
@@ -38,15 +37,13 @@ class BenchSubcommand(CLISubcommand):
     """``gpupool bench [--out PREFIX] [--quick] [-k EXPR] [--verbose]``."""
 
     name = "bench"
+    help = "run the benchmark suite (bench/) and plot it"
+    description = ("Run the pytest-benchmark suite in the repository's bench/ folder (the device pool against the "
+                   "reference pool and, when installed, vLLM's BlockPool), print a summary table, and write "
+                   "PREFIX.json (pytest-benchmark's JSON), PREFIX.png (latency against batch size per op, replay "
+                   "throughput) and PREFIX.log (pytest's full output). The README explains the columns.")
 
-    def subparser_init(self, subparsers) -> argparse.ArgumentParser:
-        b = subparsers.add_parser(
-            "bench", help="run the benchmark suite (bench/) and plot it",
-            description="Run the pytest-benchmark suite in the repository's bench/ folder (the device pool "
-                        "against the reference pool and, when installed, vLLM's BlockPool), print a "
-                        "summary table, and write PREFIX.json (pytest-benchmark's JSON), PREFIX.png "
-                        "(latency against batch size per op, replay throughput) and PREFIX.log (pytest's "
-                        "full output). The README explains the columns.")
+    def add_arguments(self, b) -> None:
         b.add_argument("--out", metavar="PREFIX", default=None,
                        help="output prefix (default: bench/out/bench in the repository)")
         b.add_argument("--quick", action="store_true",
@@ -54,7 +51,6 @@ class BenchSubcommand(CLISubcommand):
         b.add_argument("-k", metavar="EXPR", dest="k", default=None,
                        help="only the benchmarks matching EXPR (pytest -k)")
         b.add_argument("--verbose", action="store_true", help="show pytest's own output (its tables) as it runs")
-        return b
 
     def validate(self, args) -> None:
         missing = [m for m in ("matplotlib", "pytest", "pytest_benchmark") if importlib.util.find_spec(m) is None]

@@ -110,8 +110,8 @@ def make_pool(kind: str, num_blocks: int, device: str | None = None):
     except PoolError as e:
         raise CLIError(f"--num-blocks {num_blocks:,}: {e}") from None
     except (MemoryError, RuntimeError) as e:  # torch reports an allocation failure as RuntimeError
-        raise CLIError(f"--num-blocks {num_blocks:,}: cannot allocate the {kind} pool ({str(e).splitlines()[0][:120]}); "
-                       "choose a smaller pool") from None
+        raise CLIError(f"--num-blocks {num_blocks:,}: cannot allocate the {kind} pool "
+                       f"({str(e).splitlines()[0][:120]}); choose a smaller pool") from None
 
 
 def device_replay():

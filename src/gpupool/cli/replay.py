@@ -69,18 +69,17 @@ class ReplaySubcommand(CLISubcommand):
     ``args.device`` by the device the device pool runs on (None when it does not run)."""
 
     name = "replay"
+    help = "replay a Mooncake-format trace on the block pools (docs/semantics.md section 5)"
+    description = ("Replay a Mooncake-format JSON-lines trace on a block pool and report prefix-cache hits and the "
+                   "final free-queue digest; the device pool is checked against the reference pool "
+                   "(docs/semantics.md section 5).")
+    epilog = ("--pool auto (the default): with a CUDA device, the device pool replays the whole trace and the "
+              "reference pool checks it (and the speed ratio is printed). Without one, the reference pool replays "
+              "the whole trace and the device pool, in Triton's CPU interpreter, the first --device-limit "
+              "requests, checked against the reference pool on those requests; no speed is compared. Errors exit "
+              "2 (docs/errors.md).")
 
-    def subparser_init(self, subparsers) -> argparse.ArgumentParser:
-        r = subparsers.add_parser(
-            "replay", help="replay a Mooncake-format trace on the block pools (docs/semantics.md section 5)",
-            description="Replay a Mooncake-format JSON-lines trace on a block pool and report prefix-cache "
-                        "hits and the final free-queue digest; the device pool is checked against the "
-                        "reference pool (docs/semantics.md section 5).",
-            epilog="--pool auto (the default): with a CUDA device, the device pool replays the whole trace "
-                   "and the reference pool checks it (and the speed ratio is printed). Without one, the "
-                   "reference pool replays the whole trace and the device pool, in Triton's CPU "
-                   "interpreter, the first --device-limit requests, checked against the reference pool on "
-                   "those requests; no speed is compared. Errors exit 2 (docs/errors.md).")
+    def add_arguments(self, r) -> None:
         r.add_argument("trace", nargs="?", metavar="TRACE",
                        help="JSON-lines trace (default: the bundled Mooncake conversation trace, 12,031 requests)")
         r.add_argument("--pool", choices=("auto", "device", "reference", "both"), default="auto",
@@ -111,7 +110,6 @@ class ReplaySubcommand(CLISubcommand):
                        help="write the report as JSON to PATH ('-': stdout, and the text report goes to stderr)")
         r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bars on stderr (default: when stderr is a terminal)")
-        return r
 
     def validate(self, args) -> None:
         check_json_path(args.json)
@@ -267,6 +265,11 @@ class _Run:
                      f"reference pool on the same requests")
             dev = self.replay("device", self.dev_reqs, "device pool")
             check_ref = ref if not self.dev_cut else self.replay("reference", self.dev_reqs, "reference pool, check")
+        return self.verdict(ref, dev, check_ref, same)
+
+    def verdict(self, ref: ReplayReport, dev: ReplayReport, check_ref: ReplayReport, same: bool) -> tuple[dict, int]:
+        """Whether ``dev`` equals ``check_ref`` (the reference pool on the device pool's requests), side by
+        side, and the speed ratio of ``dev`` and ``ref`` (on the same requests) where it means one."""
         mismatched = mismatched_fields(check_ref, dev)
         self.say(format_comparison(check_ref, dev))
         n_checked = len(self.dev_reqs)

@@ -14,16 +14,26 @@ class CLIError(Exception):
 
 
 class CLISubcommand:
-    """One command of ``gpupool``: its parser, its checks, the device its kernels need, its run.
+    """One command of ``gpupool``: its parser (its texts as class attributes, its options in
+    :meth:`add_arguments`), its checks, the device its kernels need, its run.
 
     ``gpupool.cli.main`` calls, in order, :meth:`validate` (before any work), :meth:`kernel_device`
     (the run re-executes itself when that device needs the other Triton backend) and :meth:`cmd`.
     """
 
     name: str
+    help: str  # its line in ``gpupool --help``
+    description: str  # the first paragraph of ``gpupool NAME --help``
+    epilog: str | None = None  # the last one
 
     def subparser_init(self, subparsers) -> argparse.ArgumentParser:
         """Add this command's parser to ``subparsers`` (``add_subparsers()``'s action) and return it."""
+        parser = subparsers.add_parser(self.name, help=self.help, description=self.description, epilog=self.epilog)
+        self.add_arguments(parser)
+        return parser
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """The command's arguments and options."""
         raise NotImplementedError
 
     def validate(self, args: argparse.Namespace) -> None:
