@@ -2,7 +2,7 @@
 repository root, at a tiny size where the documented size takes minutes (the same command, with a
 ``--limit`` / ``-k`` / ``--sizes`` that shrinks it). Sources: README.md's ``bash`` blocks, the
 backticked commands of README.md, docs/ and bench/RESULTS.md, RESULTS.md's code blocks, the examples
-in ``gpupool --help`` (src/gpupool/cli.py's docstring) and the ``Run`` lines of the bench scripts.
+in ``gpupool --help`` (src/gpupool/cli/__init__.py's docstring) and the ``Run`` lines of the bench scripts.
 
 A command this file cannot shrink or run fails ``test_every_documented_command_is_run`` (add it to
 ``tiny`` below). ``pip install`` and the test suite's own pytest commands are not run here (they

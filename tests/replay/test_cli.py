@@ -16,7 +16,10 @@ import pytest
 import torch
 
 from gpupool import cli
-from gpupool.replay import TraceError, read_trace
+from gpupool.cli import bench, machine, output
+from gpupool.cli import replay as replay_cmd
+from gpupool.cli.main import _REEXEC_ENV
+from gpupool.replay import TraceError, mismatched_fields, read_trace
 
 LINE = '{{"timestamp": {t}, "input_length": {i}, "output_length": {o}, "hash_ids": {ids}}}'
 
@@ -86,7 +89,7 @@ def test_device_cpu_reexecs_with_the_interpreter(monkeypatch):
     from gpupool import _backend
 
     monkeypatch.setattr(_backend, "interpreted", lambda: False)
-    monkeypatch.delenv(cli._REEXEC_ENV, raising=False)
+    monkeypatch.delenv(_REEXEC_ENV, raising=False)
     monkeypatch.setattr(sys, "argv", ["gpupool", "replay", "--device", "cpu"])
     seen = {}
 
@@ -98,7 +101,7 @@ def test_device_cpu_reexecs_with_the_interpreter(monkeypatch):
     with pytest.raises(SystemExit):
         cli.main()
     assert seen["args"][1:] == ["-m", "gpupool", "replay", "--device", "cpu"]
-    assert seen["env"]["TRITON_INTERPRET"] == "1" and seen["env"][cli._REEXEC_ENV] == "1"
+    assert seen["env"]["TRITON_INTERPRET"] == "1" and seen["env"][_REEXEC_ENV] == "1"
 
 
 def test_version(capsys):
@@ -200,7 +203,7 @@ def test_trace_block_size_option(tmp_path, capsys):
 
 def test_unwritable_json_is_found_before_the_replay(tmp_path, capsys, monkeypatch):
     calls = []
-    monkeypatch.setattr(cli, "read_trace", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(replay_cmd, "read_trace", lambda *a, **k: calls.append(1))
     fails(capsys, ["replay", "--json", str(tmp_path / "no" / "dir" / "r.json")], "does not exist")
     fails(capsys, ["replay", "--json", str(tmp_path)], "directory")
     if os.geteuid() != 0:
@@ -213,9 +216,9 @@ def test_unwritable_json_is_found_before_the_replay(tmp_path, capsys, monkeypatc
         fails(capsys, ["replay", "--json", "/proc/gpupool-report.json"], "not writable")
     kept = tmp_path / "kept.json"
     kept.write_text("old")
-    cli._check_json_path(str(kept))  # an existing file is only tested, not emptied
+    output.check_json_path(str(kept))  # an existing file is only tested, not emptied
     assert kept.read_text() == "old"
-    cli._check_json_path(str(tmp_path / "new.json"))  # nor is a trial file left behind
+    output.check_json_path(str(tmp_path / "new.json"))  # nor is a trial file left behind
     assert not (tmp_path / "new.json").exists()
     assert calls == []
 
@@ -225,7 +228,7 @@ def test_device_with_the_reference_pool_is_an_error(capsys):
 
 
 def test_cpu_0_is_cpu():
-    assert cli._device_arg("cpu:0") == "cpu"
+    assert replay_cmd._device_arg("cpu:0") == "cpu"
 
 
 def test_json_to_stdout(tmp_path, capsys):
@@ -260,21 +263,22 @@ def test_default_replay_on_cpu_is_reference_whole_plus_device_prefix(tmp_path, c
     assert data["environment"]["interpreter"] is True and data["environment"]["device"] == "cpu (Triton interpreter)"
     assert data["device"]["free_queue_sha256"] == data["reference_on_checked_requests"]["free_queue_sha256"]
     assert data["device"]["pool"].startswith("BlockPool")
-    assert data["environment"]["gpupool"] == cli.versions()["gpupool"]
+    assert data["environment"]["gpupool"] == machine.versions()["gpupool"]
 
 
 def test_device_replay_is_named_in_one_place():
-    """The device loop is imported only by ``_device_replay`` (so it can be switched in one line)."""
-    src = open(cli.__file__, encoding="utf-8").read()
-    assert src.count("from .replay.device import") == 1
-    assert callable(cli._device_replay())
+    """The device loop is imported only by ``device_replay`` (so it can be switched in one line)."""
+    srcs = [p.read_text(encoding="utf-8") for p in Path(cli.__file__).parent.glob("*.py")]
+    assert sum(src.count("replay.device import") for src in srcs) == 1
+    assert "from ..replay.device import" in Path(machine.__file__).read_text(encoding="utf-8")
+    assert callable(machine.device_replay())
 
 
 def test_bench_skip_reasons_are_merged():
     log = ("...\nSKIPPED [3] bench/test_bench_pool.py:12: vllm is not installed (import vllm fails)\n"
            "SKIPPED [2] bench/test_bench_pool.py:40: CUDA graphs need a CUDA device\n"
            "SKIPPED [1] bench/conftest.py:9: vllm is not installed (import vllm fails)\n")
-    assert cli.skip_reasons(log) == [(4, "vllm is not installed (import vllm fails)"),
+    assert bench.skip_reasons(log) == [(4, "vllm is not installed (import vllm fails)"),
                                      (2, "CUDA graphs need a CUDA device")]
 
 
@@ -293,9 +297,9 @@ def test_string_hash_ids_on_the_device_pool(tmp_path):
     path = write(tmp_path, line(ids=["a:0", "a:1"]), line(t=1, ids=["a:0", "b"]), line(t=2, i=1100, ids=["a:0", 7, "x"]))
     reqs = read_trace(path).requests
     ref = replay(ReferenceBlockPool(16), reqs)
-    dev = cli._device_replay()(BlockPool(16), reqs, block_size=512, tpot_ms=20.0, progress=False)
+    dev = machine.device_replay()(BlockPool(16), reqs, block_size=512, tpot_ms=20.0, progress=False)
     assert ref.hit_blocks == 2
-    assert cli._compare(ref, dev) == []
+    assert mismatched_fields(ref, dev) == []
 
 
 @pytest.mark.parametrize("mode", ["reference", "device", "both", "auto"])
@@ -320,10 +324,10 @@ def test_block_size_other_than_the_traces_is_refused(tmp_path, capsys):
 
 
 def test_a_pool_too_big_for_memory_is_one_line_before_anything_is_built(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_available_bytes", lambda device: 10**9)
+    monkeypatch.setattr(machine, "_available_bytes", lambda device: 10**9)
     for kind in ("reference", "device"):
         with pytest.raises(cli.CLIError, match="needs about .* GiB and 0.9 GiB is free"):
-            cli.make_pool(kind, 100_000_000, "cpu")
+            machine.make_pool(kind, 100_000_000, "cpu")
 
 
 def test_library_and_cli_work_without_tqdm_and_matplotlib(tmp_path, monkeypatch, capsys):
@@ -351,12 +355,9 @@ def test_core_dependencies_are_only_torch_triton_numpy():
 
 
 def test_bench_dir_is_the_checkouts_bench_folder():
-    """``gpupool bench`` finds the suite at the checkout's ``bench/`` (src/ layout: two folders up)."""
-    from gpupool import cli
-
-    root = ROOT
-    assert cli.bench_dir() == root / "bench"
-    assert (cli.bench_dir() / "test_bench_pool.py").is_file() and (cli.bench_dir() / "plot.py").is_file()
+    """``gpupool bench`` finds the suite at the checkout's ``bench/`` (src/ layout: three folders up)."""
+    assert bench.bench_dir() == ROOT / "bench"
+    assert (bench.bench_dir() / "test_bench_pool.py").is_file() and (bench.bench_dir() / "plot.py").is_file()
 
 
 # ---- reading the file: bytes, lines, pipes -------------------------------------------------------
@@ -408,9 +409,9 @@ def test_progress_is_lines_when_stderr_is_not_a_terminal(monkeypatch):
     pytest.importorskip("tqdm")
     err = io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
-    kw = cli._progress(None, "reference pool")
+    kw = output.progress(None, "reference pool")
     assert kw["delay"] == 10.0 and kw["mininterval"] == 10.0
-    assert cli._progress(True, "x")["delay"] == 0.0 and cli._progress(False, "x") is False
+    assert output.progress(True, "x")["delay"] == 0.0 and output.progress(False, "x") is False
     from tqdm import tqdm
 
     bar = tqdm(total=3, **{**kw, "delay": 0, "mininterval": 0})

@@ -14,6 +14,7 @@ import pytest
 import gpupool
 from gpupool import ReferenceBlockPool
 from gpupool import cli
+from gpupool.cli import replay as replay_cmd
 from gpupool.replay import (
     DEFAULT_NUM_BLOCKS, ReplayReport, TraceRequest, free_queue_digest, load_trace, replay,
 )
@@ -278,17 +279,17 @@ class _NoHitPool(ReferenceBlockPool):
 
 @pytest.mark.parametrize("device_cls, rc", [(ReferenceBlockPool, 0), (_NoHitPool, 1)])
 def test_cli_both_compares_the_pools(tmp_path, capsys, monkeypatch, device_cls, rc):
-    real = cli.make_pool
+    real = replay_cmd.make_pool
 
     def fake_make_pool(kind, num_blocks, device=None):
         return device_cls(num_blocks) if kind == "device" else real(kind, num_blocks, device)
 
-    monkeypatch.setattr(cli, "make_pool", fake_make_pool)
+    monkeypatch.setattr(replay_cmd, "make_pool", fake_make_pool)
     out = tmp_path / "both.json"
     assert cli.main(["replay", "--pool", "both", "--device", "cpu", "--json", str(out), "--no-progress"]) == rc
     data = json.loads(out.read_text())
-    assert data["checked_requests"] == cli.CPU_DEVICE_DEFAULT_LIMIT  # the CPU-interpreter default limit applied
-    assert data["reference"]["requests"] == data["device"]["requests"] == cli.CPU_DEVICE_DEFAULT_LIMIT
+    assert data["checked_requests"] == replay_cmd.CPU_DEVICE_DEFAULT_LIMIT  # the CPU-interpreter default limit applied
+    assert data["reference"]["requests"] == data["device"]["requests"] == replay_cmd.CPU_DEVICE_DEFAULT_LIMIT
     assert data["match"] is (rc == 0) and data["speedup"] is None  # no speed from the interpreter
     captured = capsys.readouterr()
     assert "replay the first 200 requests" in captured.out and "speed           not compared" in captured.out

@@ -1,0 +1,84 @@
+"""The ``gpupool`` command's entry point: the parser assembled from the commands (each a
+:class:`~gpupool.cli.types.CLISubcommand` of its own module, as vLLM's ``entrypoints/cli``), the
+exit statuses, the re-execution that switches the kernels' backend, and a closed stdout pipe."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from . import bench, replay
+from .machine import version_text
+from .types import CLIError, CLISubcommand
+
+CMD_MODULES = (replay, bench)  # each has cmd_init() -> [CLISubcommand]; the order of `gpupool --help`
+_REEXEC_ENV = "GPUPOOL_CLI_REEXEC"  # set on the one re-exec that switches the kernels' backend
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (``gpupool: error: ...``, exit 2) instead of usage + message."""
+
+    def error(self, message):
+        self.exit(2, f"gpupool: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``gpupool`` parser; a parsed command's :class:`CLISubcommand` is ``args.subcommand``."""
+    p = _Parser(prog="gpupool", description="A KV-cache block pool whose bookkeeping lives on the GPU "
+                                            "(docs: docs/semantics.md, docs/design.md, docs/errors.md).")
+    p.add_argument("--version", action="version", version=version_text())
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in CMD_MODULES:
+        for cmd in module.cmd_init():
+            cmd.subparser_init(sub).set_defaults(subcommand=cmd)
+    return p
+
+
+def _ensure_backend(device: str, argv: list[str] | None) -> None:
+    """Make the kernels run where ``device`` needs them: Triton's interpreter for ``cpu``, compiled for
+    CUDA. Triton fixes that when ``gpupool`` is imported (``TRITON_INTERPRET``), so a command-line run
+    that needs the other backend re-executes itself once with the variable set."""
+    from .. import _backend
+
+    want_interp = device == "cpu"
+    if want_interp == _backend.interpreted():
+        return
+    value = "1" if want_interp else "0"
+    if argv is not None or os.environ.get(_REEXEC_ENV):
+        raise CLIError(f"--device {device} needs TRITON_INTERPRET={value}, but gpupool was imported with the "
+                       f"kernels set up for {'the GPU' if want_interp else 'the interpreter'}; "
+                       f"run the command with TRITON_INTERPRET={value}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    env = dict(os.environ, TRITON_INTERPRET=value, **{_REEXEC_ENV: "1"})
+    os.execve(sys.executable, [sys.executable, "-m", "gpupool", *sys.argv[1:]], env)
+
+
+def _run(cmd: CLISubcommand, args: argparse.Namespace, argv: list[str] | None) -> int:
+    cmd.validate(args)
+    device = cmd.kernel_device(args)
+    if device is not None:
+        _ensure_backend(device, argv)
+    return cmd.cmd(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``gpupool`` command; returns the exit status (argparse errors exit 2)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args.subcommand, args, argv)
+    except CLIError as e:
+        print(f"gpupool: error: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        print("gpupool: error: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # the reader of stdout went away (``gpupool replay | head -1``): stop quietly, as cat or yes do,
+        # with the shell's status for SIGPIPE; stdout goes to /dev/null so the exit's flush cannot fail
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
