@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from unittest import mock
 
@@ -200,3 +201,42 @@ def test_same_events_as_vllm_block_pool(tmp_path):
                                  metrics_collector=driver.MetricsLog(), **kw)
         got = json.loads(json.dumps(driver.run(ours, [tuple(o) for o in c["ops"]], wire=True)))
         assert got == t, c
+
+
+@pytest.mark.slow
+def test_scheduler_with_events_and_metrics(tmp_path):
+    """vLLM 0.33's AsyncScheduler with KV events (null publisher, each published batch recorded) and
+    the KV cache metrics collector (sample rate 1, its calls recorded), stock and with gpupool's
+    scheduler on the fast path (reference and device backends), on the differential stream and the
+    decode-heavy one (tests/test_vllm_scheduler.py's): every step's decisions, its published events
+    (msgpack bytes) and metrics calls equal stock vLLM's; the pool is ``DeferredBlockPool``; each step
+    makes at most the device reads and synchronisations it makes with events and metrics off."""
+    from test_vllm_conformance import PLUGIN_DIR, vllm_tree
+
+    root = vllm_tree()
+    env = dict(os.environ, GPUPOOL_VLLM_SRC=str(root), TRITON_INTERPRET="1", NUM_BLOCKS="12", NREQ="20",
+               BACKENDS="reference_ev,device,device_ev", DECODE_HEAVY="6,40")
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    out = tmp_path / "sched.json"
+    proc = subprocess.run([sys.executable, str(PLUGIN_DIR / "sched_driver.py"), str(out)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    for mode, base in (("reference_ev", "stock_ev"), ("device_ev", "stock_ev"), ("heavy_device_ev", "heavy_stock_ev")):
+        theirs = r[base]
+        kinds = {json.dumps(o[0]) for s in theirs for o in s["observed"]}
+        assert len(kinds) >= 3 and sum(len(s["observed"]) for s in theirs) > 50, kinds  # not vacuous
+        assert len(r[mode]) == len(theirs)
+        for a, b in zip(theirs, r[mode]):
+            ops = b.pop("gpupool_ops")
+            assert a == b, (mode, a["step"])  # decisions, events (bytes) and metrics calls
+            b["gpupool_ops"] = ops
+    assert any(o[0] == "event" for s in r["stock_ev"] for o in s["observed"])
+    for on, off in (("device_ev", "device"), ("heavy_device_ev", "heavy_device")):
+        for a, b in zip(r[off], r[on]):
+            assert b["gpupool_ops"]["d2h"] <= a["gpupool_ops"]["d2h"], (on, a["step"], a["gpupool_ops"], b["gpupool_ops"])
+            assert sum(b["gpupool_ops"]["syncs"].values()) <= max(1, sum(a["gpupool_ops"]["syncs"].values()))
+            assert b["gpupool_ops"]["flushes"] <= 1 and set(b["gpupool_ops"]) <= {"apply_predicted", "flushes", "syncs", "d2h"}
+    print("\nreads per step with events and metrics on, {reads: steps}: "
+          + ", ".join(f"{m} {dict(sorted(Counter(s['gpupool_ops']['d2h'] for s in r[m]).items()))}"
+                      for m in ("device", "device_ev", "heavy_device", "heavy_device_ev")))
