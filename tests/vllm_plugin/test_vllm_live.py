@@ -97,6 +97,7 @@ def test_serve_kv_events_equal_stock(engine_env, tmp_path):
     res = {mode: json.loads((tmp_path / f"serve_{mode}.json").read_text()) for mode in procs}
     stock, gp = res["stock"], res["gpupool"]
     assert stock["pool"] == [] and len(gp["pool"]) == 1 and "GpuPoolSyncScheduler" in gp["pool"][0], gp["pool"]
+    assert "DeferredBlockPool" in gp["pool"][0], gp["pool"]  # the fast path, its KV events made on the host
     assert len(stock["completions"]) == 9 and all(c["usage"]["completion_tokens"] == 24 for c in stock["completions"])
     assert gp["completions"] == stock["completions"]
     kinds = [e["type"] for e in stock["events"]]

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .. import events as gp_events
-from ..args import MAX_GROUP_ID, MAX_TOKENS, as_groups, as_host_list, as_int, check_hash
+from ..args import MAX_GROUP_ID, MAX_TOKENS, as_groups, as_host_list, as_int, check_hash, partial_block_args
 from ..errors import (
     ArgumentTypeError, DoubleFreeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError, PoolError,
 )
@@ -39,6 +39,7 @@ from ..pool import BlockPool as DevicePool
 from ..reference import ReferenceBlockPool
 from . import kv_events as _gp_kv_events
 from .compat import event_kwargs, supports_lookahead
+from .host_events import HostEvents, metrics_pop, metrics_touch
 from .host_mirror import HostMirror, vllm_key
 
 MEDIUM_GPU = "GPU"
@@ -401,6 +402,11 @@ class BlockPool:
     # and while ``_dirty`` only the fields of held blocks (ref_cnt > 0 on the host) are known exactly
     _dirty = False
 
+    # KV events read from the device pool after each op; a pool that makes them on the host from its
+    # mirror (the fast path, gpupool.vllm.host_events) sets this, its device pool then records none
+    _events_on_host = False
+    host_events: HostEvents | None = None
+
     def _need_exact(self, why: str) -> None:
         """Hook: a read that needs the mirror exact (a deferred pool synchronises here)."""
 
@@ -436,13 +442,14 @@ class BlockPool:
         self.enable_kv_cache_events = bool(enable_kv_cache_events)
         self.metrics_collector = metrics_collector
         self.device_lookups = device_lookups
+        dev_events = self.enable_kv_cache_events and not self._events_on_host
         if backend == "device":
             self._dev = DevicePool(num_gpu_blocks, enable_caching=self.enable_caching,
-                                   enable_kv_cache_events=self.enable_kv_cache_events,
+                                   enable_kv_cache_events=dev_events,
                                    max_keys_per_block=max_keys_per_block, device=device)
         elif backend == "reference":
             self._dev = ReferenceBlockPool(num_gpu_blocks, enable_caching=self.enable_caching,
-                                           enable_kv_cache_events=self.enable_kv_cache_events,
+                                           enable_kv_cache_events=dev_events,
                                            max_keys_per_block=max_keys_per_block)
         else:
             raise InvalidArgumentError("BlockPool", f"backend must be 'device' or 'reference', got {backend!r}")
@@ -465,6 +472,8 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueueView(self)
         self.cached_block_hash_to_block = BlockHashToBlockView(self)
         self.kv_event_queue: list = []
+        if self.enable_kv_cache_events and self._events_on_host:
+            self.host_events = HostEvents(m, self.enable_caching)
         self._ev, self._ku = _vllm_side()
         if num_hash_lookahead_tokens and not supports_lookahead(self._ku):
             raise InvalidArgumentError("BlockPool", "num_hash_lookahead_tokens needs a vLLM with lookahead "
@@ -522,8 +531,8 @@ class BlockPool:
         """Move the device pool's events into ``kv_event_queue`` as vLLM's events."""
         if not self.enable_kv_cache_events:
             return
-        ev = self._ev
-        for e in self._dev.take_events():
+        ev, he = self._ev, self.host_events
+        for e in (self._dev.take_events() if he is None else he.take()):
             if isinstance(e, gp_events.BlockStored):
                 self.kv_event_queue.append(stored(e))
             elif isinstance(e, gp_events.BlockRemoved):
@@ -607,10 +616,15 @@ class BlockPool:
             hashes = _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf)
             self._dev.cache_full_blocks(ids, hashes, nc, nf, block_size, kv_cache_group_id,
                                         None if block_mask is None else list(block_mask))
+        if self.host_events is not None:
+            self.host_events.cached_full(ids, hashes, nc, nf, block_size, kv_cache_group_id, block_mask)
         self._refresh(ids[nc:nf])
-        if not self.enable_kv_cache_events:
-            return
+        if self.enable_kv_cache_events:
+            self._drain_events(self._full_stored(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask))
 
+    def _full_stored(self, request, blocks, nc: int, nf: int, block_size: int, group: int, block_mask):
+        """gpupool's BlockStored of a ``cache_full_blocks`` call -> vLLM's, with the request's tokens,
+        extra keys (one per non-null unmasked block) and lookahead tokens."""
         def stored(e):
             keys, look, mm = [], [] if self.num_hash_lookahead_tokens else None, 0
             for i in range(nc, nf):
@@ -622,9 +636,8 @@ class BlockPool:
                     look.append(self._lookahead(request, (i + 1) * block_size))
             return self._stored(request, [self._ext(h) for h in e.block_hashes],
                                 None if e.parent_block_hash is None else self._ext(e.parent_block_hash),
-                                nc * block_size, nf * block_size, block_size, kv_cache_group_id, keys, look)
-
-        self._drain_events(stored)
+                                nc * block_size, nf * block_size, block_size, group, keys, look)
+        return stored
 
     def _cache_counts(self, request, blocks, nc, nf, block_size) -> tuple[int, int]:
         """``cache_full_blocks``' counts checked (module docstring of the method): (nc, nf)."""
@@ -673,6 +686,11 @@ class BlockPool:
         with _asserts:
             key = self._dev.cache_partial_block(b, request.block_hashes, num_tokens, kv_cache_group_id,
                                                 block_size, self.hash_block_size, replace_existing_hashes)
+        if key is not None and self.host_events is not None:
+            _, nt, g, hbs, h, parent = partial_block_args("cache_partial_block", self.num_gpu_blocks, b,
+                                                          request.block_hashes, num_tokens, kv_cache_group_id,
+                                                          block_size, self.hash_block_size)
+            self.host_events.cached_partial(b, h, parent, nt, g, hbs, replace_existing_hashes)
         self._refresh([b])
         if key is None:
             return None
@@ -714,15 +732,13 @@ class BlockPool:
             raise OutOfBlocksError("get_new_blocks", f"Cannot get {num_blocks} free blocks from the pool", num_blocks)
         ids = self._dev.get_new_blocks(num_blocks)
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        if self.host_events is not None:
+            self.host_events.popped(ids)
         self._refresh(ids)
         self._drain_events()
         ret = [self.blocks[b] for b in ids]
-        mc = self.metrics_collector
-        if mc:
-            for blk in ret:
-                if self.enable_caching:
-                    mc.on_block_evicted(blk)
-                mc.on_block_allocated(blk)
+        if self.metrics_collector:
+            metrics_pop(self.metrics_collector, ret, self.enable_caching)
         return ret
 
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Callable[[KVCacheBlock], None]) -> None:
@@ -743,6 +759,8 @@ class BlockPool:
         (b,) = self._ids([block])
         with _asserts:
             self._dev.cache_full_blocks([b], [get_block_hash(key)], 0, 1, 1, get_group_id(key))
+        if self.host_events is not None:
+            self.host_events.cached_full([b], [get_block_hash(key)], 0, 1, 1, get_group_id(key), None)
         self._refresh([b])
         self._drain_events(lambda e: self._ev.BlockStored(
             block_hashes=[self._ext(h) for h in e.block_hashes], parent_block_hash=None, token_ids=[],
@@ -755,6 +773,8 @@ class BlockPool:
             self.metrics_collector.on_block_evicted(block)
         had = bool(self._keys[block.block_id])
         self._dev.evict_blocks([block.block_id])
+        if self.host_events is not None:
+            self.host_events.evicted([block.block_id])
         self._refresh([block.block_id])
         self._drain_events()
         return had
@@ -768,11 +788,8 @@ class BlockPool:
             return
         self._dev.touch(live)
         self._refresh(live)
-        mc = self.metrics_collector
-        if mc:
-            for blk in blocks:
-                if not blk.is_null:
-                    mc.on_block_accessed(blk)
+        if self.metrics_collector:
+            metrics_touch(self.metrics_collector, blocks)
 
     def is_block_writable(self, block: KVCacheBlock) -> bool:
         """Whether ``block`` (a block of this pool, else ArgumentTypeError) may take new tokens."""
@@ -829,6 +846,8 @@ class BlockPool:
             return
         with _asserts:
             self._dev.evict_blocks(ids)
+        if self.host_events is not None:
+            self.host_events.evicted(ids)
         if self.metrics_collector:
             for b in ids:
                 self.metrics_collector.on_block_evicted(self.blocks[b])
@@ -839,6 +858,8 @@ class BlockPool:
         """Drop every key if no block is held (True), else change nothing (False)."""
         if not self._dev.reset_prefix_cache():
             return False
+        if self.host_events is not None:
+            self.host_events.cleared()
         self._refresh(range(self.num_gpu_blocks))
         if self.metrics_collector:
             self.metrics_collector.reset()

@@ -11,8 +11,9 @@ mirror and the host's copy of the free queue's head and gathered into a batch th
 placeholders and relaunches what a recorded error made the device skip. Every other op synchronises
 first and runs as in :class:`gpupool.vllm.BlockPool`.
 
-Not deferred (the whole pool runs per call, as :class:`gpupool.vllm.BlockPool`): with KV events or a
-metrics collector (both need each op's device answer with the request at hand).
+With KV events or a metrics collector on, the same: the events and the metrics calls come from what
+the host knows (:mod:`gpupool.vllm.host_events`), in vLLM's order; only a pop past the host's copy of
+the free queue then runs per call (its blocks are named at the call).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from ..args import MAX_GROUP_ID, MAX_TOKENS, as_host_list
 from ..errors import OutOfBlocksError, PoolError
 from ..pool import PredictedBatch
 from .block_pool import BlockPool, KVCacheBlock, _hashes_at, count_arg, make_block_hash_with_group_id
+from .host_events import metrics_pop, metrics_touch
 from .op_batch import OpBatch
 from .queue_copy import FreeQueueCopy
 
@@ -63,16 +65,19 @@ class DeferredBlockPool(BlockPool):
 
     Same constructor. ``syncs`` counts the synchronisations by reason (``end_step``, ``free_queue``
     (a refill before a pop), ``block_id``, ``ref_cnt``, ``get_one_block``, ``op:<name>``, ...);
-    ``flushes`` the launches; ``deferred`` is False when KV events or a metrics collector are on (then
-    every call runs as in the base class). ``verify_every`` (default 64): :meth:`end_step`
+    ``flushes`` the launches; ``deferred`` is True (KV events and metrics are made on the host,
+    :mod:`gpupool.vllm.host_events`). ``verify_every`` (default 64): :meth:`end_step`
     synchronises at least every this many steps while ops wait to be checked.
     """
 
     verify_every = 64
+    _events_on_host = True  # the device pool records no events: HostEvents makes them
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.deferred = not (self.enable_kv_cache_events or self.metrics_collector)
+        self.deferred = True
+        # KV events or metrics on: each pop names its blocks at the call (no placeholders)
+        self._observed = self.enable_kv_cache_events or self.metrics_collector is not None
         self.syncs: Counter = Counter()
         self.flushes = 0  # launches of a batch (one apply_batched each, no synchronisation)
         self.steps_since_sync = 0
@@ -156,14 +161,7 @@ class DeferredBlockPool(BlockPool):
         if self._watched:
             # with reuse watchers registered (unpin_blocks) a pop must call them at once, as vLLM does,
             # so it runs per call
-            self.sync("op:get_new_blocks")
-            out = super().get_new_blocks(num_blocks)
-            qc = self.queue_copy
-            if qc.fits(num_blocks):
-                qc.take(num_blocks)
-            else:
-                qc.forget()
-            return out
+            return self._pop_per_call(num_blocks)
         if num_blocks > self._num_free:
             raise OutOfBlocksError("get_new_blocks", f"Cannot get {num_blocks} free blocks from the pool", num_blocks)
         if num_blocks == 0:
@@ -171,10 +169,24 @@ class DeferredBlockPool(BlockPool):
         qc = self.queue_copy
         if not qc.fits(num_blocks) and not self._pending:
             self.sync("free_queue", window=True)
+            if self._observed and not qc.fits(num_blocks):
+                return self._pop_per_call(num_blocks)  # events and metrics name the blocks at the call
         self._num_free -= num_blocks
         if qc.fits(num_blocks):
             return self._pop_known(num_blocks)
         return self._pop_pending(num_blocks)
+
+    def _pop_per_call(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Synchronise, then the per-call pop (its events and metrics calls too); the host's copy of the
+        queue follows."""
+        self.sync("op:get_new_blocks")
+        out = super().get_new_blocks(num_blocks)
+        qc = self.queue_copy
+        if qc.fits(num_blocks):
+            qc.take(num_blocks)
+        else:
+            qc.forget()
+        return out
 
     def _pop_known(self, num_blocks: int) -> list[KVCacheBlock]:
         ids = self.queue_copy.take(num_blocks)
@@ -188,12 +200,18 @@ class DeferredBlockPool(BlockPool):
                 self.queue_copy.forget()
                 self._touched.update(got)
                 raise PoolError("DeferredBlockPool.get_new_blocks", f"the host predicted the pop of {ids}, the pool took {got}")
+        if self.host_events is not None:  # the keys the pop evicts, before they leave the mirror
+            self.host_events.popped(ids)
+            self._drain_events()
         drop = self.mirror.drop_keys
         for x in ids:
             drop(x)  # evicted by the pop (docs/semantics.md section 2)
             self._keys[x], self._ntok[x], self._ref[x] = (), None, 1
             self._touched.add(x)
-        return [self.blocks[x] for x in ids]
+        out = [self.blocks[x] for x in ids]
+        if self.metrics_collector:
+            metrics_pop(self.metrics_collector, out, self.enable_caching)
+        return out
 
     def _pop_pending(self, num_blocks: int) -> list[KVCacheBlock]:
         k0 = len(self._pending)
@@ -234,6 +252,8 @@ class DeferredBlockPool(BlockPool):
                 unlink(s)
             ref[s] += 1
         self._queue("touch", slots, False)
+        if self.metrics_collector:
+            metrics_touch(self.metrics_collector, blocks)
 
     def free_blocks(self, ordered_blocks) -> None:
         """Release one reference per block, a segment of the batch's free part (the blocks that reach
@@ -317,6 +337,14 @@ class DeferredBlockPool(BlockPool):
             if s < n:
                 touched.add(s)
                 rekeyed.add(s)
+        if self.host_events is not None:
+            self._cache_events(request, blocks, nc, nf, block_size, g, hashes)
+
+    def _cache_events(self, request, blocks, nc: int, nf: int, block_size: int, group: int, hashes) -> None:
+        """The BlockStored of a fast ``cache_full_blocks`` (its blocks are un-keyed: nothing removed)."""
+        parent = request.block_hashes[nc * (block_size // self.hash_block_size) - 1] if nc else None
+        self.host_events.stored(hashes, parent, block_size, group)
+        self._drain_events(self._full_stored(request, blocks, nc, nf, block_size, group, None))
 
     def _fast_cache_hashes(self, request, blocks, nc, nf, block_size, group, block_mask):
         """The hashes of blocks ``nc .. nf - 1`` at ``block_size`` when a ``cache_full_blocks`` call can be

@@ -18,7 +18,7 @@ holds the pool: ``KVCacheManager.block_pool``, ``coordinator.block_pool``, every
 ``block_pool`` and ``_null_block``, and the KV connector's binding (rebound with
 ``bind_kv_cache_manager``). The pool is the fast path's
 :class:`gpupool.vllm.fast_path.DeferredBlockPool` where :func:`fast_path_eligible` (one full-attention
-group, no connector, events and metrics off: answers from the host, device work launched without
+group, no connector; KV events and metrics made on the host too: answers from the host, device work launched without
 waiting, a synchronisation only to refill the host's copy of the free queue or to verify), else :class:`gpupool.vllm.BlockPool` (one
 gpupool op plus one mirror transfer per vLLM call). The scheduling policy, ``Request`` objects and the
 ``SchedulerOutput`` are vLLM's.
@@ -57,8 +57,8 @@ def default_device() -> str:
 def fast_path_eligible(scheduler) -> tuple[bool, str]:
     """Whether :class:`gpupool.vllm.fast_path.DeferredBlockPool` serves ``scheduler`` (docs/vllm.md,
     "The fast path"): ``$GPUPOOL_VLLM_FAST_PATH`` not ``0``, one KV cache group served by vLLM's
-    ``FullAttentionManager`` (block size equal to the hash block size), no KV connector, KV events
-    and KV cache metrics off. Returns (eligible, the reason when not)."""
+    ``FullAttentionManager`` (block size equal to the hash block size), no KV connector (KV events
+    and KV cache metrics run on it too). Returns (eligible, the reason when not)."""
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
     if os.environ.get("GPUPOOL_VLLM_FAST_PATH", "1") == "0":
@@ -72,8 +72,6 @@ def fast_path_eligible(scheduler) -> tuple[bool, str]:
         return False, "block size differs from the hash block size (partial-block caching)"
     if getattr(scheduler, "connector", None) is not None:
         return False, "a KV connector"
-    if old.enable_kv_cache_events or old.metrics_collector is not None:
-        return False, "KV events or KV cache metrics on"
     return True, ""
 
 

@@ -43,6 +43,36 @@ def request(tokens):
                                  prompt_embeds=None)
 
 
+class MetricsLog:
+    """A ``KVCacheMetricsCollector`` that records its calls: ``(hook, block id)``, ``("reset",)``."""
+
+    def __init__(self):
+        self.calls: list = []
+
+    def on_block_allocated(self, block):
+        self.calls.append(("allocated", block.block_id))
+
+    def on_block_accessed(self, block):
+        self.calls.append(("accessed", block.block_id))
+
+    def on_block_evicted(self, block):
+        self.calls.append(("evicted", block.block_id))
+
+    def reset(self):
+        self.calls.append(("reset",))
+
+    def take(self) -> list:
+        out, self.calls = self.calls, []
+        return [list(c) for c in out]
+
+
+def encode(e) -> str:
+    """The event's msgpack bytes (hex) as vLLM's publisher encodes it."""
+    import msgspec
+
+    return msgspec.msgpack.encode(e).hex()
+
+
 def _event(e) -> list:
     name = type(e).__name__
     if name == "BlockStored":
@@ -53,8 +83,10 @@ def _event(e) -> list:
     return [name]
 
 
-def snapshot(pool) -> dict:
-    """What vLLM's callers read: per-block fields, the free queue, the prefix cache, the free count."""
+def snapshot(pool, wire: bool = False) -> dict:
+    """What vLLM's callers read: per-block fields, the free queue, the prefix cache, the free count,
+    the events (``wire``: their msgpack bytes too) and a :class:`MetricsLog`'s calls."""
+    events = pool.take_events()
     cache = {}
     for k, v in pool.cached_block_hash_to_block._cache.items():
         cache[k.hex()] = [v.block_id] if hasattr(v, "block_id") else list(v)
@@ -66,12 +98,20 @@ def snapshot(pool) -> dict:
         "num_free": pool.get_num_free_blocks(),
         "usage": round(pool.get_usage(), 9),
         "cache": cache,
-        "events": [_event(e) for e in pool.take_events()],
+        "events": [_event(e) for e in events],
+        **({"wire": [encode(e) for e in events]} if wire else {}),
+        **_metrics(pool),
     }
 
 
-def run(pool, ops, after=None) -> list:
-    """Apply ``ops`` to ``pool``; one snapshot (plus the op's result) per op; ``after(pool)`` after each."""
+def _metrics(pool) -> dict:
+    mc = getattr(pool, "metrics_collector", None)
+    return {"metrics": mc.take()} if isinstance(mc, MetricsLog) else {}
+
+
+def run(pool, ops, after=None, wire: bool = False) -> list:
+    """Apply ``ops`` to ``pool``; one snapshot (plus the op's result) per op; ``after(pool)`` after each.
+    ``wire``: the snapshot's events as their msgpack bytes (hex) too."""
     reqs: list[dict] = []
     trace = []
     n = pool.num_gpu_blocks
@@ -81,7 +121,7 @@ def run(pool, ops, after=None) -> list:
         except Exception as e:  # noqa: BLE001 - recorded; vLLM may leave partial state, so the run ends
             trace.append({"op": list(op), "error": [isinstance(e, AssertionError), isinstance(e, ValueError)]})
             break
-        trace.append({"op": list(op), "result": result, **snapshot(pool)})
+        trace.append({"op": list(op), "result": result, **snapshot(pool, wire)})
         if after is not None:
             after(pool)
     return trace
@@ -144,8 +184,9 @@ def main():  # a subprocess: python driver.py OPS.json OUT.json (vLLM's pool; pl
     cases = json.load(open(sys.argv[1]))
     out = []
     for c in cases:
-        pool = BlockPool(c["num_blocks"], c["caching"], BLOCK_SIZE, enable_kv_cache_events=True)
-        out.append(run(pool, [tuple(o) for o in c["ops"]]))
+        pool = BlockPool(c["num_blocks"], c["caching"], BLOCK_SIZE, enable_kv_cache_events=True,
+                         metrics_collector=MetricsLog() if c.get("metrics") else None)
+        out.append(run(pool, [tuple(o) for o in c["ops"]], wire=c.get("wire", False)))
     json.dump(out, open(sys.argv[2], "w"))
 
 

@@ -7,6 +7,10 @@ CacheConfig, one FullAttentionSpec group, StructuredOutputManager, ``scheduler_c
 the ModelConfig: vLLM's needs a Hugging Face config (``transformers``, stubbed here), so the VllmConfig
 is built without one and given a stand-in with the nine attributes the scheduler reads
 (``MODEL_CONFIG``).
+
+A mode ending in ``_ev`` (and ``stock_ev``, run when one does) turns on KV events (vLLM's null
+publisher, its ``publish`` recorded: each batch's events as msgpack bytes) and the KV cache metrics
+collector (sample rate 1, its calls recorded) and records them per step.
 """
 import json
 import os
@@ -20,7 +24,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import plugin  # noqa: E402,F401 - vLLM's source and the stubs
 
 import torch  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, ParallelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig, DeviceConfig, KVEventsConfig, ObservabilityConfig, ParallelConfig, SchedulerConfig, VllmConfig,
+)
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
@@ -38,21 +44,44 @@ MODEL_CONFIG = dict(uses_mrope=False, is_encoder_decoder=False, runner_type="gen
 
 
 def make_scheduler(cls, num_blocks, max_model_len=1024, max_num_batched_tokens=192, max_num_seqs=6,
-                   async_scheduling=True):
+                   async_scheduling=True, observed=False):
     sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len, enable_chunked_prefill=True, async_scheduling=async_scheduling,
                          is_encoder_decoder=False, watermark=0.0, policy="fcfs")
     cc = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True)
+    extra = dict(kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+                 observability_config=ObservabilityConfig(kv_cache_metrics=True, kv_cache_metrics_sample=1.0)
+                 ) if observed else {}
     vc = VllmConfig(scheduler_config=sc, cache_config=cc, parallel_config=ParallelConfig(),
-                    device_config=DeviceConfig(device="cpu"))
+                    device_config=DeviceConfig(device="cpu"), **extra)
     mc = types.SimpleNamespace(max_model_len=max_model_len, get_vocab_size=lambda: 50272, **MODEL_CONFIG)
     object.__setattr__(vc, "model_config", mc)
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
     kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
     cc.num_gpu_blocks = num_blocks
     register_all_kvcache_specs(vc)
-    return cls(vllm_config=vc, kv_cache_config=kcc, block_size=BLOCK, log_stats=True,
-               structured_output_manager=StructuredOutputManager(vc))
+    sched = cls(vllm_config=vc, kv_cache_config=kcc, block_size=BLOCK, log_stats=True,
+                structured_output_manager=StructuredOutputManager(vc))
+    if observed:
+        record(sched)
+    return sched
+
+
+def record(sched):
+    """Record the scheduler's published KV events (msgpack bytes, hex) and its metrics collector's
+    calls (hook, block id) in ``sched.observed``, taken per step by :func:`run`."""
+    import msgspec
+
+    log = sched.observed = []
+    sched.kv_event_publisher.publish = lambda batch: log.extend(
+        ["event", msgspec.msgpack.encode(e).hex()] for e in batch.events)
+    mc = sched.kv_metrics_collector
+    assert mc is not None and sched.kv_cache_manager.block_pool.metrics_collector is mc
+    for hook in ("on_block_allocated", "on_block_accessed", "on_block_evicted"):
+        def f(block, _h=hook, _o=getattr(mc, hook)):
+            log.append([_h, block.block_id])
+            return _o(block)
+        setattr(mc, hook, f)
 
 
 def make_stream(seed, n, decode_heavy=False):
@@ -180,6 +209,8 @@ def run(sched, stream, counts=None, d2h=None):
         if d2h is not None:
             d2h.on = False
         rec["num_free_blocks"] = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+        if hasattr(sched, "observed"):
+            rec["observed"], sched.observed[:] = list(sched.observed), []
         if counts is not None:
             rec["gpupool_ops"] = dict(counts)
             rec["gpupool_ops"]["syncs"] = dict(Counter(getattr(pool, "syncs", {})) - syncs0)
@@ -263,6 +294,9 @@ def main():
     res["stock_s"] = time.perf_counter() - t
     d2h = D2HCounter()
     runs = [(mode, stream, num_blocks) for mode in os.environ.get("BACKENDS", "reference,device").split(",")]
+    observed_any = any(m.endswith("_ev") for m, _, _ in runs)
+    if observed_any:
+        res["stock_ev"] = run(make_scheduler(AsyncScheduler, num_blocks, observed=True), stream)
     if os.environ.get("DECODE_HEAVY"):  # (requests, blocks): device fast path and stock on it
         nreq, nblk = map(int, os.environ["DECODE_HEAVY"].split(","))
         heavy = make_stream(1, nreq, decode_heavy=True)
@@ -270,17 +304,21 @@ def main():
         res["heavy_stock"] = run(make_scheduler(AsyncScheduler, nblk), heavy)
         res["heavy_stock_s"] = time.perf_counter() - t
         runs.append(("heavy_device", heavy, nblk))
+        if observed_any:
+            res["heavy_stock_ev"] = run(make_scheduler(AsyncScheduler, nblk, observed=True), heavy)
+            runs.append(("heavy_device_ev", heavy, nblk))
     from gpupool.vllm import fast_path
     default_window = fast_path.FREE_WINDOW
     for mode, stream_, nblk in runs:
-        backend = "reference" if mode == "reference" else "device"
+        backend = "reference" if mode.startswith("reference") else "device"
         fast = not mode.endswith("percall")
+        observed = mode.endswith("_ev")
         # "_w<W>": the host's copy of the free queue only W ring slots long (refills, placeholders)
         fast_path.FREE_WINDOW = int(mode.rsplit("_w", 1)[1]) if "_w" in mode else default_window
         os.environ["GPUPOOL_VLLM_BACKEND"] = backend
         os.environ["GPUPOOL_VLLM_FAST_PATH"] = "1" if fast else "0"
         counts = Counter()
-        s = make_scheduler(GpuPoolScheduler, nblk)
+        s = make_scheduler(GpuPoolScheduler, nblk, observed=observed)
         pool = s.kv_cache_manager.block_pool
         want = "DeferredBlockPool" if fast else "BlockPool"
         assert type(pool).__name__ == want and pool.backend == backend, (type(pool), mode)
