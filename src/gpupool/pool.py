@@ -491,7 +491,7 @@ class BlockPool:
     def _key_tensors(self, keys, ntok) -> list[torch.Tensor]:
         """(key_hi, key_lo, key_group, ntok): ``int64[len(keys)]`` each (at least one entry) on the
         device, four views of ONE host-to-device copy."""
-        dev = [self.registry.register(h, g) for h, g in keys] or [(0, 0)]
+        dev = self.registry.register_pairs(keys) or [(0, 0)]
         m = len(dev)
         flat = self._tensor([k[0] for k in dev] + [k[1] for k in dev] + ([g for _, g in keys] or [0])
                             + (ntok or [0]), torch.int64)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from .keys import device_key
+from .keys import device_key, device_key_list
 
 Key = tuple[int, int]  # (hi, lo) as device_key returns it
 
@@ -40,6 +40,12 @@ class KeyRegistry:
         k = device_key(block_hash, group)
         self._names[k] = (block_hash, group)
         return k
+
+    def register_pairs(self, keys: list[tuple[bytes, int]]) -> list[Key]:
+        """:meth:`register` of each ``(block_hash, group)`` (``gpupool.keys.device_key_list``)."""
+        dev = device_key_list(keys)
+        self._names.update(zip(dev, keys))
+        return dev
 
     def register_many(self, hashes: Iterable[bytes], group: int) -> list[Key]:
         return [self.register(h, group) for h in hashes]

@@ -358,7 +358,10 @@ def _on_stream(fn):
 
 
 def _run_on_pool_stream(cls) -> None:
+    host = getattr(cls, "_HOST_ANSWERED", ())
     for name in _ON_STREAM:
+        if name in host:
+            continue
         f = cls.__dict__.get(name)
         if callable(f) and not getattr(f, "on_pool_stream", False):
             setattr(cls, name, _on_stream(f))

@@ -70,6 +70,10 @@ class DeferredBlockPool(BlockPool):
 
     verify_every = 64
 
+    # answered on the host: not wrapped in the pool's stream context (a few microseconds a call on
+    # CUDA); their device work runs in methods that are (sync, _flush, the base class's ops)
+    _HOST_ANSWERED = ("get_new_blocks", "touch", "free_blocks", "cache_full_blocks", "get_cached_block")
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.deferred = not (self.enable_kv_cache_events or self.metrics_collector)
