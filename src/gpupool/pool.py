@@ -491,10 +491,16 @@ class BlockPool:
     def _key_tensors(self, keys, ntok) -> list[torch.Tensor]:
         """(key_hi, key_lo, key_group, ntok): ``int64[len(keys)]`` each (at least one entry) on the
         device, four views of ONE host-to-device copy."""
+        return self._split_keys(self._tensor(self._key_values(keys, ntok), torch.int64))
+
+    def _key_values(self, keys, ntok) -> list[int]:
+        """:meth:`_key_tensors`' host values, flat (the keys registered)."""
         dev = self.registry.register_pairs(keys) or [(0, 0)]
-        m = len(dev)
-        flat = self._tensor([k[0] for k in dev] + [k[1] for k in dev] + ([g for _, g in keys] or [0])
-                            + (ntok or [0]), torch.int64)
+        return [k[0] for k in dev] + [k[1] for k in dev] + ([g for _, g in keys] or [0]) + (ntok or [0])
+
+    @staticmethod
+    def _split_keys(flat: torch.Tensor) -> list[torch.Tensor]:
+        m = flat.numel() // 4
         return [flat[i * m:(i + 1) * m] for i in range(4)]
 
     @locked
@@ -570,7 +576,10 @@ class BlockPool:
                       expected):
         """The launch behind :meth:`apply_batched` and :meth:`apply_predicted`: (blocks, offsets, pops
         differing from ``expected``: ``int64[1]`` on the device)."""
-        dem = [as_int(op, d, "demand") for d in as_host_list(op, demands, "demands")]
+        if type(demands) is list and all(type(d) is int for d in demands):  # plain ints (the fast path's)
+            dem = demands
+        else:
+            dem = [as_int(op, d, "demand") for d in as_host_list(op, demands, "demands")]
         bad = [d for d in dem if d < 0]
         if bad:
             raise InvalidCountError(op, f"a demand must be >= 0, got {bad[0]}", bad[0])
@@ -602,7 +611,9 @@ class BlockPool:
             if isinstance(v, list):
                 at[name] = len(host)
                 host += v
-        small = self._tensor(host)
+        # ONE host-to-device copy: the int32 parts and the caching's int64 keys
+        small, key_flat = tensors.to_device_packed([(host, torch.int32), (self._key_values(keys, ntok), torch.int64)],
+                                                   self.device)
         one, nd = small[:1], len(dem)
 
         def dev(v, name):
@@ -610,11 +621,11 @@ class BlockPool:
         blocks, offsets = k_flush.launch_flush(
             self.state, self.config, dev(fids, "f") if n_free else one, one if seg is None else dev(seg, "s"),
             dev(tids, "t") if n_touch else one, small[1:1 + nd] if dem else one, small[1 + nd:1 + nd + len(table)],
-            dev(cids, "c") if keys else one, *self._key_tensors(keys, ntok), n_rounds=len(parts), n_free=n_free,
+            dev(cids, "c") if keys else one, *self._split_keys(key_flat), n_rounds=len(parts), n_free=n_free,
             n_touch=n_touch, n_demands=nd, n_cache=len(keys), total=total)
         differ = None
         if expected is not None:
-            differ = ((blocks[:n_exp] != dev(exp, "e")).sum().reshape(1) if n_exp
+            differ = ((blocks[:n_exp] != dev(exp, "e")).sum(0, keepdim=True) if n_exp
                       else torch.zeros(1, dtype=torch.int64, device=self.device))
         return blocks, offsets, differ
 

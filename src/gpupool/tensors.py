@@ -30,6 +30,25 @@ def to_device(values, dtype, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def to_device_packed(parts, device: torch.device) -> list[torch.Tensor]:
+    """Several lists of host ints, each ``(values, dtype)`` (int32 or int64), as 1-D tensors on ``device``
+    in ONE host-to-device copy (one buffer, each part a view of it at an 8-byte aligned offset; pinned
+    and ``non_blocking`` on CUDA, as :func:`to_device`). A part that is not plain ints in range is
+    converted as :func:`to_device` converts it (then one copy per part)."""
+    try:
+        arrays = [array(_ARRAY_CODES[dt], vals) for vals, dt in parts]
+    except (TypeError, OverflowError, KeyError):
+        return [to_device(vals, dt, device) for vals, dt in parts]
+    buf, offsets = bytearray(), []
+    for a in arrays:
+        offsets.append(len(buf))
+        buf += a.tobytes()
+        buf += bytes(-len(buf) % 8)
+    t = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.zeros(8, dtype=torch.uint8)
+    t = t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+    return [t[o: o + a.itemsize * len(a)].view(dt) for o, a, (_, dt) in zip(offsets, arrays, parts)]
+
+
 def device_i32(op: str, t, what: str, device: torch.device) -> torch.Tensor:
     """``t`` as a contiguous ``int32[n]`` kernel argument: a 1-D int32 tensor on ``device`` (another
     shape is an error, not flattened, so a batch of lists cannot be read as one list)."""

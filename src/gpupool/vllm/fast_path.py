@@ -91,6 +91,7 @@ class DeferredBlockPool(BlockPool):
         # device: the launches since the last synchronisation, (batch, confirmation, placeholders it added)
         self._flights: list[tuple[OpBatch, torch.Tensor, int]] = []
         self._watched = False  # unpin_blocks was called: pops run per call from then on
+        self._device_backend = self.backend == "device"
         if self.deferred:
             self.queue_copy.fill(self._read_window())
 
@@ -173,16 +174,18 @@ class DeferredBlockPool(BlockPool):
         if num_blocks == 0:
             return []
         qc = self.queue_copy
-        if not qc.fits(num_blocks) and not self._pending:
-            self.sync("free_queue", window=True)
+        if not qc.fits(num_blocks):
+            if not self._pending:
+                self.sync("free_queue", window=True)
+            if not qc.fits(num_blocks):
+                self._num_free -= num_blocks
+                return self._pop_pending(num_blocks)
         self._num_free -= num_blocks
-        if qc.fits(num_blocks):
-            return self._pop_known(num_blocks)
-        return self._pop_pending(num_blocks)
+        return self._pop_known(num_blocks)
 
     def _pop_known(self, num_blocks: int) -> list[KVCacheBlock]:
         ids = self.queue_copy.take(num_blocks)
-        if self.backend == "device":
+        if self._device_backend:
             self._batch.add_pop(num_blocks, ids)
         else:
             got = self._dev.get_new_blocks(num_blocks)
@@ -192,12 +195,14 @@ class DeferredBlockPool(BlockPool):
                 self.queue_copy.forget()
                 self._touched.update(got)
                 raise PoolError("DeferredBlockPool.get_new_blocks", f"the host predicted the pop of {ids}, the pool took {got}")
-        drop = self.mirror.drop_keys
+        drop, keys, ntok, ref, blocks = self.mirror.drop_keys, self._keys, self._ntok, self._ref, self.blocks
         for x in ids:
-            drop(x)  # evicted by the pop (docs/semantics.md section 2)
-            self._keys[x], self._ntok[x], self._ref[x] = (), None, 1
-            self._touched.add(x)
-        return [self.blocks[x] for x in ids]
+            if keys[x]:
+                drop(x)  # evicted by the pop (docs/semantics.md section 2)
+                keys[x] = ()
+            ntok[x], ref[x] = None, 1
+        self._touched.update(ids)
+        return [blocks[x] for x in ids]
 
     def _pop_pending(self, num_blocks: int) -> list[KVCacheBlock]:
         k0 = len(self._pending)
@@ -300,7 +305,7 @@ class DeferredBlockPool(BlockPool):
             return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
         g = kv_cache_group_id
         slots = [blk._s for blk in blocks[nc:nf]]
-        device = self.backend == "device"
+        device = self._device_backend
         ntok = [(i + 1) * block_size for i in range(nc, nf)]
         if device:
             self._batch.add_cache(slots, [(h, g) for h in hashes], ntok)
@@ -368,7 +373,7 @@ class DeferredBlockPool(BlockPool):
         for s in slots:
             if s < self.num_gpu_blocks:
                 self._touched.add(s)
-        if self.backend == "device":
+        if self._device_backend:
             launched = self.num_gpu_blocks + (0 if self._pend_dev is None else self._pend_dev.numel())
             where = self._batch.placement(kind, slots, front, launched)
             if where == "launch":
