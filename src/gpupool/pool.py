@@ -499,9 +499,8 @@ class BlockPool:
         return [k[0] for k in dev] + [k[1] for k in dev] + ([g for _, g in keys] or [0]) + (ntok or [0])
 
     @staticmethod
-    def _split_keys(flat: torch.Tensor) -> list[torch.Tensor]:
-        m = flat.numel() // 4
-        return [flat[i * m:(i + 1) * m] for i in range(4)]
+    def _split_keys(flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return flat.view(4, -1).unbind(0)  # four rows, two ops
 
     @locked
     def apply_batched(self, *, free_ids=None, free_offsets=None, touch_ids=None, demands=(), cache_ids=None,
@@ -605,27 +604,29 @@ class BlockPool:
         if exp is not None and (isinstance(exp, torch.Tensor) or n_exp > total):
             raise InvalidArgumentError(op, "expected: host ints, at most the pops")
         table = k_flush.round_table(parts, seg is not None)
-        host = [0] + dem + table  # ONE copy: a placeholder entry for empty parts, demands, rounds, host parts
-        at = {}
-        for name, v in (("f", fids), ("s", seg), ("t", tids), ("c", cids), ("e", exp)):
-            if isinstance(v, list):
-                at[name] = len(host)
+        # ONE host-to-device copy: a placeholder entry for empty parts, demands, rounds, the host parts, and
+        # the caching's int64 keys; split on the device in one op
+        host, sizes = [0] + dem + table, [1, len(dem), len(table)]
+        for v in (fids, seg, tids, cids, exp):
+            n = len(v) if isinstance(v, list) else 0
+            if n:
                 host += v
-        # ONE host-to-device copy: the int32 parts and the caching's int64 keys
+            sizes.append(n)
         small, key_flat = tensors.to_device_packed([(host, torch.int32), (self._key_values(keys, ntok), torch.int64)],
                                                    self.device)
-        one, nd = small[:1], len(dem)
+        one, d_dem, d_table, *d_parts = small.split(sizes)
 
-        def dev(v, name):
-            return small[at[name]: at[name] + len(v)] if isinstance(v, list) else v
+        def dev(v, d):
+            return d if isinstance(v, list) else v
+        d_f, d_s, d_t, d_c, d_e = (dev(v, d) for v, d in zip((fids, seg, tids, cids, exp), d_parts))
+        nd = len(dem)
         blocks, offsets = k_flush.launch_flush(
-            self.state, self.config, dev(fids, "f") if n_free else one, one if seg is None else dev(seg, "s"),
-            dev(tids, "t") if n_touch else one, small[1:1 + nd] if dem else one, small[1 + nd:1 + nd + len(table)],
-            dev(cids, "c") if keys else one, *self._split_keys(key_flat), n_rounds=len(parts), n_free=n_free,
-            n_touch=n_touch, n_demands=nd, n_cache=len(keys), total=total)
+            self.state, self.config, d_f if n_free else one, one if seg is None else d_s, d_t if n_touch else one,
+            d_dem if dem else one, d_table, d_c if keys else one, *self._split_keys(key_flat), n_rounds=len(parts),
+            n_free=n_free, n_touch=n_touch, n_demands=nd, n_cache=len(keys), total=total)
         differ = None
         if expected is not None:
-            differ = ((blocks[:n_exp] != dev(exp, "e")).sum(0, keepdim=True) if n_exp
+            differ = ((blocks[:n_exp] != d_e).sum(0, keepdim=True) if n_exp
                       else torch.zeros(1, dtype=torch.int64, device=self.device))
         return blocks, offsets, differ
 
