@@ -204,7 +204,8 @@ class BlockPool:
         s, mk = self.state, self.max_keys_per_block
         rows = s.keys.view(self.num_blocks, mk, KEY_WIDTH)[:, :, KeyCol.HI: KeyCol.LO + 1]
         live = torch.arange(mk, device=self.device)[None, :] < s.num_keys[:, None]
-        return [tuple(k) for k in rows[live].tolist()]
+        flat = iter(rows[live].reshape(-1).tolist())
+        return set(zip(flat, flat))  # (hi, lo) pairs, without a list per row
 
     # ---- argument plumbing ------------------------------------------------------------------------
     def _tensor(self, values, dtype=torch.int32) -> torch.Tensor:

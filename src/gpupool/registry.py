@@ -63,7 +63,8 @@ class KeyRegistry:
         the last sweep. Returns whether it swept."""
         if len(self._names) < self._sweep_at:
             return False
-        keep = set(self._live_keys())
+        keep = self._live_keys()
+        keep = keep if type(keep) is set else set(keep)
         for src in self._pin_sources:
             keep.update(src())
         self._names = {k: v for k, v in self._names.items() if k in keep}

@@ -283,7 +283,7 @@ class BlockHashToBlockView:
         holders = p._holders.get(key)
         if not holders:
             return None  # a miss is exact even when the mirror is dirty: pops only remove keys
-        s = min(holders, key=holders.__getitem__)
+        s = next(iter(holders)) if len(holders) == 1 else min(holders, key=holders.__getitem__)
         if p._dirty and p._ref[s] == 0:  # a free block: a pop since the last sync may have evicted it
             p._need_exact("get_one_block")
             return self.get_one_block(key)

@@ -644,7 +644,11 @@ class DeferredBlockPool(BlockPool):
         view); ``device_lookups=True`` synchronises and looks up on the device."""
         if self.device_lookups:
             self.sync("op:get_cached_block")
-        return super().get_cached_block(block_hash, kv_cache_group_ids)
+            return super().get_cached_block(block_hash, kv_cache_group_ids)
+        return _mirror_lookup(self, block_hash, kv_cache_group_ids)  # host only: no stream context
+
+
+_mirror_lookup = BlockPool.get_cached_block.__wrapped__  # the base class's method without its stream wrapper
 
 
 __all__ = ["DeferredBlockPool", "PendingBlock", "FREE_WINDOW"]
