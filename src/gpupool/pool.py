@@ -204,7 +204,8 @@ class BlockPool:
         s, mk = self.state, self.max_keys_per_block
         rows = s.keys.view(self.num_blocks, mk, KEY_WIDTH)[:, :, KeyCol.HI: KeyCol.LO + 1]
         live = torch.arange(mk, device=self.device)[None, :] < s.num_keys[:, None]
-        return [tuple(k) for k in rows[live].tolist()]
+        flat = iter(rows[live].reshape(-1).tolist())
+        return set(zip(flat, flat))  # (hi, lo) pairs, without a list per row
 
     # ---- argument plumbing ------------------------------------------------------------------------
     def _tensor(self, values, dtype=torch.int32) -> torch.Tensor:
@@ -491,11 +492,16 @@ class BlockPool:
     def _key_tensors(self, keys, ntok) -> list[torch.Tensor]:
         """(key_hi, key_lo, key_group, ntok): ``int64[len(keys)]`` each (at least one entry) on the
         device, four views of ONE host-to-device copy."""
-        dev = [self.registry.register(h, g) for h, g in keys] or [(0, 0)]
-        m = len(dev)
-        flat = self._tensor([k[0] for k in dev] + [k[1] for k in dev] + ([g for _, g in keys] or [0])
-                            + (ntok or [0]), torch.int64)
-        return [flat[i * m:(i + 1) * m] for i in range(4)]
+        return self._split_keys(self._tensor(self._key_values(keys, ntok), torch.int64))
+
+    def _key_values(self, keys, ntok) -> list[int]:
+        """:meth:`_key_tensors`' host values, flat (the keys registered)."""
+        dev = self.registry.register_pairs(keys) or [(0, 0)]
+        return [k[0] for k in dev] + [k[1] for k in dev] + ([g for _, g in keys] or [0]) + (ntok or [0])
+
+    @staticmethod
+    def _split_keys(flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return flat.view(4, -1).unbind(0)  # four rows, two ops
 
     @locked
     def apply_batched(self, *, free_ids=None, free_offsets=None, touch_ids=None, demands=(), cache_ids=None,
@@ -570,7 +576,10 @@ class BlockPool:
                       expected):
         """The launch behind :meth:`apply_batched` and :meth:`apply_predicted`: (blocks, offsets, pops
         differing from ``expected``: ``int64[1]`` on the device)."""
-        dem = [as_int(op, d, "demand") for d in as_host_list(op, demands, "demands")]
+        if type(demands) is list and all(type(d) is int for d in demands):  # plain ints (the fast path's)
+            dem = demands
+        else:
+            dem = [as_int(op, d, "demand") for d in as_host_list(op, demands, "demands")]
         bad = [d for d in dem if d < 0]
         if bad:
             raise InvalidCountError(op, f"a demand must be >= 0, got {bad[0]}", bad[0])
@@ -596,25 +605,29 @@ class BlockPool:
         if exp is not None and (isinstance(exp, torch.Tensor) or n_exp > total):
             raise InvalidArgumentError(op, "expected: host ints, at most the pops")
         table = k_flush.round_table(parts, seg is not None)
-        host = [0] + dem + table  # ONE copy: a placeholder entry for empty parts, demands, rounds, host parts
-        at = {}
-        for name, v in (("f", fids), ("s", seg), ("t", tids), ("c", cids), ("e", exp)):
-            if isinstance(v, list):
-                at[name] = len(host)
+        # ONE host-to-device copy: a placeholder entry for empty parts, demands, rounds, the host parts, and
+        # the caching's int64 keys; split on the device in one op
+        host, sizes = [0] + dem + table, [1, len(dem), len(table)]
+        for v in (fids, seg, tids, cids, exp):
+            n = len(v) if isinstance(v, list) else 0
+            if n:
                 host += v
-        small = self._tensor(host)
-        one, nd = small[:1], len(dem)
+            sizes.append(n)
+        small, key_flat = tensors.to_device_packed([(host, torch.int32), (self._key_values(keys, ntok), torch.int64)],
+                                                   self.device)
+        one, d_dem, d_table, *d_parts = small.split(sizes)
 
-        def dev(v, name):
-            return small[at[name]: at[name] + len(v)] if isinstance(v, list) else v
+        def dev(v, d):
+            return d if isinstance(v, list) else v
+        d_f, d_s, d_t, d_c, d_e = (dev(v, d) for v, d in zip((fids, seg, tids, cids, exp), d_parts))
+        nd = len(dem)
         blocks, offsets = k_flush.launch_flush(
-            self.state, self.config, dev(fids, "f") if n_free else one, one if seg is None else dev(seg, "s"),
-            dev(tids, "t") if n_touch else one, small[1:1 + nd] if dem else one, small[1 + nd:1 + nd + len(table)],
-            dev(cids, "c") if keys else one, *self._key_tensors(keys, ntok), n_rounds=len(parts), n_free=n_free,
-            n_touch=n_touch, n_demands=nd, n_cache=len(keys), total=total)
+            self.state, self.config, d_f if n_free else one, one if seg is None else d_s, d_t if n_touch else one,
+            d_dem if dem else one, d_table, d_c if keys else one, *self._split_keys(key_flat), n_rounds=len(parts),
+            n_free=n_free, n_touch=n_touch, n_demands=nd, n_cache=len(keys), total=total)
         differ = None
         if expected is not None:
-            differ = ((blocks[:n_exp] != dev(exp, "e")).sum().reshape(1) if n_exp
+            differ = ((blocks[:n_exp] != d_e).sum(0, keepdim=True) if n_exp
                       else torch.zeros(1, dtype=torch.int64, device=self.device))
         return blocks, offsets, differ
 

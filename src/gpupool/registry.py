@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from .keys import device_key
+from .keys import device_key, device_key_list
 
 Key = tuple[int, int]  # (hi, lo) as device_key returns it
 
@@ -41,6 +41,12 @@ class KeyRegistry:
         self._names[k] = (block_hash, group)
         return k
 
+    def register_pairs(self, keys: list[tuple[bytes, int]]) -> list[Key]:
+        """:meth:`register` of each ``(block_hash, group)`` (``gpupool.keys.device_key_list``)."""
+        dev = device_key_list(keys)
+        self._names.update(zip(dev, keys))
+        return dev
+
     def register_many(self, hashes: Iterable[bytes], group: int) -> list[Key]:
         return [self.register(h, group) for h in hashes]
 
@@ -57,7 +63,8 @@ class KeyRegistry:
         the last sweep. Returns whether it swept."""
         if len(self._names) < self._sweep_at:
             return False
-        keep = set(self._live_keys())
+        keep = self._live_keys()
+        keep = keep if type(keep) is set else set(keep)
         for src in self._pin_sources:
             keep.update(src())
         self._names = {k: v for k, v in self._names.items() if k in keep}

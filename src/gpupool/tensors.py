@@ -30,6 +30,28 @@ def to_device(values, dtype, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def to_device_packed(parts, device: torch.device) -> list[torch.Tensor]:
+    """Several lists of host ints, each ``(values, dtype)`` (int32 or int64), as 1-D tensors on ``device``
+    in ONE host-to-device copy (one buffer, each part a view of it at an 8-byte aligned offset; pinned
+    and ``non_blocking`` on CUDA, as :func:`to_device`). A part that is not plain ints in range is
+    converted as :func:`to_device` converts it (then one copy per part)."""
+    try:
+        arrays = [array(_ARRAY_CODES[dt], vals) for vals, dt in parts]
+    except (TypeError, OverflowError, KeyError):
+        return [to_device(vals, dt, device) for vals, dt in parts]
+    buf, sizes = bytearray(), []
+    for a in arrays:
+        buf += a.tobytes()
+        pad = -len(buf) % 8
+        buf += bytes(pad)
+        sizes += [a.itemsize * len(a), pad]
+    buf += bytes(8)  # never empty
+    t = torch.frombuffer(buf, dtype=torch.uint8)
+    t = t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+    pieces = t.split(sizes + [8])  # one op for all the parts (a slice each costs about as much)
+    return [pieces[2 * i].view(dt) for i, (_, dt) in enumerate(parts)]
+
+
 def device_i32(op: str, t, what: str, device: torch.device) -> torch.Tensor:
     """``t`` as a contiguous ``int32[n]`` kernel argument: a 1-D int32 tensor on ``device`` (another
     shape is an error, not flattened, so a batch of lists cannot be read as one list)."""

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from gpupool.keys import (
     NONE_HASH,
     device_key,
+    device_key_list,
     device_keys,
     generate_block_hash_extra_keys,
     hash_block_tokens,
@@ -222,6 +223,22 @@ def test_device_key_formula_and_range():
         device_key("abc", 0)
     with pytest.raises(ValueError):
         device_key(b"abc", 2**63)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.binary(max_size=70), st.integers(min_value=-2**63, max_value=2**63 - 1)), max_size=12))
+def test_device_key_list_equals_device_key(pairs):
+    """The fast many-keys form (a copied prefix state) gives device_key's values, in order, repeated
+    hash lengths and groups included."""
+    pairs = pairs + pairs[:3]
+    assert device_key_list(pairs) == [device_key(h, g) for h, g in pairs]
+
+
+def test_device_key_list_raises_as_device_key():
+    with pytest.raises(TypeError):
+        device_key_list([(b"ok", 0), ("abc", 0)])
+    with pytest.raises(ValueError):
+        device_key_list([(b"abc", 2**63)])
 
 
 def test_device_key_prefix_related_hashes_differ():

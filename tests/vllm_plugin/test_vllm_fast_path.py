@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 pytest.importorskip("msgspec", reason="gpupool[vllm] needs msgspec (pip install 'gpupool[vllm]')")
 
 from gpupool import BlockPool as DevicePool  # noqa: E402
+from gpupool import tensors  # noqa: E402
 from gpupool.errors import DoubleFreeError, InvalidBlockIdError, OutOfBlocksError, PoolError  # noqa: E402
 from gpupool.vllm import BlockPool  # noqa: E402
 from gpupool.vllm.fast_path import DeferredBlockPool, PendingBlock  # noqa: E402
@@ -341,7 +342,7 @@ def test_batch_rounds_where_the_order_requires():
 def test_a_decode_step_is_one_flush():
     """vLLM's decode step over 32 running requests, each crossing into a new block (``get_new_blocks(1)``)
     and caching the block it filled (``cache_full_blocks``), after the frees of 2 finished requests:
-    one flush at ``end_step``, ONE ``apply_predicted`` launch with two host-to-device copies and no
+    one flush at ``end_step``, ONE ``apply_predicted`` launch with one host-to-device copy and no
     synchronisation, where the per-call adapter launches 66 ops; ids and state equal."""
     n, nreq = 80, 32
     pools = [DeferredBlockPool(n, True, BS, device="cpu"), BlockPool(n, True, BS, device="cpu")]
@@ -361,16 +362,27 @@ def test_a_decode_step_is_one_flush():
                     counts[_n] = counts.get(_n, 0) + 1
                     return _f(*a, **k)
                 setattr(dev, name, counted)
+            packed = tensors.to_device_packed
+
+            def counted_packed(*a, **k):
+                counts["to_device_packed"] = counts.get("to_device_packed", 0) + 1
+                return packed(*a, **k)
+            tensors.to_device_packed = counted_packed
         for row in rows[nreq:]:  # update_from_output: two requests finished
             p.free_blocks(list(reversed(row)))
         for r, row in zip(reqs, rows[:nreq]):  # schedule(): allocate_slots per running request
             row += p.get_new_blocks(1)
             p.cache_full_blocks(r, row, 0, 1, BS, 0)
         ids = [[blk.block_id for blk in row] for row in rows[:nreq]]
-        p.end_step()  # GpuPoolScheduler's, after schedule(): launches the step's batch
+        try:
+            p.end_step()  # GpuPoolScheduler's, after schedule(): launches the step's batch
+        finally:
+            if isinstance(p, DeferredBlockPool):
+                tensors.to_device_packed = packed
         if isinstance(p, DeferredBlockPool):
-            # two host-to-device copies: ids, offsets, demands, rounds and expected pops in one, the keys
-            assert p.flushes - flushes0 == 1 and counts == {"apply_predicted": 1, "_tensor": 2}, (p.flushes, counts)
+            # ONE host-to-device copy: ids, offsets, demands, rounds, expected pops and the keys
+            assert p.flushes - flushes0 == 1 and counts == {"apply_predicted": 1, "to_device_packed": 1}, \
+                (p.flushes, counts)
             assert p.syncs == {}
             p.device_pool.validate()
         got.append((ids, driver.snapshot(p)))

@@ -284,7 +284,7 @@ class BlockHashToBlockView:
         holders = p._holders.get(key)
         if not holders:
             return None  # a miss is exact even when the mirror is dirty: pops only remove keys
-        s = min(holders, key=holders.__getitem__)
+        s = next(iter(holders)) if len(holders) == 1 else min(holders, key=holders.__getitem__)
         if p._dirty and p._ref[s] == 0:  # a free block: a pop since the last sync may have evicted it
             p._need_exact("get_one_block")
             return self.get_one_block(key)
@@ -359,7 +359,10 @@ def _on_stream(fn):
 
 
 def _run_on_pool_stream(cls) -> None:
+    host = getattr(cls, "_HOST_ANSWERED", ())
     for name in _ON_STREAM:
+        if name in host:
+            continue
         f = cls.__dict__.get(name)
         if callable(f) and not getattr(f, "on_pool_stream", False):
             setattr(cls, name, _on_stream(f))

@@ -73,6 +73,10 @@ class DeferredBlockPool(BlockPool):
     verify_every = 64
     _events_on_host = True  # the device pool records no events: HostEvents makes them
 
+    # answered on the host: not wrapped in the pool's stream context (a few microseconds a call on
+    # CUDA); their device work runs in methods that are (sync, _flush, the base class's ops)
+    _HOST_ANSWERED = ("get_new_blocks", "touch", "free_blocks", "cache_full_blocks", "get_cached_block")
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.deferred = True
@@ -92,6 +96,7 @@ class DeferredBlockPool(BlockPool):
         # device: the launches since the last synchronisation, (batch, confirmation, placeholders it added)
         self._flights: list[tuple[OpBatch, torch.Tensor, int]] = []
         self._watched = False  # unpin_blocks was called: pops run per call from then on
+        self._device_backend = self.backend == "device"
         if self.deferred:
             self.queue_copy.fill(self._read_window())
 
@@ -167,14 +172,16 @@ class DeferredBlockPool(BlockPool):
         if num_blocks == 0:
             return []
         qc = self.queue_copy
-        if not qc.fits(num_blocks) and not self._pending:
-            self.sync("free_queue", window=True)
-            if self._observed and not qc.fits(num_blocks):
-                return self._pop_per_call(num_blocks)  # events and metrics name the blocks at the call
+        if not qc.fits(num_blocks):
+            if not self._pending:
+                self.sync("free_queue", window=True)
+                if self._observed and not qc.fits(num_blocks):
+                    return self._pop_per_call(num_blocks)  # events and metrics name the blocks at the call
+            if not qc.fits(num_blocks):
+                self._num_free -= num_blocks
+                return self._pop_pending(num_blocks)
         self._num_free -= num_blocks
-        if qc.fits(num_blocks):
-            return self._pop_known(num_blocks)
-        return self._pop_pending(num_blocks)
+        return self._pop_known(num_blocks)
 
     def _pop_per_call(self, num_blocks: int) -> list[KVCacheBlock]:
         """Synchronise, then the per-call pop (its events and metrics calls too); the host's copy of the
@@ -190,7 +197,7 @@ class DeferredBlockPool(BlockPool):
 
     def _pop_known(self, num_blocks: int) -> list[KVCacheBlock]:
         ids = self.queue_copy.take(num_blocks)
-        if self.backend == "device":
+        if self._device_backend:
             self._batch.add_pop(num_blocks, ids)
         else:
             got = self._dev.get_new_blocks(num_blocks)
@@ -203,12 +210,14 @@ class DeferredBlockPool(BlockPool):
         if self.host_events is not None:  # the keys the pop evicts, before they leave the mirror
             self.host_events.popped(ids)
             self._drain_events()
-        drop = self.mirror.drop_keys
+        drop, keys, ntok, ref, blocks = self.mirror.drop_keys, self._keys, self._ntok, self._ref, self.blocks
         for x in ids:
-            drop(x)  # evicted by the pop (docs/semantics.md section 2)
-            self._keys[x], self._ntok[x], self._ref[x] = (), None, 1
-            self._touched.add(x)
-        out = [self.blocks[x] for x in ids]
+            if keys[x]:
+                drop(x)  # evicted by the pop (docs/semantics.md section 2)
+                keys[x] = ()
+            ntok[x], ref[x] = None, 1
+        self._touched.update(ids)
+        out = [blocks[x] for x in ids]
         if self.metrics_collector:
             metrics_pop(self.metrics_collector, out, self.enable_caching)
         return out
@@ -316,7 +325,7 @@ class DeferredBlockPool(BlockPool):
             return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
         g = kv_cache_group_id
         slots = [blk._s for blk in blocks[nc:nf]]
-        device = self.backend == "device"
+        device = self._device_backend
         ntok = [(i + 1) * block_size for i in range(nc, nf)]
         if device:
             self._batch.add_cache(slots, [(h, g) for h in hashes], ntok)
@@ -392,7 +401,7 @@ class DeferredBlockPool(BlockPool):
         for s in slots:
             if s < self.num_gpu_blocks:
                 self._touched.add(s)
-        if self.backend == "device":
+        if self._device_backend:
             launched = self.num_gpu_blocks + (0 if self._pend_dev is None else self._pend_dev.numel())
             where = self._batch.placement(kind, slots, front, launched)
             if where == "launch":
@@ -663,7 +672,11 @@ class DeferredBlockPool(BlockPool):
         view); ``device_lookups=True`` synchronises and looks up on the device."""
         if self.device_lookups:
             self.sync("op:get_cached_block")
-        return super().get_cached_block(block_hash, kv_cache_group_ids)
+            return super().get_cached_block(block_hash, kv_cache_group_ids)
+        return _mirror_lookup(self, block_hash, kv_cache_group_ids)  # host only: no stream context
+
+
+_mirror_lookup = BlockPool.get_cached_block.__wrapped__  # the base class's method without its stream wrapper
 
 
 __all__ = ["DeferredBlockPool", "PendingBlock", "FREE_WINDOW"]
