@@ -24,7 +24,7 @@ import torch
 from ..args import MAX_GROUP_ID, MAX_TOKENS, as_host_list
 from ..errors import OutOfBlocksError, PoolError
 from ..pool import PredictedBatch
-from .block_pool import BlockPool, KVCacheBlock, _hashes_at, count_arg, make_block_hash_with_group_id
+from .block_pool import BlockPool, KVCacheBlock, _hashes_at, count_arg
 from .host_events import metrics_pop, metrics_touch
 from .op_batch import OpBatch
 from .queue_copy import FreeQueueCopy
@@ -502,7 +502,6 @@ class DeferredBlockPool(BlockPool):
         self.syncs[why] += 1
         self.steps_since_sync = 0
         refill = window or self.queue_copy.low(self._num_free)
-        n = self.num_gpu_blocks
         known = sorted(self._touched)
         npend = len(self._pending)
         exact = not (self._pending or self._dirty)  # the host's rows of `known` are claims to check
