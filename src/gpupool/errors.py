@@ -67,6 +67,31 @@ def double_free_message(block: int, verb: str, ref_cnt: int) -> str:
     return f"block {block} {verb} more times than it is referenced (ref_cnt {ref_cnt}): a double free"
 
 
+def slot_range_message(slot: int, num_slots: int) -> str:
+    """Both managers' words for a slot outside ``0 .. max_num_reqs - 1``."""
+    return f"slot {slot} out of range 0..{num_slots - 1}"
+
+
+def slot_use_message(slot: int, active: bool = True) -> str:
+    """Both managers' words for a slot not in use (``active``: it had to be) or in use."""
+    return f"slot {slot} is {'not ' if active else ''}in use"
+
+
+def slot_twice_message(slot: int) -> str:
+    """Both managers' words for a slot listed twice (named at its first entry)."""
+    return f"slot {slot} is listed twice"
+
+
+def token_count_message(n: int, low: int, high: int, slot: int | None = None) -> str:
+    """Both managers' words for a token count outside ``low .. high`` (``slot``: whose room it is)."""
+    return f"token count {n} outside {low}..{high}" + ("" if slot is None else f" for slot {slot}")
+
+
+def position_message(position: int, slot: int) -> str:
+    """Both managers' words for a ``slot_mapping`` position outside its slot's row."""
+    return f"position {position} of slot {slot} has no block"
+
+
 class OutOfBlocksError(PoolError, ValueError):
     """More blocks asked for than are free (``get_new_blocks``)."""
 
@@ -178,4 +203,5 @@ __all__ = [
     "ErrorCode", "PoolError", "OutOfBlocksError", "InvalidCountError", "InvalidBlockIdError", "NullBlockError",
     "DoubleFreeError", "HashConflictError", "KeyCapacityError", "InvalidArgumentError", "ArgumentTypeError",
     "InvariantError", "BufferFullError", "ERRORS_BY_CODE", "out_of_blocks_message", "double_free_message",
+    "slot_range_message", "slot_use_message", "slot_twice_message", "token_count_message", "position_message",
 ]
