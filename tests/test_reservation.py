@@ -62,12 +62,13 @@ def validate(p: Pair) -> None:
 
 
 def expect_error(p: Pair, exc: type, desc: str, ref_fn, dev_fn) -> None:
-    """Both managers raise exactly ``exc`` (the device's at ``pool.check()``) and change nothing."""
+    """Both managers raise exactly ``exc`` (the device's at ``pool.check()``) with the same value and
+    words, and change nothing."""
     before_ref, before_dev = pool_state(p.ref.pool), pool_state(p.dev.pool)
     before = reservations(p)
     r_val, r_err, d_val, d_err = call_both(ref_fn, dev_fn, p.dev.pool.check)
     assert type(r_err) is exc and type(d_err) is exc, (desc, r_err, d_err)
-    assert r_err.op == d_err.op
+    assert (r_err.op, r_err.value, str(r_err)) == (d_err.op, d_err.value, str(d_err)), desc
     assert pool_state(p.ref.pool) == before_ref and pool_state(p.dev.pool) == before_dev, desc
     assert reservations(p) == before, desc
     p.compare()

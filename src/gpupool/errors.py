@@ -7,7 +7,9 @@ is a ``ValueError``, ``ArgumentTypeError`` a ``TypeError``, ``InvalidBlockIdErro
 
 The device records an error as (code, op, value) in its status word; :data:`ErrorCode` numbers the
 classes (``kernels/layout.py`` mirrors them for the kernels) and :meth:`PoolError.from_status`
-turns a record into an exception with the message below.
+turns a record into an exception with the message below. The manager's kernels record a cause too,
+and ``gpupool.manager_errors`` words those records with the message functions here, which the
+reference manager uses as well (docs/errors.md, "The status word").
 """
 from __future__ import annotations
 
@@ -161,6 +163,7 @@ class InvalidArgumentError(PoolError, ValueError):
     code = ErrorCode.INVALID_ARG
     device_message = ("invalid argument: a block or slot listed twice or not in use, or a count, offset, slot "
                       "or position that does not fit its array")
+    # a manager op's record without a cause (gpupool/manager_errors.py words the others)
     _SLOTS = ("slot {value} is out of range, not in use (add_request first) or listed twice; or the batch's "
               "count, {value}, is past its arrays")
     device_message_by_op = {
