@@ -98,12 +98,12 @@ def keep_first_why(err, err_val, why, extra, err_i, new_err, bad, idx, val, caus
     """:func:`keep_first` with the lane's ``Cause`` and second value: (code, value, cause, extra,
     index). Lanes that share the lowest index share its slot, so they agree on both."""
     anyb, i, v = first_bad(bad, idx, val)
-    at = bad & (idx == i)
-    c = tl.max(tl.where(at, cause, 0), axis=0)
-    x = tl.max(tl.where(at, ext.to(tl.int64), -9223372036854775807), axis=0)
     take = anyb & (i < err_i)
-    return (tl.where(take, new_err, err), tl.where(take, v, err_val), tl.where(take, c, why), tl.where(take, x, extra),
-            tl.where(take, i, err_i))
+    if take:  # the detail's reductions only on a tile that holds the new first error
+        at = bad & (idx == i)
+        why = tl.max(tl.where(at, cause, 0), axis=0).to(tl.int32)
+        extra = tl.max(tl.where(at, ext.to(tl.int64), -9223372036854775807), axis=0)
+    return tl.where(take, new_err, err), tl.where(take, v, err_val), why, extra, tl.where(take, i, err_i)
 
 
 @triton.jit
