@@ -201,7 +201,8 @@ def test_a_device_count_past_its_arrays_is_named_with_their_length(twin, op, cou
 ], ids=["past-row", "negative", "range", "not-in-use"])
 def test_attention_views_name_the_lane_and_its_slot(twin, slots, base_len, cause, text):
     _, dev = twin
-    expect_device_error(dev, A, cause, f"attention_views: {text}", lambda: dev.attention_views(i32(slots), i32(base_len)))
+    expect_device_error(dev, A, cause, f"attention_views: {text}",
+                        lambda: dev.attention_views(i32(slots), i32(base_len)))
 
 
 @pytest.mark.parametrize("finished, slots, ntok, exc, cause, text", [

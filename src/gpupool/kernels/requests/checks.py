@@ -36,8 +36,8 @@ def mark_tile(ms, mc: tl.constexpr, slots, i, n, err, val, why, err_i, base):
     idle = ok & (tl.load(ms.active + r, mask=ok, other=1) == 0)
     at = tl.where(rep, tl.minimum(idx, -seen + BIG), idx)
     cause = tl.where(out | idle, slot_cause(mc, r, idle), C_SLOT_LISTED_TWICE)
-    err, val, why, _, err_i = keep_first_why(err, val, why, tl.zeros([], tl.int64), err_i, new_err=E_INVALID_ARG, bad=out | idle | rep,
-                                             idx=at, val=r, cause=cause, ext=r)
+    err, val, why, _, err_i = keep_first_why(err, val, why, tl.zeros([], tl.int64), err_i, new_err=E_INVALID_ARG,
+                                             bad=out | idle | rep, idx=at, val=r, cause=cause, ext=r)
     return err, val, why, err_i
 
 

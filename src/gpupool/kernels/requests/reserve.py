@@ -12,7 +12,9 @@ import triton
 import triton.language as tl
 
 from ..common import checked_count, keep_first_why, set_status_why, status_clear, warps_for
-from ..layout import BIG, C_COUNT_PAST_ARRAYS, C_TOKEN_COUNT, E_INVALID_COUNT, NUM_FREE, OP_RELEASE_RESERVATION, OP_RESERVE
+from ..layout import (
+    BIG, C_COUNT_PAST_ARRAYS, C_TOKEN_COUNT, E_INVALID_COUNT, NUM_FREE, OP_RELEASE_RESERVATION, OP_RESERVE,
+)
 from .checks import check_slots, or_count_error
 
 
