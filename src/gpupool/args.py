@@ -7,10 +7,14 @@ group ids and token counts fit the device's int32 fields. Nothing here knows abo
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from .errors import ArgumentTypeError, InvalidArgumentError, InvalidBlockIdError
+from .errors import (
+    ArgumentTypeError, InvalidArgumentError, InvalidBlockIdError, slot_range_message, slot_twice_message,
+    slot_use_message,
+)
 from .groups import GroupKind
 
 NULL_BLOCK = 0
@@ -239,6 +243,30 @@ def cache_full_args(op: str, num_blocks: int, caching: bool, blocks, block_hashe
 def as_hash_bytes_list(op: str, hashes) -> list[bytes]:
     """Every entry of a hash sequence as bytes (``add_request`` / ``append_block_hashes``)."""
     return [check_hash(op, x) for x in as_hash_list(op, hashes)]
+
+
+# ---- request slots (both managers) -------------------------------------------------------------
+
+def check_slot(op: str, r: int, num_slots: int, in_use: Callable[[int], bool], active: bool | None = True) -> int:
+    """``r`` in ``0 .. num_slots - 1`` and, unless ``active`` is None, in use (``in_use(r)``) iff
+    ``active``; else InvalidArgumentError naming the slot."""
+    if not 0 <= r < num_slots:
+        raise InvalidArgumentError(op, slot_range_message(r, num_slots), r)
+    if active is not None and in_use(r) != active:
+        raise InvalidArgumentError(op, slot_use_message(r, active), r)
+    return r
+
+
+def check_slot_list(op: str, slots: list[int], num_slots: int, in_use: Callable[[int], bool]) -> list[int]:
+    """``slots``, each in range and in use and listed once; else InvalidArgumentError for the first bad
+    entry in list order, a repeated slot at its first entry (the device's one-pass check,
+    kernels/requests/checks.py ``mark_tile``, finds the same one)."""
+    times = Counter(slots)
+    for r in slots:
+        check_slot(op, r, num_slots, in_use)
+        if times[r] > 1:
+            raise InvalidArgumentError(op, slot_twice_message(r), r)
+    return slots
 
 
 # ---- the request manager's shape -------------------------------------------------------------

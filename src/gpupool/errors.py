@@ -7,7 +7,9 @@ is a ``ValueError``, ``ArgumentTypeError`` a ``TypeError``, ``InvalidBlockIdErro
 
 The device records an error as (code, op, value) in its status word; :data:`ErrorCode` numbers the
 classes (``kernels/layout.py`` mirrors them for the kernels) and :meth:`PoolError.from_status`
-turns a record into an exception with the message below.
+turns a record into an exception with the message below. The manager's kernels record a cause too,
+and ``gpupool.manager_errors`` words those records with the message functions here, which the
+reference manager uses as well (docs/errors.md, "The status word").
 """
 from __future__ import annotations
 
@@ -65,6 +67,31 @@ def double_free_message(block: int, verb: str, ref_cnt: int) -> str:
     """Both pools' words for a block released more times than it is referenced (``verb``: freed,
     unpinned)."""
     return f"block {block} {verb} more times than it is referenced (ref_cnt {ref_cnt}): a double free"
+
+
+def slot_range_message(slot: int, num_slots: int) -> str:
+    """Both managers' words for a slot outside ``0 .. max_num_reqs - 1``."""
+    return f"slot {slot} out of range 0..{num_slots - 1}"
+
+
+def slot_use_message(slot: int, active: bool = True) -> str:
+    """Both managers' words for a slot not in use (``active``: it had to be) or in use."""
+    return f"slot {slot} is {'not ' if active else ''}in use"
+
+
+def slot_twice_message(slot: int) -> str:
+    """Both managers' words for a slot listed twice (named at its first entry)."""
+    return f"slot {slot} is listed twice"
+
+
+def token_count_message(n: int, low: int, high: int, slot: int | None = None) -> str:
+    """Both managers' words for a token count outside ``low .. high`` (``slot``: whose room it is)."""
+    return f"token count {n} outside {low}..{high}" + ("" if slot is None else f" for slot {slot}")
+
+
+def position_message(position: int, slot: int) -> str:
+    """Both managers' words for a ``slot_mapping`` position outside its slot's row."""
+    return f"position {position} of slot {slot} has no block"
 
 
 class OutOfBlocksError(PoolError, ValueError):
@@ -136,6 +163,7 @@ class InvalidArgumentError(PoolError, ValueError):
     code = ErrorCode.INVALID_ARG
     device_message = ("invalid argument: a block or slot listed twice or not in use, or a count, offset, slot "
                       "or position that does not fit its array")
+    # a manager op's record without a cause (gpupool/manager_errors.py words the others)
     _SLOTS = ("slot {value} is out of range, not in use (add_request first) or listed twice; or the batch's "
               "count, {value}, is past its arrays")
     device_message_by_op = {
@@ -178,4 +206,5 @@ __all__ = [
     "ErrorCode", "PoolError", "OutOfBlocksError", "InvalidCountError", "InvalidBlockIdError", "NullBlockError",
     "DoubleFreeError", "HashConflictError", "KeyCapacityError", "InvalidArgumentError", "ArgumentTypeError",
     "InvariantError", "BufferFullError", "ERRORS_BY_CODE", "out_of_blocks_message", "double_free_message",
+    "slot_range_message", "slot_use_message", "slot_twice_message", "token_count_message", "position_message",
 ]

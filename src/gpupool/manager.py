@@ -42,7 +42,9 @@ from typing import NamedTuple
 import torch
 
 from . import tensors
-from .args import NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_id_list, as_int
+from .args import (
+    NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_id_list, as_int, check_slot, check_slot_list,
+)
 from .errors import ArgumentTypeError, InvalidArgumentError, InvalidCountError, InvariantError, OutOfBlocksError
 from .kernels.requests import copies as k_copies
 from .kernels.requests import decode as k_decode
@@ -56,6 +58,7 @@ from .kernels.requests.parallel_scratch import NKG, NMAP, NPAR
 from .kernels.copy_blocks import check_layers, copy_blocks
 from .kv_cache import AttentionViews
 from .locking import locked
+from .manager_errors import recorded_error
 from .pool import BlockPool
 from .reservations import check_reservations
 from .state import pow2_at_least
@@ -195,6 +198,7 @@ class KVCacheManager:
                                     SW=any(w > 0 for _, w in sh.groups))
         self.parallel = True  # False: every batch takes the exact sequential path (tests, debugging)
         self._pool.registry.add_pin_source(self._active_keys)
+        self._pool.add_error_wording(self._recorded_error)
 
     # the device tensors by name, for readers and tests
     lock = property(lambda self: self._lock, doc="The pool's re-entrant lock, which every public op holds.")
@@ -210,24 +214,26 @@ class KVCacheManager:
     copy_release = property(lambda self: self.state.copy_release)
 
     # ---- host ops ----------------------------------------------------------------------------
+    def _in_use(self, r: int) -> bool:
+        return bool(self.state.active[r].item())
+
     def _slot(self, op: str, slot, active: bool | None = True) -> int:
         """A slot number, range-checked; ``active``: whether it must be in use (read on the device)."""
-        r = as_int(op, slot, "slot")
-        if not 0 <= r < self.max_num_reqs:
-            raise InvalidArgumentError(op, f"slot {r} out of range 0..{self.max_num_reqs - 1}", r)
-        if active is not None and bool(self.state.active[r].item()) != active:
-            raise InvalidArgumentError(op, f"slot {r} is {'not ' if active else ''}in use", r)
-        return r
+        return check_slot(op, as_int(op, slot, "slot"), self.max_num_reqs, self._in_use, active)
 
     def _host_slots(self, op: str, slots) -> list[int]:
-        """A host list of distinct slots in use, checked on the host (waits for the device)."""
+        """A host list of distinct slots in use, checked on the host (waits for the device) as the
+        kernels check a device list: the first bad entry, a repeat at its first."""
         rs = as_id_list(op, slots)
         self._pool.finish()
-        for r in rs:
-            self._slot(op, r)
-        if len(set(rs)) != len(rs):
-            raise InvalidArgumentError(op, "a slot is listed twice")
-        return rs
+        return check_slot_list(op, rs, self.max_num_reqs, self._in_use)
+
+    def _recorded_error(self, code: int, op: str, value: int, cause: int, extra: int):
+        """This manager's words for a record of its kernels (gpupool/manager_errors.py)."""
+        return recorded_error(self.shape, self._read_slot, code, op, value, cause, extra)
+
+    def _read_slot(self, name: str, r: int) -> int:
+        return int(getattr(self.state, name)[r].item())
 
     def _write_hashes(self, r: int, start: int, hashes: list[bytes]) -> None:
         if hashes:

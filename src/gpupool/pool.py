@@ -65,8 +65,9 @@ class PredictedBatch:
 class PoolHandle:
     """What the request manager and the replay use of a pool (internal; docs/design.md, layers):
     the device ``state`` and its ``config`` for their launchers, the key ``registry`` that names
-    device keys, the pool's ``lock`` (shared, so the manager's ops and the pool's serialise), and
-    ``finish``, which waits for the device and raises a recorded error (``BlockPool.check``)."""
+    device keys, the pool's ``lock`` (shared, so the manager's ops and the pool's serialise),
+    ``finish``, which waits for the device and raises a recorded error (``BlockPool.check``), and
+    ``add_error_wording``, through which the manager words its own ops' records."""
 
     state: PoolState
     config: PoolConfig
@@ -74,6 +75,7 @@ class PoolHandle:
     lock: object
     device: torch.device
     finish: Callable[[], None]
+    add_error_wording: Callable[[Callable[..., PoolError | None]], None]
 
 
 class BlockPool:
@@ -134,10 +136,13 @@ class BlockPool:
         self._events: list = []
         self._lock = new_lock()
         self._window_offsets: dict[int, torch.Tensor] = {}  # free_window's ring offsets, per length
+        # fn(code, op, value, cause, extra) -> the error, or None: a manager's words for its records
+        self._wordings: list[Callable[..., PoolError | None]] = []
 
     def handle(self) -> PoolHandle:
         """The internal handle the request manager and the replay work through."""
-        return PoolHandle(self.state, self.config, self.registry, self._lock, self.device, self.check)
+        return PoolHandle(self.state, self.config, self.registry, self._lock, self.device, self.check,
+                          self._wordings.append)
 
     # ---- device records: status, events, reuse log ----------------------------------------------
     @locked
@@ -160,12 +165,16 @@ class BlockPool:
         if status[Status.CODE]:
             s.status.zero_()
             raise self._recorded_error(status[Status.CODE], op_name(status[Status.OP]), status[Status.VALUE],
-                                       ctrl[Ctrl.NUM_FREE])
+                                       ctrl[Ctrl.NUM_FREE], status[Status.CAUSE], status[Status.EXTRA])
 
-    def _recorded_error(self, code: int, op: str, value: int, num_free: int) -> PoolError:
+    def _recorded_error(self, code: int, op: str, value: int, num_free: int, cause: int, extra: int) -> PoolError:
         """The status word's error, worded as the reference pool words it: the free count of an
         out-of-blocks error and the ref count of a double free, read now (the failed op, and every op
-        skipped after it, changed neither)."""
+        skipped after it, changed neither); a manager's op as the manager words it (its cause)."""
+        for word in self._wordings:
+            err = word(code, op, value, cause, extra)
+            if err is not None:
+                return err
         if code == OutOfBlocksError.code:
             return OutOfBlocksError(op, out_of_blocks_message(value, num_free), value)
         if code == DoubleFreeError.code and 0 <= value < self.num_blocks:

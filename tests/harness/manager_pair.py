@@ -99,7 +99,7 @@ class ManagerPair:
 
     def do(self, desc: str, ref_fn, dev_fn, norm=lambda x: x):
         """Run the op on both sides (the device's batched errors surface at ``pool.check()``). Both
-        raise the same error class, and then neither changed anything, or both return equal
+        raise the same error class in the same words, and then neither changed anything, or both return equal
         (normalised) results. Then the whole state is compared. Returns the reference's result or
         None when it raised."""
         self.ops.append(desc)
@@ -107,6 +107,7 @@ class ManagerPair:
         before_ref, before_dev = manager_state(self.ref), manager_state(self.dev)
         r_val, r_err, d_val, d_err = call_both(ref_fn, dev_fn, self.dev.pool.check)
         assert type(d_err) is type(r_err), f"{desc}: device raised {d_err!r}, reference {r_err!r}; {self.where()}"
+        assert str(d_err) == str(r_err), f"{desc}: device said {d_err}, reference {r_err}"  # the same words
         event(desc, r_err, r_val)
         if r_err is not None:
             assert manager_state(self.ref) == before_ref, f"{desc}: the reference raised but changed state"

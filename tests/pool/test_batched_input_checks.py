@@ -499,18 +499,20 @@ def test_slot_mapping_is_minus_one_past_the_count_and_for_a_bad_count():
 
 
 def test_manager_device_errors_say_what_the_op_checks():
-    """The status word's errors of the manager's ops are worded per op (the slot, or the token count),
-    not the catch-all of every batched op."""
+    """The status word's errors of the manager's ops are worded per op and cause (the slot, or the token
+    count; gpupool/manager_errors.py), not the catch-all of every batched op."""
     from gpupool.errors import InvalidCountError
     from gpupool.manager import KVCacheManager
 
     m = KVCacheManager(64, block_size=4, max_num_reqs=4, max_blocks_per_req=8)
     m.add_request(0, [])
-    cases = [(InvalidArgumentError, lambda: m.allocate_slots([0, 3], [4, 4], [4, 4]), "allocate_slots: slot 3 is out of"),
-             (InvalidArgumentError, lambda: m.release_reservation([2]), "release_reservation: slot 2 "),
-             (InvalidCountError, lambda: m.reserve([0], [40]), "reserve: token count 40 is negative or takes"),
-             (InvalidCountError, lambda: m.allocate_slots([0], [40], [40]), "allocate_slots: token count 40 "),
-             (InvalidArgumentError, lambda: m.slot_mapping([0], [99]), "slot_mapping: slot or position 99")]
+    cases = [(InvalidArgumentError, lambda: m.allocate_slots([0, 3], [4, 4], [4, 4]),
+              "allocate_slots: slot 3 is not in use"),
+             (InvalidArgumentError, lambda: m.release_reservation([2]), "release_reservation: slot 2 is not in use"),
+             (InvalidCountError, lambda: m.reserve([0], [40]), "reserve: token count 40 outside 0..32 for slot 0"),
+             (InvalidCountError, lambda: m.allocate_slots([0], [40], [40]),
+              "allocate_slots: token count 40 outside 0..32"),
+             (InvalidArgumentError, lambda: m.slot_mapping([0], [99]), "slot_mapping: position 99 of slot 0 has no block")]
     for exc, fn, says in cases:
         fn()
         with pytest.raises(exc) as e:

@@ -55,7 +55,8 @@ def _mirrors():
     from gpupool.errors import ErrorCode
     from gpupool.kernels import layout, replay, validate
 
-    return [(layout, layout.Ctrl, ""), (layout, layout.Status, "ST_"), (layout, layout.Op, "OP_"),
+    return [(layout, layout.Ctrl, ""), (layout, layout.Status, "ST_"), (layout, layout.Cause, "C_"),
+            (layout, layout.Op, "OP_"),
             (layout, ErrorCode, "E_"), (layout, layout.Event, "EV_"), (layout, layout.EventCol, "EC_"),
             (layout, layout.KeyCol, "K_"), (layout, layout.RoundField, "RF_"),
             (layout, layout.Fallback, "R_"), (replay, replay.LoopWord, "W_"),

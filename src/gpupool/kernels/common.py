@@ -8,17 +8,27 @@ import triton
 import triton.language as tl
 
 from ..launch_state import forced_num_warps
-from .layout import BIG, ST_CODE, ST_OP, ST_VALUE
+from .layout import BIG, ST_CAUSE, ST_CODE, ST_EXTRA, ST_OP, ST_VALUE
 
 
 @triton.jit
 def set_status(status, code, op, value):
-    """Record the first error (single-program kernels only: no other program races on it)."""
+    """Record the first error, its cause 0 (:func:`set_status_why`)."""
+    set_status_why(status, code, op, value, cause=0, extra=0)
+
+
+@triton.jit
+def set_status_why(status, code, op, value, cause, extra):
+    """Record the first error with its ``Cause`` and second value (single-program kernels only: no
+    other program races on it). Every slot is written under the one test of the code, so a cause
+    never outlives its error or joins a later one."""
     # strict: benign, thread 0 stores; the others' read only guards stores they do not do (no barrier inside)
     if tl.load(status + ST_CODE) == 0:
         tl.store(status + ST_CODE, tl.cast(code, tl.int64))
         tl.store(status + ST_OP, tl.cast(op, tl.int64))
         tl.store(status + ST_VALUE, tl.cast(value, tl.int64))
+        tl.store(status + ST_CAUSE, tl.cast(cause, tl.int64))
+        tl.store(status + ST_EXTRA, tl.cast(extra, tl.int64))
 
 
 @triton.jit
@@ -84,9 +94,29 @@ def keep_first(err, err_val, err_i, new_err, bad, idx, val):
 
 
 @triton.jit
+def keep_first_why(err, err_val, why, extra, err_i, new_err, bad, idx, val, cause, ext):
+    """:func:`keep_first` with the lane's ``Cause`` and second value: (code, value, cause, extra,
+    index). Lanes that share the lowest index share its slot, so they agree on both."""
+    anyb, i, v = first_bad(bad, idx, val)
+    take = anyb & (i < err_i)
+    if take:  # the detail's reductions only on a tile that holds the new first error
+        at = bad & (idx == i)
+        why = tl.max(tl.where(at, cause, 0), axis=0).to(tl.int32)
+        extra = tl.max(tl.where(at, ext.to(tl.int64), -9223372036854775807), axis=0)
+    return tl.where(take, new_err, err), tl.where(take, v, err_val), why, extra, tl.where(take, i, err_i)
+
+
+@triton.jit
 def no_error():
     """The start of a :func:`keep_first` fold: (no code, no value, no index)."""
     return tl.zeros([], tl.int32), tl.zeros([], tl.int64), tl.full([], BIG, tl.int32)
+
+
+@triton.jit
+def no_error_why():
+    """The start of a :func:`keep_first_why` fold: (no code, value, cause, extra, index)."""
+    return tl.zeros([], tl.int32), tl.zeros([], tl.int64), tl.zeros([], tl.int32), tl.zeros([], tl.int64), \
+        tl.full([], BIG, tl.int32)
 
 
 WIDE_BLOCK = 4096

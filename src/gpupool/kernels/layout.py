@@ -1,5 +1,5 @@
 """Every number the host and the kernels must agree on, defined once: control-word slots, the status
-word, op codes, error codes, event kinds and row columns, key-row columns, the key table's chunk
+word and its causes, op codes, error codes, event kinds and row columns, key-row columns, the key table's chunk
 width, the fallback reasons, the flush kernel's round table, sentinels.
 
 Each group is an ``IntEnum`` for the host; kernels read the ``tl.constexpr`` mirrors below it (a
@@ -56,15 +56,38 @@ R_OUT_OF_BLOCKS, R_SLIDING_WINDOW, R_PREFIX, R_PARTIAL_KEY, R_FORCED = constexpr
 
 
 class Status(IntEnum):
-    """Slots of the sticky status word ``status: int64[STATUS_SIZE]``: the first error of a batched op."""
+    """Slots of the sticky status word ``status: int64[STATUS_SIZE]``: the first error of a batched op,
+    every slot written by the op that recorded it (docs/errors.md, "The status word")."""
 
-    CODE = 0
-    OP = 1
-    VALUE = 2
+    CODE = 0  # ErrorCode; 0 = clear
+    OP = 1  # Op
+    VALUE = 2  # the offending block id, slot, count, token count or position
+    CAUSE = 3  # Cause: what was wrong with VALUE (0 where the code says it all)
+    EXTRA = 4  # a second value the message names: the slot of a position, length or token count; the
+    #            length of the arrays a count passed
 
 
-STATUS_SIZE = 4  # Status's slots and a spare one
-ST_CODE, ST_OP, ST_VALUE = constexprs(Status)
+STATUS_SIZE = 8  # Status's slots and spare ones
+ST_CODE, ST_OP, ST_VALUE, ST_CAUSE, ST_EXTRA = constexprs(Status)
+
+
+class Cause(IntEnum):
+    """Why the manager's request-level kernels refused an input (``status[CAUSE]``); the host words the
+    error by (op, cause) as the reference manager does (``gpupool.manager``, ``gpupool.errors``)."""
+
+    UNKNOWN = 0  # not recorded: the error code's own message
+    SLOT_OUT_OF_RANGE = 1  # VALUE: the slot
+    SLOT_NOT_IN_USE = 2  # VALUE: the slot
+    SLOT_LISTED_TWICE = 3  # VALUE: the slot (at its first entry)
+    COUNT_PAST_ARRAYS = 4  # VALUE: the device count (num_reqs, num); EXTRA: its arrays' length
+    FINISHED_PAST_ARRAYS = 5  # VALUE: a decode step's num_finished; EXTRA: its array's length
+    TOKEN_COUNT = 6  # VALUE: the token count (InvalidCountError); EXTRA: its slot
+    POSITION_OUTSIDE_ROW = 7  # VALUE: the position; EXTRA: its slot
+    LENGTH_OUTSIDE_ROW = 8  # VALUE: the attention length; EXTRA: its slot
+
+
+(C_UNKNOWN, C_SLOT_OUT_OF_RANGE, C_SLOT_NOT_IN_USE, C_SLOT_LISTED_TWICE, C_COUNT_PAST_ARRAYS, C_FINISHED_PAST_ARRAYS,
+ C_TOKEN_COUNT, C_POSITION_OUTSIDE_ROW, C_LENGTH_OUTSIDE_ROW) = constexprs(Cause)
 
 
 class Op(IntEnum):

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..args import NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_id_list, as_int
-from ..errors import ArgumentTypeError, InvalidArgumentError, InvalidCountError, InvariantError, OutOfBlocksError
+from ..args import (
+    NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_id_list, as_int, check_slot, check_slot_list,
+)
+from ..errors import (
+    ArgumentTypeError, InvalidArgumentError, InvalidCountError, InvariantError, OutOfBlocksError, position_message,
+    token_count_message,
+)
 from ..reservations import check_reservations
 from ..locking import Locked, locked
 from .pool import ReferenceBlockPool
@@ -47,18 +52,11 @@ class ReferenceKVCacheManager(Locked):
 
     # ---- checks ------------------------------------------------------------------------------
     def _slot(self, op: str, slot, active: bool | None = True) -> int:
-        r = as_int(op, slot, "slot")
-        if not 0 <= r < self.max_num_reqs:
-            raise InvalidArgumentError(op, f"slot {r} out of range 0..{self.max_num_reqs - 1}", r)
-        if active is not None and self.active[r] != active:
-            raise InvalidArgumentError(op, f"slot {r} is {'not ' if active else ''}in use", r)
-        return r
+        return check_slot(op, as_int(op, slot, "slot"), self.max_num_reqs, self.active.__getitem__, active)
 
     def _slots(self, op: str, slots) -> list[int]:
-        out = [self._slot(op, s) for s in as_id_list(op, slots)]
-        if len(set(out)) != len(out):
-            raise InvalidArgumentError(op, "a slot is listed twice")
-        return out
+        """Distinct slots in use; the first bad entry in list order raises (a repeat at its first)."""
+        return check_slot_list(op, as_id_list(op, slots), self.max_num_reqs, self.active.__getitem__)
 
     # ---- requests ----------------------------------------------------------------------------
     def _full_hashes(self, r: int) -> list[bytes]:
@@ -156,9 +154,9 @@ class ReferenceKVCacheManager(Locked):
         if not len(nts) == len(tgt) == len(lk) == len(rs):
             raise InvalidArgumentError(op, "slots, num_tokens, target_tokens and lookup differ in length")
         bs, G = self.block_size, len(self.groups)
-        for t in tgt + nts:
+        for t in (t for pair in zip(nts, tgt) for t in pair):  # request by request, as a batch of single calls
             if not 0 <= t <= self.max_blocks_per_req * bs:
-                raise InvalidCountError(op, f"token count {t} outside 0..{self.max_blocks_per_req * bs}", t)
+                raise InvalidCountError(op, token_count_message(t, 0, self.max_blocks_per_req * bs), t)
         admitted = [False] * len(rs)
         for k, r in enumerate(rs):
             self._remove_skipped_blocks(r)
@@ -224,7 +222,7 @@ class ReferenceKVCacheManager(Locked):
     def slot_mapping(self, slots, positions, group: int = 0) -> list[int]:
         """KV slot of each (request, token position): ``block_id * block_size + position % block_size``."""
         op = "slot_mapping"
-        rs = [self._slot(op, s) for s in as_id_list(op, slots)]
+        rs = as_id_list(op, slots)
         ps = as_id_list(op, positions)
         g = as_int(op, group, "group")
         if not 0 <= g < len(self.groups):
@@ -232,10 +230,10 @@ class ReferenceKVCacheManager(Locked):
         if len(ps) != len(rs):
             raise InvalidArgumentError(op, "slots and positions differ in length")
         out = []
-        for r, p in zip(rs, ps):
-            row = self.tables[g][r]
+        for r, p in zip(rs, ps):  # entry by entry: its slot, then its position
+            row = self.tables[g][self._slot(op, r)]
             if not 0 <= p < len(row) * self.block_size:
-                raise InvalidArgumentError(op, f"position {p} of slot {r} has no block", p)
+                raise InvalidArgumentError(op, position_message(p, r), p)
             out.append(row[p // self.block_size] * self.block_size + p % self.block_size)
         return out
 
@@ -301,7 +299,7 @@ class ReferenceKVCacheManager(Locked):
         cap = self.max_blocks_per_req * self.block_size
         for r, n in zip(rs, nts):
             if n < 0 or self.num_computed[r] + n > cap:
-                raise InvalidCountError(op, f"token count {n} outside 0..{cap - self.num_computed[r]} for slot {r}", n)
+                raise InvalidCountError(op, token_count_message(n, 0, cap - self.num_computed[r], r), n)
         out = [False] * len(rs)
         room = self.pool.get_num_free_blocks() - self.num_reserved
         for k, (r, n) in enumerate(zip(rs, nts)):

@@ -3,18 +3,29 @@ batch, and a decode step's inputs, each before anything changes (docs/semantics.
 import triton
 import triton.language as tl
 
-from ..common import checked_count, keep_first, no_error, set_status, status_clear, tile_of
-from ..layout import BIG, EV_COUNT, E_BUFFER_FULL, E_INVALID_ARG, E_INVALID_COUNT, OP_ALLOCATE_SLOTS, OP_DECODE_STEP
+from ..common import checked_count, keep_first, keep_first_why, no_error, no_error_why, raw_count, set_status_why, \
+    status_clear, tile_of
+from ..layout import (
+    BIG, C_COUNT_PAST_ARRAYS, C_FINISHED_PAST_ARRAYS, C_SLOT_LISTED_TWICE, C_SLOT_NOT_IN_USE, C_SLOT_OUT_OF_RANGE,
+    C_TOKEN_COUNT, EV_COUNT, E_BUFFER_FULL, E_INVALID_ARG, E_INVALID_COUNT, OP_ALLOCATE_SLOTS, OP_DECODE_STEP,
+)
 
 
 @triton.jit
-def mark_tile(ms, mc: tl.constexpr, slots, i, n, err, val, err_i, base):
+def slot_cause(mc: tl.constexpr, r, idle):
+    """The ``Cause`` of a bad slot ``r`` that is not a repeat: out of range, else not in use (``idle``)."""
+    return tl.where((r < 0) | (r >= mc.R), C_SLOT_OUT_OF_RANGE, tl.where(idle, C_SLOT_NOT_IN_USE, 0))
+
+
+@triton.jit
+def mark_tile(ms, mc: tl.constexpr, slots, i, n, err, val, why, err_i, base):
     """Mark each in-range slot of tile ``slots[i:i + BLOCK]`` (of ``n``) in ``s_req`` (BIG minus its
     earliest index, by atomic max) and fold the first bad entry into the running (error, value,
-    index): a slot out of range or not in use at its index, a slot listed twice at its first index
-    (entry i has index ``base + i``). Of two entries of a slot, the one marked second sees the
+    cause, index): a slot out of range or not in use at its index, a slot listed twice at its first
+    index (entry i has index ``base + i``). Of two entries of a slot, the one marked second sees the
     other's index, so one pass finds every repeat, across lists too; :func:`unmark_tile` after a
-    barrier."""
+    barrier. The cause goes by the slot (out of range, else not in use, else listed twice), so
+    every entry folded at one index agrees on it."""
     offs = tl.arange(0, mc.BLOCK)
     idx = base + i + offs
     r, m = tile_of(slots, i + offs, n)
@@ -24,7 +35,10 @@ def mark_tile(ms, mc: tl.constexpr, slots, i, n, err, val, err_i, base):
     rep = ok & (seen > 0)
     idle = ok & (tl.load(ms.active + r, mask=ok, other=1) == 0)
     at = tl.where(rep, tl.minimum(idx, -seen + BIG), idx)
-    return keep_first(err, val, err_i, new_err=E_INVALID_ARG, bad=out | idle | rep, idx=at, val=r)
+    cause = tl.where(out | idle, slot_cause(mc, r, idle), C_SLOT_LISTED_TWICE)
+    err, val, why, _, err_i = keep_first_why(err, val, why, tl.zeros([], tl.int64), err_i, new_err=E_INVALID_ARG,
+                                             bad=out | idle | rep, idx=at, val=r, cause=cause, ext=r)
+    return err, val, why, err_i
 
 
 @triton.jit
@@ -37,18 +51,33 @@ def unmark_tile(ms, mc: tl.constexpr, slots, i, n):
 
 @triton.jit
 def check_slots(ms, mc: tl.constexpr, slots, nb):
-    """(error, value): a slot out of range, listed twice or not in use; ``s_req`` scratch left zeroed."""
-    err, val, err_i = no_error()
+    """(error, value, cause): a slot out of range, listed twice or not in use; ``s_req`` scratch left
+    zeroed."""
+    err, val, why, _, err_i = no_error_why()
     i = 0
     while i < nb:
-        err, val, err_i = mark_tile(ms, mc, slots, i=i, n=nb, err=err, val=val, err_i=err_i, base=0)
+        err, val, why, err_i = mark_tile(ms, mc, slots, i=i, n=nb, err=err, val=val, why=why, err_i=err_i, base=0)
         i += mc.BLOCK
     tl.debug_barrier()
     i = 0
     while i < nb:
         unmark_tile(ms, mc, slots, i=i, n=nb)
         i += mc.BLOCK
-    return err, val
+    return err, val, why
+
+
+@triton.jit
+def or_count_error(err, val, why, extra, n_ok, count_ptr, cap, CAUSE: tl.constexpr):
+    """(error, value, cause, extra), replaced by a device count outside ``0..cap`` where ``n_ok`` is
+    false (E_INVALID_ARG, the count, ``CAUSE``, ``cap``): a count past its arrays reads no entry."""
+    return (tl.where(n_ok, err, E_INVALID_ARG), tl.where(n_ok, val, raw_count(count_ptr, cap).to(tl.int64)),
+            tl.where(n_ok, why, CAUSE), tl.where(n_ok, extra, cap))
+
+
+@triton.jit
+def count_cause(err, why):
+    """``why``, or TOKEN_COUNT for a token count's E_INVALID_COUNT (:func:`check_batch_counts`)."""
+    return tl.where(err == E_INVALID_COUNT, C_TOKEN_COUNT, why)
 
 
 @triton.jit
@@ -112,15 +141,15 @@ def check_allocate_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap)
         i += mc.BLOCK
     tl.debug_barrier()  # strict: before check_batch_counts zeroes the first nb again (other threads)
     if status_clear(ps.status):
-        err, err_val = check_slots(ms, mc, slots=batch.slots, nb=nb)
+        err, err_val, why = check_slots(ms, mc, slots=batch.slots, nb=nb)
         b_err, b_val, rows = check_batch_counts(ps, pc, ms, mc, batch, nb, MIN_TOKENS=0)
         err_val = tl.where(err == 0, b_val, err_val)  # a bad slot first
         err = tl.where(err == 0, b_err, err)
-        err = tl.where(nb_ok, err, E_INVALID_ARG)
-        err_val = tl.where(nb_ok, err_val, tl.load(batch.num_reqs).to(tl.int64))
+        err, err_val, why, extra = or_count_error(err, err_val, count_cause(err, why), 0, nb_ok, batch.num_reqs, cap,
+                                                  CAUSE=C_COUNT_PAST_ARRAYS)
         err, err_val = with_event_room(ps, pc, err, err_val, rows)
         if err != 0:
-            set_status(ps.status, code=err, op=OP_ALLOCATE_SLOTS, value=err_val)
+            set_status_why(ps.status, code=err, op=OP_ALLOCATE_SLOTS, value=err_val, cause=why, extra=extra)
         tl.debug_barrier()
     return nb, err
 
@@ -140,12 +169,13 @@ def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished,
     nf, nf_ok = checked_count(num_finished, fcap)
     ok = status_clear(ps.status)
     if ok:
-        err, val, err_i = no_error()
+        err, val, why, extra, err_i = no_error_why()
         i = 0
         while i < tl.maximum(nf, nb):  # both lists in one walk: their marks are order-free
-            err, val, err_i = mark_tile(ms, mc, finished, i=i, n=nf, err=err, val=val, err_i=err_i, base=0)
-            err, val, err_i = mark_tile(ms, mc, batch.slots, i=i, n=nb, err=err, val=val, err_i=err_i,
-                                        base=fcap)
+            err, val, why, err_i = mark_tile(ms, mc, finished, i=i, n=nf, err=err, val=val, why=why, err_i=err_i,
+                                             base=0)
+            err, val, why, err_i = mark_tile(ms, mc, batch.slots, i=i, n=nb, err=err, val=val, why=why,
+                                             err_i=err_i, base=fcap)
             i += mc.BLOCK
         tl.debug_barrier()
         # the batch's own checks read no marks: issued beside the unmarking, kept if the slots pass
@@ -158,13 +188,14 @@ def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished,
         b_err, b_val = with_event_room(ps, pc, b_err, b_val, rows)
         val = tl.where(err == 0, b_val, val)
         err = tl.where(err == 0, b_err, err)
-        err = tl.where(nf_ok, err, E_INVALID_ARG)
-        val = tl.where(nf_ok, val, tl.load(num_finished).to(tl.int64))
-        err = tl.where(nb_ok, err, E_INVALID_ARG)
-        val = tl.where(nb_ok, val, tl.load(batch.num_reqs).to(tl.int64))
+        why = count_cause(err, why)
+        err, val, why, extra = or_count_error(err, val, why, extra, nf_ok, num_finished, fcap,
+                                              CAUSE=C_FINISHED_PAST_ARRAYS)
+        err, val, why, extra = or_count_error(err, val, why, extra, nb_ok, batch.num_reqs, cap,
+                                              CAUSE=C_COUNT_PAST_ARRAYS)
         ok = err == 0
         if err != 0:
-            set_status(ps.status, code=err, op=OP_DECODE_STEP, value=val)
+            set_status_why(ps.status, code=err, op=OP_DECODE_STEP, value=val, cause=why, extra=extra)
             offs = tl.arange(0, mc.BLOCK)
             i = 0
             while i < cap:  # no request admitted

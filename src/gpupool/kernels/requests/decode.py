@@ -12,9 +12,9 @@ allocation and slot mapping, and scatters its results to the step's row of the b
 import triton
 import triton.language as tl
 
-from ..common import set_status, status_clear, warps_for
+from ..common import set_status_why, status_clear, warps_for
 from ..layout import OP_DECODE_STEP
-from .checks import check_batch_counts, check_step, with_event_room
+from .checks import check_batch_counts, check_step, count_cause, with_event_room
 from .exact import allocate_slots_exact_checked
 from .free import free_requests_checked
 from .parallel import allocate_slots_parallel_checked
@@ -114,7 +114,7 @@ def decode_burst_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, src, src_ori
         err, val, rows = check_batch_counts(ps, pc, ms, mc, dst, nb, MIN_TOKENS=1)
         err, val = with_event_room(ps, pc, err, val, rows)
         if err != 0:
-            set_status(ps.status, code=err, op=OP_DECODE_STEP, value=val)
+            set_status_why(ps.status, code=err, op=OP_DECODE_STEP, value=val, cause=count_cause(err, 0), extra=0)
         ok = err == 0
     tl.debug_barrier()
     allocate_decode_batch(ps, pc, ms, mc, dst, num=nb, ok=ok, out=dst_map, FORCE_EXACT=FORCE_EXACT)

@@ -2,11 +2,11 @@
 import triton
 import triton.language as tl
 
-from ..common import checked_count, segment_ids, set_status, status_clear, warps_for
-from ..layout import BIG, E_DOUBLE_FREE, E_INVALID_ARG, HEAD, NUM_FREE, OP_FREE, TAIL
+from ..common import checked_count, segment_ids, set_status, set_status_why, status_clear, warps_for
+from ..layout import BIG, C_COUNT_PAST_ARRAYS, E_DOUBLE_FREE, HEAD, NUM_FREE, OP_FREE, TAIL
 from ..queue import ring_make_room
 from ..release import count_tile, release_place, release_scan, reset_ids
-from .checks import check_slots
+from .checks import check_slots, or_count_error
 
 
 @triton.jit
@@ -63,12 +63,12 @@ def check_free_requests(ps, ms, mc: tl.constexpr, slots, num_reqs, cap):
     nb, nb_ok = checked_count(num_reqs, cap)
     ok = status_clear(ps.status)
     if ok:
-        err, err_val = check_slots(ms, mc, slots=slots, nb=nb)
-        err_val = tl.where(nb_ok, err_val, tl.load(num_reqs).to(tl.int64))
-        err = tl.where(nb_ok, err, E_INVALID_ARG)
+        err, err_val, why = check_slots(ms, mc, slots=slots, nb=nb)
+        err, err_val, why, extra = or_count_error(err, err_val, why, 0, nb_ok, num_reqs, cap,
+                                                  CAUSE=C_COUNT_PAST_ARRAYS)
         ok = err == 0
         if err != 0:
-            set_status(ps.status, code=err, op=OP_FREE, value=err_val)
+            set_status_why(ps.status, code=err, op=OP_FREE, value=err_val, cause=why, extra=extra)
     return nb, ok
 
 

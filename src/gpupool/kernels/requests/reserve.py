@@ -11,9 +11,11 @@ reservation first, and ``free_requests_checked`` releases the freed requests' re
 import triton
 import triton.language as tl
 
-from ..common import checked_count, keep_first, raw_count, set_status, status_clear, warps_for
-from ..layout import BIG, E_INVALID_ARG, E_INVALID_COUNT, NUM_FREE, OP_RELEASE_RESERVATION, OP_RESERVE
-from .checks import check_slots
+from ..common import checked_count, keep_first_why, set_status_why, status_clear, warps_for
+from ..layout import (
+    BIG, C_COUNT_PAST_ARRAYS, C_TOKEN_COUNT, E_INVALID_COUNT, NUM_FREE, OP_RELEASE_RESERVATION, OP_RESERVE,
+)
+from .checks import check_slots, or_count_error
 
 
 @triton.jit
@@ -41,7 +43,8 @@ def reserve_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_tokens
         i += mc.BLOCK
     nb, nb_ok = checked_count(num_reqs, cap)
     if status_clear(ps.status):
-        err, val = check_slots(ms, mc, slots=slots, nb=nb)
+        err, val, why = check_slots(ms, mc, slots=slots, nb=nb)
+        extra = tl.zeros([], tl.int64)
         err_i = tl.full([], BIG, tl.int32)
         i = 0
         while i < nb:
@@ -49,13 +52,13 @@ def reserve_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num_tokens
             m = k < nb
             r, n, okr, nc = request_tile(ms, mc, slots=slots, num_tokens=num_tokens, k=k, m=m)
             bad = okr & ((n < 0) | (nc.to(tl.int64) + n > mc.M * mc.BS))  # int64: nc + n can pass int32
-            if err == 0:
-                err, val, err_i = keep_first(err, val, err_i, new_err=E_INVALID_COUNT, bad=bad, idx=k, val=n)
+            if err == 0:  # the message names the slot: its room is M * BS - num_computed
+                err, val, why, extra, err_i = keep_first_why(err, val, why, extra, err_i, new_err=E_INVALID_COUNT,
+                                                             bad=bad, idx=k, val=n, cause=C_TOKEN_COUNT, ext=r)
             i += mc.BLOCK
-        err = tl.where(nb_ok, err, E_INVALID_ARG)
-        val = tl.where(nb_ok, val, raw_count(num_reqs, cap).to(tl.int64))
+        err, val, why, extra = or_count_error(err, val, why, extra, nb_ok, num_reqs, cap, CAUSE=C_COUNT_PAST_ARRAYS)
         if err != 0:
-            set_status(ps.status, code=err, op=OP_RESERVE, value=val)
+            set_status_why(ps.status, code=err, op=OP_RESERVE, value=val, cause=why, extra=extra)
         else:
             total = tl.load(ms.num_reserved)
             room = tl.load(ps.ctrl + NUM_FREE) - total.to(tl.int64)
@@ -89,11 +92,10 @@ def release_reservation_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots
     offs = tl.arange(0, mc.BLOCK)
     nb, nb_ok = checked_count(num_reqs, cap)
     if status_clear(ps.status):
-        err, val = check_slots(ms, mc, slots=slots, nb=nb)
-        err = tl.where(nb_ok, err, E_INVALID_ARG)
-        val = tl.where(nb_ok, val, raw_count(num_reqs, cap).to(tl.int64))
+        err, val, why = check_slots(ms, mc, slots=slots, nb=nb)
+        err, val, why, extra = or_count_error(err, val, why, 0, nb_ok, num_reqs, cap, CAUSE=C_COUNT_PAST_ARRAYS)
         if err != 0:
-            set_status(ps.status, code=err, op=OP_RELEASE_RESERVATION, value=val)
+            set_status_why(ps.status, code=err, op=OP_RELEASE_RESERVATION, value=val, cause=why, extra=extra)
         else:
             released = tl.zeros([], tl.int32)
             i = 0

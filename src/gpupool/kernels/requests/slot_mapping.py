@@ -2,8 +2,9 @@
 import triton
 import triton.language as tl
 
-from ..common import checked_count, keep_first, set_status, warps_for
-from ..layout import BIG, E_INVALID_ARG, OP_SLOT_MAPPING
+from ..common import checked_count, keep_first_why, no_error_why, set_status_why, warps_for
+from ..layout import C_COUNT_PAST_ARRAYS, C_POSITION_OUTSIDE_ROW, E_INVALID_ARG, OP_SLOT_MAPPING
+from .checks import or_count_error, slot_cause
 
 
 @triton.jit
@@ -26,14 +27,14 @@ def slot_mapping(ps, ms, mc: tl.constexpr, slots, positions, num, cap, out, grou
                  HAS_ADMITTED: tl.constexpr):
     """``out[t] = block_table[group, slots[t], p // BS] * BS + p % BS`` with ``p = positions[t] + offset``
     for ``t < num[0]`` (at most ``cap``): each slot in use and each position inside its row; else -1
-    there and E_INVALID_ARG in the status word (the first bad entry). With ``HAS_ADMITTED``, entries
-    whose ``admitted[t]`` is 0 give -1 and are no error. Entries ``num[0] .. cap - 1`` are -1 (all
-    of ``out[:cap]`` for a count outside ``0..cap``)."""
+    there and E_INVALID_ARG in the status word (the first bad entry: its slot, or its position with
+    the slot as the second value). With ``HAS_ADMITTED``, entries whose ``admitted[t]`` is 0 give -1
+    and are no error. Entries ``num[0] .. cap - 1`` are -1 (all of ``out[:cap]`` for a count outside
+    ``0..cap``)."""
     n, n_ok = checked_count(num, cap)
-    err = tl.where(n_ok, 0, E_INVALID_ARG)
-    err_val = tl.where(n_ok, 0, tl.load(num)).to(tl.int64)
+    err, err_val, why, extra, err_i = no_error_why()
+    err, err_val, why, extra = or_count_error(err, err_val, why, extra, n_ok, num, cap, CAUSE=C_COUNT_PAST_ARRAYS)
     offs = tl.arange(0, mc.BLOCK)
-    err_i = tl.full([], BIG, tl.int32)
     i = 0
     while i < cap:  # to cap: entries past the count are -1 too (all of them for a count past the arrays)
         idx = i + offs
@@ -44,15 +45,17 @@ def slot_mapping(ps, ms, mc: tl.constexpr, slots, positions, num, cap, out, grou
         r = tl.load(slots + idx, mask=inb, other=0)  # not masked by ``admitted``: one wait, not two
         p = tl.load(positions + idx, mask=inb, other=0).to(tl.int64) + offset
         okr = m & (r >= 0) & (r < mc.R)
-        okr = okr & (tl.load(ms.active + r, mask=okr, other=0) != 0)
+        idle = okr & (tl.load(ms.active + r, mask=okr, other=0) == 0)
+        okr = okr & ~idle
         nblk = tl.load(ms.num_blocks + r, mask=okr, other=0)
         ok = okr & (p >= 0) & (p < nblk.to(tl.int64) * mc.BS)
         tl.store(out + idx, slot_of(ms, mc, group=group, r=r, p=p, ok=ok), mask=idx < cap)
-        err, err_val, err_i = keep_first(err, err_val, err_i, new_err=E_INVALID_ARG, bad=m & ~ok, idx=idx,
-                                         val=tl.where(okr, p, r))
+        err, err_val, why, extra, err_i = keep_first_why(
+            err, err_val, why, extra, err_i, new_err=E_INVALID_ARG, bad=m & ~ok, idx=idx, val=tl.where(okr, p, r),
+            cause=tl.where(okr, C_POSITION_OUTSIDE_ROW, slot_cause(mc, r, idle)), ext=r)
         i += mc.BLOCK
     if err != 0:
-        set_status(ps.status, code=err, op=OP_SLOT_MAPPING, value=err_val)
+        set_status_why(ps.status, code=err, op=OP_SLOT_MAPPING, value=err_val, cause=why, extra=extra)
 
 
 @triton.jit

@@ -17,8 +17,9 @@ once, its positions in ``kv_indices`` from a prefix sum (no loop over requests).
 import triton
 import triton.language as tl
 
-from ..common import checked_count, keep_first, no_error, raw_count, set_status
-from ..layout import E_INVALID_ARG, OP_ATTENTION_VIEWS
+from ..common import checked_count, keep_first_why, no_error_why, set_status_why
+from ..layout import C_COUNT_PAST_ARRAYS, C_LENGTH_OUTSIDE_ROW, E_INVALID_ARG, OP_ATTENTION_VIEWS
+from .checks import or_count_error, slot_cause
 
 TILE_ELEMS = 4096  # lanes x blocks of one row-copy tile
 
@@ -81,19 +82,20 @@ def attention_views_kernel(ps, ms, mc: tl.constexpr, slots, base_len, admitted, 
                      mask=inb[:, None] & (jj[None, :] < mc.M))
         tl.store(views.kv_indices + k * cap * mc.M + start[:, None] + jj[None, :], blk, mask=jj[None, :] < pages[:, None])
     if (k == 0) & (t == 0):
-        err, val, err_i = no_error()
-        err = tl.where(n_ok, err, E_INVALID_ARG)
-        val = tl.where(n_ok, val, raw_count(num, cap).to(tl.int64))
+        err, val, why, extra, err_i = no_error_why()
+        err, val, why, extra = or_count_error(err, val, why, extra, n_ok, num, cap, CAUSE=C_COUNT_PAST_ARRAYS)
         for kk in range(0, K):
             for i in range(0, cap, mc.BLOCK):
                 idx = i + lanes
                 e_live, e_r, e_nblk, e_okr, e_ok, e_seq, e_pages = lane_lengths(
                     ms, mc, slots, base_len, admitted, n, cap, kk, idx, HAS_ADMITTED=HAS_ADMITTED)
                 bad_val = tl.where(e_okr, tl.load(base_len + idx, mask=e_live, other=0) + kk, e_r)
-                err, val, err_i = keep_first(err, val, err_i, new_err=E_INVALID_ARG, bad=e_live & ~e_ok,
-                                             idx=idx + kk * cap, val=bad_val)
+                idle = e_live & (e_r >= 0) & (e_r < mc.R) & ~e_okr
+                err, val, why, extra, err_i = keep_first_why(
+                    err, val, why, extra, err_i, new_err=E_INVALID_ARG, bad=e_live & ~e_ok, idx=idx + kk * cap,
+                    val=bad_val, cause=tl.where(e_okr, C_LENGTH_OUTSIDE_ROW, slot_cause(mc, e_r, idle)), ext=e_r)
         if err != 0:
-            set_status(ps.status, code=err, op=OP_ATTENTION_VIEWS, value=val)
+            set_status_why(ps.status, code=err, op=OP_ATTENTION_VIEWS, value=val, cause=why, extra=extra)
 
 
 def launch_attention_views(ps, ms, mc, slots, base_len, admitted, num, group: int, steps: int, views) -> None:
