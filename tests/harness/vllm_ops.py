@@ -1,5 +1,8 @@
 """Op generators of the vLLM adapter's differential tests (hypothesis strategies over
 tests/vllm_plugin/conformance/driver.py's ops) and the runner of the fast path's batch-order mix."""
+import json
+import os
+import subprocess
 import sys
 
 from hypothesis import strategies as st
@@ -114,3 +117,30 @@ def run_ops(pool, ops):
     # the ids of the blocks handed out, read at the end (as vLLM builds its SchedulerOutput)
     return [[b.block_id for b in s] if isinstance(s, list) and s and hasattr(s[0], "block_id") else s
             for s in seen]
+
+
+def run_in_vllm_tree(root, script: str, out, env: dict, args=()) -> None:
+    """Run ``conformance/<script>`` in a subprocess inside vLLM's source tree ``root`` (vLLM's own
+    classes on its path), writing ``out``; fail with the end of its stderr."""
+    env = dict(os.environ, GPUPOOL_VLLM_SRC=str(root), **env)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # vLLM's tree keeps its bytecode between runs
+    proc = subprocess.run([sys.executable, str(CONFORMANCE / script), *map(str, args), str(out)], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def driver_trace(root, cases: list, tmp_path) -> list:
+    """vLLM's own ``BlockPool`` over ``cases`` (``driver.py``'s op lists): its observable trace per case."""
+    (tmp_path / "ops.json").write_text(json.dumps(cases))
+    run_in_vllm_tree(root, "driver.py", tmp_path / "out.json", {"PYTHONPATH": str(CONFORMANCE)},
+                     [tmp_path / "ops.json"])
+    return json.loads((tmp_path / "out.json").read_text())
+
+
+def scheduler_runs(root, backends: str, tmp_path) -> dict:
+    """``sched_driver.py``'s runs of vLLM's scheduler, stock and over gpupool's ``backends``, on the
+    differential stream (20 requests, 12 blocks) and the decode-heavy one (6 requests, 40 blocks)."""
+    env = {"TRITON_INTERPRET": "1", "NUM_BLOCKS": "12", "NREQ": "20", "BACKENDS": backends, "DECODE_HEAVY": "6,40"}
+    out = tmp_path / "sched.json"
+    run_in_vllm_tree(root, "sched_driver.py", out, env)
+    return json.loads(out.read_text())

@@ -26,7 +26,7 @@ from gpupool.vllm import BlockPool, KVCacheBlock  # noqa: E402
 
 sys.path.insert(0, str(CONFORMANCE))
 import driver  # noqa: E402
-from harness.vllm_ops import DRIVER_OPS as OPS, N  # noqa: E402
+from harness.vllm_ops import DRIVER_OPS as OPS, N, driver_trace  # noqa: E402
 
 def check_mirror(pool: BlockPool) -> None:
     """The host mirror equals the pool behind it: ref counts, keys (primary first), covered tokens,
@@ -186,12 +186,7 @@ def test_same_trace_as_vllm_block_pool(tmp_path):
         cases.append({"num_blocks": N, "caching": caching, "ops": [list(o) for o in ops]})
 
     draw()
-    (tmp_path / "ops.json").write_text(json.dumps(cases))
-    env = dict(os.environ, GPUPOOL_VLLM_SRC=str(root), PYTHONPATH=str(CONFORMANCE))
-    proc = subprocess.run([sys.executable, str(CONFORMANCE / "driver.py"), str(tmp_path / "ops.json"),
-                           str(tmp_path / "out.json")], cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    theirs = json.loads((tmp_path / "out.json").read_text())
+    theirs = driver_trace(root, cases, tmp_path)
     steps = [st_ for t in theirs for st_ in t]
     # not vacuous: prefix hits, cached keys, shared keys, evictions and every event kind occur
     assert any(s_["op"][0] == "hit" and s_["result"] for s_ in steps)

@@ -13,8 +13,6 @@ and to vLLM 0.33's own ``BlockPool``'s.
 * the checks can fail: a BlockRemoved dropped or two events swapped is caught.
 """
 import json
-import os
-import subprocess
 import sys
 from collections import Counter
 from unittest import mock
@@ -33,7 +31,7 @@ from harness.paths import CONFORMANCE  # noqa: E402
 
 sys.path.insert(0, str(CONFORMANCE))
 import driver  # noqa: E402
-from harness.vllm_ops import DRIVER_OPS as OPS, N  # noqa: E402
+from harness.vllm_ops import DRIVER_OPS as OPS, N, driver_trace, scheduler_runs  # noqa: E402
 
 BS = driver.BLOCK_SIZE
 
@@ -183,12 +181,7 @@ def test_same_events_as_vllm_block_pool(tmp_path):
                       "wire": True})
 
     draw()
-    (tmp_path / "ops.json").write_text(json.dumps(cases))
-    env = dict(os.environ, GPUPOOL_VLLM_SRC=str(root), PYTHONPATH=str(CONFORMANCE))
-    proc = subprocess.run([sys.executable, str(CONFORMANCE / "driver.py"), str(tmp_path / "ops.json"),
-                           str(tmp_path / "out.json")], cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    theirs = json.loads((tmp_path / "out.json").read_text())
+    theirs = driver_trace(root, cases, tmp_path)
     steps = [s for t in theirs for s in t]
     kinds = {e[0] for s in steps for e in s["events"]}
     assert kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}, kinds  # not vacuous
@@ -212,14 +205,7 @@ def test_scheduler_with_events_and_metrics(tmp_path):
     from test_vllm_conformance import vllm_tree
 
     root = vllm_tree()
-    env = dict(os.environ, GPUPOOL_VLLM_SRC=str(root), TRITON_INTERPRET="1", NUM_BLOCKS="12", NREQ="20",
-               BACKENDS="reference_ev,device,device_ev", DECODE_HEAVY="6,40")
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    out = tmp_path / "sched.json"
-    proc = subprocess.run([sys.executable, str(CONFORMANCE / "sched_driver.py"), str(out)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = scheduler_runs(root, "reference_ev,device,device_ev", tmp_path)
     for mode, base in (("reference_ev", "stock_ev"), ("device_ev", "stock_ev"), ("heavy_device_ev", "heavy_stock_ev")):
         theirs = r[base]
         kinds = {json.dumps(o[0]) for s in theirs for o in s["observed"]}

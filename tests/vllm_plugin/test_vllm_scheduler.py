@@ -13,8 +13,7 @@
   (every ``torch.Tensor`` reader patched) and the fast path's bound, at most one per step, asserted.
 * quick: ``gpupool.vllm`` imports without vLLM and ``GpuPoolScheduler`` is a lazy attribute.
 """
-from harness.paths import CONFORMANCE
-import json
+from harness.vllm_ops import scheduler_runs  # noqa: E402
 import os
 import subprocess
 import sys
@@ -62,14 +61,7 @@ def test_same_decisions_as_vllm_async_scheduler(tmp_path):
     from test_vllm_conformance import vllm_tree
 
     root = vllm_tree()
-    env = dict(os.environ, GPUPOOL_VLLM_SRC=str(root), TRITON_INTERPRET="1", NUM_BLOCKS="12", NREQ="20",
-               BACKENDS="reference,device,device_percall,device_w4", DECODE_HEAVY="6,40")
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    out = tmp_path / "sched.json"
-    proc = subprocess.run([sys.executable, str(CONFORMANCE / "sched_driver.py"), str(out)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = scheduler_runs(root, "reference,device,device_percall,device_w4", tmp_path)
     assert r["is_async"]
     assert r["sync"] == [True, "gpupool.vllm.fast_path"]  # the synchronous scheduler gets the fast path too
     assert r["async_off"] == ["GpuPoolSyncScheduler", "DeferredBlockPool", True]

@@ -12,7 +12,7 @@ allocation and slot mapping, and scatters its results to the step's row of the b
 import triton
 import triton.language as tl
 
-from ..common import set_status_why, status_clear, warps_for
+from ..common import lanes, set_status_why, status_clear, warps_for
 from ..layout import OP_DECODE_STEP
 from .checks import check_batch_counts, check_step, count_cause, with_event_room
 from .exact import allocate_slots_exact_checked
@@ -61,12 +61,10 @@ def next_batch(mc: tl.constexpr, src, src_orig, n_src, SRC_IS_STEP0: tl.constexp
     one token more, into ``dst`` (its ``admitted`` zeroed) and their burst lanes into ``dst_orig``
     (``src_orig``, or the lane itself for step 0's batch). Returns its request count. Positions come
     from a prefix count over the tiles, in order (no loop over requests)."""
-    offs = tl.arange(0, mc.BLOCK)
     n = tl.zeros([], tl.int32)
     i = 0
     while i < n_src:
-        idx = i + offs
-        m = idx < n_src
+        idx, m = lanes(i, n_src, mc.BLOCK)
         a = m & (tl.load(src.admitted + idx, mask=m, other=0) != 0)
         r = tl.load(src.slots + idx, mask=m, other=0)
         nt = tl.load(src.num_tokens + idx, mask=m, other=0)
