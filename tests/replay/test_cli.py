@@ -428,3 +428,19 @@ def test_singular_counts(tmp_path, capsys):
     assert cli.main(["replay", path, "--pool", "both", "--device-limit", "1", "--limit", "1", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "1 request " in out + " " and "1 requests" not in out and "1 line was out of" in out, out
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("extra", [[], ["--json", "-"]])
+def test_stdout_on_a_full_disk_is_a_one_line_error(tmp_path, extra):
+    """``gpupool replay > /dev/full``: stdout cannot be written (no space left); one line on stderr,
+    exit 2, no traceback (it once ended in ``OSError: [Errno 28]``). With ``--json -`` the text goes to
+    stderr before it."""
+    path = write(tmp_path, line())
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "gpupool", "replay", path, "--pool", "reference", *extra],
+                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
+    last = p.stderr.splitlines()[-1]
+    assert p.returncode == 2 and last.startswith("gpupool: error: ") and "No space left on device" in last, p.stderr
+    assert p.stderr.count("gpupool: error") == 1 and (extra or p.stderr.count("\n") == 1), p.stderr
