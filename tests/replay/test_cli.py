@@ -444,3 +444,22 @@ def test_stdout_on_a_full_disk_is_a_one_line_error(tmp_path, extra):
     last = p.stderr.splitlines()[-1]
     assert p.returncode == 2 and last.startswith("gpupool: error: ") and "No space left on device" in last, p.stderr
     assert p.stderr.count("gpupool: error") == 1 and (extra or p.stderr.count("\n") == 1), p.stderr
+
+
+def test_bench_out_relative_is_the_callers_folder(tmp_path, monkeypatch, capsys):
+    """``gpupool bench --out rel/x`` writes rel/x.json, .log and .png under the caller's folder: the
+    benchmarks run with the checkout as their folder, so the JSON path must reach them absolute (it once
+    landed in the checkout while the log was in the caller's folder, and the run ended "wrote no results")."""
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("pytest_benchmark")
+    seen = {}
+
+    def fake_run(cmd, cwd, env, log):
+        seen["json"] = Path(cwd) / next(a.split("=", 1)[1] for a in cmd if a.startswith("--benchmark-json="))
+        return 5, False  # "no benchmark was selected": stops before the plot
+
+    monkeypatch.setattr(bench, "_run_pytest", fake_run)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "--out", "rel/x"]) == 2
+    assert seen["json"].resolve() == (tmp_path / "rel" / "x.json").resolve()
+    assert (tmp_path / "rel" / "x.log").is_file()
