@@ -463,3 +463,15 @@ def test_bench_out_relative_is_the_callers_folder(tmp_path, monkeypatch, capsys)
     assert cli.main(["bench", "--out", "rel/x"]) == 2
     assert seen["json"].resolve() == (tmp_path / "rel" / "x.json").resolve()
     assert (tmp_path / "rel" / "x.log").is_file()
+
+
+def test_json_onto_the_trace_is_refused(tmp_path, capsys):
+    """``--json`` naming the trace file (or a link to it) is refused before the replay: the report
+    would overwrite the input (it once did, silently, exit 0)."""
+    path = write(tmp_path, line())
+    before = Path(path).read_bytes()
+    link = tmp_path / "link.json"
+    link.symlink_to(path)
+    for target in (path, str(link)):
+        fails(capsys, ["replay", path, "--pool", "reference", "--json", target], "--json", "is the trace file")
+        assert Path(path).read_bytes() == before
