@@ -428,3 +428,50 @@ def test_singular_counts(tmp_path, capsys):
     assert cli.main(["replay", path, "--pool", "both", "--device-limit", "1", "--limit", "1", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "1 request " in out + " " and "1 requests" not in out and "1 line was out of" in out, out
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("extra", [[], ["--json", "-"]])
+def test_stdout_on_a_full_disk_is_a_one_line_error(tmp_path, extra):
+    """``gpupool replay > /dev/full``: stdout cannot be written (no space left); one line on stderr,
+    exit 2, no traceback (it once ended in ``OSError: [Errno 28]``). With ``--json -`` the text goes to
+    stderr before it."""
+    path = write(tmp_path, line())
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "gpupool", "replay", path, "--pool", "reference", *extra],
+                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
+    last = p.stderr.splitlines()[-1]
+    assert p.returncode == 2 and last.startswith("gpupool: error: ") and "No space left on device" in last, p.stderr
+    assert p.stderr.count("gpupool: error") == 1 and (extra or p.stderr.count("\n") == 1), p.stderr
+
+
+def test_bench_out_relative_is_the_callers_folder(tmp_path, monkeypatch, capsys):
+    """``gpupool bench --out rel/x`` writes rel/x.json, .log and .png under the caller's folder: the
+    benchmarks run with the checkout as their folder, so the JSON path must reach them absolute (it once
+    landed in the checkout while the log was in the caller's folder, and the run ended "wrote no results")."""
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("pytest_benchmark")
+    seen = {}
+
+    def fake_run(cmd, cwd, env, log):
+        seen["json"] = Path(cwd) / next(a.split("=", 1)[1] for a in cmd if a.startswith("--benchmark-json="))
+        return 5, False  # "no benchmark was selected": stops before the plot
+
+    monkeypatch.setattr(bench, "_run_pytest", fake_run)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "--out", "rel/x"]) == 2
+    assert seen["json"].resolve() == (tmp_path / "rel" / "x.json").resolve()
+    assert (tmp_path / "rel" / "x.log").is_file()
+
+
+def test_json_onto_the_trace_is_refused(tmp_path, capsys):
+    """``--json`` naming the trace file (or a link to it) is refused before the replay: the report
+    would overwrite the input (it once did, silently, exit 0)."""
+    path = write(tmp_path, line())
+    before = Path(path).read_bytes()
+    link = tmp_path / "link.json"
+    link.symlink_to(path)
+    for target in (path, str(link)):
+        fails(capsys, ["replay", path, "--pool", "reference", "--json", target], "--json", "is the trace file")
+        assert Path(path).read_bytes() == before

@@ -63,7 +63,8 @@ class BenchSubcommand(CLISubcommand):
 
     def cmd(self, args) -> int:
         suite = bench_dir()
-        prefix = Path(args.out) if args.out else suite / "out" / "bench"
+        # absolute: pytest runs in the checkout, the caller's relative --out names the caller's folder
+        prefix = Path(args.out).absolute() if args.out else suite / "out" / "bench"
         json_path, png_path, log_path = (prefix.with_name(prefix.name + ext) for ext in (".json", ".png", ".log"))
         try:
             json_path.parent.mkdir(parents=True, exist_ok=True)

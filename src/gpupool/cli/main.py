@@ -4,6 +4,7 @@ exit statuses, the re-execution that switches the kernels' backend, and a closed
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -13,6 +14,9 @@ from .types import CLIError, CLISubcommand
 
 CMD_MODULES = (replay, bench)  # each has cmd_init() -> [CLISubcommand]; the order of `gpupool --help`
 _REEXEC_ENV = "GPUPOOL_CLI_REEXEC"  # set on the one re-exec that switches the kernels' backend
+# a write that the file system refused (``gpupool replay > /dev/full``, a full disk or quota): the
+# command's own files are checked where they are opened, so these come from stdout
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -76,8 +80,19 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         # the reader of stdout went away (``gpupool replay | head -1``): stop quietly, as cat or yes do,
         # with the shell's status for SIGPIPE; stdout goes to /dev/null so the exit's flush cannot fail
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _stdout_to_devnull()
         return 128 + 13
+    except OSError as e:
+        if e.errno not in _WRITE_ERRNOS:
+            raise
+        _stdout_to_devnull()
+        print(f"gpupool: error: cannot write the output: {e.strerror}", file=sys.stderr)
+        return 2
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null, so the interpreter's flush at exit cannot fail a second time."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":  # pragma: no cover

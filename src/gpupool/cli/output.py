@@ -49,8 +49,9 @@ def progress(flag: bool | None, desc: str):
     return kw
 
 
-def check_json_path(path: str | None) -> None:
-    """Fail before any work when the report could not be written."""
+def check_json_path(path: str | None, keep=None) -> None:
+    """Fail before any work when the report could not be written, or would overwrite ``keep`` (the
+    command's input file, a path or an importlib.resources Traversable; None: nothing to keep)."""
     if path is None or path == "-":
         return
     if not path.strip():
@@ -58,6 +59,8 @@ def check_json_path(path: str | None) -> None:
     p = Path(path)
     if p.is_dir():
         raise CLIError(f"--json {path}: is a directory; give a file name")
+    if keep is not None and p.exists() and _same_file(p, keep):
+        raise CLIError(f"--json {path}: is the trace file; the report would overwrite it, choose another path")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise CLIError(f"--json {path}: the folder {parent} does not exist")
@@ -69,6 +72,13 @@ def check_json_path(path: str | None) -> None:
         raise CLIError(f"--json {path}: not writable ({e.strerror}); choose another path or '-' for stdout") from None
     if not existed:
         p.unlink()
+
+
+def _same_file(p: Path, other) -> bool:
+    try:
+        return p.samefile(str(other))
+    except (OSError, TypeError, ValueError):  # the other is missing, or not a file on disk (in a zip)
+        return False
 
 
 def write_json(path: str | None, data: dict) -> None:

@@ -10,7 +10,7 @@ import sys
 
 from ..replay import (
     DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS, DEFAULT_TPOT_MS, TRACE_BLOCK_SIZE, ReplayReport, Trace, TraceError,
-    format_comparison, format_report, json_report, mismatched_fields, read_trace, replay,
+    bundled_trace_path, format_comparison, format_report, json_report, mismatched_fields, read_trace, replay,
 )
 from .machine import device_label, device_replay, make_pool, resolve_device, versions
 from .output import check_json_path, count, progress, write_json
@@ -112,7 +112,7 @@ class ReplaySubcommand(CLISubcommand):
                        help="progress bars on stderr (default: when stderr is a terminal)")
 
     def validate(self, args) -> None:
-        check_json_path(args.json)
+        check_json_path(args.json, keep=args.trace if args.trace else bundled_trace_path())
         uses_device = args.pool != "reference"
         if args.device is not None and not uses_device:
             raise CLIError(f"--device {args.device}: --pool reference runs on the host only; drop --device or use "
