@@ -25,6 +25,7 @@ from harness.paths import CONFORMANCE  # noqa: E402
 
 sys.path.insert(0, str(CONFORMANCE))
 import driver  # noqa: E402
+from harness.vllm_ops import prefix_hit  # noqa: E402
 
 BS = driver.BLOCK_SIZE
 N = 8  # 7 usable blocks: "pop every block" is cheap
@@ -75,12 +76,7 @@ def free(index=-1):
 
 def hit(seed):
     def f(p, held):
-        got = []
-        for h in driver.chain(driver.tokens_of(seed)):
-            g = p.get_cached_block(h, [0])
-            if g is None:
-                break
-            got.append(g[0])
+        got = prefix_hit(p, seed)
         p.touch(got)
         held.append(got)
         return got

@@ -199,10 +199,12 @@ def find_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, nb, num_lookups):
 def count_zero_ref_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, nb, num_lookups):
     """Hits per request, and the zero-ref hits each request's admission check counts: hits on a
     block with ref 0 that no earlier request of the batch hits (its touch raises the count)."""
+    offs = tl.arange(0, mc.BLOCK)
     any_hits = tl.zeros([], tl.int32)
     i = 0
     while i < nb:
-        k, m = lanes(i, nb, mc.BLOCK)
+        k = i + offs
+        m = k < nb
         hits = tl.minimum(ld(sc.req.miss + k, m), ld(sc.req.cap + k, m))
         tl.store(sc.req.hits + k, hits, mask=m)
         any_hits += tl.sum(hits, axis=0)
