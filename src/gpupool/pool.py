@@ -48,8 +48,7 @@ from .state import PoolConfig, PoolState, allocate_state, make_config, metadata_
 class PredictedBatch:
     """The parts of :meth:`BlockPool.apply_predicted` (each as ``apply_batched``'s argument of that
     name): ``cache_items`` is ``(keys, ntok, per_call)``, per cached block its ``(hash, group)`` and
-    covered tokens and the number of blocks of each caching call; ``expected``: host ints, the ids
-    predicted for the first pops (None: none)."""
+    covered tokens and the number of blocks of each caching call."""
 
     free_ids: object = None
     free_offsets: object = None
@@ -58,7 +57,6 @@ class PredictedBatch:
     cache_ids: object = None
     cache_items: tuple = ((), (), ())
     rounds: list | None = None
-    expected: list | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +130,7 @@ class BlockPool:
                                   event_capacity=event_capacity)
         self.state = allocate_checked(op, "num_blocks", num_blocks, lambda d: allocate_state(self.config, d), self.device)
         self.registry = KeyRegistry(self._live_keys)
+        self._status_word = self.state.status[:1]  # a view (the status is cleared in place): one op less per launch
         self._watchers: dict[int, Callable[[int], None]] = {}  # dict order = registration order
         self._events: list = []
         self._lock = new_lock()
@@ -547,8 +546,8 @@ class BlockPool:
             raise InvalidArgumentError(op, "a pool with KV events runs the ops one by one")
         _, n_cids = self._i32_part(op, cache_ids, "cache_ids")
         keys, ntok, per_call = self._cache_items(op, cache_calls, n_cids, "cache_ids")
-        blocks, offsets, _ = self._launch_batch(op, free_ids, free_offsets, touch_ids, demands, cache_ids,
-                                                (keys, ntok, per_call), rounds, None)
+        blocks, offsets = self._launch_batch(op, free_ids, free_offsets, touch_ids, demands, cache_ids,
+                                             (keys, ntok, per_call), rounds)
         return blocks, offsets
 
     @locked
@@ -556,16 +555,15 @@ class BlockPool:
         """:meth:`apply_batched` for a caller that predicts its pops and checked its cachings itself (the
         vLLM fast path, docs/algorithms.md section 8): ``batch``'s parts as ``apply_batched``'s, its
         cachings as ``cache_items`` (per cached block its ``(hash, group)`` and covered tokens, checked by
-        the caller with ``gpupool.args.cache_full_args``) and ``expected``, the ids the caller predicts
-        for the first pops. Not waiting.
+        the caller with ``gpupool.args.cache_full_args``). Not waiting.
 
-        Returns ``(blocks: int32[sum(demands)], confirm: int64[3])`` on the device: the pops as
-        ``apply_batched``'s, and the launch's confirmation, read at the caller's next synchronisation:
-        the status code before the launch (not 0: a recorded error made the launch do nothing), the
-        status code after it (not 0 with the first 0: this launch failed) and how many of the first
-        pops differ from ``expected``. Raises at once what ``apply_batched`` raises for bad host values,
-        and InvalidArgumentError for ``expected`` longer than the pops or cache items that do not
-        match ``cache_ids``."""
+        Returns ``(blocks: int32[sum(demands)], confirm: int32[2])`` on the device: the pops as
+        ``apply_batched``'s (-1 where a round's pops failed or were skipped), which the caller compares
+        with its predictions when it next synchronises, and the launch's confirmation, read then too:
+        the status code before the launch (not 0: a recorded error made the launch do nothing) and the
+        status code after it (not 0 with the first 0: this launch failed). Raises at once what
+        ``apply_batched`` raises for bad host values, and InvalidArgumentError for cache items that do
+        not match ``cache_ids``."""
         op = "apply_predicted"
         if self.enable_kv_cache_events:
             raise InvalidArgumentError(op, "a pool with KV events runs the ops one by one")
@@ -574,17 +572,14 @@ class BlockPool:
         if not (len(keys) == len(ntok) == sum(per_call) == (n_cids if self.enable_caching else 0)):
             raise InvalidArgumentError(op, f"cache_items: {len(keys)} keys, {len(ntok)} token counts, "
                                            f"{sum(per_call)} blocks in the calls, {n_cids} cache_ids")
-        before = self.state.status[:1].clone()
-        blocks, _, differ = self._launch_batch(op, batch.free_ids, batch.free_offsets, batch.touch_ids,
-                                               batch.demands, batch.cache_ids, batch.cache_items, batch.rounds,
-                                               [] if batch.expected is None else batch.expected)
-        confirm = torch.cat([before, self.state.status[:1], differ])
-        return blocks, confirm
+        status = self._status_word
+        before = status.clone()
+        blocks, _ = self._launch_batch(op, batch.free_ids, batch.free_offsets, batch.touch_ids, batch.demands,
+                                       batch.cache_ids, batch.cache_items, batch.rounds)
+        return blocks, torch.cat([before, status])
 
-    def _launch_batch(self, op, free_ids, free_offsets, touch_ids, demands, cache_ids, cache_items, rounds,
-                      expected):
-        """The launch behind :meth:`apply_batched` and :meth:`apply_predicted`: (blocks, offsets, pops
-        differing from ``expected``: ``int64[1]`` on the device)."""
+    def _launch_batch(self, op, free_ids, free_offsets, touch_ids, demands, cache_ids, cache_items, rounds):
+        """The launch behind :meth:`apply_batched` and :meth:`apply_predicted`: (blocks, offsets)."""
         if type(demands) is list and all(type(d) is int for d in demands):  # plain ints (the fast path's)
             dem = demands
         else:
@@ -602,7 +597,6 @@ class BlockPool:
                 raise InvalidArgumentError(op, "free_offsets needs at least one entry (0)")
         tids, n_touch = self._i32_part(op, touch_ids, "touch_ids")
         cids, _ = self._i32_part(op, cache_ids, "cache_ids")
-        exp, n_exp = self._i32_part(op, expected, "expected")
         keys, ntok, per_call = cache_items
         parts = self._rounds(op, rounds, n_free, n_seg, n_touch, dem, per_call)
         for part in parts:
@@ -611,13 +605,11 @@ class BlockPool:
                 raise OutOfBlocksError(op, f"the demands' sum {want} exceeds the pool's {self.num_blocks - 1} blocks"
                                        + (" (in a round)" if rounds is not None else ""), want)
         total = sum(dem)
-        if exp is not None and (isinstance(exp, torch.Tensor) or n_exp > total):
-            raise InvalidArgumentError(op, "expected: host ints, at most the pops")
         table = k_flush.round_table(parts, seg is not None)
         # ONE host-to-device copy: a placeholder entry for empty parts, demands, rounds, the host parts, and
         # the caching's int64 keys; split on the device in one op
         host, sizes = [0] + dem + table, [1, len(dem), len(table)]
-        for v in (fids, seg, tids, cids, exp):
+        for v in (fids, seg, tids, cids):
             n = len(v) if isinstance(v, list) else 0
             if n:
                 host += v
@@ -628,17 +620,13 @@ class BlockPool:
 
         def dev(v, d):
             return d if isinstance(v, list) else v
-        d_f, d_s, d_t, d_c, d_e = (dev(v, d) for v, d in zip((fids, seg, tids, cids, exp), d_parts))
+        d_f, d_s, d_t, d_c = (dev(v, d) for v, d in zip((fids, seg, tids, cids), d_parts))
         nd = len(dem)
         blocks, offsets = k_flush.launch_flush(
             self.state, self.config, d_f if n_free else one, one if seg is None else d_s, d_t if n_touch else one,
             d_dem if dem else one, d_table, d_c if keys else one, *self._split_keys(key_flat), n_rounds=len(parts),
             n_free=n_free, n_touch=n_touch, n_demands=nd, n_cache=len(keys), total=total)
-        differ = None
-        if expected is not None:
-            differ = ((blocks[:n_exp] != d_e).sum(0, keepdim=True) if n_exp
-                      else torch.zeros(1, dtype=torch.int64, device=self.device))
-        return blocks, offsets, differ
+        return blocks, offsets
 
     # ---- the read API: device views for a host mirror of the pool (the vLLM adapter), no wait ------
     def mirror_rows(self, idx: torch.Tensor, key_slots: int | None = None) -> torch.Tensor:

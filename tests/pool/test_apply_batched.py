@@ -162,9 +162,9 @@ def test_rounds_that_do_not_add_up_raise_at_the_call():
     assert_pools_agree(ref, dev)
 
 
-def test_host_parts_and_expected_pops():
+def test_host_parts_and_predicted_launch():
     """The id parts as host ints (one copy with the demands) act as the same tensors;
-    ``apply_predicted`` counts the pops that differ from ``expected`` into its confirmation; bad host
+    ``apply_predicted`` returns the pops and its confirmation (the status before and after); bad host
     parts raise at the call, nothing changed."""
     _, dev, old, held = setup()
     _, twin, old2, held2 = setup()
@@ -173,37 +173,36 @@ def test_host_parts_and_expected_pops():
     kw = dict(demands=[2, 1], rounds=[(1, 1, 1, 1, 0), (0, 0, 0, 1, 1)])
     items = ([(h("c1"), 0)], [2 * BS], [1])
     a, confirm = dev.apply_predicted(PredictedBatch(free_ids=[held[5]], free_offsets=[0, 1, 0], touch_ids=[old[0]],
-                                                    cache_ids=[N + 2], cache_items=items,
-                                                    expected=[held[5], held[5]], **kw))  # the 2nd is wrong
+                                                    cache_ids=[N + 2], cache_items=items, **kw))
     b, _ = twin.apply_batched(free_ids=cpu_i32([held[5]]), free_offsets=cpu_i32([0, 1, 0]), touch_ids=cpu_i32([old[0]]),
                               cache_ids=cpu_i32([N + 2]), cache_calls=calls, **kw)
     dev.check()
     twin.check()
     assert a.tolist() == b.tolist() and pool_state(dev) == pool_state(twin)
-    assert a.tolist()[0] == held[5] and confirm.tolist() == [0, 0, 1]
+    assert a.tolist()[0] == held[5] and confirm.tolist() == [0, 0]
     before = pool_state(dev)
     for bad in (dict(free_ids=[2**31], free_offsets=[0, 1]), dict(touch_ids=["x"])):
         with pytest.raises(PoolError):
             dev.apply_batched(**bad)
         assert pool_state(dev) == before
-    for bad in (dict(demands=[1], expected=[1, 2]), dict(demands=[1], expected=cpu_i32([1])),
-                dict(demands=[1], cache_ids=[1], cache_items=([], [], []))):
+    for bad in (dict(demands=[1], cache_ids=[1], cache_items=([], [], [])), dict(demands=[-1]),
+                dict(demands=[1], touch_ids=[2**31])):
         with pytest.raises(PoolError):
             dev.apply_predicted(PredictedBatch(**bad))
         assert pool_state(dev) == before
 
 
 def test_a_launch_confirms_whether_it_ran():
-    """``apply_predicted``'s confirmation: (0, 0, _) when it ran; the status before the launch when an
-    error recorded earlier made it do nothing; (0, code, _) when it failed itself."""
+    """``apply_predicted``'s confirmation: (0, 0) when it ran; the status before the launch when an
+    error recorded earlier made it do nothing (its pops -1); (0, code) when it failed itself."""
     _, dev, old, held = setup()
     _, c = dev.apply_predicted(PredictedBatch(demands=[1]))
-    assert c.tolist() == [0, 0, 0]
+    assert c.tolist() == [0, 0]
     before = pool_state(dev)
     dev.free_batched(cpu_i32([old[0]]), cpu_i32([0, 1]))  # a double free: recorded, nothing changed
-    blocks, c = dev.apply_predicted(PredictedBatch(demands=[1], expected=[old[1]]))
+    blocks, c = dev.apply_predicted(PredictedBatch(demands=[1]))
     code = c.tolist()[0]
-    assert code != 0 and c.tolist() == [code, code, 1] and blocks.tolist() == [-1]
+    assert code != 0 and c.tolist() == [code, code] and blocks.tolist() == [-1]
     with pytest.raises(DoubleFreeError):
         dev.check()
     assert pool_state(dev) == before

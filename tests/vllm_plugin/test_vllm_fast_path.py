@@ -161,7 +161,7 @@ def test_no_transfer_per_batch(monkeypatch):
 def test_a_wrong_prediction_is_caught(backend):
     """The host's ids are claims the device checks: with the host's copy of the queue corrupted (two
     ids swapped), the pop is refused (reference: at the call) or found at the next synchronisation
-    (device: the popped ids compared on the device), as PoolError; the copy is then read again."""
+    (device: the popped ids read back and compared on the host), as PoolError; the copy is then read again."""
     kw = dict(device="cpu") if backend == "device" else dict(backend="reference")
     pool = DeferredBlockPool(8, True, BS, **kw)
     first = list(pool.queue_copy.ids)

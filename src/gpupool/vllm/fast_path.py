@@ -93,8 +93,9 @@ class DeferredBlockPool(BlockPool):
         self._pend_dev = None  # device: int32 ids of the placeholders of launched pops, in order
         self._pend_ref: list[int] = []  # reference backend: the same, on the host
         self._batch = OpBatch()  # device backend: ops not launched yet
-        # device: the launches since the last synchronisation, (batch, confirmation, placeholders it added)
-        self._flights: list[tuple[OpBatch, torch.Tensor, int]] = []
+        # device: the launches since the last synchronisation, (batch, confirmation, placeholders it added,
+        # its pops when it predicted some: compared with the batch's predictions at the synchronisation)
+        self._flights: list[tuple[OpBatch, torch.Tensor, int, torch.Tensor | None]] = []
         self._watched = False  # unpin_blocks was called: pops run per call from then on
         self._device_backend = self.backend == "device"
         if self.deferred:
@@ -428,9 +429,9 @@ class DeferredBlockPool(BlockPool):
 
     def _launch(self, b: OpBatch) -> None:
         """Launch ``b`` as ONE ``gpupool.BlockPool.apply_predicted`` (its rounds; in each, free: every
-        call a segment; touch; pop: every call a demand; cache), not waiting; the pops' ids are compared
-        with the host's on the device, the placeholders get theirs from its output, and a caching names
-        them as ``num_blocks + k``. The launch's confirmation is read at the next :meth:`sync`."""
+        call a segment; touch; pop: every call a demand; cache), not waiting; the placeholders get their
+        ids from its output, and a caching names them as ``num_blocks + k``. The launch's confirmation
+        and its pops (compared with the host's predictions) are read at the next :meth:`sync`."""
         k0 = 0 if self._pend_dev is None else self._pend_dev.numel()
         p = b.parts()
         free, touch, demands, cache_slots, seg = p["free"], p["touch"], p["demands"], p["cache_slots"], p["seg"]
@@ -450,12 +451,12 @@ class DeferredBlockPool(BlockPool):
             cache_ids = [s if s < n else s - k0 + npred for s in cache_slots] if cache_calls else None
         blocks, confirm = self._dev.apply_predicted(PredictedBatch(
             free_ids=free_ids, free_offsets=seg_ids, touch_ids=touch_ids, demands=demands, cache_ids=cache_ids,
-            cache_items=items, expected=b.pred or None, rounds=p["rounds"]))
+            cache_items=items, rounds=p["rounds"]))
         added = blocks.numel() - npred
         if added > 0:
             rest = blocks[npred:]
             self._pend_dev = rest if self._pend_dev is None else torch.cat([self._pend_dev, rest])
-        self._flights.append((b, confirm, max(added, 0)))
+        self._flights.append((b, confirm, max(added, 0), blocks if npred else None))
 
     def _cache_ids(self, slots: list[int], k0: int, npred: int) -> torch.Tensor:
         """``int32[len(slots)]`` on the device for the flush's caching: known ids, launched
@@ -511,17 +512,23 @@ class DeferredBlockPool(BlockPool):
             while True:
                 flat, nflights = self._read_device(known, npend, refill, narrow=exact)
                 status, num_free, _, evc, reuse = flat[:5]
-                conf = flat[5: 5 + 3 * nflights]
-                skipped = next((k for k in range(nflights) if conf[3 * k]), None)
-                failed = any(conf[3 * k] == 0 and conf[3 * k + 1] for k in range(nflights))
+                conf, nbad, o = [], 0, 5
+                for b, _, _, blocks in self._flights:  # (status before, after), then its pops if it predicted
+                    conf.append((flat[o], flat[o + 1]))
+                    o += 2
+                    if blocks is not None:
+                        got, pred = flat[o: o + len(b.pred)], b.pred
+                        if got != pred:
+                            nbad += sum(x != y for x, y in zip(got, pred))
+                        o += blocks.numel()
+                skipped = next((k for k in range(nflights) if conf[k][0]), None)
+                failed = any(bf == 0 and af for bf, af in conf)
                 if failed:
                     return self._own_failure()
                 if skipped is None:
                     break
                 recorded = self._take_recorded() or recorded
                 self._relaunch(skipped)
-            nbad = sum(conf[3 * k + 2] for k in range(nflights))
-            o = 5 + 3 * nflights
             ids = flat[o: o + npend]
             o += npend
             if refill:
@@ -576,14 +583,19 @@ class DeferredBlockPool(BlockPool):
             raise recorded
 
     def _read_device(self, known: list[int], npend: int, refill: bool, narrow: bool) -> tuple[list[int], int]:
-        """ONE device-to-host transfer: the device pool's counters, each launch's confirmation, the
-        placeholders' ids, (``refill``) the queue window and the mirror rows of ``known`` and the
+        """ONE device-to-host transfer: the device pool's counters, each launch's confirmation (and its
+        pops when it predicted some), the placeholders' ids, (``refill``) the queue window and the mirror rows of ``known`` and the
         placeholders' blocks (``narrow``: only their first key slot). Returns (the values flat, the
         number of launches)."""
         dev = self._dev
         pend = self._pend_dev[:npend].long() if npend else torch.zeros(0, dtype=torch.int64, device=dev.device)
         idx = torch.cat([self._h2d(known, torch.int64), pend])
-        parts = [dev.counters()] + [c for _, c, _ in self._flights] + [pend]
+        parts = [dev.counters()]
+        for _, c, _, blocks in self._flights:
+            parts.append(c)
+            if blocks is not None:
+                parts.append(blocks)
+        parts.append(pend)
         if refill:
             parts.append(self._window_dev())
         flat = torch.cat(parts + [dev.mirror_rows(idx, 1 if narrow else None).reshape(-1)]).tolist()
@@ -602,9 +614,9 @@ class DeferredBlockPool(BlockPool):
         (their placeholders' outputs dropped: the new launches give them)."""
         redo = self._flights[first:]
         self._flights = self._flights[:first]
-        keep = sum(a for _, _, a in self._flights)
+        keep = sum(a for _, _, a, _ in self._flights)
         self._pend_dev = self._pend_dev[:keep] if keep else None
-        for b, _, _ in redo:
+        for b, _, _, _ in redo:
             self._launch(b)
 
     def _bind(self, ids: list[int]) -> None:
