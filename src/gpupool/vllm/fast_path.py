@@ -71,6 +71,7 @@ class DeferredBlockPool(BlockPool):
     """
 
     verify_every = 64
+    deferred = True  # always, since KV events and metrics are made on the host (kept for callers that ask)
     _events_on_host = True  # the device pool records no events: HostEvents makes them
 
     # answered on the host: not wrapped in the pool's stream context (a few microseconds a call on
@@ -79,7 +80,6 @@ class DeferredBlockPool(BlockPool):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.deferred = True
         # KV events or metrics on: each pop names its blocks at the call (no placeholders)
         self._observed = self.enable_kv_cache_events or self.metrics_collector is not None
         self.syncs: Counter = Counter()
@@ -98,8 +98,7 @@ class DeferredBlockPool(BlockPool):
         self._flights: list[tuple[OpBatch, torch.Tensor, int, torch.Tensor | None]] = []
         self._watched = False  # unpin_blocks was called: pops run per call from then on
         self._device_backend = self.backend == "device"
-        if self.deferred:
-            self.queue_copy.fill(self._read_window())
+        self.queue_copy.fill(self._read_window())
 
     # ---- the hooks of the base class ---------------------------------------------------------------
     def _need_exact(self, why: str) -> None:
@@ -160,8 +159,6 @@ class DeferredBlockPool(BlockPool):
         queue (their keys leave the mirror), a demand of the batch's pop part; past the copy (after
         refilling it with one synchronisation when nothing is pending), placeholders bound at the next
         :meth:`sync`. Raises OutOfBlocksError past the (exact) free count."""
-        if not self.deferred:
-            return super().get_new_blocks(num_blocks)
         if type(num_blocks) is not int or num_blocks < 0:
             num_blocks = count_arg("get_new_blocks", num_blocks, "num_blocks")
         if self._watched:
@@ -244,8 +241,6 @@ class DeferredBlockPool(BlockPool):
     def touch(self, blocks) -> None:
         """A prefix hit, queued in the batch's touch part; ref counts, the free count and the host's
         copy of the queue (a free block unlinked) kept on the host."""
-        if not self.deferred:
-            return super().touch(blocks)
         blocks = as_host_list("touch", blocks, "blocks")
         slots = [s for s in self._slots(blocks) if s != 0]
         if not slots:
@@ -269,8 +264,6 @@ class DeferredBlockPool(BlockPool):
         """Release one reference per block, a segment of the batch's free part (the blocks that reach
         0 requeued in the host's copy); a release below 0 is checked on the device first
         (synchronising) and raised by the base class, nothing changed."""
-        if not self.deferred:
-            return super().free_blocks(ordered_blocks)
         mine, others = self._split_by_pool(ordered_blocks)
         for owner, blks in others.values():  # all or nothing: every pool's blocks checked first
             owner._check_release(blks)
@@ -292,8 +285,6 @@ class DeferredBlockPool(BlockPool):
     def _check_release(self, blocks) -> list[int]:
         """The mirror slots of ``blocks``, checked to be this pool's and held as often as listed; a
         release below 0 is checked on the device first (synchronising) and raised by the base class."""
-        if not self.deferred:
-            return super()._check_release(blocks)
         slots = self._slots(blocks)
         ref = self._ref
         if len(set(slots)) == len(slots):
@@ -311,8 +302,6 @@ class DeferredBlockPool(BlockPool):
         on the host, when every block in the range is non-null, held, un-keyed and listed once and
         there is no mask; otherwise synchronise and run as the base class."""
         nc, nf = num_cached_blocks, num_full_blocks
-        if not self.deferred:
-            return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
         if type(nc) is not int or type(nf) is not int:  # the common case skips the full checks
             nc, nf = self._cache_counts(request, blocks, nc, nf, block_size)
         if nc >= nf:
@@ -476,8 +465,6 @@ class DeferredBlockPool(BlockPool):
         """The end of a scheduler step (``GpuPoolScheduler`` calls it after each ``schedule()``):
         launch the batch, not waiting; synchronise only when the host's copy of the free queue is low
         (refill) or ``verify_every`` steps passed with ops to check."""
-        if not self.deferred:
-            return
         self._flush()
         self.steps_since_sync += 1
         low = self.queue_copy.low(self._num_free)
