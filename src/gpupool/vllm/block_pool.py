@@ -40,7 +40,7 @@ from ..reference import ReferenceBlockPool
 from . import kv_events as _gp_kv_events
 from .compat import event_kwargs, supports_lookahead
 from .host_events import HostEvents, metrics_pop, metrics_touch
-from .host_mirror import HostMirror, vllm_key
+from .host_mirror import HostMirror, get_block_hash, get_group_id, vllm_key
 
 MEDIUM_GPU = "GPU"
 
@@ -69,14 +69,6 @@ def vllm_key_arg(op: str, key) -> bytes:
     if len(key) <= 4:
         raise InvalidArgumentError(op, f"a key is the block hash then its 4-byte group id; got {len(key)} bytes")
     return key
-
-
-def get_block_hash(key: bytes) -> bytes:
-    return key[:-4]
-
-
-def get_group_id(key: bytes) -> int:
-    return int.from_bytes(key[-4:], "big", signed=False)
 
 
 def _vllm_side():

@@ -14,7 +14,7 @@ appends them, and its device pool records none (its batched launch writes no eve
 from __future__ import annotations
 
 from ..events import AllBlocksCleared, BlockRemoved, BlockStored
-from .host_mirror import HostMirror, vllm_key
+from .host_mirror import HostMirror, get_block_hash, get_group_id, vllm_key
 
 
 class HostEvents:
@@ -38,7 +38,7 @@ class HostEvents:
     def _removed(self, slot: int) -> None:
         """One BlockRemoved per key of ``slot``, primary first (the order the pools remove them)."""
         for key in self.mirror.keys[slot]:
-            self.queue.append(BlockRemoved(key[:-4], int.from_bytes(key[-4:], "big")))
+            self.queue.append(BlockRemoved(get_block_hash(key), get_group_id(key)))
 
     def popped(self, slots) -> None:
         """``get_new_blocks`` took ``slots`` (in pop order): each one's keys are evicted."""

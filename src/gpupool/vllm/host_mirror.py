@@ -8,6 +8,16 @@ def vllm_key(block_hash: bytes, group_id: int) -> bytes:
     return bytes(block_hash) + int(group_id).to_bytes(4, "big", signed=False)
 
 
+def get_block_hash(key: bytes) -> bytes:
+    """The hash bytes of a :func:`vllm_key`."""
+    return key[:-4]
+
+
+def get_group_id(key: bytes) -> int:
+    """The group id of a :func:`vllm_key`."""
+    return int.from_bytes(key[-4:], "big", signed=False)
+
+
 class HostMirror:
     """Per mirror slot (a block id; the fast path's placeholders use slots ``>= num_blocks``): ``ref``
     (ref count), ``keys`` (vLLM key bytes, primary first), ``ntok`` (tokens of the primary key, None
