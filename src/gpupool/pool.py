@@ -664,6 +664,13 @@ class BlockPool:
         """The ``(block hash bytes, group)`` of a device key ``(hi, lo)`` read by :meth:`mirror_rows`."""
         return self.registry.name(device_key)
 
+    def sweep_key_names(self) -> bool:
+        """Housekeeping for a reader that does not call :meth:`check` (which does it after each wait):
+        once the host's table of key names (:meth:`key_name`) has doubled since its last sweep, forget
+        the names of keys neither live on the device nor pinned (reading the device's keys, a
+        synchronisation). Returns whether it swept; most calls only compare two ints."""
+        return self.registry.maybe_sweep()
+
     def host_tensor(self, values, dtype=torch.int64) -> torch.Tensor:
         """Host ints as a 1-D tensor on the device without a stream synchronisation (pinned and
         ``non_blocking`` on CUDA)."""

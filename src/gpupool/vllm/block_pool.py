@@ -36,8 +36,8 @@ from ..errors import (
     ArgumentTypeError, DoubleFreeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError, PoolError,
 )
 from ..pool import BlockPool as DevicePool
-from ..reference import ReferenceBlockPool
 from . import kv_events as _gp_kv_events
+from .backends import PoolBackend, make_backend
 from .compat import event_kwargs, supports_lookahead
 from .host_events import HostEvents, metrics_pop, metrics_touch
 from .host_mirror import HostMirror, get_block_hash, get_group_id, vllm_key
@@ -388,6 +388,16 @@ class BlockPool:
     """
 
     stream = None  # the pool's own CUDA stream (None off CUDA): __init__
+    _backend: PoolBackend  # the device or reference pool and what is specific to it (gpupool.vllm.backends)
+
+    @property
+    def _dev(self):
+        """The backend's pool (:class:`gpupool.BlockPool` or the reference pool); settable (a wrapper)."""
+        return self._backend.pool
+
+    @_dev.setter
+    def _dev(self, pool) -> None:
+        self._backend.pool = pool
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -438,23 +448,11 @@ class BlockPool:
         self.metrics_collector = metrics_collector
         self.device_lookups = device_lookups
         dev_events = self.enable_kv_cache_events and not self._events_on_host
-        if backend == "device":
-            self._dev = DevicePool(num_gpu_blocks, enable_caching=self.enable_caching,
-                                   enable_kv_cache_events=dev_events,
-                                   max_keys_per_block=max_keys_per_block, device=device)
-        elif backend == "reference":
-            self._dev = ReferenceBlockPool(num_gpu_blocks, enable_caching=self.enable_caching,
-                                           enable_kv_cache_events=dev_events,
-                                           max_keys_per_block=max_keys_per_block)
-        else:
-            raise InvalidArgumentError("BlockPool", f"backend must be 'device' or 'reference', got {backend!r}")
+        self._backend = make_backend(backend, num_gpu_blocks, enable_caching=self.enable_caching,
+                                     enable_kv_cache_events=dev_events, max_keys_per_block=max_keys_per_block,
+                                     device=device)
         self.backend = backend
-        if backend == "device" and self._dev.device.type == "cuda":
-            # its own stream: a synchronisation then waits for the pool's kernels only, not for the
-            # model's forward pass queued on the default stream by a worker in this process (TP = 1)
-            self.stream = torch.cuda.Stream(device=self._dev.device)
-            self.stream.wait_stream(torch.cuda.current_stream(self._dev.device))  # the state's initialisation
-        self._mk = self._dev.max_keys_per_block
+        self.stream = self._backend.stream
         n = num_gpu_blocks
         # the host mirror (docs/vllm.md); its lists aliased here for the reads on vLLM's hot path
         self.mirror = HostMirror(n)
@@ -477,27 +475,12 @@ class BlockPool:
 
     # ---- the host mirror ------------------------------------------------------------------------
     def _refresh(self, ids: Iterable[int]) -> None:
-        """Copy ref count, keys and covered tokens of ``ids`` (and the free count) from the device in
-        one transfer, and update the key -> blocks map from the difference."""
+        """Copy ref count, keys and covered tokens of ``ids`` (and the free count) from the pool (on the
+        device, one transfer: ``gpupool.vllm.backends``), and update the key -> blocks map from the
+        difference."""
         self._version += 1
         ids = list(dict.fromkeys(int(b) for b in ids))
-        if self.backend == "reference":
-            return self._refresh_reference(ids)
-        dev = self._dev
-        idx = dev.host_tensor(ids, torch.int64)
-        flat = torch.cat([dev.counters()[1:2], dev.mirror_rows(idx).reshape(-1)]).tolist()  # one transfer
-        self._num_free = flat[0]
-        w = 3 + 3 * self._mk
-        self._apply_rows(ids, [flat[1 + i * w: 1 + (i + 1) * w] for i in range(len(ids))])
-
-    def _apply_rows(self, ids: list[int], rows: list[list[int]]) -> None:
-        """Set the mirror of ``ids`` from ``gpupool.BlockPool.mirror_rows``' rows."""
-        self.mirror.apply_rows(ids, rows, self._dev.key_name)
-
-    def _refresh_reference(self, ids: list[int]) -> None:
-        """:meth:`_refresh` over the reference pool: its lists, a host insertion counter for order."""
-        self._num_free = self._dev.get_num_free_blocks()
-        self.mirror.apply_reference(ids, self._dev)
+        self._num_free = self._backend.read_rows(ids, self.mirror)
 
     def _ids(self, blocks) -> list[int]:
         """The block ids of ``blocks`` (KVCacheBlocks of this pool), else ArgumentTypeError."""

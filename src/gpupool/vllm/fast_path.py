@@ -19,19 +19,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
-
 from ..args import MAX_GROUP_ID, MAX_TOKENS, as_host_list
 from ..errors import OutOfBlocksError, PoolError
-from ..pool import PredictedBatch
+from .backends import SyncRead
 from .block_pool import BlockPool, KVCacheBlock, _hashes_at, count_arg
 from .host_events import metrics_pop, metrics_touch
-from .op_batch import OpBatch
 from .queue_copy import FreeQueueCopy
-
-# insertion sequence numbers of keys predicted on the host: after every device sequence number until
-# the next synchronisation replaces them with the device's
-_PREDICTED_SEQ = 1 << 62
 
 # ring slots from the head read into the host's copy of the free queue at a refill: a step pops fewer
 # in practice (vLLM's default 8,192-token budget is 512 blocks of 16); the work per refill does not
@@ -83,22 +76,23 @@ class DeferredBlockPool(BlockPool):
         # KV events or metrics on: each pop names its blocks at the call (no placeholders)
         self._observed = self.enable_kv_cache_events or self.metrics_collector is not None
         self.syncs: Counter = Counter()
-        self.flushes = 0  # launches of a batch (one apply_batched each, no synchronisation)
         self.steps_since_sync = 0
         self._pending: list[PendingBlock] = []
         self._touched: set[int] = set()  # blocks the ops since the last synchronisation changed
         self._rekeyed: set[int] = set()  # those of them the fast path keyed (predicted insertion seqs)
         self.queue_copy = FreeQueueCopy()  # the free queue's first ids, exactly
-        self._pseq = _PREDICTED_SEQ
-        self._pend_dev = None  # device: int32 ids of the placeholders of launched pops, in order
-        self._pend_ref: list[int] = []  # reference backend: the same, on the host
-        self._batch = OpBatch()  # device backend: ops not launched yet
-        # device: the launches since the last synchronisation, (batch, confirmation, placeholders it added,
-        # its pops when it predicted some: compared with the batch's predictions at the synchronisation)
-        self._flights: list[tuple[OpBatch, torch.Tensor, int, torch.Tensor | None]] = []
         self._watched = False  # unpin_blocks was called: pops run per call from then on
-        self._device_backend = self.backend == "device"
         self.queue_copy.fill(self._read_window())
+
+    @property
+    def flushes(self) -> int:
+        """Launches of a batch (one ``apply_predicted`` each, no synchronisation; 0 on the reference)."""
+        return self._backend.flushes
+
+    @property
+    def _batch(self):
+        """The device backend's ops not launched yet (``OpBatch``; None on the reference backend)."""
+        return getattr(self._backend, "batch", None)
 
     # ---- the hooks of the base class ---------------------------------------------------------------
     def _need_exact(self, why: str) -> None:
@@ -122,36 +116,10 @@ class DeferredBlockPool(BlockPool):
             out.append(blk._s)
         return out
 
-    def _device_ids(self, slots: list[int]) -> torch.Tensor:
-        """``int32[len(slots)]`` on the device: known ids as they are, placeholders gathered from the
-        launched flushes' pops (no synchronisation)."""
-        n = self.num_gpu_blocks
-        t = self._h2d(slots, torch.int64)
-        if max(slots, default=0) >= n:
-            # only placeholders of launched pops are asked for (OpBatch's order)
-            pend = self._pend_dev.long()
-            t = torch.where(t < n, t, pend[(t - n).clamp(0, pend.numel() - 1)])
-        return t.to(torch.int32)
-
-    def _h2d(self, values, dtype) -> torch.Tensor:
-        """A host list on the device without a stream synchronisation (``gpupool.BlockPool.host_tensor``)."""
-        return self._dev.host_tensor(values, dtype)
-
-    def _ref_ids(self, slots: list[int]) -> list[int]:
-        n = self.num_gpu_blocks
-        return [s if s < n else self._pend_ref[s - n] for s in slots]
-
     # ---- the host's copy of the free queue ----------------------------------------------------------
-    def _window_dev(self) -> torch.Tensor:
-        """``int64[min(C, FREE_WINDOW)]`` on the device: the free queue's first ids from the ring, -1
-        for holes (``gpupool.BlockPool.free_window``)."""
-        return self._dev.free_window(FREE_WINDOW)
-
-    def _window_ref(self) -> list[int]:
-        return list(self._dev.free_queue())[:FREE_WINDOW]
-
     def _read_window(self) -> list[int]:
-        return self._window_dev().tolist() if self.backend == "device" else self._window_ref()
+        """The free queue's first ids from its first ``FREE_WINDOW`` ring slots, -1 for holes."""
+        return self._backend.window(FREE_WINDOW)
 
     # ---- the fast ops --------------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -195,16 +163,12 @@ class DeferredBlockPool(BlockPool):
 
     def _pop_known(self, num_blocks: int) -> list[KVCacheBlock]:
         ids = self.queue_copy.take(num_blocks)
-        if self._device_backend:
-            self._batch.add_pop(num_blocks, ids)
-        else:
-            got = self._dev.get_new_blocks(num_blocks)
-            got = got.tolist() if isinstance(got, torch.Tensor) else list(got)
-            if got != ids:  # the pool's answer stands: its blocks' rows are read at the next sync
-                self._dirty = True
-                self.queue_copy.forget()
-                self._touched.update(got)
-                raise PoolError("DeferredBlockPool.get_new_blocks", f"the host predicted the pop of {ids}, the pool took {got}")
+        got = self._backend.pop_known(num_blocks, ids)  # None: queued, checked at the next sync
+        if got is not None and got != ids:  # the pool's answer stands: its blocks' rows are read at the next sync
+            self._dirty = True
+            self.queue_copy.forget()
+            self._touched.update(got)
+            raise PoolError("DeferredBlockPool.get_new_blocks", f"the host predicted the pop of {ids}, the pool took {got}")
         if self.host_events is not None:  # the keys the pop evicts, before they leave the mirror
             self.host_events.popped(ids)
             self._drain_events()
@@ -222,11 +186,7 @@ class DeferredBlockPool(BlockPool):
 
     def _pop_pending(self, num_blocks: int) -> list[KVCacheBlock]:
         k0 = len(self._pending)
-        if self.backend == "device":
-            self._batch.add_pop(num_blocks, None)
-        else:
-            ids = self._dev.get_new_blocks(num_blocks)
-            self._pend_ref.extend(ids.tolist() if isinstance(ids, torch.Tensor) else ids)
+        self._backend.pop_pending(num_blocks)
         self.queue_copy.forget()
         self._dirty = True  # keyed blocks may have been evicted: reads of free blocks wait for a sync
         n = self.num_gpu_blocks
@@ -315,22 +275,12 @@ class DeferredBlockPool(BlockPool):
             return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
         g = kv_cache_group_id
         slots = [blk._s for blk in blocks[nc:nf]]
-        device = self._device_backend
         ntok = [(i + 1) * block_size for i in range(nc, nf)]
-        if device:
-            self._batch.add_cache(slots, [(h, g) for h in hashes], ntok)
-        else:
-            full = _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf)
-            self._dev.cache_full_blocks([0] * nc + self._ref_ids(slots), full, nc, nf, block_size, g)
         m, suffix, n = self.mirror, g.to_bytes(4, "big"), self.num_gpu_blocks
+        seqs = self._backend.cache(m, slots, hashes, g, ntok, nc, nf, block_size,
+                                   lambda: _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf))
         touched, rekeyed, ntoks = self._touched, self._rekeyed, self._ntok
-        for h, s, t in zip(hashes, slots, ntok):
-            if device:  # predicted insertion seqs, after the device's until the next sync
-                self._pseq += 1
-                q = self._pseq
-            else:  # the reference mirror orders keys by the adapter's own counter
-                m.seq += 1
-                q = m.seq
+        for h, s, t, q in zip(hashes, slots, ntok, seqs):
             m.add_key(s, h + suffix, q)  # vLLM's BlockHashWithGroupId
             ntoks[s] = t
             if s < n:
@@ -391,74 +341,11 @@ class DeferredBlockPool(BlockPool):
         for s in slots:
             if s < self.num_gpu_blocks:
                 self._touched.add(s)
-        if self._device_backend:
-            launched = self.num_gpu_blocks + (0 if self._pend_dev is None else self._pend_dev.numel())
-            where = self._batch.placement(kind, slots, front, launched)
-            if where == "launch":
-                self._flush()
-            elif where == "round":
-                self._batch.cut()
-            if kind == "touch":
-                self._batch.add_touch(slots)
-            else:
-                self._batch.add_free(slots)
-        elif kind == "touch":
-            self._dev.touch(self._ref_ids(slots))
-        else:
-            self._dev.free_blocks(self._ref_ids(slots))
+        self._backend.queue(kind, slots, front)
 
     def _flush(self) -> None:
-        """Launch the batch (:meth:`_launch`) and start a new one."""
-        b = self._batch
-        if not b:
-            return
-        self._batch = OpBatch()
-        self.flushes += 1
-        self._launch(b)
-
-    def _launch(self, b: OpBatch) -> None:
-        """Launch ``b`` as ONE ``gpupool.BlockPool.apply_predicted`` (its rounds; in each, free: every
-        call a segment; touch; pop: every call a demand; cache), not waiting; the placeholders get their
-        ids from its output, and a caching names them as ``num_blocks + k``. The launch's confirmation
-        and its pops (compared with the host's predictions) are read at the next :meth:`sync`."""
-        k0 = 0 if self._pend_dev is None else self._pend_dev.numel()
-        p = b.parts()
-        free, touch, demands, cache_slots, seg = p["free"], p["touch"], p["demands"], p["cache_slots"], p["seg"]
-        items = p["cache_items"]
-        cache_calls = items[2]
-        nf, nt, npred = len(free), len(touch), len(b.pred)
-        n = self.num_gpu_blocks
-        if any(n <= s < n + k0 for s in free + touch + cache_slots):
-            # a launched placeholder's id is on the device only: the id parts gathered there
-            ids = self._device_ids(free + touch) if nf or nt else None
-            free_ids, touch_ids = (ids[:nf] if nf else None), (ids[nf:] if nt else None)
-            seg_ids = self._h2d(seg, torch.int32) if nf else None
-            cache_ids = self._cache_ids(cache_slots, k0, npred) if cache_calls else None
-        else:  # host ints: apply_predicted copies them with the demands, in one transfer
-            free_ids, touch_ids, seg_ids = free or None, touch or None, seg if nf else None
-            # this flush's k-th placeholder is its (npred + k)-th pop, num_blocks + npred + k
-            cache_ids = [s if s < n else s - k0 + npred for s in cache_slots] if cache_calls else None
-        blocks, confirm = self._dev.apply_predicted(PredictedBatch(
-            free_ids=free_ids, free_offsets=seg_ids, touch_ids=touch_ids, demands=demands, cache_ids=cache_ids,
-            cache_items=items, rounds=p["rounds"]))
-        added = blocks.numel() - npred
-        if added > 0:
-            rest = blocks[npred:]
-            self._pend_dev = rest if self._pend_dev is None else torch.cat([self._pend_dev, rest])
-        self._flights.append((b, confirm, max(added, 0), blocks if npred else None))
-
-    def _cache_ids(self, slots: list[int], k0: int, npred: int) -> torch.Tensor:
-        """``int32[len(slots)]`` on the device for the flush's caching: known ids, launched
-        placeholders gathered, this flush's k-th placeholder as ``num_blocks + npred + k`` (its
-        place in ``apply_batched``'s pops, after the ``npred`` predicted ones)."""
-        n = self.num_gpu_blocks
-        if all(s < n + k0 for s in slots):
-            return self._device_ids(slots)
-        earlier = [s if s < n + k0 else 0 for s in slots]
-        t = self._device_ids(earlier) if any(s >= n for s in earlier) else None
-        mine = self._h2d([s - k0 + npred if s >= n + k0 else -1 for s in slots], torch.int32)
-        base = self._h2d(earlier, torch.int32) if t is None else t
-        return torch.where(mine >= 0, mine, base)
+        """Launch the queued ops, not waiting (the device backend's batch, as ONE ``apply_predicted``)."""
+        self._backend.flush()
 
     # ---- the synchronisation -----------------------------------------------------------------------
     def end_step(self) -> None:
@@ -493,118 +380,31 @@ class DeferredBlockPool(BlockPool):
         known = sorted(self._touched)
         npend = len(self._pending)
         exact = not (self._pending or self._dirty)  # the host's rows of `known` are claims to check
-        win = None
-        recorded = None  # an error another user of the device pool recorded (raised at the end)
-        if self.backend == "device":
-            while True:
-                flat, nflights = self._read_device(known, npend, refill, narrow=exact)
-                status, num_free, _, evc, reuse = flat[:5]
-                conf, nbad, o = [], 0, 5
-                for b, _, _, blocks in self._flights:  # (status before, after), then its pops if it predicted
-                    conf.append((flat[o], flat[o + 1]))
-                    o += 2
-                    if blocks is not None:
-                        got, pred = flat[o: o + len(b.pred)], b.pred
-                        if got != pred:
-                            nbad += sum(x != y for x, y in zip(got, pred))
-                        o += blocks.numel()
-                skipped = next((k for k in range(nflights) if conf[k][0]), None)
-                failed = any(bf == 0 and af for bf, af in conf)
-                if failed:
-                    return self._own_failure()
-                if skipped is None:
-                    break
-                recorded = self._take_recorded() or recorded
-                self._relaunch(skipped)
-            ids = flat[o: o + npend]
-            o += npend
-            if refill:
-                nw = min(self._dev.config.C, FREE_WINDOW)
-                win, o = flat[o: o + nw], o + nw
-            w = 6 if exact else 3 + 3 * self._mk  # exact: only the claims and the primary key's seq
-            rows = [flat[o + i * w: o + (i + 1) * w] for i in range(len(known) + npend)]
-            claims = [(r[0], r[1], None if r[2] < 0 else r[2]) for r in rows[:len(known)]]
-            if status or reuse or (evc and self._dev.enable_kv_cache_events):
-                # fires reuse watchers (more reads, counted by callers); an error here is another user's
-                recorded = self._take_recorded() or recorded
-        else:
-            ids = list(self._pend_ref)
-            num_free, nbad = self._dev.get_num_free_blocks(), 0
-            if refill:
-                win = self._window_ref()
-            r = self._dev
-            claims = [(r.ref_cnt[b], len(r.keys[b]), r.hash_num_tokens[b]) for b in known]
+        r = self._backend.read(known, npend, FREE_WINDOW if refill else 0, exact)
+        if r.failed:
+            return self._own_failure(r)
+        num_free, win = r.num_free, r.window
         wrong = []
-        if nbad:
-            wrong.append(f"{nbad} popped ids differ from the host's")
+        if r.bad_pops:
+            wrong.append(f"{r.bad_pops} popped ids differ from the host's")
         if self._num_free != num_free:
             wrong.append(f"the host predicted {self._num_free} free blocks, the device has {num_free}")
-        if exact and claims != [(self._ref[b], len(self._keys[b]), self._ntok[b]) for b in known]:
+        if exact and r.claims != [(self._ref[b], len(self._keys[b]), self._ntok[b]) for b in known]:
             wrong.append("ref counts, key counts or covered tokens of the blocks changed differ from the host's")
         if win is not None and not self.queue_copy.agrees(win):
             wrong.append("the free queue's first ids differ from the host's copy")
-        self._bind(ids)
+        self._bind(r.ids)
         rekeyed, self._touched, self._rekeyed = self._rekeyed, set(), set()
         self._version += 1
-        if self.backend == "device":
-            self._num_free = num_free
-            if exact and not wrong:  # the claims held: only the keys the host predicted take the device's seqs
-                self.mirror.set_seqs([(b, rows[i]) for i, b in enumerate(known) if b in rekeyed])
-            else:
-                if exact:  # the claims failed: the whole rows (a second transfer, on this path only)
-                    w = 3 + 3 * self._mk
-                    flat = self._dev.mirror_rows(self._h2d(known, torch.int64)).reshape(-1).tolist()
-                    rows = [flat[i * w: (i + 1) * w] for i in range(len(known))]
-                self._apply_rows(known + ids, rows)
-        else:
-            self._refresh_reference(list(dict.fromkeys(known + ids)))
+        self._num_free = self._backend.apply(self.mirror, r, known, rekeyed, exact, exact and not wrong)
         if win is not None:
             self.queue_copy.fill(win)
         self._dirty = False
-        if self.backend == "device":
-            self._dev.registry.maybe_sweep()  # check()'s housekeeping (reads the device's keys when it sweeps)
         if wrong:
             self.queue_copy.forget()  # refilled from the device at the next synchronisation
             raise PoolError("DeferredBlockPool.sync", "; ".join(wrong))
-        if recorded is not None:
-            raise recorded
-
-    def _read_device(self, known: list[int], npend: int, refill: bool, narrow: bool) -> tuple[list[int], int]:
-        """ONE device-to-host transfer: the device pool's counters, each launch's confirmation (and its
-        pops when it predicted some), the placeholders' ids, (``refill``) the queue window and the mirror rows of ``known`` and the
-        placeholders' blocks (``narrow``: only their first key slot). Returns (the values flat, the
-        number of launches)."""
-        dev = self._dev
-        pend = self._pend_dev[:npend].long() if npend else torch.zeros(0, dtype=torch.int64, device=dev.device)
-        idx = torch.cat([self._h2d(known, torch.int64), pend])
-        parts = [dev.counters()]
-        for _, c, _, blocks in self._flights:
-            parts.append(c)
-            if blocks is not None:
-                parts.append(blocks)
-        parts.append(pend)
-        if refill:
-            parts.append(self._window_dev())
-        flat = torch.cat(parts + [dev.mirror_rows(idx, 1 if narrow else None).reshape(-1)]).tolist()
-        return flat, len(self._flights)
-
-    def _take_recorded(self) -> PoolError | None:
-        """The device pool's recorded error, taken from its status word (``check``), or None."""
-        try:
-            self._dev.check()
-        except PoolError as e:
-            return e
-        return None
-
-    def _relaunch(self, first: int) -> None:
-        """Launch again the batches from launch ``first`` on, which a recorded error made do nothing
-        (their placeholders' outputs dropped: the new launches give them)."""
-        redo = self._flights[first:]
-        self._flights = self._flights[:first]
-        keep = sum(a for _, _, a, _ in self._flights)
-        self._pend_dev = self._pend_dev[:keep] if keep else None
-        for b, _, _, _ in redo:
-            self._launch(b)
+        if r.recorded is not None:
+            raise r.recorded
 
     def _bind(self, ids: list[int]) -> None:
         """Placeholders -> their blocks (``ids``, in order): the bound block's old keys (evicted by the
@@ -616,23 +416,21 @@ class DeferredBlockPool(BlockPool):
             blk._s = b  # pool.blocks[b] stays the canonical proxy: this one reads the same slot
             if b == 0:
                 blk.is_null = True
-        self._pending, self._pend_dev, self._pend_ref, self._flights = [], None, [], []
+        self._pending = []
+        self._backend.bound()
 
-    def _own_failure(self) -> None:
+    def _own_failure(self, r: SyncRead) -> None:
         """A launch of the fast path failed on the device (not expected: its ops are checked on the
         host first), some of its ops run: the whole mirror is read again from the device, each
         placeholder of a pop that did not run is bound to the null block, and the error is raised."""
-        recorded = self._take_recorded()
         n = self.num_gpu_blocks
-        npend = len(self._pending)
-        ids = self._pend_dev[:npend].tolist() if npend else []
-        ids = [b if 0 < b < n else 0 for b in ids]
+        ids = [b if 0 < b < n else 0 for b in r.ids]
         self.mirror.forget_placeholder_keys(n)
         self._bind(ids)
         self._touched, self._rekeyed, self._dirty = set(), set(), False
         self.queue_copy.forget()
         self._refresh(range(n))
-        raise recorded if recorded is not None else PoolError("DeferredBlockPool.sync", "a launch failed")
+        raise r.recorded if r.recorded is not None else PoolError("DeferredBlockPool.sync", "a launch failed")
 
     # ---- everything else: synchronise, then the base class -------------------------------------------
     def _slow(name, moves_queue=False):  # noqa: N805 - a decorator factory used in the class body
