@@ -2,7 +2,8 @@
 (docs/vllm.md, "The drop-in BlockPool").
 
 Every state change is one op of :class:`gpupool.BlockPool` (Triton kernels; docs/semantics.md
-section 2). vLLM's callers read block fields (``block.ref_cnt``, ``block.block_hash``,
+section 2), or of the CPU oracle with ``backend="reference"``: the pool and what is specific to it
+live in :mod:`gpupool.vllm.backends` (``DeviceBackend``, ``ReferenceBackend``). vLLM's callers read block fields (``block.ref_cnt``, ``block.block_hash``,
 ``block.is_null``, ``block.block_hash_num_tokens``) thousands of times per step, so those reads come
 from a **host mirror**: after each mutating op the adapter gathers, in one device-to-host copy, the
 ref count, keys and covered tokens of exactly the blocks that op could change (plus the free count),

@@ -1,8 +1,9 @@
 """``DeferredBlockPool``: the drop-in vLLM ``BlockPool`` with its device work deferred and its answers
 known on the host, so that a vLLM scheduler step needs no device-to-host synchronisation in the
 common case and at most one when a step pops up to ``FREE_WINDOW // 2`` blocks. The algorithm, its
-parts (``HostMirror``, ``FreeQueueCopy``, ``OpBatch``, the device or reference backend) and when it
-synchronises: docs/algorithms.md section 8.
+parts (``HostMirror``, ``FreeQueueCopy``, ``OpBatch``, the device or reference backend:
+:mod:`gpupool.vllm.backends`' ``DeviceBackend`` / ``ReferenceBackend``) and when it synchronises:
+docs/algorithms.md section 8.
 
 ``get_new_blocks``, ``touch``, ``free_blocks`` and ``cache_full_blocks`` are answered from the host
 mirror and the host's copy of the free queue's head and gathered into a batch that
