@@ -2,7 +2,7 @@
 per-call pool drive them, against the reference pool (``ReferenceBlockPool``) run beside them: pops of
 predicted ids and of placeholders, touches, frees, cachings, then a synchronisation's read and the
 mirror update; both backends give the same answers for the same ops. The reads of the per-call pool
-(``read_rows``), the exact path (claims, ``set_seqs``, the second transfer), a recorded error
+(``read_rows``), the exact path (claims, the device's insertion seqs predicted, the second transfer), a recorded error
 relaunched, and the factory's error."""
 import hashlib
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from gpupool.errors import InvalidArgumentError, InvalidBlockIdError
 from gpupool.reference import ReferenceBlockPool
-from gpupool.vllm.backends import PREDICTED_SEQ, DeviceBackend, ReferenceBackend, make_backend
+from gpupool.vllm.backends import DeviceBackend, ReferenceBackend, make_backend
 from gpupool.vllm.host_mirror import HostMirror, vllm_key
 
 N, BS, MK = 12, 4, 4
@@ -22,6 +22,11 @@ KINDS = ("device", "reference")
 
 def h(i) -> bytes:
     return hashlib.sha256(repr(i).encode()).digest()
+
+
+def claim_rows(claims) -> list[tuple]:
+    """``SyncRead.claims`` (three columns) as one ``(ref count, key count, tokens)`` per block."""
+    return list(zip(*claims))
 
 
 def new(kind: str):
@@ -108,7 +113,7 @@ class Drive:
         r = b.read(known, len(self.pend), window, False)
         assert not r.failed and r.recorded is None and r.bad_pops == 0
         assert r.ids == self.pend and r.num_free == ref.get_num_free_blocks()
-        assert r.claims == [(c, len(k), t) for c, k, t in oracle_rows(ref, known)]
+        assert claim_rows(r.claims) == [(c, len(k), t) for c, k, t in oracle_rows(ref, known)]
         queue = ref.free_queue()
         if window:  # the queue's first ids (the device's ring has holes: -1)
             got = [v for v in r.window if v >= 0]
@@ -116,7 +121,7 @@ class Drive:
         else:
             assert r.window is None
         b.bound()
-        assert b.apply(self.mirror, r, known, set(), False, False) == ref.get_num_free_blocks()
+        assert b.apply(self.mirror, r, known, False, False) == ref.get_num_free_blocks()
         assert mirror_rows(self.mirror, known) == oracle_rows(ref, known)
         self.answers.append((r.ids, r.num_free, r.claims, mirror_rows(self.mirror, known)))
         self.held = [[self.oid(s) for s in slots] for slots in self.held]
@@ -173,8 +178,8 @@ def test_read_rows_is_the_pool_state(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_exact_sync_takes_the_pools_seqs(kind):
     """A synchronisation with the host's rows as claims (``exact``): the claims read are the pool's; the
-    claims held, only the predicted insertion seqs change (the device's replace the predicted ones);
-    the claims failed, the whole rows are read again."""
+    claims held, nothing changes: the insertion seqs the host gave the keys are the device's; the
+    claims failed, the whole rows are read again."""
     b = new(kind)
     m = HostMirror(N)
     b.read_rows(list(range(N)), m)
@@ -187,16 +192,42 @@ def test_exact_sync_takes_the_pools_seqs(kind):
         m.add_key(s, vllm_key(x, 0), q)
     b.flush()
     r = b.read(ids, 0, 0, True)
-    assert r.claims == [(1, 1, (i + 1) * BS) for i in range(3)] and r.num_free == N - 4
-    assert b.apply(m, r, ids, set(ids), True, True) == N - 4
+    assert claim_rows(r.claims) == [(1, 1, (i + 1) * BS) for i in range(3)] and r.num_free == N - 4
+    assert r.seqs_ok and r.rows is None
+    assert b.apply(m, r, ids, True, True) == N - 4
     got = [m.holders[vllm_key(x, 0)][s] for s, x in zip(ids, hashes)]
-    assert got == sorted(got) and (all(q < PREDICTED_SEQ for q in got) if kind == "device" else got == seqs)
+    assert got == seqs == sorted(got)
+    if kind == "device":  # the device's own seqs, as the host predicted them
+        assert [row[5] for row in b.pool.mirror_rows(torch.tensor(ids)).tolist()] == seqs
     b.queue("free", ids[::-1], False)
     b.flush()
     r = b.read(ids, 0, 0, True)
-    assert [c for c, _, _ in r.claims] == [0, 0, 0]
-    b.apply(m, r, ids, set(), True, False)  # the claims failed: the rows read again, whole
+    assert r.claims[0] == [0, 0, 0]
+    b.apply(m, r, ids, True, False)  # the claims failed: the rows read again, whole
     assert mirror_rows(m, ids) == [(0, (vllm_key(x, 0),), (i + 1) * BS) for i, x in enumerate(hashes)]
+
+
+def test_device_seqs_taken_whole_when_another_user_keyed_blocks():
+    """Another user of the device pool keys a block between the host's prediction and the launch: the
+    device numbers the fast path's keys after it, the counter read differs from the host's, and the
+    synchronisation takes the changed blocks' whole rows, so the mirror's seqs are the device's."""
+    b = DeviceBackend(N, enable_caching=True, enable_kv_cache_events=False, max_keys_per_block=MK, device="cpu")
+    other = int(b.pool.get_new_blocks(1)[0])  # another user's block, held
+    m = HostMirror(N)
+    b.read_rows(list(range(N)), m)
+    ids = b.window(N)[:2]
+    b.pop_known(2, ids)
+    seqs = list(b.cache(m, ids, [h(0), h(1)], 0, [BS, 2 * BS], 0, 2, BS, None))
+    for i, (s, q) in enumerate(zip(ids, seqs)):
+        m.ref[s], m.ntok[s] = 1, (i + 1) * BS
+        m.add_key(s, vllm_key(h(i), 0), q)
+    b.pool.cache_full_blocks([other], [h(9)], 0, 1, BS, 0)  # the other user keys it before the launch
+    b.flush()
+    r = b.read(ids, 0, 0, True)
+    assert not r.seqs_ok and claim_rows(r.claims) == [(1, 1, BS), (1, 1, 2 * BS)]
+    b.apply(m, r, ids, True, True)
+    dev = [row[5] for row in b.pool.mirror_rows(torch.tensor(ids)).tolist()]
+    assert [m.holders[vllm_key(h(i), 0)][s] for i, s in enumerate(ids)] == dev == [q + 1 for q in seqs]
 
 
 def test_device_relaunches_after_a_recorded_error():
@@ -210,7 +241,7 @@ def test_device_relaunches_after_a_recorded_error():
     assert b.flushes == 1
     r = b.read(ids, 0, 0, False)
     assert isinstance(r.recorded, InvalidBlockIdError) and not r.failed
-    assert r.num_free == N - 3 and [c for c, _, _ in r.claims] == [1, 1] and b.flushes == 1
+    assert r.num_free == N - 3 and r.claims[0] == [1, 1] and b.flushes == 1
     b.pool.check()  # taken: nothing recorded any more
 
 

@@ -14,6 +14,7 @@ read API only (``counters``, ``mirror_rows``, ``free_window``, ``key_name``, ``h
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from operator import itemgetter
 
 import torch
 
@@ -24,27 +25,37 @@ from ..reference import ReferenceBlockPool
 from .host_mirror import HostMirror
 from .op_batch import OpBatch
 
-# insertion sequence numbers of keys predicted on the host: after every device sequence number until
-# the next synchronisation replaces them with the device's
-PREDICTED_SEQ = 1 << 62
-
-
 class SyncRead:
     """What a backend reads for :meth:`gpupool.vllm.DeferredBlockPool.sync` (:meth:`PoolBackend.read`).
 
     ``ids``: the placeholders' block ids, in order; ``num_free``: the pool's free count;
     ``bad_pops``: how many popped ids differ from the host's predictions; ``window``: the free queue's
-    first ids (-1 for holes; None when not asked for); ``claims``: ``(ref count, key count, covered
-    tokens or None)`` per block of ``known``; ``rows``: the device's mirror rows of ``known`` then of
-    the placeholders' blocks (None on the reference backend); ``recorded``: an error another user of
-    the pool recorded, to raise after the mirror is exact; ``failed``: a launch of the fast path
-    itself failed (``ids`` then the raw placeholder outputs, ``recorded`` the pool's error)."""
+    first ids (-1 for holes; None when not asked for); ``claims``: three lists over the blocks of
+    ``known`` (:func:`claims_of`): ref counts, key counts, covered tokens (None: no key); ``rows``:
+    the device's whole mirror rows of ``known`` then of the placeholders' blocks when the read was not
+    exact (None otherwise and on the reference backend); ``seqs_ok``: the device's key insertion
+    counter is the one the host predicted (so every key's insertion seq on the host is the device's);
+    ``recorded``: an error another user of the pool recorded, to raise after the mirror is exact;
+    ``failed``: a launch of the fast path itself failed (``ids`` then the raw placeholder outputs,
+    ``recorded`` the pool's error)."""
 
-    __slots__ = ("ids", "num_free", "bad_pops", "window", "claims", "rows", "recorded", "failed")
+    __slots__ = ("ids", "num_free", "bad_pops", "window", "claims", "rows", "seqs_ok", "recorded", "failed")
 
-    def __init__(self, ids, num_free=0, bad_pops=0, window=None, claims=(), rows=None, recorded=None, failed=False):
+    def __init__(self, ids, num_free=0, bad_pops=0, window=None, claims=((), (), ()), rows=None, seqs_ok=True,
+                 recorded=None, failed=False):
         self.ids, self.num_free, self.bad_pops, self.window = ids, num_free, bad_pops, window
-        self.claims, self.rows, self.recorded, self.failed = claims, rows, recorded, failed
+        self.claims, self.rows, self.seqs_ok, self.recorded, self.failed = claims, rows, seqs_ok, recorded, failed
+
+
+def claims_of(ref, keys, ntok, known: list[int]) -> tuple[list, list, list]:
+    """The host's claims on the blocks ``known`` from its lists (a mirror's ``ref``, ``keys``, ``ntok``),
+    as :class:`SyncRead` holds the device's: (ref counts, key counts, covered tokens or None)."""
+    if not known:
+        return [], [], []
+    get = itemgetter(*known)
+    if len(known) == 1:
+        return [get(ref)], [len(get(keys))], [get(ntok)]
+    return list(get(ref)), list(map(len, get(keys))), list(get(ntok))
 
 
 class PoolBackend:
@@ -107,11 +118,10 @@ class PoolBackend:
         ``exact``: the host's rows of ``known`` are claims to check (the device reads less)."""
         raise NotImplementedError
 
-    def apply(self, mirror: HostMirror, r: SyncRead, known: list[int], rekeyed: set[int], exact: bool,
-              held: bool) -> int:
+    def apply(self, mirror: HostMirror, r: SyncRead, known: list[int], exact: bool, held: bool) -> int:
         """After :meth:`read` (placeholders bound): make the mirror of ``known`` and the placeholders'
-        blocks exact (``held``: the claims held, only the insertion seqs of ``rekeyed`` change);
-        returns the free count."""
+        blocks exact (``held``: the claims held, nothing to change when the insertion seqs are the
+        device's too); returns the free count."""
         raise NotImplementedError
 
     def bound(self) -> None:
@@ -139,7 +149,9 @@ class DeviceBackend(PoolBackend):
         # bound now: a wrapper later set as `pool` (tests count ops that way) forwards to this pool
         self._sweep = pool.sweep_key_names
         self.batch = OpBatch()  # ops not launched yet
-        self.pseq = PREDICTED_SEQ
+        # the device's key insertion counter as the host predicts it: the k-th key the batch caches gets
+        # this plus k, as the kernel numbers them (in item order); read back at every synchronisation
+        self.next_seq = 0
         self.pend: torch.Tensor | None = None  # int32 ids of the placeholders of launched pops, in order
         # the launches since the last synchronisation, (batch, confirmation, placeholders it added, its
         # pops when it predicted some: compared with the batch's predictions at the synchronisation)
@@ -148,12 +160,13 @@ class DeviceBackend(PoolBackend):
 
     # ---- the per-call adapter ---------------------------------------------------------------------
     def read_rows(self, ids: list[int], mirror: HostMirror) -> int:
-        """One transfer: the free count and ``mirror_rows`` of ``ids``."""
+        """One transfer: the free count, the key insertion counter and ``mirror_rows`` of ``ids``."""
         dev = self.pool
         idx = dev.host_tensor(ids, torch.int64)
-        flat = torch.cat([dev.counters()[1:2], dev.mirror_rows(idx).reshape(-1)]).tolist()  # one transfer
+        flat = torch.cat([dev.counters()[1:3], dev.mirror_rows(idx).reshape(-1)]).tolist()  # one transfer
         w = 3 + 3 * self._mk
-        mirror.apply_rows(ids, [flat[1 + i * w: 1 + (i + 1) * w] for i in range(len(ids))], dev.key_name)
+        mirror.apply_rows(ids, [flat[2 + i * w: 2 + (i + 1) * w] for i in range(len(ids))], dev.key_name)
+        self.next_seq = flat[1]
         return flat[0]
 
     # ---- slots -> device ids -------------------------------------------------------------------------
@@ -213,12 +226,12 @@ class DeviceBackend(PoolBackend):
             self.batch.add_free(slots)
 
     def cache(self, mirror, slots, hashes, group, ntok, nc, nf, block_size, full) -> range:
-        """Into the batch; the keys take predicted insertion seqs (after the device's) until the next
-        synchronisation reads the device's."""
+        """Into the batch; the keys take the insertion seqs the device will give them (the kernel
+        numbers a launch's keys in item order from its counter), checked at the next synchronisation."""
         self.batch.add_cache(slots, [(h, group) for h in hashes], ntok)
-        q = self.pseq
-        self.pseq = q + len(slots)
-        return range(q + 1, q + 1 + len(slots))
+        q = self.next_seq
+        self.next_seq = q + len(slots)
+        return range(q, q + len(slots))
 
     def flush(self) -> None:
         """Launch the batch (:meth:`_launch`) and start a new one."""
@@ -268,7 +281,7 @@ class DeviceBackend(PoolBackend):
         recorded = None
         while True:
             flat, nw = self._read_device(known, npend, window, narrow=exact)
-            status, num_free, _, evc, reuse = flat[:5]
+            status, num_free, key_seq, evc, reuse = flat[:5]
             conf, nbad, o = [], 0, 5
             for b, _, _, blocks in self.flights:  # (status before, after), then its pops if it predicted
                 conf.append((flat[o], flat[o + 1]))
@@ -291,19 +304,25 @@ class DeviceBackend(PoolBackend):
         win = None
         if window:
             win, o = flat[o: o + nw], o + nw
-        w = 6 if exact else 3 + 3 * self._mk  # exact: only the claims and the primary key's seq
-        rows = [flat[o + i * w: o + (i + 1) * w] for i in range(len(known) + npend)]
-        claims = [(r[0], r[1], None if r[2] < 0 else r[2]) for r in rows[:len(known)]]
+        nk = len(known)
+        if exact:  # the claims only, column by column (mirror_rows' first 3, transposed)
+            rows, cols = None, (flat[o: o + nk], flat[o + nk: o + 2 * nk], flat[o + 2 * nk: o + 3 * nk])
+        else:
+            w = 3 + 3 * self._mk
+            rows = [flat[o + i * w: o + (i + 1) * w] for i in range(nk + npend)]
+            cols = tuple([r[c] for r in rows[:nk]] for c in range(3))
+        claims = (cols[0], cols[1], [None if t < 0 else t for t in cols[2]])
+        seqs_ok, self.next_seq = key_seq == self.next_seq, key_seq
         if status or reuse or (evc and self.pool.enable_kv_cache_events):
             # fires reuse watchers (more reads, counted by callers); an error here is another user's
             recorded = self._take_recorded() or recorded
-        return SyncRead(ids, num_free, nbad, win, claims, rows, recorded)
+        return SyncRead(ids, num_free, nbad, win, claims, rows, seqs_ok, recorded)
 
     def _read_device(self, known: list[int], npend: int, window: int, narrow: bool) -> tuple[list[int], int]:
         """ONE device-to-host transfer: the pool's counters, each launch's confirmation (and its pops
         when it predicted some), the placeholders' ids, (``window``) the queue window and the mirror
-        rows of ``known`` and the placeholders' blocks (``narrow``: only their first key slot). Returns
-        (the values flat, the window's length)."""
+        rows of ``known`` and the placeholders' blocks (``narrow``: no placeholders; only the first 3
+        columns of ``known``'s, column after column). Returns (the values flat, the window's length)."""
         dev = self.pool
         pend = self.pend[:npend].long() if npend else torch.zeros(0, dtype=torch.int64, device=dev.device)
         idx = torch.cat([self._h2d(known, torch.int64), pend])
@@ -318,7 +337,8 @@ class DeviceBackend(PoolBackend):
             win = dev.free_window(window)
             nw = win.numel()
             parts.append(win)
-        flat = torch.cat(parts + [dev.mirror_rows(idx, 1 if narrow else None).reshape(-1)]).tolist()
+        rows = dev.mirror_rows(idx, 0).t() if narrow else dev.mirror_rows(idx)
+        flat = torch.cat(parts + [rows.reshape(-1)]).tolist()
         return flat, nw
 
     def _take_recorded(self) -> PoolError | None:
@@ -339,13 +359,11 @@ class DeviceBackend(PoolBackend):
         for b, _, _, _ in redo:
             self._launch(b)
 
-    def apply(self, mirror, r, known, rekeyed, exact, held) -> int:
-        """``held``: only the keys the host predicted take the device's seqs (``HostMirror.set_seqs``);
-        else the whole rows (``exact``: read again, a second transfer, on this path only). Then the
-        pool's housekeeping of key names (``sweep_key_names``)."""
-        if held:
-            mirror.set_seqs([(b, r.rows[i]) for i, b in enumerate(known) if b in rekeyed])
-        else:
+    def apply(self, mirror, r, known, exact, held) -> int:
+        """``held`` (the claims held) and the key counter as predicted: the mirror is the device's
+        already; else the whole rows (``exact``: read again, a second transfer, on this path only).
+        Then the pool's housekeeping of key names (``sweep_key_names``)."""
+        if not (held and r.seqs_ok):
             rows = r.rows
             if exact:
                 w = 3 + 3 * self._mk
@@ -408,10 +426,10 @@ class ReferenceBackend(PoolBackend):
 
     def read(self, known: list[int], npend: int, window: int, exact: bool) -> SyncRead:
         p = self.pool
-        claims = [(p.ref_cnt[b], len(p.keys[b]), p.hash_num_tokens[b]) for b in known]
+        claims = claims_of(p.ref_cnt, p.keys, p.hash_num_tokens, known)
         return SyncRead(list(self.pend), p.get_num_free_blocks(), 0, self.window(window) if window else None, claims)
 
-    def apply(self, mirror, r, known, rekeyed, exact, held) -> int:
+    def apply(self, mirror, r, known, exact, held) -> int:
         return self.read_rows(list(dict.fromkeys(known + r.ids)), mirror)
 
     def bound(self) -> None:
@@ -433,4 +451,4 @@ def make_backend(name: str, num_blocks: int, *, enable_caching: bool, enable_kv_
                max_keys_per_block=max_keys_per_block, device=device)
 
 
-__all__ = ["PoolBackend", "DeviceBackend", "ReferenceBackend", "SyncRead", "make_backend", "PREDICTED_SEQ"]
+__all__ = ["PoolBackend", "DeviceBackend", "ReferenceBackend", "SyncRead", "make_backend", "claims_of"]

@@ -22,7 +22,7 @@ from collections import Counter
 
 from ..args import MAX_GROUP_ID, MAX_TOKENS, as_host_list
 from ..errors import OutOfBlocksError, PoolError
-from .backends import SyncRead
+from .backends import SyncRead, claims_of
 from .block_pool import BlockPool, KVCacheBlock, _hashes_at, count_arg
 from .host_events import metrics_pop, metrics_touch
 from .queue_copy import FreeQueueCopy
@@ -80,7 +80,6 @@ class DeferredBlockPool(BlockPool):
         self.steps_since_sync = 0
         self._pending: list[PendingBlock] = []
         self._touched: set[int] = set()  # blocks the ops since the last synchronisation changed
-        self._rekeyed: set[int] = set()  # those of them the fast path keyed (predicted insertion seqs)
         self.queue_copy = FreeQueueCopy()  # the free queue's first ids, exactly
         self._watched = False  # unpin_blocks was called: pops run per call from then on
         self.queue_copy.fill(self._read_window())
@@ -280,13 +279,12 @@ class DeferredBlockPool(BlockPool):
         m, suffix, n = self.mirror, g.to_bytes(4, "big"), self.num_gpu_blocks
         seqs = self._backend.cache(m, slots, hashes, g, ntok, nc, nf, block_size,
                                    lambda: _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf))
-        touched, rekeyed, ntoks = self._touched, self._rekeyed, self._ntok
+        touched, ntoks = self._touched, self._ntok
         for h, s, t, q in zip(hashes, slots, ntok, seqs):
             m.add_key(s, h + suffix, q)  # vLLM's BlockHashWithGroupId
             ntoks[s] = t
             if s < n:
                 touched.add(s)
-                rekeyed.add(s)
         if self.host_events is not None:
             self._cache_events(request, blocks, nc, nf, block_size, g, hashes)
 
@@ -390,14 +388,14 @@ class DeferredBlockPool(BlockPool):
             wrong.append(f"{r.bad_pops} popped ids differ from the host's")
         if self._num_free != num_free:
             wrong.append(f"the host predicted {self._num_free} free blocks, the device has {num_free}")
-        if exact and r.claims != [(self._ref[b], len(self._keys[b]), self._ntok[b]) for b in known]:
+        if exact and r.claims != claims_of(self._ref, self._keys, self._ntok, known):
             wrong.append("ref counts, key counts or covered tokens of the blocks changed differ from the host's")
         if win is not None and not self.queue_copy.agrees(win):
             wrong.append("the free queue's first ids differ from the host's copy")
         self._bind(r.ids)
-        rekeyed, self._touched, self._rekeyed = self._rekeyed, set(), set()
+        self._touched = set()
         self._version += 1
-        self._num_free = self._backend.apply(self.mirror, r, known, rekeyed, exact, exact and not wrong)
+        self._num_free = self._backend.apply(self.mirror, r, known, exact, exact and not wrong)
         if win is not None:
             self.queue_copy.fill(win)
         self._dirty = False
@@ -428,7 +426,7 @@ class DeferredBlockPool(BlockPool):
         ids = [b if 0 < b < n else 0 for b in r.ids]
         self.mirror.forget_placeholder_keys(n)
         self._bind(ids)
-        self._touched, self._rekeyed, self._dirty = set(), set(), False
+        self._touched, self._dirty = set(), False
         self.queue_copy.forget()
         self._refresh(range(n))
         raise r.recorded if r.recorded is not None else PoolError("DeferredBlockPool.sync", "a launch failed")

@@ -72,14 +72,6 @@ class HostMirror:
                 holders.setdefault(k, {})[b] = q
             self.keys[b] = new_t
 
-    def set_seqs(self, rows) -> None:
-        """``(slot, mirror row)`` pairs of blocks whose keys the host knows (ref, key count and tokens
-        confirmed): only their insertion seqs are taken from the rows."""
-        holders, keys = self.holders, self.keys
-        for b, row in rows:
-            for j, key in enumerate(keys[b]):
-                holders[key][b] = row[5 + 3 * j]
-
     def apply_reference(self, ids, pool) -> None:
         """Set ``ids`` from a ``gpupool.reference.ReferenceBlockPool`` (its lists; new keys ordered by
         :attr:`seq`)."""
