@@ -509,7 +509,7 @@ class BlockPool:
 
     @staticmethod
     def _split_keys(flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return flat.view(4, -1).unbind(0)  # four rows, two ops
+        return flat.split_with_sizes([flat.numel() // 4] * 4)  # four rows, one op
 
     @locked
     def apply_batched(self, *, free_ids=None, free_offsets=None, touch_ids=None, demands=(), cache_ids=None,
@@ -584,9 +584,9 @@ class BlockPool:
             dem = demands
         else:
             dem = [as_int(op, d, "demand") for d in as_host_list(op, demands, "demands")]
-        bad = [d for d in dem if d < 0]
-        if bad:
-            raise InvalidCountError(op, f"a demand must be >= 0, got {bad[0]}", bad[0])
+        if dem and min(dem) < 0:
+            bad = next(d for d in dem if d < 0)
+            raise InvalidCountError(op, f"a demand must be >= 0, got {bad}", bad)
         fids, n_free = self._i32_part(op, free_ids, "free_ids")
         seg, n_seg = None, None
         if free_ids is not None:
@@ -616,11 +616,8 @@ class BlockPool:
             sizes.append(n)
         small, key_flat = tensors.to_device_packed([(host, torch.int32), (self._key_values(keys, ntok), torch.int64)],
                                                    self.device)
-        one, d_dem, d_table, *d_parts = small.split(sizes)
-
-        def dev(v, d):
-            return d if isinstance(v, list) else v
-        d_f, d_s, d_t, d_c = (dev(v, d) for v, d in zip((fids, seg, tids, cids), d_parts))
+        one, d_dem, d_table, *d_parts = small.split_with_sizes(sizes)
+        d_f, d_s, d_t, d_c = (d if type(v) is list else v for v, d in zip((fids, seg, tids, cids), d_parts))
         nd = len(dem)
         blocks, offsets = k_flush.launch_flush(
             self.state, self.config, d_f if n_free else one, one if seg is None else d_s, d_t if n_touch else one,
@@ -681,10 +678,13 @@ class BlockPool:
         within int32, length)."""
         if v is None:
             return None, 0
-        if isinstance(v, torch.Tensor):
+        if type(v) is list:  # the fast path's (read, not kept)
+            vals = v
+        elif isinstance(v, torch.Tensor):
             t = self._device_i32(op, v, what)
             return t, t.numel()
-        vals = as_host_list(op, v, what)
+        else:
+            vals = as_host_list(op, v, what)
         if not all(type(x) is int for x in vals):  # plain ints (the fast path's) are checked at C speed
             vals = [as_int(op, x, what) for x in vals]
         if vals and (min(vals) < -2**31 or max(vals) >= 2**31):
@@ -701,11 +701,14 @@ class BlockPool:
         if rounds is None:
             return [(n_free, max(nseg - 1, 0), n_touch, dem, sum(per_call))]
         out, f, s, t, d, c = [], 0, 0, 0, 0, 0
-        for rd in as_host_list(op, rounds, "rounds"):
+        for rd in rounds if type(rounds) is list else as_host_list(op, rounds, "rounds"):
             if not isinstance(rd, (tuple, list)) or len(rd) != 5:
                 raise ArgumentTypeError(op, f"each round is (free ids, free calls, touch ids, demands, cache calls), "
                                             f"got {rd!r}")
-            nfi, nfc, nt, ndm, ncc = (as_int(op, x, "a round's count") for x in rd)
+            nfi, nfc, nt, ndm, ncc = rd
+            if not (type(nfi) is int and type(nfc) is int and type(nt) is int and type(ndm) is int
+                    and type(ncc) is int):  # plain ints (the fast path's) skip the conversions
+                nfi, nfc, nt, ndm, ncc = (as_int(op, x, "a round's count") for x in rd)
             if min(nfi, nfc, nt, ndm, ncc) < 0:
                 raise InvalidArgumentError(op, f"a round's counts must be >= 0, got {tuple(rd)}")
             out.append((nfi, nfc, nt, dem[d:d + ndm], sum(per_call[c:c + ncc])))

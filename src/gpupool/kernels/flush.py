@@ -61,6 +61,12 @@ def resolve_popped(pc: tl.constexpr, ids, out, n, popped, total):
         i += pc.BLOCK
 
 
+# round_table writes a row's fields in this order, which must be RoundField's
+_ROW_ORDER = ("FREE_START", "FREE_OFFSETS_START", "FREE_CALLS", "FREE_IDS", "TOUCH_START", "TOUCHES", "DEMANDS_START",
+              "DEMANDS", "POPPED_START", "POPPED", "CACHE_START", "CACHINGS")
+assert _ROW_ORDER == tuple(f.name for f in sorted(RoundField)), "round_table's order is RoundField's"
+
+
 def round_table(rounds, has_free: bool) -> list[int]:
     """The kernel's round table (``layout.RoundField`` per round) from per-round counts ``(free ids,
     free calls, touches, demands as a list, cachings)``: where each part starts in its flattened array
@@ -69,11 +75,7 @@ def round_table(rounds, has_free: bool) -> list[int]:
     out, f0, s0, t0, d0, b0, c0 = [], 0, 0, 0, 0, 0, 0
     for nfi, nfc, nt, dem, nc in rounds:
         want = sum(dem)
-        row = {RoundField.FREE_START: f0, RoundField.FREE_OFFSETS_START: s0, RoundField.FREE_CALLS: nfc,
-               RoundField.FREE_IDS: nfi, RoundField.TOUCH_START: t0, RoundField.TOUCHES: nt,
-               RoundField.DEMANDS_START: d0, RoundField.DEMANDS: len(dem), RoundField.POPPED_START: b0,
-               RoundField.POPPED: want, RoundField.CACHE_START: c0, RoundField.CACHINGS: nc}
-        out += [row[f] for f in RoundField]
+        out += (f0, s0, nfc, nfi, t0, nt, d0, len(dem), b0, want, c0, nc)  # _ROW_ORDER
         f0, t0, d0, b0, c0 = f0 + nfi, t0 + nt, d0 + len(dem), b0 + want, c0 + nc
         s0 += nfc + 1 if has_free else 0
     return out

@@ -254,7 +254,7 @@ class DeviceBackend(PoolBackend):
         cache_calls = items[2]
         nf, nt, npred = len(free), len(touch), len(b.pred)
         n = self.num_blocks
-        if any(n <= s < n + k0 for s in free + touch + cache_slots):
+        if k0 and any(n <= s < n + k0 for s in free + touch + cache_slots):
             # a launched placeholder's id is on the device only: the id parts gathered there
             ids = self._device_ids(free + touch) if nf or nt else None
             free_ids, touch_ids = (ids[:nf] if nf else None), (ids[nf:] if nt else None)

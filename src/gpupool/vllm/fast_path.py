@@ -108,6 +108,17 @@ class DeferredBlockPool(BlockPool):
         return self.blocks[slot] if slot < n else self._pending[slot - n]
 
     # ---- slots -> ids ------------------------------------------------------------------------------
+    def _own_slots(self, blocks: list) -> list[int] | None:
+        """The slots of ``blocks`` but the null block when every one is a known block of this pool (the
+        common case, one pass), else None (placeholders, other pools' blocks, other types)."""
+        out = []
+        for blk in blocks:
+            if blk.__class__ is not KVCacheBlock or blk._pool is not self:
+                return None
+            if not blk.is_null:
+                out.append(blk._s)
+        return out
+
     def _slots(self, blocks) -> list[int]:
         out = []
         for blk in blocks:
@@ -172,14 +183,15 @@ class DeferredBlockPool(BlockPool):
         if self.host_events is not None:  # the keys the pop evicts, before they leave the mirror
             self.host_events.popped(ids)
             self._drain_events()
-        drop, keys, ntok, ref, blocks = self.mirror.drop_keys, self._keys, self._ntok, self._ref, self.blocks
+        keys, ntok, ref = self._keys, self._ntok, self._ref
         for x in ids:
             if keys[x]:
-                drop(x)  # evicted by the pop (docs/semantics.md section 2)
+                self.mirror.drop_keys(x)  # evicted by the pop (docs/semantics.md section 2)
                 keys[x] = ()
-            ntok[x], ref[x] = None, 1
+            ntok[x] = None
+            ref[x] = 1
         self._touched.update(ids)
-        out = [blocks[x] for x in ids]
+        out = list(map(self.blocks.__getitem__, ids))
         if self.metrics_collector:
             metrics_pop(self.metrics_collector, out, self.enable_caching)
         return out
@@ -201,8 +213,11 @@ class DeferredBlockPool(BlockPool):
     def touch(self, blocks) -> None:
         """A prefix hit, queued in the batch's touch part; ref counts, the free count and the host's
         copy of the queue (a free block unlinked) kept on the host."""
-        blocks = as_host_list("touch", blocks, "blocks")
-        slots = [s for s in self._slots(blocks) if s != 0]
+        if type(blocks) is not list:
+            blocks = as_host_list("touch", blocks, "blocks")
+        slots = self._own_slots(blocks)
+        if slots is None:
+            slots = [s for s in self._slots(blocks) if s != 0]
         if not slots:
             return
         ref = self._ref
@@ -224,10 +239,16 @@ class DeferredBlockPool(BlockPool):
         """Release one reference per block, a segment of the batch's free part (the blocks that reach
         0 requeued in the host's copy); a release below 0 is checked on the device first
         (synchronising) and raised by the base class, nothing changed."""
-        mine, others = self._split_by_pool(ordered_blocks)
-        for owner, blks in others.values():  # all or nothing: every pool's blocks checked first
-            owner._check_release(blks)
-        slots = self._check_release(mine)
+        blocks = ordered_blocks if type(ordered_blocks) is list else as_host_list(
+            "free_blocks", ordered_blocks, "ordered_blocks")
+        own = self._own_slots(blocks)
+        if own is None:  # placeholders, other pools' blocks or wrong types among them
+            mine, others = self._split_by_pool(blocks)
+            for owner, blks in others.values():  # all or nothing: every pool's blocks checked first
+                owner._check_release(blks)
+            slots = self._check_release(mine)
+        else:
+            mine, others, slots = blocks, {}, self._check_release(blocks, own)
         ref = self._ref
         front, back = [], []
         for s in slots:
@@ -242,10 +263,12 @@ class DeferredBlockPool(BlockPool):
         for owner, blks in others.values():
             owner.free_blocks(blks)
 
-    def _check_release(self, blocks) -> list[int]:
-        """The mirror slots of ``blocks``, checked to be this pool's and held as often as listed; a
-        release below 0 is checked on the device first (synchronising) and raised by the base class."""
-        slots = self._slots(blocks)
+    def _check_release(self, blocks, slots: list[int] | None = None) -> list[int]:
+        """The mirror slots of ``blocks`` (``slots`` when the caller has them), checked to be this pool's
+        and held as often as listed; a release below 0 is checked on the device first (synchronising)
+        and raised by the base class."""
+        if slots is None:
+            slots = self._slots(blocks)
         ref = self._ref
         if len(set(slots)) == len(slots):
             short = any(ref[s] < 1 for s in slots)
@@ -266,25 +289,26 @@ class DeferredBlockPool(BlockPool):
             nc, nf = self._cache_counts(request, blocks, nc, nf, block_size)
         if nc >= nf:
             return None
-        if not self.enable_caching:  # a no-op (docs/semantics.md section 2) that checks its arguments
+        # caching off: a no-op (docs/semantics.md section 2) that checks its arguments, per call
+        fast = self.enable_caching and self._fast_cache(request, blocks, nc, nf, block_size, kv_cache_group_id,
+                                                        block_mask)
+        if not fast:
             self.sync("op:cache_full_blocks")
             return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
-        hashes = self._fast_cache_hashes(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
-        if hashes is None:
-            self.sync("op:cache_full_blocks")
-            return super().cache_full_blocks(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask)
+        hashes, slots = fast
         g = kv_cache_group_id
-        slots = [blk._s for blk in blocks[nc:nf]]
-        ntok = [(i + 1) * block_size for i in range(nc, nf)]
+        ntok = list(range((nc + 1) * block_size, (nf + 1) * block_size, block_size))
         m, suffix, n = self.mirror, g.to_bytes(4, "big"), self.num_gpu_blocks
         seqs = self._backend.cache(m, slots, hashes, g, ntok, nc, nf, block_size,
                                    lambda: _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf))
-        touched, ntoks = self._touched, self._ntok
+        ntoks = self._ntok
         for h, s, t, q in zip(hashes, slots, ntok, seqs):
             m.add_key(s, h + suffix, q)  # vLLM's BlockHashWithGroupId
             ntoks[s] = t
-            if s < n:
-                touched.add(s)
+        if self._pending:  # placeholders' slots are not block ids
+            self._touched.update(s for s in slots if s < n)
+        else:
+            self._touched.update(slots)
         if self.host_events is not None:
             self._cache_events(request, blocks, nc, nf, block_size, g, hashes)
 
@@ -294,11 +318,12 @@ class DeferredBlockPool(BlockPool):
         self.host_events.stored(hashes, parent, block_size, group)
         self._drain_events(self._full_stored(request, blocks, nc, nf, block_size, group, None))
 
-    def _fast_cache_hashes(self, request, blocks, nc, nf, block_size, group, block_mask):
-        """The hashes of blocks ``nc .. nf - 1`` at ``block_size`` when a ``cache_full_blocks`` call can be
-        queued (the docstring's conditions, and every argument as ``gpupool.args.cache_full_args`` would
-        accept it, so the launch cannot fail on it), else None (the per-call path then runs it, or
-        raises its error). Reads only those hashes (and the parent's), not the request's whole list."""
+    def _fast_cache(self, request, blocks, nc, nf, block_size, group, block_mask):
+        """(the hashes of blocks ``nc .. nf - 1`` at ``block_size``, their slots) when a
+        ``cache_full_blocks`` call can be queued (the docstring's conditions, and every argument as
+        ``gpupool.args.cache_full_args`` would accept it, so the launch cannot fail on it), else None
+        (the per-call path then runs it, or raises its error). Reads only those hashes (and the
+        parent's), not the request's whole list."""
         if not (block_mask is None and type(block_size) is int and type(group) is int and 0 <= nc
                 and block_size > 0 and 0 <= group <= MAX_GROUP_ID and nf * block_size <= MAX_TOKENS):
             return None
@@ -307,14 +332,16 @@ class DeferredBlockPool(BlockPool):
         rng = blocks[nc:nf]
         if len(rng) != nf - nc:
             return None
-        keys, ref, seen = self._keys, self._ref, set()
+        keys, ref, slots = self._keys, self._ref, []
         for blk in rng:  # held, un-keyed, listed once: a pop may then run before the caching (OpBatch)
             if not isinstance(blk, KVCacheBlock) or blk._pool is not self or blk.is_null:
                 return None
             s = blk._s
-            if keys[s] or ref[s] <= 0 or s in seen:
+            if keys[s] or ref[s] <= 0:
                 return None
-            seen.add(s)
+            slots.append(s)
+        if len(slots) > 1 and len(set(slots)) < len(slots):
+            return None
         bh = getattr(request, "block_hashes", None)
         if bh is None:
             return None
@@ -332,14 +359,15 @@ class DeferredBlockPool(BlockPool):
         for h in hashes:  # the parent's too, as the per-call pool checks it
             if type(h) is not bytes:
                 return None
-        return hashes[1:] if nc else hashes
+        return (hashes[1:] if nc else hashes), slots
 
     def _queue(self, kind: str, slots: list[int], front: bool) -> None:
         """Queue a touch or a free of ``slots`` (``front``: a block it frees goes to the queue's
         front) in the batch, in a new round or after a launch where ``OpBatch.placement`` says so."""
-        for s in slots:
-            if s < self.num_gpu_blocks:
-                self._touched.add(s)
+        if self._pending:  # placeholders' slots are not block ids
+            self._touched.update(s for s in slots if s < self.num_gpu_blocks)
+        else:
+            self._touched.update(slots)
         self._backend.queue(kind, slots, front)
 
     def _flush(self) -> None:

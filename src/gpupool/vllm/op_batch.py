@@ -104,6 +104,11 @@ class OpBatch:
         own offsets), ``touch``, ``demands``, ``cache_slots``, ``cache_items`` ((keys, ntok, blocks per
         call)), ``rounds`` (per round (free ids, free calls, touches, demands, cache calls))."""
         rounds = [r for r in self.rounds if r]
+        if len(rounds) == 1:  # the common case: its own lists (the batch is not changed once launched)
+            r = rounds[0]
+            return dict(free=r.free, seg=r.seg, touch=r.touch, demands=r.demands, cache_slots=r.cache_slots,
+                        cache_items=(r.cache_keys, r.cache_ntok, r.cache_calls),
+                        rounds=[(len(r.free), len(r.seg) - 1, len(r.touch), len(r.demands), len(r.cache_calls))])
         return dict(
             free=[x for r in rounds for x in r.free], seg=[x for r in rounds for x in r.seg],
             touch=[x for r in rounds for x in r.touch], demands=[x for r in rounds for x in r.demands],
