@@ -148,7 +148,10 @@ def test_no_transfer_per_batch(monkeypatch):
             assert d2h.n == 0 and pool.syncs == {} and pool.flushes == 0 and len(pool._batch.rounds) == 3
             assert all(pool.blocks[i] is blk for i, blk in zip(ids, a + b + c)) and hit[0] is a[0]
             assert pool.get_num_free_blocks() == 16 - 1 - 3 and a[1].ref_cnt == 0 and a[0].block_hash is not None
-            pool.end_step()  # launches the batch, one launch; the copy holds the whole queue: no refill
+            pool.end_step()  # a small batch: launched at the launch_every-th step
+            assert d2h.n == 0 and pool.flushes == 0
+            for _ in range(pool.launch_every - 1):
+                pool.end_step()  # launches the batch, one launch; the copy holds the whole queue: no refill
             assert d2h.n == 0 and pool.flushes == 1
             pool.sync()
             assert d2h.n == 1 and dict(pool.syncs) == {"sync": 1}
@@ -487,3 +490,25 @@ def test_a_bad_caching_raises_at_the_call():
         states.append(([x.block_id for x in b], driver.snapshot(p)))
         p.device_pool.validate()
     assert errors[0] == errors[1] and states[0] == states[1]
+
+
+def test_end_step_launches_every_few_steps_or_a_big_batch(monkeypatch):
+    """``end_step`` launches every ``launch_every`` steps, or at once when the batch names
+    ``launch_ops`` block ids; a synchronisation in between launches first, so the device has run every
+    op it checks; no device read on the way."""
+    pool = DeferredBlockPool(64, True, BS, device="cpu")
+    d2h = _D2H(monkeypatch)
+    pool.launch_every, pool.launch_ops = 3, 8
+    launched = []
+    for step in range(7):
+        pool.get_new_blocks(1)
+        pool.end_step()
+        launched.append(pool.flushes)
+    assert launched == [0, 0, 1, 1, 1, 2, 2] and d2h.n == 0
+    pool.get_new_blocks(8)  # 9 ids queued: past launch_ops
+    pool.end_step()
+    assert pool.flushes == 3 and pool._batch.size == 0
+    pool.get_new_blocks(2)
+    pool.sync()  # launches the 2 pops first: the device agrees with the host
+    assert pool.flushes == 4 and d2h.n == 1 and pool.get_num_free_blocks() == 63 - 7 - 8 - 2
+    pool.device_pool.validate()

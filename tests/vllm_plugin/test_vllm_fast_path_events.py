@@ -107,7 +107,8 @@ def test_fast_ops_stay_fast_with_events():
     assert calls[:6] == [[k, i] for i in (1, 2, 3) for k in ("evicted", "allocated")]
     assert calls[6] == ["accessed", a[0].block_id] and len(calls) == 7 + 10
     assert dict(pool.syncs) == {} and pool.flushes == 0
-    pool.end_step()
+    for _ in range(pool.launch_every):
+        pool.end_step()
     assert pool.flushes == 1 and dict(pool.syncs) == {}
 
 
@@ -120,6 +121,7 @@ def test_decode_step_reads_no_more_with_events(monkeypatch):
     def steps(observed):
         kw = dict(enable_kv_cache_events=True, metrics_collector=driver.MetricsLog()) if observed else {}
         pool = DeferredBlockPool(200, True, BS, device="cpu", **kw)
+        pool.launch_every = 1  # a launch per step, with events as without
         reqs = [(driver.request(driver.tokens_of(i * 7 + 1)), pool.get_new_blocks(1)) for i in range(32)]
         pool.end_step()
         pool.sync()

@@ -112,6 +112,10 @@ class PoolBackend:
     def flush(self) -> None:
         """Launch what is queued, not waiting."""
 
+    def queued(self) -> int:
+        """How many block ids the ops queued and not launched name (0 where ops run at once)."""
+        return 0
+
     def read(self, known: list[int], npend: int, window: int, exact: bool) -> SyncRead:
         """The pool's answers for a synchronisation: the claims of blocks ``known``, the ids of the
         first ``npend`` placeholders, (``window`` > 0) the queue's first ids from that many ring slots;
@@ -232,6 +236,9 @@ class DeviceBackend(PoolBackend):
         q = self.next_seq
         self.next_seq = q + len(slots)
         return range(q, q + len(slots))
+
+    def queued(self) -> int:
+        return self.batch.size
 
     def flush(self) -> None:
         """Launch the batch (:meth:`_launch`) and start a new one."""

@@ -61,10 +61,17 @@ class DeferredBlockPool(BlockPool):
     (a refill before a pop), ``block_id``, ``ref_cnt``, ``get_one_block``, ``op:<name>``, ...);
     ``flushes`` the launches; ``deferred`` is True (KV events and metrics are made on the host,
     :mod:`gpupool.vllm.host_events`). ``verify_every`` (default 64): :meth:`end_step`
-    synchronises at least every this many steps while ops wait to be checked.
+    synchronises at least every this many steps while ops wait to be checked. ``launch_every``
+    (default 4) and ``launch_ops`` (default 1,024): :meth:`end_step` launches the batch every this
+    many steps, or sooner once its ops name this many block ids.
     """
 
     verify_every = 64
+    # a launch's host cost is mostly fixed (Python and torch around the kernel), so small steps share one;
+    # the device then runs a few steps behind the host, which vLLM does not see (its answers are the
+    # host's) and every read of the device synchronises first, which launches first
+    launch_every = 4
+    launch_ops = 1024
     deferred = True  # always, since KV events and metrics are made on the host (kept for callers that ask)
     _events_on_host = True  # the device pool records no events: HostEvents makes them
 
@@ -78,6 +85,7 @@ class DeferredBlockPool(BlockPool):
         self._observed = self.enable_kv_cache_events or self.metrics_collector is not None
         self.syncs: Counter = Counter()
         self.steps_since_sync = 0
+        self.steps_since_launch = 0
         self._pending: list[PendingBlock] = []
         self._touched: set[int] = set()  # blocks the ops since the last synchronisation changed
         self.queue_copy = FreeQueueCopy()  # the free queue's first ids, exactly
@@ -372,14 +380,18 @@ class DeferredBlockPool(BlockPool):
 
     def _flush(self) -> None:
         """Launch the queued ops, not waiting (the device backend's batch, as ONE ``apply_predicted``)."""
+        self.steps_since_launch = 0
         self._backend.flush()
 
     # ---- the synchronisation -----------------------------------------------------------------------
     def end_step(self) -> None:
         """The end of a scheduler step (``GpuPoolScheduler`` calls it after each ``schedule()``):
-        launch the batch, not waiting; synchronise only when the host's copy of the free queue is low
-        (refill) or ``verify_every`` steps passed with ops to check."""
-        self._flush()
+        launch the batch, not waiting, every ``launch_every`` steps or once it names ``launch_ops``
+        block ids; synchronise only when the host's copy of the free queue is low (refill) or
+        ``verify_every`` steps passed with ops to check."""
+        self.steps_since_launch += 1
+        if self.steps_since_launch >= self.launch_every or self._backend.queued() >= self.launch_ops:
+            self._flush()
         self.steps_since_sync += 1
         low = self.queue_copy.low(self._num_free)
         if low or self.steps_since_sync >= self.verify_every:

@@ -36,11 +36,12 @@ class OpBatch:
     (``pred``, their ids in order) come before the others (placeholders): a placeholder pop empties the
     host's copy of the queue until the next synchronisation, which launches the batch first."""
 
-    __slots__ = ("rounds", "pred")
+    __slots__ = ("rounds", "pred", "size")
 
     def __init__(self):
         self.rounds = [Round()]
         self.pred: list[int] = []
+        self.size = 0  # ids in it: blocks freed, touched, popped and cached
 
     @property
     def cur(self) -> Round:
@@ -76,16 +77,19 @@ class OpBatch:
         r = self.rounds[-1]
         r.touch += slots
         r.touched.update(slots)
+        self.size += len(slots)
 
     def add_free(self, slots: list[int]) -> None:
         r = self.rounds[-1]
         r.free += slots
         r.seg.append(len(r.free))
+        self.size += len(slots)
 
     def add_pop(self, n: int, predicted: list[int] | None) -> None:
         """A ``get_new_blocks(n)``; ``predicted``: the ids the host predicts (None: placeholders)."""
         r = self.rounds[-1]
         r.demands.append(n)
+        self.size += n
         if predicted:
             r.popped.update(predicted)
             self.pred += predicted
@@ -98,6 +102,7 @@ class OpBatch:
         r.cache_ntok += ntok
         r.cache_calls.append(len(slots))
         r.cached.update(slots)
+        self.size += len(slots)
 
     def parts(self) -> dict:
         """The batch flattened as ``apply_predicted`` takes it, in slots: ``free``, ``seg`` (each round's
