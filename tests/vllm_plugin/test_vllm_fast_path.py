@@ -349,6 +349,7 @@ def test_a_decode_step_is_one_flush():
     synchronisation, where the per-call adapter launches 66 ops; ids and state equal."""
     n, nreq = 80, 32
     pools = [DeferredBlockPool(n, True, BS, device="cpu"), BlockPool(n, True, BS, device="cpu")]
+    pools[0].launch_every = 1  # each step's batch launched at its end_step
     got = []
     for p in pools:
         reqs = [driver.request(driver.tokens_of(i)[: 2 * BS]) for i in range(nreq + 2)]
