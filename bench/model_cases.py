@@ -47,8 +47,8 @@ Cases:
   step of B running requests (docs/vllm.md, "The fast path") on the warm pool: ``max(1, B // 128)``
   finished requests of 32 held blocks each freed (tail first), ``B // 16`` requests crossing into a
   new block (one pop each) and ``B // 16`` caching the block they filled (held, un-keyed: one block
-  each, ``cache_full_blocks`` of ``[k, k + 1)``). ``vllm_flush``: ONE ``apply_batched``, as the fast
-  path flushes it; ``vllm_per_call``: one launch per vLLM call (``free_batched`` per finished request,
+  each, ``cache_full_blocks`` of ``[k, k + 1)``). ``vllm_flush``: ONE ``apply_predicted``, as the
+  fast path launches it; ``vllm_per_call``: one launch per vLLM call (``free_batched`` per finished request,
   ``allocate_batched`` per crossing one, ``cache_full_blocks_batched`` per filling one), as the fast
   path launched before the flush. Compare the eager figures (the fast path launches eagerly).
 * ``replay`` (``--replay-requests``, default 1,000): ``replay_on_device`` of the bundled trace's first
@@ -527,10 +527,13 @@ def case_vllm(gp, gc, B: int, args, flush: bool) -> dict:
     free0 = pool.get_num_free_blocks()
     build_s += time.perf_counter() - t0
 
-    def fused():  # host ints, as the fast path passes them: one copy with the demands, one of the keys
-        return pool.apply_batched(free_ids=[b for f in fin for b in f],
-                                  free_offsets=list(range(0, n_fin * per + 1, per)), demands=[1] * n_cross,
-                                  cache_ids=fill, cache_calls=calls)
+    from gpupool.pool import PredictedBatch
+    items = ([(hs[1], g) for hs, _, _, _, g in calls], [2 * BLOCK_SIZE] * n_fill, [1] * n_fill)
+
+    def fused():  # as the fast path launches it: host ints, one copy with the demands and the keys
+        return pool.apply_predicted(PredictedBatch(
+            free_ids=[b for f in fin for b in f], free_offsets=list(range(0, n_fin * per + 1, per)),
+            demands=[1] * n_cross, cache_ids=fill, cache_items=items))
 
     def per_call():
         for ids in fin_ids:

@@ -150,8 +150,6 @@ class DeviceBackend(PoolBackend):
             self.stream = torch.cuda.Stream(device=pool.device)
             self.stream.wait_stream(torch.cuda.current_stream(pool.device))  # the state's initialisation
         self._mk = pool.max_keys_per_block
-        # bound now: a wrapper later set as `pool` (tests count ops that way) forwards to this pool
-        self._sweep = pool.sweep_key_names
         self.batch = OpBatch()  # ops not launched yet
         # the device's key insertion counter as the host predicts it: the k-th key the batch caches gets
         # this plus k, as the kernel numbers them (in item order); read back at every synchronisation
@@ -377,7 +375,7 @@ class DeviceBackend(PoolBackend):
                 flat = self.pool.mirror_rows(self._h2d(known, torch.int64)).reshape(-1).tolist()
                 rows = [flat[i * w: (i + 1) * w] for i in range(len(known))]
             mirror.apply_rows(known + r.ids, rows, self.pool.key_name)
-        self._sweep()  # reads the device's keys when it sweeps
+        self.pool.sweep_key_names()  # reads the device's keys when it sweeps
         return r.num_free
 
     def bound(self) -> None:

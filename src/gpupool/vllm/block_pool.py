@@ -144,8 +144,10 @@ class KVCacheBlock:
 
     @property
     def ref_cnt(self) -> int:
-        p, s = self._mirror_slot("ref_cnt")
-        return p._ref[s]
+        p = self._pool  # _mirror_slot, inlined: vLLM reads this on every prefix hit
+        if p._dirty and p._ref[self._s] == 0:
+            p._need_exact("ref_cnt")
+        return p._ref[self._s]
 
     @ref_cnt.setter
     def ref_cnt(self, value: int) -> None:
@@ -872,7 +874,9 @@ class BlockPool:
     @property
     def device_pool(self) -> DevicePool:
         """The gpupool device pool behind this adapter (its batched ops, ``validate``, inspection).
-        Its calls run on the current stream: on CUDA, make them under ``torch.cuda.stream(self.stream)``."""
+        Its calls run on the current stream: on CUDA, make them under ``torch.cuda.stream(self.stream)``.
+        The fast path (``DeferredBlockPool``) launches its ops every few steps: call its ``sync()`` first
+        to inspect a pool that has run them all."""
         return self._dev
 
 

@@ -133,7 +133,8 @@ class D2HCounter:
 
 
 # the device pool's reads (its read API for the host mirror), not ops
-READS = ("get_num_free_blocks", "mirror_rows", "free_window", "counters", "key_name", "host_tensor")
+READS = ("get_num_free_blocks", "mirror_rows", "free_window", "counters", "key_name", "host_tensor",
+         "sweep_key_names")
 
 
 class Counting:
