@@ -7,9 +7,9 @@ one admitted with a 16-block prefix hit (16 ``get_cached_block``, one ``touch``)
 cached; then ``end_step`` (``GpuPoolScheduler`` calls it after ``schedule()``). Block size 16, a pool
 of 100,000 blocks, the pool warmed with the running requests first.
 
-gpupool runs over the device pool on CPU. Its one launch per step runs the kernel under Triton's
-interpreter, which would dominate, so the time inside ``launch_flush`` is measured apart and left out:
-the figure is the adapter's host work (the mirror, the host copy of the free queue, the batch, the
+gpupool runs over the device pool on CPU. Its launches (every ``launch_every`` steps, 4 unless
+``--launch-every`` says otherwise) run the kernel under Triton's interpreter, which would dominate,
+so the time inside ``launch_flush`` is measured apart and left out: the figure is the adapter's host work (the mirror, the host copy of the free queue, the batch, the
 launch's arguments and copies, the synchronisations it makes), not Triton's launcher (on a GPU some
 tens of microseconds per launch, not measured here) nor the device's work (modelled in RESULTS.md).
 vLLM's pool is imported from its sdist (``GPUPOOL_VLLM_SRC``, else the tests' cache of it); without it
@@ -300,8 +300,15 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-equal-kernel", dest="equal_kernel", action="store_false",
                     help="with --scheduler: stock runs no interpreted kernel per step (module docstring)")
+    ap.add_argument("--launch-every", type=int, default=None,
+                    help="the fast path's DeferredBlockPool.launch_every (default: its own, 4)")
     a = ap.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if a.launch_every is not None:
+        from gpupool.vllm.fast_path import DeferredBlockPool
+        if a.launch_every < 1:
+            ap.error("--launch-every must be >= 1")
+        DeferredBlockPool.launch_every = a.launch_every
     if a.scheduler:
         a.steps = a.steps or 8
         return scheduler_main(a)

@@ -509,7 +509,7 @@ class BlockPool:
 
     @staticmethod
     def _split_keys(flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return flat.split_with_sizes([flat.numel() // 4] * 4)  # four rows, one op
+        return flat.view(4, -1).unbind(0)  # four rows, two ops (views: no device work)
 
     @locked
     def apply_batched(self, *, free_ids=None, free_offsets=None, touch_ids=None, demands=(), cache_ids=None,
@@ -546,8 +546,8 @@ class BlockPool:
             raise InvalidArgumentError(op, "a pool with KV events runs the ops one by one")
         _, n_cids = self._i32_part(op, cache_ids, "cache_ids")
         keys, ntok, per_call = self._cache_items(op, cache_calls, n_cids, "cache_ids")
-        blocks, offsets = self._launch_batch(op, free_ids, free_offsets, touch_ids, demands, cache_ids,
-                                             (keys, ntok, per_call), rounds)
+        blocks, offsets, _ = self._launch_batch(op, free_ids, free_offsets, touch_ids, demands, cache_ids,
+                                                (keys, ntok, per_call), rounds)
         return blocks, offsets
 
     @locked
@@ -561,7 +561,8 @@ class BlockPool:
         ``apply_batched``'s (-1 where a round's pops failed or were skipped), which the caller compares
         with its predictions when it next synchronises, and the launch's confirmation, read then too:
         the status code before the launch (not 0: a recorded error made the launch do nothing) and the
-        status code after it (not 0 with the first 0: this launch failed). Raises at once what
+        status code after it (not 0 with the first 0: this launch failed), both written by the kernel
+        (no device op besides the one launch and its one host-to-device copy). Raises at once what
         ``apply_batched`` raises for bad host values, and InvalidArgumentError for cache items that do
         not match ``cache_ids``."""
         op = "apply_predicted"
@@ -572,14 +573,12 @@ class BlockPool:
         if not (len(keys) == len(ntok) == sum(per_call) == (n_cids if self.enable_caching else 0)):
             raise InvalidArgumentError(op, f"cache_items: {len(keys)} keys, {len(ntok)} token counts, "
                                            f"{sum(per_call)} blocks in the calls, {n_cids} cache_ids")
-        status = self._status_word
-        before = status.clone()
-        blocks, _ = self._launch_batch(op, batch.free_ids, batch.free_offsets, batch.touch_ids, batch.demands,
-                                       batch.cache_ids, batch.cache_items, batch.rounds)
-        return blocks, torch.cat([before, status])
+        blocks, _, confirm = self._launch_batch(op, batch.free_ids, batch.free_offsets, batch.touch_ids,
+                                                batch.demands, batch.cache_ids, batch.cache_items, batch.rounds)
+        return blocks, confirm
 
     def _launch_batch(self, op, free_ids, free_offsets, touch_ids, demands, cache_ids, cache_items, rounds):
-        """The launch behind :meth:`apply_batched` and :meth:`apply_predicted`: (blocks, offsets)."""
+        """The launch behind :meth:`apply_batched` and :meth:`apply_predicted`: (blocks, offsets, confirm)."""
         if type(demands) is list and all(type(d) is int for d in demands):  # plain ints (the fast path's)
             dem = demands
         else:
@@ -619,11 +618,10 @@ class BlockPool:
         one, d_dem, d_table, *d_parts = small.split_with_sizes(sizes)
         d_f, d_s, d_t, d_c = (d if type(v) is list else v for v, d in zip((fids, seg, tids, cids), d_parts))
         nd = len(dem)
-        blocks, offsets = k_flush.launch_flush(
+        return k_flush.launch_flush(
             self.state, self.config, d_f if n_free else one, one if seg is None else d_s, d_t if n_touch else one,
             d_dem if dem else one, d_table, d_c if keys else one, *self._split_keys(key_flat), n_rounds=len(parts),
             n_free=n_free, n_touch=n_touch, n_demands=nd, n_cache=len(keys), total=total)
-        return blocks, offsets
 
     # ---- the read API: device views for a host mirror of the pool (the vLLM adapter), no wait ------
     def mirror_rows(self, idx: torch.Tensor, key_slots: int | None = None) -> torch.Tensor:

@@ -35,6 +35,11 @@ class PopPart(NamedTuple):
     demands: object  # int32[>= n_demands]
     blocks: object  # int32[>= total + 1] out: the popped blocks
     offsets: object  # int32[n_demands + 1] out
+    confirm: object  # int32[CONFIRM_WIDTH] out: the status code before the launch, then after it
+
+
+# the launch's confirmation: the status code before it and after it (BlockPool.apply_predicted)
+CONFIRM_WIDTH = 2
 
 
 class CachePart(NamedTuple):
@@ -87,7 +92,10 @@ def flush_kernel(ps, pc: tl.constexpr, fr, touch_ids, pop, ca, rounds, n_rounds)
     frees (its segments), ``touch_batched`` of its touches, ``allocate_batched`` of its demands and
     ``cache_blocks_batched`` of its cachings, in that order (module docstring). ``pop.blocks`` holds
     every round's pops one after another, -1 for a round whose pops fail or are skipped (as
-    ``allocate_batched``); ``pop.offsets``: round r's offsets at ``demands start + r``."""
+    ``allocate_batched``); ``pop.offsets``: round r's offsets at ``demands start + r``;
+    ``pop.confirm``: the status code before the rounds and after them."""
+    # strict: benign, every thread stores the one value it read before any store of this launch
+    tl.store(pop.confirm, tl.load(ps.status))
     r = 0
     while r < n_rounds:
         m = rounds + r * RW
@@ -118,6 +126,7 @@ def flush_kernel(ps, pc: tl.constexpr, fr, touch_ids, pop, ca, rounds, n_rounds)
                            ca.ntok + c0, n_cache, OP_CACHE_BLOCKS_BATCHED)
         tl.debug_barrier()
         r += 1
+    tl.store(pop.confirm + 1, tl.load(ps.status))
 
 
 def launch_flush(ps, pc, free_ids, seg_off, touch_ids, demands, rounds, cache_ids, key_hi, key_lo, key_group, ntok,
@@ -126,8 +135,9 @@ def launch_flush(ps, pc, free_ids, seg_off, touch_ids, demands, rounds, cache_id
     tensor with at least one entry, of which the first ``n_*`` count (``seg_off``: every round's
     offsets; ``rounds``: ``round_table``'s ``n_rounds * ROUND_WIDTH`` entries, int32); ``total``:
     the demands' sum, checked on the host (sizes the output). Returns ``(blocks: int32[total],
-    offsets: int32[n_demands + 1])``, the offsets over all rounds' demands; ``blocks`` -1 where a
-    round's pops fail or are skipped."""
+    offsets: int32[n_demands + 1], confirm: int32[CONFIRM_WIDTH])``, the offsets over all rounds'
+    demands; ``blocks`` -1 where a round's pops fail or are skipped; ``confirm`` the status code
+    before the launch and after it (not 0 before: a recorded error made it do nothing)."""
     import torch
 
     if pc.EVENTS:
@@ -135,13 +145,14 @@ def launch_flush(ps, pc, free_ids, seg_off, touch_ids, demands, rounds, cache_id
     dev = free_ids.device
     pc = batch_config(pc, max(n_free, n_touch, total, n_cache))
     blocks = torch.empty(total + 1, dtype=torch.int32, device=dev)
-    offsets = torch.empty(n_demands + n_rounds, dtype=torch.int32, device=dev)
+    out = torch.empty(n_demands + n_rounds + CONFIRM_WIDTH, dtype=torch.int32, device=dev)
+    offsets, confirm = out[: n_demands + n_rounds], out[n_demands + n_rounds:]
     nf, nc = max(n_free, 1), max(n_cache, 1)
     scratch = torch.empty(3 * nf + 1 + nc, dtype=torch.int32, device=dev)
     fr = FreePart(free_ids, seg_off, scratch[: nf + 1], scratch[nf + 1: 2 * nf + 1], scratch[2 * nf + 1: 3 * nf + 1])
     ca = CachePart(cache_ids, scratch[3 * nf + 1:], key_hi, key_lo, key_group, ntok)
-    flush_kernel[(1,)](ps, pc, fr, touch_ids, PopPart(demands, blocks, offsets), ca, rounds, n_rounds,
+    flush_kernel[(1,)](ps, pc, fr, touch_ids, PopPart(demands, blocks, offsets, confirm), ca, rounds, n_rounds,
                        num_warps=warps_for(pc.BLOCK))
     if n_rounds > 1:  # each round wrote its own offsets, from 0: the demands' prefix sums over all of them
         offsets = torch.cat([offsets[:1], torch.cumsum(demands[:n_demands], 0).to(torch.int32)])
-    return blocks[:total], offsets[: n_demands + 1]
+    return blocks[:total], offsets[: n_demands + 1], confirm
