@@ -284,7 +284,9 @@ class DeferredBlockPool(BlockPool):
             short = any(ref[s] < c for s, c in Counter(slots).items())
         if short:
             self.sync("op:free_blocks")
-            super()._check_release(blocks)  # raises DoubleFreeError, the mirror exact
+            # raises DoubleFreeError, the mirror exact; else (a block a placeholder's pop took on the
+            # device) the ids after the binding: the slots read before it may name placeholders
+            return super()._check_release([b for b in blocks if not b.is_null])
         return slots
 
     def cache_full_blocks(self, request, blocks, num_cached_blocks: int, num_full_blocks: int, block_size: int,
