@@ -4,16 +4,23 @@
 * a release the host cannot confirm (a block of ref 0 on the host, which a placeholder's pop took on
   the device) synchronises and then frees the blocks the binding names, as the per-call pool does
   (not the placeholders' old slots, and not the null block, which is skipped);
+* another user of the device pool that keys a block the adapter holds (its key insertion counter
+  moves) or pops and keys its own block (the free count moves, a PoolError once): after the next
+  synchronisation every row of the mirror is the device's (ref counts, keys, the holder a lookup
+  answers), whatever launch cadence, and later ops agree with it.
 """
 from harness.paths import CONFORMANCE
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, str(CONFORMANCE))
 import driver  # noqa: E402
 from gpupool.vllm import BlockPool, fast_path  # noqa: E402
+from gpupool.errors import PoolError  # noqa: E402
 from gpupool.vllm.fast_path import DeferredBlockPool, PendingBlock  # noqa: E402
+from gpupool.vllm.host_mirror import get_block_hash, get_group_id  # noqa: E402
 
 BS = driver.BLOCK_SIZE
 BACKENDS = ["reference", "device"]
@@ -46,3 +53,64 @@ def test_free_of_a_block_a_placeholder_took(monkeypatch, backend, with_null):
         p.free_blocks([first, p.blocks[2]])
         out.append(([b.block_id for b in got], state(p)))
     assert out[0] == out[1]
+
+
+def mirror_is_device(p: DeferredBlockPool) -> None:
+    """Every block's ref count and keys, and every key's lookup, as on the device pool."""
+    dp = p.device_pool
+    dp.validate()
+    assert p._ref == dp.ref_counts()
+    assert p.get_num_free_blocks() == dp.get_num_free_blocks()
+    for b in range(1, p.num_gpu_blocks):
+        assert [tuple(k) for k in dp.block_keys(b)] == [(get_block_hash(k), get_group_id(k)) for k in p._keys[b]], b
+    for key in p.mirror.holders:
+        assert dp.get_cached_block(get_block_hash(key), [get_group_id(key)]) == [p.mirror.earliest(key)], key
+
+
+@pytest.mark.parametrize("launch_every", [1, 4])
+def test_another_user_keys_a_held_block(monkeypatch, launch_every):
+    """Another user caches a key on a held block the adapter did not change since its last
+    synchronisation; the adapter then caches the same key on its own block: the device's lookup
+    answers the other user's (earlier) holder, and so does the mirror after the next sync."""
+    monkeypatch.setattr(DeferredBlockPool, "launch_every", launch_every)
+    p = DeferredBlockPool(10, True, BS, device="cpu")
+    r = driver.request(driver.tokens_of(2)[:2 * BS])
+    a = p.get_new_blocks(1)
+    b = p.get_new_blocks(2)
+    p.end_step()
+    p.sync()
+    p.device_pool.cache_full_blocks([a[0].block_id], r.block_hashes, 0, 1, BS, 0)
+    p.cache_full_blocks(r, b, 0, 2, BS, 0)
+    p.end_step()
+    p.sync()
+    mirror_is_device(p)
+    assert p.get_cached_block(r.block_hashes[0], [0]) == [a[0]]
+
+
+@pytest.mark.parametrize("launch_every", [1, 4])
+def test_another_user_pops_and_keys(monkeypatch, launch_every):
+    """Another user pops a block and keys it; the adapter caches the same key on a block it holds:
+    the next sync raises the free count's disagreement once, with the whole mirror the device's, and
+    later pops and frees agree with the device."""
+    monkeypatch.setattr(DeferredBlockPool, "launch_every", launch_every)
+    p = DeferredBlockPool(10, True, BS, device="cpu")
+    dp = p.device_pool
+    r = driver.request(driver.tokens_of(2)[:2 * BS])
+    a = p.get_new_blocks(3)
+    p.end_step()
+    p.sync()
+    theirs = dp.get_new_blocks(1).tolist()
+    dp.cache_full_blocks(theirs, r.block_hashes, 0, 1, BS, 0)
+    p.cache_full_blocks(r, a, 0, 1, BS, 0)
+    p.end_step()
+    with pytest.raises(PoolError, match="free blocks"):
+        p.sync()
+    p.sync()
+    mirror_is_device(p)
+    assert p.get_cached_block(r.block_hashes[0], [0]) == [p.blocks[theirs[0]]]
+    c = p.get_new_blocks(3)
+    p.free_blocks(a)
+    p.end_step()
+    p.sync()
+    mirror_is_device(p)
+    assert theirs[0] not in [x.block_id for x in c]

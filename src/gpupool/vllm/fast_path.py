@@ -411,7 +411,9 @@ class DeferredBlockPool(BlockPool):
         Raises what the device recorded (PoolError: another user's error, as above; a launch's own
         failure, not expected since the fast ops are checked on the host first, after re-reading the
         whole mirror) and PoolError where the device disagrees with the host (free count, popped ids,
-        ref and key counts of the blocks changed, the queue's first ids)."""
+        ref and key counts of the blocks changed, the queue's first ids), the whole mirror read again
+        first; a key insertion counter other than the host's (another user keyed blocks) reads the
+        whole mirror too."""
         if not (self._pending or self._touched or self._dirty or window):
             return
         self._flush()
@@ -438,6 +440,10 @@ class DeferredBlockPool(BlockPool):
         self._touched = set()
         self._version += 1
         self._num_free = self._backend.apply(self.mirror, r, known, exact, exact and not wrong)
+        if wrong or not r.seqs_ok:
+            # another user of the device pool popped, freed or keyed blocks, maybe blocks the host did not
+            # change since the last synchronisation: every row read again (one transfer, rare)
+            self._refresh(range(self.num_gpu_blocks))
         if win is not None:
             self.queue_copy.fill(win)
         self._dirty = False
