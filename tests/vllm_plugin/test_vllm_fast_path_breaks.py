@@ -114,3 +114,26 @@ def test_another_user_pops_and_keys(monkeypatch, launch_every):
     p.sync()
     mirror_is_device(p)
     assert theirs[0] not in [x.block_id for x in c]
+
+
+def test_recorded_error_beside_a_disagreement_is_raised():
+    """Another user pops a block (the free count moves) and then makes a batched op fail (its error
+    recorded in the status word): the next sync raises the disagreement with the recorded error as
+    its cause, once; it is not dropped from the status word unseen."""
+    from gpupool.errors import InvalidBlockIdError
+    p = DeferredBlockPool(10, True, BS, device="cpu")
+    dp = p.device_pool
+    a = p.get_new_blocks(2)
+    p.end_step()
+    p.sync()
+    dp.get_new_blocks(1)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    dp.free_batched(i32([p.num_gpu_blocks + 3]), i32([0, 1]))
+    p.free_blocks(a[:1])
+    p.end_step()
+    with pytest.raises(PoolError, match="free blocks.*InvalidBlockIdError") as got:
+        p.sync()
+    assert isinstance(got.value.__cause__, InvalidBlockIdError)
+    p.sync()
+    dp.check()  # taken from the status word, raised once
+    mirror_is_device(p)

@@ -412,8 +412,8 @@ class DeferredBlockPool(BlockPool):
         failure, not expected since the fast ops are checked on the host first, after re-reading the
         whole mirror) and PoolError where the device disagrees with the host (free count, popped ids,
         ref and key counts of the blocks changed, the queue's first ids), the whole mirror read again
-        first; a key insertion counter other than the host's (another user keyed blocks) reads the
-        whole mirror too."""
+        first, with a recorded error as its cause (and named in its message); a key insertion counter
+        other than the host's (another user keyed blocks) reads the whole mirror too."""
         if not (self._pending or self._touched or self._dirty or window):
             return
         self._flush()
@@ -449,7 +449,10 @@ class DeferredBlockPool(BlockPool):
         self._dirty = False
         if wrong:
             self.queue_copy.forget()  # refilled from the device at the next synchronisation
-            raise PoolError("DeferredBlockPool.sync", "; ".join(wrong))
+            rec = r.recorded  # taken from the status word: raised with the disagreement, not lost
+            if rec is not None:
+                wrong.append(f"and an error recorded on the device: {type(rec).__name__}: {rec}")
+            raise PoolError("DeferredBlockPool.sync", "; ".join(wrong)) from rec
         if r.recorded is not None:
             raise r.recorded
 
