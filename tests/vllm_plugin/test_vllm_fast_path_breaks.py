@@ -7,7 +7,12 @@
 * another user of the device pool that keys a block the adapter holds (its key insertion counter
   moves) or pops and keys its own block (the free count moves, a PoolError once): after the next
   synchronisation every row of the mirror is the device's (ref counts, keys, the holder a lookup
-  answers), whatever launch cadence, and later ops agree with it.
+  answers), whatever launch cadence, and later ops agree with it; an error another user recorded
+  beside such a disagreement is raised with it, not dropped;
+* ``free_blocks``, ``touch`` and ``cache_full_blocks`` given iterators, tuples, generators, null
+  blocks, duplicates, other pools' blocks and wrong types: the per-call pool's outcome (its typed
+  error), and after an error the host's state (mirror, key map, free count, the host's copy of the
+  queue, placeholders) as before it.
 """
 from harness.paths import CONFORMANCE
 import sys
@@ -137,3 +142,90 @@ def test_recorded_error_beside_a_disagreement_is_raised():
     p.sync()
     dp.check()  # taken from the status word, raised once
     mirror_is_device(p)
+
+
+def _gen(xs):
+    yield from xs
+
+
+def _req(seed, n):
+    return driver.request(driver.tokens_of(seed)[:n * BS])
+
+
+# (a, b, o): a request's 3 blocks (the first 2 cached), 2 fresh held blocks, another pool's held block
+INPUTS = {
+    "free_reversed": lambda p, a, b, o: p.free_blocks(reversed(b)),
+    "free_tuple": lambda p, a, b, o: p.free_blocks(tuple(b)),
+    "free_generator": lambda p, a, b, o: p.free_blocks(_gen(b)),
+    "free_none_inside": lambda p, a, b, o: p.free_blocks([b[0], None]),
+    "free_int_inside": lambda p, a, b, o: p.free_blocks([b[0], 3]),
+    "free_str": lambda p, a, b, o: p.free_blocks("ab"),
+    "free_none": lambda p, a, b, o: p.free_blocks(None),
+    "free_duplicate": lambda p, a, b, o: p.free_blocks([b[0], b[1], b[0]]),
+    "free_other_pool": lambda p, a, b, o: p.free_blocks([b[0], o[0]]),
+    "free_other_pool_twice": lambda p, a, b, o: p.free_blocks([o[0], o[0], b[0]]),
+    "free_other_pool_and_int": lambda p, a, b, o: p.free_blocks([b[0], o[0], 5]),
+    "free_nulls": lambda p, a, b, o: p.free_blocks([p.null_block, b[0], p.null_block]),
+    "free_a_free_block": lambda p, a, b, o: p.free_blocks([b[0], p.blocks[7]]),
+    "touch_reversed": lambda p, a, b, o: p.touch(reversed(a)),
+    "touch_generator": lambda p, a, b, o: p.touch(_gen(a)),
+    "touch_none_inside": lambda p, a, b, o: p.touch([a[0], None]),
+    "touch_str": lambda p, a, b, o: p.touch("x"),
+    "touch_other_pool": lambda p, a, b, o: p.touch([a[0], o[0]]),
+    "touch_duplicate": lambda p, a, b, o: p.touch([a[0], a[0], p.null_block]),
+    "touch_a_free_block_twice": lambda p, a, b, o: p.touch([p.blocks[7], p.blocks[7]]),
+    "cache_tuple": lambda p, a, b, o: p.cache_full_blocks(_req(2, 2), tuple(b), 0, 2, BS, 0),
+    "cache_generator": lambda p, a, b, o: p.cache_full_blocks(_req(2, 2), _gen(b), 0, 2, BS, 0),
+    "cache_int_inside": lambda p, a, b, o: p.cache_full_blocks(_req(2, 2), [b[0], 4], 0, 2, BS, 0),
+    "cache_other_pool": lambda p, a, b, o: p.cache_full_blocks(_req(2, 2), [b[0], o[0]], 0, 2, BS, 0),
+    "cache_duplicate": lambda p, a, b, o: p.cache_full_blocks(_req(2, 2), [b[0], b[0]], 0, 2, BS, 0),
+    "cache_null": lambda p, a, b, o: p.cache_full_blocks(_req(2, 2), [b[0], p.null_block], 0, 2, BS, 0),
+    "cache_a_keyed_block": lambda p, a, b, o: p.cache_full_blocks(_req(2, 2), [b[0], a[0]], 0, 2, BS, 0),
+    "cache_too_few_hashes": lambda p, a, b, o: p.cache_full_blocks(_req(2, 1), b, 0, 2, BS, 0),
+    "cache_group_out_of_range": lambda p, a, b, o: p.cache_full_blocks(_req(2, 2), b, 0, 2, BS, 2**40),
+    "cache_half_block_size": lambda p, a, b, o: p.cache_full_blocks(_req(2, 2), b, 0, 2, BS // 2, 0),
+    "cache_after_cached": lambda p, a, b, o: p.cache_full_blocks(_req(1, 4), a[:2] + b, 2, 4, BS, 0),
+}
+
+
+def host_state(p) -> dict:
+    """What an error must leave unchanged on the host (the fast path's queue copy and placeholders too;
+    a synchronisation on the error's path may check the blocks changed since the last one)."""
+    out = dict(ref=list(p._ref), keys=list(p._keys), ntok=list(p._ntok), num_free=p._num_free,
+               holders={k: dict(v) for k, v in p.mirror.holders.items()})
+    if isinstance(p, DeferredBlockPool):
+        out.update(queue=None if p.queue_copy.ids is None else list(p.queue_copy.ids), pending=len(p._pending))
+    return out
+
+
+def run_input(p, other, case):
+    a = p.get_new_blocks(3)
+    p.cache_full_blocks(_req(1, 3), a, 0, 2, BS, 0)
+    b = p.get_new_blocks(2)
+    o = other.get_new_blocks(1)
+    before = host_state(p)
+    try:
+        INPUTS[case](p, a, b, o)
+        outcome = "ok"
+    except (PoolError, AssertionError) as e:
+        outcome = type(e).__name__
+        assert host_state(p) == before
+    return outcome, state(p), other.blocks[o[0].block_id].ref_cnt
+
+
+@pytest.mark.parametrize("case", sorted(INPUTS))
+def test_inputs_as_the_per_call_pool(case):
+    """Over the reference backend (each case's device launches are those of the cases above)."""
+    got = [run_input(p, type(p)(4, True, BS, backend="reference"), case) for p in pools(8, "reference")]
+    assert got[0] == got[1]
+
+
+@pytest.mark.slow  # 31 cases, about 20 s
+@pytest.mark.parametrize("case", sorted(INPUTS))
+def test_inputs_as_the_per_call_pool_device(case):
+    got = []
+    for p in pools(8, "device"):
+        got.append(run_input(p, type(p)(4, True, BS, device="cpu"), case))
+        if isinstance(p, DeferredBlockPool):
+            mirror_is_device(p)
+    assert got[0] == got[1]
