@@ -150,7 +150,7 @@ def test_reference_launch_cadence(ops, n, window, launch, caching, events):
     check(ops, n, window, "reference", caching, launch, events)
 
 
-@settings(max_examples=min(5, settings().max_examples), deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=min(3, settings().max_examples), deadline=None, suppress_health_check=list(HealthCheck))
 @given(ops=st.lists(OPS4, min_size=4, max_size=20), n=st.sampled_from([3, 6, 12]), window=st.sampled_from([1, 3, 2048]),
        launch=LAUNCH, caching=st.booleans(), events=st.booleans())
 def test_device_launch_cadence(ops, n, window, launch, caching, events):
