@@ -9,6 +9,8 @@ from harness.paths import CONFORMANCE
 import sys
 from unittest import mock
 
+import pytest
+
 from hypothesis import given, settings, HealthCheck
 from hypothesis import strategies as st
 
@@ -68,16 +70,23 @@ def _run(pool, ops):
             for s in seen]
 
 
-def check(ops, n, window, backend="device", caching=True):
+def check(ops, n, window, backend="device", caching=True, launch=(4, 1024), events=False):
+    """``launch``: the fast path's (``launch_every``, ``launch_ops``); ``events``: KV events and a
+    metrics collector on (their bytes and calls compared too)."""
     kw = dict(device="cpu") if backend == "device" else dict(backend="reference")
-    with mock.patch.object(fast_path, "FREE_WINDOW", window):
-        per_call = BlockPool(n, caching, BS, **kw)
-        deferred = DeferredBlockPool(n, caching, BS, **kw)
+    if events:
+        kw.update(enable_kv_cache_events=True)
+    with mock.patch.object(fast_path, "FREE_WINDOW", window), \
+            mock.patch.multiple(DeferredBlockPool, launch_every=launch[0], launch_ops=launch[1]):
+        mc = (lambda: driver.MetricsLog()) if events else (lambda: None)
+        per_call = BlockPool(n, caching, BS, metrics_collector=mc(), **kw)
+        deferred = DeferredBlockPool(n, caching, BS, metrics_collector=mc(), **kw)
         assert _run(per_call, ops) == _run(deferred, ops)
         deferred.sync()
-        assert driver.snapshot(per_call) == driver.snapshot(deferred)
+        assert driver.snapshot(per_call, wire=events) == driver.snapshot(deferred, wire=events)
         assert (deferred._ref, deferred._keys, deferred._ntok) == (per_call._ref, per_call._keys, per_call._ntok)
         if backend == "device":
+            assert deferred.mirror.holders == per_call.mirror.holders  # the device's insertion seqs, predicted
             deferred.device_pool.validate()
             assert deferred.device_pool.ref_counts() == per_call.device_pool.ref_counts()
             assert deferred.device_pool.free_queue() == per_call.device_pool.free_queue()
@@ -127,3 +136,30 @@ def _apply3(pool, op, reqs, seen):
 def test_device_reset_tiny_pools(ops, n, window, caching):
     with mock.patch(__name__ + "._apply", _apply3):
         check(ops, n, window, "device", caching)
+
+
+LAUNCH = st.tuples(st.sampled_from([1, 2, 4, 7]), st.sampled_from([1, 2, 5, 1024]))  # launch_every, launch_ops
+OPS4 = st.one_of(OPS, BIG, st.tuples(st.just("end_step")))
+
+
+@settings(max_examples=max(100, settings().max_examples), deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=st.lists(OPS4, min_size=4, max_size=30), n=st.sampled_from([3, 6, 12]), window=st.sampled_from([1, 3, 2048]),
+       launch=LAUNCH, caching=st.booleans(), events=st.booleans())
+def test_reference_launch_cadence(ops, n, window, launch, caching, events):
+    """Batches spanning several steps (``launch_every``) or cut by ``launch_ops``, events on or off."""
+    check(ops, n, window, "reference", caching, launch, events)
+
+
+@settings(max_examples=min(3, settings().max_examples), deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=st.lists(OPS4, min_size=4, max_size=20), n=st.sampled_from([3, 6, 12]), window=st.sampled_from([1, 3, 2048]),
+       launch=LAUNCH, caching=st.booleans(), events=st.booleans())
+def test_device_launch_cadence(ops, n, window, launch, caching, events):
+    check(ops, n, window, "device", caching, launch, events)
+
+
+@pytest.mark.slow  # 60 examples (about 40 s)
+@settings(max_examples=max(60, settings().max_examples), deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=st.lists(OPS4, min_size=4, max_size=30), n=st.sampled_from([3, 6, 12]),
+       window=st.sampled_from([1, 2, 3, 5, 2048]), launch=LAUNCH, caching=st.booleans(), events=st.booleans())
+def test_device_launch_cadence_many(ops, n, window, launch, caching, events):
+    check(ops, n, window, "device", caching, launch, events)

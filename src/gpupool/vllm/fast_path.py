@@ -284,7 +284,9 @@ class DeferredBlockPool(BlockPool):
             short = any(ref[s] < c for s, c in Counter(slots).items())
         if short:
             self.sync("op:free_blocks")
-            super()._check_release(blocks)  # raises DoubleFreeError, the mirror exact
+            # raises DoubleFreeError, the mirror exact; else (a block a placeholder's pop took on the
+            # device) the ids after the binding: the slots read before it may name placeholders
+            return super()._check_release([b for b in blocks if not b.is_null])
         return slots
 
     def cache_full_blocks(self, request, blocks, num_cached_blocks: int, num_full_blocks: int, block_size: int,
@@ -409,7 +411,9 @@ class DeferredBlockPool(BlockPool):
         Raises what the device recorded (PoolError: another user's error, as above; a launch's own
         failure, not expected since the fast ops are checked on the host first, after re-reading the
         whole mirror) and PoolError where the device disagrees with the host (free count, popped ids,
-        ref and key counts of the blocks changed, the queue's first ids)."""
+        ref and key counts of the blocks changed, the queue's first ids), the whole mirror read again
+        first, with a recorded error as its cause (and named in its message); a key insertion counter
+        other than the host's (another user keyed blocks) reads the whole mirror too."""
         if not (self._pending or self._touched or self._dirty or window):
             return
         self._flush()
@@ -436,12 +440,19 @@ class DeferredBlockPool(BlockPool):
         self._touched = set()
         self._version += 1
         self._num_free = self._backend.apply(self.mirror, r, known, exact, exact and not wrong)
+        if wrong or not r.seqs_ok:
+            # another user of the device pool popped, freed or keyed blocks, maybe blocks the host did not
+            # change since the last synchronisation: every row read again (one transfer, rare)
+            self._refresh(range(self.num_gpu_blocks))
         if win is not None:
             self.queue_copy.fill(win)
         self._dirty = False
         if wrong:
             self.queue_copy.forget()  # refilled from the device at the next synchronisation
-            raise PoolError("DeferredBlockPool.sync", "; ".join(wrong))
+            rec = r.recorded  # taken from the status word: raised with the disagreement, not lost
+            if rec is not None:
+                wrong.append(f"and an error recorded on the device: {type(rec).__name__}: {rec}")
+            raise PoolError("DeferredBlockPool.sync", "; ".join(wrong)) from rec
         if r.recorded is not None:
             raise r.recorded
 
