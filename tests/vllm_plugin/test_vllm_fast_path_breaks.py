@@ -8,7 +8,8 @@
   moves) or pops and keys its own block (the free count moves, a PoolError once): after the next
   synchronisation every row of the mirror is the device's (ref counts, keys, the holder a lookup
   answers), whatever launch cadence, and later ops agree with it; an error another user recorded
-  beside such a disagreement is raised with it, not dropped;
+  beside such a disagreement, or before a relaunch that fails, is raised with it (as its cause), not
+  dropped;
 * slow: random op lists (tests/harness/vllm_ops.py's) mixed with such other users' ops (touch and
   free of the adapter's blocks, pops, cachings, frees, a recorded error), any launch cadence: after
   the synchronisations that raise what they find, the mirror is the device's;
@@ -127,6 +128,10 @@ def test_another_user_pops_and_keys(monkeypatch, launch_every):
     assert theirs[0] not in [x.block_id for x in c]
 
 
+def _i32(xs):
+    return torch.tensor(xs, dtype=torch.int32)
+
+
 def test_recorded_error_beside_a_disagreement_is_raised():
     """Another user pops a block (the free count moves) and then makes a batched op fail (its error
     recorded in the status word): the next sync raises the disagreement with the recorded error as
@@ -138,8 +143,7 @@ def test_recorded_error_beside_a_disagreement_is_raised():
     p.end_step()
     p.sync()
     dp.get_new_blocks(1)
-    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-    dp.free_batched(i32([p.num_gpu_blocks + 3]), i32([0, 1]))
+    dp.free_batched(_i32([p.num_gpu_blocks + 3]), _i32([0, 1]))
     p.free_blocks(a[:1])
     p.end_step()
     with pytest.raises(PoolError, match="free blocks.*InvalidBlockIdError") as got:
@@ -147,6 +151,28 @@ def test_recorded_error_beside_a_disagreement_is_raised():
     assert isinstance(got.value.__cause__, InvalidBlockIdError)
     p.sync()
     dp.check()  # taken from the status word, raised once
+    mirror_is_device(p)
+
+
+def test_recorded_error_before_a_relaunch_that_fails_is_raised():
+    """Another user frees a block the adapter holds and makes a batched op fail; the adapter's free of
+    that block, launched after the recorded error, did nothing, and fails when launched again (a
+    double free on the device): the launch's error is raised with the other user's as its cause."""
+    from gpupool.errors import DoubleFreeError, InvalidBlockIdError
+    p = DeferredBlockPool(6, True, BS, device="cpu")
+    dp = p.device_pool
+    a = p.get_new_blocks(1)
+    p.end_step()
+    p.sync()
+    dp.free_blocks([a[0].block_id])
+    dp.free_batched(_i32([9]), _i32([0, 1]))
+    p.free_blocks(a)
+    p.end_step()
+    with pytest.raises(DoubleFreeError) as got:
+        p.sync()
+    assert isinstance(got.value.__cause__, InvalidBlockIdError)
+    dp.check()
+    p.sync()
     mirror_is_device(p)
 
 
@@ -235,10 +261,6 @@ def test_inputs_as_the_per_call_pool_device(case):
         if isinstance(p, DeferredBlockPool):
             mirror_is_device(p)
     assert got[0] == got[1]
-
-
-def _i32(xs):
-    return torch.tensor(xs, dtype=torch.int32)
 
 
 def other_user(p, op, reqs, theirs) -> None:
