@@ -252,7 +252,7 @@ def test_inputs_as_the_per_call_pool(case):
     assert got[0] == got[1]
 
 
-@pytest.mark.slow  # 31 cases, about 20 s
+@pytest.mark.slow  # 31 cases, about 25 s
 @pytest.mark.parametrize("case", sorted(INPUTS))
 def test_inputs_as_the_per_call_pool_device(case):
     got = []
@@ -290,7 +290,7 @@ OTHER = st.one_of(st.tuples(st.just("o_touchfree"), O.R), st.tuples(st.just("o_p
 OPS = st.one_of(O.BATCH_OPS, OTHER, st.tuples(st.just("end_step")), st.tuples(st.just("sync")))
 
 
-@pytest.mark.slow  # 30 examples, about 30 s
+@pytest.mark.slow  # 30 examples, about 16 s
 @settings(max_examples=max(30, settings().max_examples), deadline=None, suppress_health_check=list(HealthCheck))
 @given(ops=st.lists(OPS, min_size=4, max_size=30), n=st.sampled_from([6, 12]), window=st.sampled_from([1, 3, 2048]),
        launch=st.tuples(st.sampled_from([1, 2, 4, 7]), st.sampled_from([1, 3, 1024])))
