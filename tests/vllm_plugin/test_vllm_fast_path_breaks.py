@@ -8,7 +8,11 @@
   moves) or pops and keys its own block (the free count moves, a PoolError once): after the next
   synchronisation every row of the mirror is the device's (ref counts, keys, the holder a lookup
   answers), whatever launch cadence, and later ops agree with it; an error another user recorded
-  beside such a disagreement is raised with it, not dropped;
+  beside such a disagreement, or before a relaunch that fails, is raised with it (as its cause), not
+  dropped;
+* slow: random op lists (tests/harness/vllm_ops.py's) mixed with such other users' ops (touch and
+  free of the adapter's blocks, pops, cachings, frees, a recorded error), any launch cadence: after
+  the synchronisations that raise what they find, the mirror is the device's;
 * ``free_blocks``, ``touch`` and ``cache_full_blocks`` given iterators, tuples, generators, null
   blocks, duplicates, other pools' blocks and wrong types: the per-call pool's outcome (its typed
   error), and after an error the host's state (mirror, key map, free count, the host's copy of the
@@ -19,9 +23,12 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, str(CONFORMANCE))
 import driver  # noqa: E402
+from harness import vllm_ops as O  # noqa: E402
 from gpupool.vllm import BlockPool, fast_path  # noqa: E402
 from gpupool.errors import PoolError  # noqa: E402
 from gpupool.vllm.fast_path import DeferredBlockPool, PendingBlock  # noqa: E402
@@ -121,6 +128,10 @@ def test_another_user_pops_and_keys(monkeypatch, launch_every):
     assert theirs[0] not in [x.block_id for x in c]
 
 
+def _i32(xs):
+    return torch.tensor(xs, dtype=torch.int32)
+
+
 def test_recorded_error_beside_a_disagreement_is_raised():
     """Another user pops a block (the free count moves) and then makes a batched op fail (its error
     recorded in the status word): the next sync raises the disagreement with the recorded error as
@@ -132,8 +143,7 @@ def test_recorded_error_beside_a_disagreement_is_raised():
     p.end_step()
     p.sync()
     dp.get_new_blocks(1)
-    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-    dp.free_batched(i32([p.num_gpu_blocks + 3]), i32([0, 1]))
+    dp.free_batched(_i32([p.num_gpu_blocks + 3]), _i32([0, 1]))
     p.free_blocks(a[:1])
     p.end_step()
     with pytest.raises(PoolError, match="free blocks.*InvalidBlockIdError") as got:
@@ -141,6 +151,28 @@ def test_recorded_error_beside_a_disagreement_is_raised():
     assert isinstance(got.value.__cause__, InvalidBlockIdError)
     p.sync()
     dp.check()  # taken from the status word, raised once
+    mirror_is_device(p)
+
+
+def test_recorded_error_before_a_relaunch_that_fails_is_raised():
+    """Another user frees a block the adapter holds and makes a batched op fail; the adapter's free of
+    that block, launched after the recorded error, did nothing, and fails when launched again (a
+    double free on the device): the launch's error is raised with the other user's as its cause."""
+    from gpupool.errors import DoubleFreeError, InvalidBlockIdError
+    p = DeferredBlockPool(6, True, BS, device="cpu")
+    dp = p.device_pool
+    a = p.get_new_blocks(1)
+    p.end_step()
+    p.sync()
+    dp.free_blocks([a[0].block_id])
+    dp.free_batched(_i32([9]), _i32([0, 1]))
+    p.free_blocks(a)
+    p.end_step()
+    with pytest.raises(DoubleFreeError) as got:
+        p.sync()
+    assert isinstance(got.value.__cause__, InvalidBlockIdError)
+    dp.check()
+    p.sync()
     mirror_is_device(p)
 
 
@@ -220,7 +252,7 @@ def test_inputs_as_the_per_call_pool(case):
     assert got[0] == got[1]
 
 
-@pytest.mark.slow  # 31 cases, about 20 s
+@pytest.mark.slow  # 31 cases, about 25 s
 @pytest.mark.parametrize("case", sorted(INPUTS))
 def test_inputs_as_the_per_call_pool_device(case):
     got = []
@@ -229,3 +261,62 @@ def test_inputs_as_the_per_call_pool_device(case):
         if isinstance(p, DeferredBlockPool):
             mirror_is_device(p)
     assert got[0] == got[1]
+
+
+def other_user(p, op, reqs, theirs) -> None:
+    """One op of another user of ``p.device_pool`` (``theirs``: the blocks it holds)."""
+    kind, dp = op[0], p.device_pool
+    held = []
+    if reqs and kind in ("o_touchfree", "o_key"):
+        held = [b.block_id for b in reqs[op[1] % len(reqs)]["blocks"] if not b.is_null and b.ref_cnt > 0
+                and (kind == "o_touchfree" or b.block_hash is None)]
+    if kind == "o_touchfree" and held:  # a touch and a free of the adapter's held blocks: nothing changes
+        dp.touch_batched(_i32(held))
+        dp.free_batched(_i32(held), _i32([0, len(held)]))
+    elif kind == "o_key" and held:  # keys a block the adapter holds
+        dp.cache_full_blocks(held[:1], driver.chain(driver.tokens_of(op[2])), 0, 1, BS, 0)
+    elif kind == "o_pop" and dp.get_num_free_blocks() > 0:
+        theirs += dp.get_new_blocks(1).tolist()
+        if op[1]:
+            dp.cache_full_blocks(theirs[-1:], driver.chain(driver.tokens_of(op[2])), 0, 1, BS, 0)
+    elif kind == "o_free" and theirs:
+        dp.free_blocks([theirs.pop(0)])
+    elif kind == "o_rec":
+        dp.free_batched(_i32([p.num_gpu_blocks + 3]), _i32([0, 1]))  # fails: its error recorded
+
+
+OTHER = st.one_of(st.tuples(st.just("o_touchfree"), O.R), st.tuples(st.just("o_pop"), st.booleans(), O.SEED),
+                  st.tuples(st.just("o_free")), st.tuples(st.just("o_key"), O.R, O.SEED), st.tuples(st.just("o_rec")))
+OPS = st.one_of(O.BATCH_OPS, OTHER, st.tuples(st.just("end_step")), st.tuples(st.just("sync")))
+
+
+@pytest.mark.slow  # 30 examples, about 16 s
+@settings(max_examples=max(30, settings().max_examples), deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=st.lists(OPS, min_size=4, max_size=30), n=st.sampled_from([6, 12]), window=st.sampled_from([1, 3, 2048]),
+       launch=st.tuples(st.sampled_from([1, 2, 4, 7]), st.sampled_from([1, 3, 1024])))
+def test_other_users_leave_the_mirror_the_devices(ops, n, window, launch):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fast_path, "FREE_WINDOW", window)
+        mp.setattr(DeferredBlockPool, "launch_every", launch[0])
+        mp.setattr(DeferredBlockPool, "launch_ops", launch[1])
+        p = DeferredBlockPool(n, True, BS, device="cpu")
+        reqs, seen, theirs = [], [], []
+        for op in ops:
+            try:
+                if op[0] == "end_step":
+                    p.end_step()
+                elif op[0] == "sync":
+                    p.sync()
+                elif op[0].startswith("o_"):
+                    other_user(p, op, reqs, theirs)
+                else:
+                    O.apply_op(p, op, reqs, seen)
+            except PoolError:  # what a synchronisation found (another user's doing), or a refused op
+                pass
+        for _ in range(2):  # the first may raise what it finds
+            try:
+                p.sync("final", window=True)
+                break
+            except PoolError:
+                pass
+        mirror_is_device(p)

@@ -157,7 +157,7 @@ def test_device_launch_cadence(ops, n, window, launch, caching, events):
     check(ops, n, window, "device", caching, launch, events)
 
 
-@pytest.mark.slow  # 60 examples (about 40 s)
+@pytest.mark.slow  # 60 examples (about 36 s)
 @settings(max_examples=max(60, settings().max_examples), deadline=None, suppress_health_check=list(HealthCheck))
 @given(ops=st.lists(OPS4, min_size=4, max_size=30), n=st.sampled_from([3, 6, 12]),
        window=st.sampled_from([1, 2, 3, 5, 2048]), launch=LAUNCH, caching=st.booleans(), events=st.booleans())

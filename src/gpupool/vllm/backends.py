@@ -37,7 +37,7 @@ class SyncRead:
     counter is the one the host predicted (so every key's insertion seq on the host is the device's);
     ``recorded``: an error another user of the pool recorded, to raise after the mirror is exact;
     ``failed``: a launch of the fast path itself failed (``ids`` then the raw placeholder outputs,
-    ``recorded`` the pool's error)."""
+    ``recorded`` the pool's error, with another user's error taken before a relaunch as its cause)."""
 
     __slots__ = ("ids", "num_free", "bad_pops", "window", "claims", "rows", "seqs_ok", "recorded", "failed")
 
@@ -298,7 +298,10 @@ class DeviceBackend(PoolBackend):
                     o += blocks.numel()
             skipped = next((k for k in range(len(conf)) if conf[k][0]), None)
             if any(bf == 0 and af for bf, af in conf):
-                recorded = self._take_recorded()
+                own = self._take_recorded()
+                if own is not None and recorded is not None:
+                    own.__cause__ = recorded  # another user's error, taken before the relaunch: not lost
+                recorded = own or recorded
                 return SyncRead(self.pend[:npend].tolist() if npend else [], recorded=recorded, failed=True)
             if skipped is None:
                 break
