@@ -562,16 +562,18 @@ class BlockPool:
         ``0 .. 2**31 - 1`` (either way)."""
         if type(block_hash) is not bytes:
             block_hash = check_hash("get_cached_block", block_hash)
-        if type(kv_cache_group_ids) is not list or not all(type(g) is int and 0 <= g <= MAX_GROUP_ID
-                                                           for g in kv_cache_group_ids):
-            kv_cache_group_ids = as_groups("get_cached_block", kv_cache_group_ids)
+        groups = kv_cache_group_ids
+        if type(groups) is not list or not (  # one group (vLLM's common case) checked without a generator
+                len(groups) == 1 and type(groups[0]) is int and 0 <= groups[0] <= MAX_GROUP_ID
+                or all(type(g) is int and 0 <= g <= MAX_GROUP_ID for g in groups)):
+            groups = as_groups("get_cached_block", groups)
         if self.device_lookups:
-            ids = self._dev.get_cached_block(bytes(block_hash), list(kv_cache_group_ids))
+            ids = self._dev.get_cached_block(block_hash, list(groups))
             return None if ids is None else [self.blocks[b] for b in ids]
         out = []
         view = self.cached_block_hash_to_block
-        for g in kv_cache_group_ids:
-            blk = view.get_one_block(make_block_hash_with_group_id(block_hash, g))
+        for g in groups:  # bytes and plain ints here: vLLM's key is their concatenation (vllm_key)
+            blk = view.get_one_block(block_hash + g.to_bytes(4, "big"))
             if blk is None:
                 return None
             out.append(blk)
