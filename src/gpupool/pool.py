@@ -130,7 +130,6 @@ class BlockPool:
                                   event_capacity=event_capacity)
         self.state = allocate_checked(op, "num_blocks", num_blocks, lambda d: allocate_state(self.config, d), self.device)
         self.registry = KeyRegistry(self._live_keys)
-        self._status_word = self.state.status[:1]  # a view (the status is cleared in place): one op less per launch
         self._watchers: dict[int, Callable[[int], None]] = {}  # dict order = registration order
         self._events: list = []
         self._lock = new_lock()

@@ -372,12 +372,10 @@ class DeviceBackend(PoolBackend):
         already; else the whole rows (``exact``: read again, a second transfer, on this path only).
         Then the pool's housekeeping of key names (``sweep_key_names``)."""
         if not (held and r.seqs_ok):
-            rows = r.rows
-            if exact:
-                w = 3 + 3 * self._mk
-                flat = self.pool.mirror_rows(self._h2d(known, torch.int64)).reshape(-1).tolist()
-                rows = [flat[i * w: (i + 1) * w] for i in range(len(known))]
-            mirror.apply_rows(known + r.ids, rows, self.pool.key_name)
+            if exact:  # only the claims were read (no placeholders): the whole rows now
+                self.read_rows(known, mirror)
+            else:
+                mirror.apply_rows(known + r.ids, r.rows, self.pool.key_name)
         self.pool.sweep_key_names()  # reads the device's keys when it sweeps
         return r.num_free
 

@@ -308,17 +308,14 @@ class DeferredBlockPool(BlockPool):
         hashes, slots = fast
         g = kv_cache_group_id
         ntok = list(range((nc + 1) * block_size, (nf + 1) * block_size, block_size))
-        m, suffix, n = self.mirror, g.to_bytes(4, "big"), self.num_gpu_blocks
+        m, suffix = self.mirror, g.to_bytes(4, "big")
         seqs = self._backend.cache(m, slots, hashes, g, ntok, nc, nf, block_size,
                                    lambda: _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf))
         ntoks = self._ntok
         for h, s, t, q in zip(hashes, slots, ntok, seqs):
             m.add_key(s, h + suffix, q)  # vLLM's BlockHashWithGroupId
             ntoks[s] = t
-        if self._pending:  # placeholders' slots are not block ids
-            self._touched.update(s for s in slots if s < n)
-        else:
-            self._touched.update(slots)
+        self._mark_changed(slots)
         if self.host_events is not None:
             self._cache_events(request, blocks, nc, nf, block_size, g, hashes)
 
@@ -374,11 +371,16 @@ class DeferredBlockPool(BlockPool):
     def _queue(self, kind: str, slots: list[int], front: bool) -> None:
         """Queue a touch or a free of ``slots`` (``front``: a block it frees goes to the queue's
         front) in the batch, in a new round or after a launch where ``OpBatch.placement`` says so."""
-        if self._pending:  # placeholders' slots are not block ids
+        self._mark_changed(slots)
+        self._backend.queue(kind, slots, front)
+
+    def _mark_changed(self, slots: list[int]) -> None:
+        """The blocks of ``slots`` are checked at the next synchronisation (placeholders' slots are not
+        block ids: their blocks are read as the placeholders are bound)."""
+        if self._pending:
             self._touched.update(s for s in slots if s < self.num_gpu_blocks)
         else:
             self._touched.update(slots)
-        self._backend.queue(kind, slots, front)
 
     def _flush(self) -> None:
         """Launch the queued ops, not waiting (the device backend's batch, as ONE ``apply_predicted``)."""
@@ -439,11 +441,12 @@ class DeferredBlockPool(BlockPool):
         self._bind(r.ids)
         self._touched = set()
         self._version += 1
-        self._num_free = self._backend.apply(self.mirror, r, known, exact, exact and not wrong)
         if wrong or not r.seqs_ok:
             # another user of the device pool popped, freed or keyed blocks, maybe blocks the host did not
             # change since the last synchronisation: every row read again (one transfer, rare)
             self._refresh(range(self.num_gpu_blocks))
+        else:  # the claims held (if checked): the backend makes the rest of the mirror exact
+            self._num_free = self._backend.apply(self.mirror, r, known, exact, exact)
         if win is not None:
             self.queue_copy.fill(win)
         self._dirty = False

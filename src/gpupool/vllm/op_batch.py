@@ -30,6 +30,11 @@ class Round:
     def __bool__(self) -> bool:
         return bool(self.free or self.touch or self.demands or self.cache_calls)
 
+    def counts(self) -> tuple[int, int, int, int, int]:
+        """(free ids, free calls, touches, demands, cache calls): the round as ``apply_batched``'s
+        ``rounds`` takes it."""
+        return len(self.free), len(self.seg) - 1, len(self.touch), len(self.demands), len(self.cache_calls)
+
 
 class OpBatch:
     """The device ops since the last launch, in rounds, run as one launch. Pops the host predicted
@@ -113,11 +118,11 @@ class OpBatch:
             r = rounds[0]
             return dict(free=r.free, seg=r.seg, touch=r.touch, demands=r.demands, cache_slots=r.cache_slots,
                         cache_items=(r.cache_keys, r.cache_ntok, r.cache_calls),
-                        rounds=[(len(r.free), len(r.seg) - 1, len(r.touch), len(r.demands), len(r.cache_calls))])
+                        rounds=[r.counts()])
         return dict(
             free=[x for r in rounds for x in r.free], seg=[x for r in rounds for x in r.seg],
             touch=[x for r in rounds for x in r.touch], demands=[x for r in rounds for x in r.demands],
             cache_slots=[x for r in rounds for x in r.cache_slots],
             cache_items=([x for r in rounds for x in r.cache_keys], [x for r in rounds for x in r.cache_ntok],
                          [x for r in rounds for x in r.cache_calls]),
-            rounds=[(len(r.free), len(r.seg) - 1, len(r.touch), len(r.demands), len(r.cache_calls)) for r in rounds])
+            rounds=[r.counts() for r in rounds])
