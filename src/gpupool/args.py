@@ -240,6 +240,42 @@ def cache_full_args(op: str, num_blocks: int, caching: bool, blocks, block_hashe
     return CacheFullArgs(ids, hashes, nc, nf, bs, g, mask, False)
 
 
+MIN_TOKEN_ID, MAX_TOKEN_ID = -(2**31), 2**31 - 1  # token ids the managers hash (int32 on the device)
+
+
+def as_token_list(op: str, tokens, what: str = "tokens") -> list[int]:
+    """Token ids (a sequence of ints, or an integer tensor / array) as Python ints in int32 range (the
+    device keeps them as int32): ArgumentTypeError for a non-integer, InvalidArgumentError out of range."""
+    ids = as_id_list(op, tokens, what)
+    for t in ids:
+        if not MIN_TOKEN_ID <= t <= MAX_TOKEN_ID:
+            raise InvalidArgumentError(op, f"token id {t} in {what} is outside int32", t)
+    return ids
+
+
+HASH_BYTES = 32  # a block hash the managers chain on when they hash a request's tokens (vLLM's sha256)
+
+
+def check_tail(op: str, hashes: list[bytes], tail: list[int], hash_block_size: int, max_tokens: int) -> None:
+    """``add_request``'s ``tail_tokens`` for a request that hashes its own tokens (docs/semantics.md
+    section 9): fewer than ``hash_block_size``, the hashes they chain on 32-byte, the request's known
+    tokens at most ``max_tokens``. InvalidArgumentError otherwise."""
+    if len(tail) >= hash_block_size:
+        raise InvalidArgumentError(op, f"tail_tokens has {len(tail)} tokens; the tokens after the last hash block "
+                                       f"are fewer than hash_block_size ({hash_block_size})", len(tail))
+    if hashes and len(hashes[-1]) != HASH_BYTES:
+        raise InvalidArgumentError(op, f"a request that hashes its own tokens chains on {HASH_BYTES}-byte block "
+                                       f"hashes (vLLM's sha256), got {len(hashes[-1])} bytes", len(hashes[-1]))
+    known = len(hashes) * hash_block_size + len(tail)
+    if known > max_tokens:
+        raise InvalidArgumentError(op, f"{known} tokens exceed max_blocks_per_req * block_size ({max_tokens})", known)
+
+
+def own_hashing_message(slot: int) -> str:
+    return (f"slot {slot} hashes its own tokens (added with tail_tokens): give them with append_tokens, "
+            "not their hashes")
+
+
 def as_hash_bytes_list(op: str, hashes) -> list[bytes]:
     """Every entry of a hash sequence as bytes (``add_request`` / ``append_block_hashes``)."""
     return [check_hash(op, x) for x in as_hash_list(op, hashes)]
@@ -257,13 +293,14 @@ def check_slot(op: str, r: int, num_slots: int, in_use: Callable[[int], bool], a
     return r
 
 
-def check_slot_list(op: str, slots: list[int], num_slots: int, in_use: Callable[[int], bool]) -> list[int]:
-    """``slots``, each in range and in use and listed once; else InvalidArgumentError for the first bad
-    entry in list order, a repeated slot at its first entry (the device's one-pass check,
-    kernels/requests/checks.py ``mark_tile``, finds the same one)."""
+def check_slot_list(op: str, slots: list[int], num_slots: int, in_use: Callable[[int], bool],
+                     active: bool = True) -> list[int]:
+    """``slots``, each in range, in use (free where ``active`` is False) and listed once; else
+    InvalidArgumentError for the first bad entry in list order, a repeated slot at its first entry
+    (the device's one-pass check, kernels/requests/checks.py ``mark_tile``, finds the same one)."""
     times = Counter(slots)
     for r in slots:
-        check_slot(op, r, num_slots, in_use)
+        check_slot(op, r, num_slots, in_use, active)
         if times[r] > 1:
             raise InvalidArgumentError(op, slot_twice_message(r), r)
     return slots

@@ -43,9 +43,14 @@ import torch
 
 from . import tensors
 from .args import (
-    NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_id_list, as_int, check_slot, check_slot_list,
+    NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_host_list, as_id_list, as_int, as_token_list,
+    check_slot, check_slot_list, check_tail, own_hashing_message,
 )
-from .errors import ArgumentTypeError, InvalidArgumentError, InvalidCountError, InvariantError, OutOfBlocksError
+from .errors import (
+    ArgumentTypeError, InvalidArgumentError, InvalidCountError, InvariantError, OutOfBlocksError, token_count_message,
+)
+from .kernels.block_hash import NONE_HASH_WORDS, digest_words, scratch_words, words_digest
+from .kernels.requests import admit as k_admit
 from .kernels.requests import copies as k_copies
 from .kernels.requests import decode as k_decode
 from .kernels.requests import exact as k_exact
@@ -54,6 +59,7 @@ from .kernels.requests import parallel as k_parallel
 from .kernels.requests import reserve as k_reserve
 from .kernels.requests import slot_mapping as k_slot_mapping
 from .kernels.requests import views as k_views
+from .kernels.requests import window as k_window
 from .kernels.requests.parallel_scratch import NKG, NMAP, NPAR
 from .kernels.copy_blocks import check_layers, copy_blocks
 from .kv_cache import AttentionViews
@@ -62,6 +68,9 @@ from .manager_errors import recorded_error
 from .pool import BlockPool
 from .reservations import check_reservations
 from .state import pow2_at_least
+from .tensors import check_int32
+from .stats import NUM_PREFIX_STATS, PrefixCacheStats
+from .kernels.layout import DIGEST_WORDS
 
 
 class ManagerState(NamedTuple):
@@ -83,6 +92,13 @@ class ManagerState(NamedTuple):
     copy_dst: torch.Tensor
     copy_release: torch.Tensor
     num_copies: torch.Tensor
+    tail_tok: torch.Tensor
+    num_tail: torch.Tensor
+    hashing: torch.Tensor
+    last_digest: torch.Tensor
+    name_log: torch.Tensor
+    num_names: torch.Tensor
+    stats: torch.Tensor
     s_req: torch.Tensor
     s_ids: torch.Tensor
     s_pf: torch.Tensor
@@ -91,6 +107,7 @@ class ManagerState(NamedTuple):
     s_kg: torch.Tensor
     s_map: torch.Tensor
     s_filter: torch.Tensor
+    s_hash: torch.Tensor
 
 
 class ManagerConfig(NamedTuple):
@@ -98,7 +115,7 @@ class ManagerConfig(NamedTuple):
     K hash blocks per block, BS tokens per block, Q pending-copy capacity, BLOCK lanes per request tile,
     FS entries of the request-parallel path's key filter, MAPS = G * R * M entries per item map
     (kernels/requests/parallel.py), SW whether any group has a sliding window (else the kernels skip the
-    window's passes)."""
+    window's passes), HBS tokens per hash block, NLOG entries of the log of device-made hashes."""
 
     G: int
     R: int
@@ -110,11 +127,15 @@ class ManagerConfig(NamedTuple):
     FS: int
     MAPS: int
     SW: bool
+    HBS: int
+    NLOG: int
 
 
 class AllocateBatch(NamedTuple):
-    """One ``allocate_slots`` batch: ``slots, num_tokens, target: int32[B]``, ``lookup: int8[B]``,
-    ``num_reqs: int32[1]`` (the first ``num_reqs[0]`` count) and the output ``admitted: int32[B]``."""
+    """One ``allocate_slots`` batch: ``slots, num_tokens, target: int32[B]``, ``lookup: int8[B]`` (0: no
+    lookup; 1: a new request's; 2: a request resumed after a preemption, for the prefix-cache
+    statistics), ``num_reqs: int32[1]`` (the first ``num_reqs[0]`` count) and the outputs ``admitted:
+    int32[B]`` and ``hits: int32[B]`` (each admitted request's prefix-hit tokens, else 0)."""
 
     slots: torch.Tensor
     num_tokens: torch.Tensor
@@ -122,6 +143,7 @@ class AllocateBatch(NamedTuple):
     lookup: torch.Tensor
     num_reqs: torch.Tensor
     admitted: torch.Tensor
+    hits: torch.Tensor
 
 
 def allocate_manager_state(shape: ManagerShape, q: int, device) -> ManagerState:
@@ -144,6 +166,13 @@ def allocate_manager_state(shape: ManagerShape, q: int, device) -> ManagerState:
         copy_dst=torch.zeros(q, dtype=i32, device=device),
         copy_release=torch.zeros(q, dtype=i32, device=device),
         num_copies=torch.zeros(1, dtype=i32, device=device),
+        tail_tok=torch.zeros((R, shape.hash_block_size), dtype=i32, device=device),
+        num_tail=torch.zeros(R, dtype=i32, device=device),
+        hashing=torch.zeros(R, dtype=torch.int8, device=device),
+        last_digest=torch.zeros((R, DIGEST_WORDS), dtype=i32, device=device),
+        name_log=torch.zeros((name_log_size(shape), DIGEST_WORDS), dtype=i32, device=device),
+        num_names=torch.zeros(1, dtype=i32, device=device),
+        stats=torch.zeros(NUM_PREFIX_STATS, dtype=i64, device=device),
         s_req=torch.zeros(R, dtype=i32, device=device),
         s_ids=torch.zeros(max(G * R * M, q), dtype=i32, device=device),
         s_pf=torch.zeros(max(G * R * M, q) + 1, dtype=i32, device=device),
@@ -152,7 +181,19 @@ def allocate_manager_state(shape: ManagerShape, q: int, device) -> ManagerState:
         s_kg=torch.zeros((NKG, G * R + 1), dtype=i32, device=device),
         s_map=torch.zeros((NMAP, G * R * M), dtype=i32, device=device),
         s_filter=torch.zeros(filter_size(R), dtype=i32, device=device),
+        s_hash=torch.zeros(request_block(R) * scratch_words(shape.hash_block_size), dtype=i32, device=device),
     )
+
+
+def request_block(max_num_reqs: int) -> int:
+    """Lanes of a request tile (``ManagerConfig.BLOCK``)."""
+    return min(1024, max(16, pow2_at_least(max_num_reqs)))
+
+
+def name_log_size(shape: ManagerShape) -> int:
+    """Entries of the log of hashes the device made (``name_log``): every hash block of every request
+    slot, so that it cannot fill between two drains of one request lifetime per slot."""
+    return shape.max_num_reqs * shape.max_blocks_per_req * shape.hashes_per_block
 
 
 def filter_size(max_num_reqs: int) -> int:
@@ -192,12 +233,14 @@ class KVCacheManager:
         self.state = allocate_manager_state(sh, q, self.device)
         self.config = ManagerConfig(G=len(sh.groups), R=sh.max_num_reqs, M=sh.max_blocks_per_req,
                                     K=sh.hashes_per_block, BS=sh.block_size, Q=q,
-                                    BLOCK=min(1024, max(16, pow2_at_least(sh.max_num_reqs))),
+                                    BLOCK=request_block(sh.max_num_reqs),
                                     FS=filter_size(sh.max_num_reqs),
                                     MAPS=len(sh.groups) * sh.max_num_reqs * sh.max_blocks_per_req,
-                                    SW=any(w > 0 for _, w in sh.groups))
+                                    SW=any(w > 0 for _, w in sh.groups), HBS=sh.hash_block_size,
+                                    NLOG=name_log_size(sh))
         self.parallel = True  # False: every batch takes the exact sequential path (tests, debugging)
         self._pool.registry.add_pin_source(self._active_keys)
+        self._pool.registry.add_name_source(self._drain_names)
         self._pool.add_error_wording(self._recorded_error)
 
     # the device tensors by name, for readers and tests
@@ -251,35 +294,178 @@ class KVCacheManager:
         return list(zip(s.req_hi[used].tolist(), s.req_lo[used].tolist()))
 
     @locked
-    def add_request(self, slot: int, block_hashes: Sequence[bytes] = ()) -> None:
-        """Start a request in a free slot with the hashes of its known hash blocks (its prompt).
-        Raises InvalidArgumentError (slot in use or out of range, too many hashes), ArgumentTypeError
-        (hashes that are not bytes)."""
+    def add_request(self, slot: int, block_hashes: Sequence[bytes] = (), tail_tokens: Sequence[int] | None = None) -> None:
+        """Start a request in a free slot with the hashes of its known hash blocks (its prompt). With
+        ``tail_tokens`` (the tokens after the last hash block, fewer than ``hash_block_size``) the
+        device hashes the request's further tokens itself as :meth:`append_tokens` or a window gives
+        them (docs/semantics.md section 9); the hashes must then be 32-byte (vLLM's sha256). Raises
+        InvalidArgumentError (slot in use or out of range, too many hashes or tokens), ArgumentTypeError
+        (hashes that are not bytes, tokens that are not ints). Waits for the device (:meth:`admit`
+        admits many requests without waiting)."""
         op = "add_request"
         hs = as_hash_bytes_list(op, block_hashes)
+        tail = None if tail_tokens is None else as_token_list(op, tail_tokens, "tail_tokens")
         self._pool.finish()
         r = self._slot(op, slot, active=False)
         if len(hs) > self.max_blocks_per_req * self.hashes_per_block:
             raise InvalidArgumentError(op, f"{len(hs)} block hashes exceed max_blocks_per_req", len(hs))
+        if tail is not None:
+            check_tail(op, hs, tail, self.hash_block_size, self.shape.max_tokens)
         if int(self.state.num_blocks[r]) != 0:
             raise InvalidArgumentError(op, f"slot {r} still holds blocks", r)
         s = self.state
         s.num_computed[r] = 0
         s.num_cached[:, r] = 0
         self._write_hashes(r, 0, hs)
+        s.hashing[r] = int(tail is not None)
+        if tail is not None:
+            s.num_tail[r] = len(tail)
+            s.tail_tok[r, :len(tail)] = torch.tensor(tail, dtype=torch.int32)
+            s.last_digest[r] = torch.tensor(digest_words(hs[-1]) if hs else NONE_HASH_WORDS, dtype=torch.int32)
         s.active[r] = 1
 
     @locked
     def append_block_hashes(self, slot: int, block_hashes: Sequence[bytes]) -> None:
-        """Hashes of further hash blocks of a running request (tokens it has generated)."""
+        """Hashes of further hash blocks of a running request (tokens it has generated). Raises
+        InvalidArgumentError for a request that hashes its own tokens (``add_request`` with
+        ``tail_tokens``: give it the tokens, :meth:`append_tokens`)."""
         op = "append_block_hashes"
         hs = as_hash_bytes_list(op, block_hashes)
         self._pool.finish()
         r = self._slot(op, slot)
+        if int(self.state.hashing[r].item()):
+            raise InvalidArgumentError(op, own_hashing_message(r), r)
         start = int(self.state.num_hashes[r])
         if start + len(hs) > self.max_blocks_per_req * self.hashes_per_block:
             raise InvalidArgumentError(op, "block hashes exceed max_blocks_per_req", start + len(hs))
         self._write_hashes(r, start, hs)
+
+    # ---- admission, appended tokens, prefix-cache statistics (docs/semantics.md section 9) ----------
+    @locked
+    def admit(self, slots, block_hashes, num_tokens, tail_tokens=None, resumed=None, blocked: torch.Tensor | None = None,
+              admitted: torch.Tensor | None = None, hit_tokens: torch.Tensor | None = None):
+        """Admit waiting requests in order, in one launch, without waiting for the device
+        (``ReferenceKVCacheManager.admit``; docs/semantics.md section 9, "Admission"): each request
+        ``slots[k]`` (a free slot) starts with its hashes ``block_hashes[k]`` (and ``tail_tokens[k]``: it
+        hashes its further tokens), then gets ``num_tokens[k]`` tokens' blocks with a prefix lookup;
+        the first that does not fit is not admitted, nor any after it (their slots stay free).
+        ``resumed[k]``: it resumes after a preemption (statistics). ``blocked``: an ``int32[1]`` device
+        flag (a window's ``flags``); nonzero: nobody is admitted (vLLM admits nobody in a step that
+        preempted). Returns ``(admitted, hit_tokens)``, ``int32[B]`` device tensors (``admitted`` and
+        ``hit_tokens`` may be given as buffers). The host checks lengths, counts, hashes and tails at
+        once (InvalidArgumentError, InvalidCountError, ArgumentTypeError); the device checks that each
+        slot is in range, free and listed once (op ``admit``, raised at ``check()``)."""
+        op = "admit"
+        rs = as_id_list(op, slots, "slots")
+        hls = as_host_list(op, block_hashes, "block_hashes")
+        nts = as_id_list(op, num_tokens, "num_tokens")
+        tls = [None] * len(rs) if tail_tokens is None else as_host_list(op, tail_tokens, "tail_tokens")
+        rsm = as_flag_list(op, resumed) if resumed is not None else [False] * len(rs)
+        if not len(hls) == len(nts) == len(tls) == len(rsm) == len(rs):
+            raise InvalidArgumentError(op, "slots, block_hashes, num_tokens, tail_tokens and resumed differ in length")
+        check_int32(op, rs, "slots")
+        cap, K, hbs = self.shape.max_tokens, self.hashes_per_block, self.hash_block_size
+        for r, t in zip(rs, nts):
+            if not 1 <= t <= cap:
+                raise InvalidCountError(op, token_count_message(t, 1, cap, r), t)
+        reqs = []
+        for hs, tl in zip(hls, tls):
+            hs = as_hash_bytes_list(op, hs)
+            if len(hs) > self.max_blocks_per_req * K:
+                raise InvalidArgumentError(op, f"{len(hs)} block hashes exceed max_blocks_per_req", len(hs))
+            tail = None if tl is None else as_token_list(op, tl, "tail_tokens")
+            if tail is not None:
+                check_tail(op, hs, tail, hbs, cap)
+            reqs.append((hs, tail))
+        if blocked is not None:
+            blocked = tensors.device_count(op, blocked, self.device)
+        B = len(rs)
+        G = len(self.groups)
+        offs, keys, tlen, tails, digests = [0], [], [], [], []
+        for hs, tail in reqs:
+            offs.append(offs[-1] + len(hs))
+            per_group = [self._pool.registry.register_many(hs, g) for g in range(G)]
+            keys += [w for i in range(len(hs)) for g in range(G) for w in per_group[g][i]]
+            tlen.append(-1 if tail is None else len(tail))
+            tails += (tail or []) + [0] * (hbs - len(tail or []))
+            digests += (digest_words(hs[-1]) if hs else NONE_HASH_WORDS) if tail is not None else [0] * DIGEST_WORDS
+        dev = tensors.to_device_packed([(rs, torch.int32), (nts, torch.int32), ([B], torch.int32), (offs, torch.int32),
+                                        (tlen, torch.int32), (tails, torch.int32), (digests, torch.int32),
+                                        ([1 + f for f in rsm], torch.int32), (keys, torch.int64)], self.device)
+        s, nt, num, off, tln, tls_t, dig, lk, kys = dev
+        batch = self.batch(s, nt, nt, lk.to(torch.int8), num, admitted, hits=hit_tokens, op=op)
+        inp = k_admit.AdmitInputs(off, kys if kys.numel() else torch.zeros(2, dtype=torch.int64, device=self.device),
+                                  tln, tls_t if tls_t.numel() else torch.zeros(1, dtype=torch.int32, device=self.device),
+                                  dig if dig.numel() else torch.zeros(1, dtype=torch.int32, device=self.device),
+                                  num if blocked is None else blocked)
+        k_admit.launch_admit(self._pool.state, self._pool.config, self.state, self.config, batch, inp,
+                             has_blocked=blocked is not None, force_exact=not self.parallel)
+        return batch.admitted[:B], batch.hits[:B]
+
+    @locked
+    def append_tokens(self, slots, counts, tokens: torch.Tensor, num_reqs=None) -> None:
+        """Requests ``slots[:num_reqs]`` (``int32[B]``) gained ``counts[k]`` tokens (``int32[B]``, each in
+        0 .. T) from row k of ``tokens`` (``int32`` or ``int64[B, T]`` on the device: a prefill's sampled
+        token, say), in order: a request that hashes its own tokens appends them to its tail and hashes
+        the hash blocks they fill on the device (docs/semantics.md section 9); the others ignore them.
+        No host sync: a slot out of range, not in use or listed twice (InvalidArgumentError), a count
+        outside 0 .. T or a hashing request's tokens past ``max_blocks_per_req * block_size``
+        (InvalidCountError), a token outside int32 (InvalidArgumentError) go to the status word (op
+        ``append_tokens``) and change nothing. Shapes, dtypes and devices raise at once."""
+        op = "append_tokens"
+        s = self._i32(op, slots, "slots")
+        c = self._i32(op, counts, "counts", InvalidCountError)
+        if not isinstance(tokens, torch.Tensor):
+            raise ArgumentTypeError(op, "tokens must be an int32 or int64 tensor [B, T] on the device")
+        if tokens.dtype not in (torch.int32, torch.int64) or tokens.device != self.device or tokens.dim() != 2 \
+                or tokens.shape[0] < s.numel() or tokens.shape[1] < 1:
+            raise InvalidArgumentError(op, f"tokens must be an int32/int64 tensor [>= {s.numel()}, T >= 1] on "
+                                           f"{self.device}, got {tuple(tokens.shape)} {tokens.dtype} on {tokens.device}")
+        if c.numel() != s.numel():
+            raise InvalidArgumentError(op, "slots and counts differ in length")
+        k_window.launch_append_tokens(self._pool.state, self._pool.config, self.state, self.config, s, c,
+                                      tokens.contiguous(), self._count(op, num_reqs, s.numel()))
+
+    @locked
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix-cache statistics since the last call (vLLM's ``PrefixCacheStats``: requests,
+        queries and hits in tokens, and the same of resumed requests; gpupool/stats.py), and a fresh
+        count. Waits for the device."""
+        self._pool.finish()
+        out = PrefixCacheStats.from_list(self.state.stats.tolist())
+        self.state.stats.zero_()
+        return out
+
+    def window(self, max_batch: int, steps: int = 1, num_lookahead_tokens: int = 0,
+               kv_caches: list[torch.Tensor] | None = None, views: bool = True):
+        """A :class:`gpupool.window.DecodeWindow` over this manager (its buffers, fixed; docs/semantics.md
+        section 9)."""
+        from .window import DecodeWindow
+
+        return DecodeWindow(self, max_batch, steps, num_lookahead_tokens, kv_caches, views)
+
+    def _name_rows(self, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The count of the log of device-made hashes and its first rows (as many as a window and the
+        appends before it can have logged): views to read with a window's outcome."""
+        n = min(self.config.NLOG, self.max_num_reqs + extra)
+        return self.state.num_names, self.state.name_log[:n]
+
+    def _register_names(self, count: int, words: list[int]) -> None:
+        """Name the ``count`` hashes the device logged (``words``: at least the first rows, flat; the rest
+        read now) in every group, then empty the log. Holds the lock."""
+        if count <= 0:
+            return
+        if count * DIGEST_WORDS > len(words):
+            words = self.state.name_log[:count].reshape(-1).tolist()
+        G = len(self.groups)
+        digests = [words_digest(words[i * DIGEST_WORDS:(i + 1) * DIGEST_WORDS]) for i in range(count)]
+        self._pool.registry.register_pairs([(d, g) for d in digests for g in range(G)])
+        self.state.num_names.zero_()
+
+    def _drain_names(self) -> None:
+        """The registry's fallback when it meets a key it cannot name: register the device's log."""
+        with self._lock:
+            self._register_names(int(self.state.num_names.item()), [])
 
     # ---- batched ops (device tensors, no host sync) -------------------------------------------
     def _i32(self, op: str, x, what: str, error=InvalidArgumentError) -> torch.Tensor:
@@ -333,44 +519,66 @@ class KVCacheManager:
         return hits, blocks
 
     def batch(self, slots, num_tokens, target_tokens, lookup=None, num_reqs=None,
-              admitted: torch.Tensor | None = None) -> AllocateBatch:
-        """An ``AllocateBatch`` from tensors or sequences (checked for dtype, device and lengths)."""
-        op = "allocate_slots"
+              admitted: torch.Tensor | None = None, resumed=None, hits: torch.Tensor | None = None,
+              op: str = "allocate_slots") -> AllocateBatch:
+        """An ``AllocateBatch`` from tensors or sequences (checked for dtype, device and lengths).
+        ``resumed``: per request, whether it resumes after a preemption (its lookup counts in the
+        ``preempted_*`` statistics: lookup flag 2)."""
         s = self._i32(op, slots, "slots")
         nt = self._i32(op, num_tokens, "num_tokens", InvalidCountError)
         tg = self._i32(op, target_tokens, "target_tokens", InvalidCountError)
         b = s.numel()
-        if lookup is None:
-            lk = torch.zeros(b, dtype=torch.int8, device=self.device)
-        elif isinstance(lookup, torch.Tensor):
-            if lookup.device != self.device:
-                raise InvalidArgumentError(op, f"lookup must be on {self.device}")
-            lk = lookup.reshape(-1)
-            lk = lk.to(torch.int8) if lk.dtype in (torch.int8, torch.bool) else (lk != 0).to(torch.int8)  # no narrowing
-        else:
-            lk = torch.tensor(as_flag_list(op, lookup), dtype=torch.int8, device=self.device)
+        lk = self._flags(op, lookup, b, "lookup")
+        if resumed is not None:
+            lk = torch.where(lk != 0, 1 + self._flags(op, resumed, b, "resumed"), 0).to(torch.int8)
         if not nt.numel() == tg.numel() == lk.numel() == b:
-            raise InvalidArgumentError(op, "slots, num_tokens, target_tokens and lookup differ in length")
-        if admitted is None:
-            admitted = torch.zeros(max(b, 1), dtype=torch.int32, device=self.device)
-        else:
-            admitted = self._out(op, admitted, torch.int32, b, "admitted")
-        return AllocateBatch(s, nt, tg, lk, self._count(op, num_reqs, b), admitted)
+            raise InvalidArgumentError(op, "slots, num_tokens, target_tokens, lookup and resumed differ in length")
+        admitted = self._buffer(op, admitted, b, "admitted")
+        hits = self._buffer(op, hits, b, "hit_tokens")
+        self._disjoint(op, (admitted, "admitted"), (hits, "hit_tokens"))
+        return AllocateBatch(s, nt, tg, lk, self._count(op, num_reqs, b), admitted, hits)
+
+    def _flags(self, op: str, x, n: int, what: str) -> torch.Tensor:
+        """Per-request flags as ``int8[n]`` (0 / 1; an int8 tensor as is) on the device."""
+        if x is None:
+            return torch.zeros(n, dtype=torch.int8, device=self.device)
+        if isinstance(x, torch.Tensor):
+            if x.device != self.device:
+                raise InvalidArgumentError(op, f"{what} must be on {self.device}")
+            f = x.reshape(-1)
+            return f.to(torch.int8) if f.dtype in (torch.int8, torch.bool) else (f != 0).to(torch.int8)  # no narrowing
+        return torch.tensor(as_flag_list(op, x), dtype=torch.int8, device=self.device)
+
+    def _buffer(self, op: str, t, n: int, what: str) -> torch.Tensor:
+        """An ``int32[n]`` output buffer: ``t`` checked, or a new one (at least one entry)."""
+        if t is None:
+            return torch.zeros(max(n, 1), dtype=torch.int32, device=self.device)
+        return self._out(op, t, torch.int32, n, what)
+
+    def _disjoint(self, op: str, *named) -> None:
+        """The tensors ``(t, name)`` share no memory (an output aliasing another would garble it)."""
+        tensors.check_disjoint(op, named)
 
     @locked
     def allocate_slots(self, slots, num_tokens, target_tokens, lookup=None, num_reqs=None,
-                       stop_on_failure: bool = True, admitted: torch.Tensor | None = None) -> torch.Tensor:
+                       stop_on_failure: bool = True, admitted: torch.Tensor | None = None, resumed=None,
+                       hit_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Blocks for ``target_tokens`` tokens for each request, in order, all or nothing per request
         (see ``ReferenceKVCacheManager.allocate_slots``). ``slots, num_tokens, target_tokens:
         int32[B]``, ``lookup: int8/bool[B]`` (take prefix hits: new requests), ``num_reqs: int32[1]``
         (only the first k count). Returns ``admitted: int32[B]``. No host sync; errors (a slot out of
         range, repeated or not in use, a token count outside ``0 .. max_blocks_per_req * block_size``, a
         count past the arrays) go to the status word and change nothing. ``admitted``: an output
-        buffer to fill (a captured step's)."""
-        batch = self.batch(slots, num_tokens, target_tokens, lookup, num_reqs, admitted)
+        buffer to fill (a captured step's). ``hit_tokens``: an ``int32[B]`` output buffer, filled
+        with each admitted request's prefix-hit tokens (0 elsewhere): no separate lookup is needed,
+        and hits on blocks an earlier request of the batch cached are counted. An admitted request
+        with ``lookup`` is recorded in the prefix-cache statistics (:meth:`make_prefix_cache_stats`;
+        ``resumed[k]``: in the ``preempted_*`` counters; docs/semantics.md section 9)."""
+        batch = self.batch(slots, num_tokens, target_tokens, lookup, num_reqs, admitted, resumed, hit_tokens)
         ps, pc = self._pool.state, self._pool.config
         k_parallel.launch_allocate_slots_parallel(ps, pc, self.state, self.config, batch, force_exact=not self.parallel)
-        k_exact.launch_allocate_slots(ps, pc, self.state, self.config, batch, stop_on_failure=stop_on_failure)
+        k_exact.launch_allocate_slots(ps, pc, self.state, self.config, batch, stop_on_failure=stop_on_failure,
+                                      stats=lookup is not None)
         return batch.admitted[: batch.slots.numel()]
 
     @locked

@@ -30,6 +30,7 @@ class KeyRegistry:
         self._names: dict[Key, tuple[bytes, int]] = {}
         self._live_keys = live_keys
         self._pin_sources: list[Callable[[], Iterable[Key]]] = []
+        self._name_sources: list[Callable[[], None]] = []
         self._sweep_at = MIN_SWEEP
 
     def __len__(self) -> int:
@@ -51,8 +52,18 @@ class KeyRegistry:
         return [self.register(h, group) for h in hashes]
 
     def name(self, key: Key) -> tuple[bytes, int]:
-        """``(hash, group)`` of a device key the host registered (KeyError for an unknown key: a bug)."""
-        return self._names[key]
+        """``(hash, group)`` of a device key the host registered, or one a name source then registers
+        (hashes the device made: a manager's log); KeyError for a key nobody knows (a bug)."""
+        try:
+            return self._names[key]
+        except KeyError:
+            for src in self._name_sources:
+                src()
+            return self._names[key]
+
+    def add_name_source(self, fill: Callable[[], None]) -> None:
+        """``fill()`` registers keys the device made (called when :meth:`name` meets an unknown key)."""
+        self._name_sources.append(fill)
 
     def add_pin_source(self, keys: Callable[[], Iterable[Key]]) -> None:
         """Keys that ``keys()`` returns survive every sweep (e.g. a manager's active requests)."""

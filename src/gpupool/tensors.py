@@ -113,3 +113,27 @@ def check_tensors(op: str, specs, dims: int, device: torch.device) -> None:
         if t.dtype != dt or t.device != device or t.dim() != dims:
             raise InvalidArgumentError(op, f"{what} must be a {dims}-D {dt} tensor on {device}, got "
                                            f"{tuple(t.shape)} {t.dtype} on {t.device}")
+
+
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[lo, hi)`` of ``t``'s storage that its elements can touch (its strides' extent)."""
+    if t.numel() == 0:
+        return 0, 0
+    lo = t.storage_offset() + sum(min(0, s * (n - 1)) for s, n in zip(t.stride(), t.shape))
+    hi = t.storage_offset() + sum(max(0, s * (n - 1)) for s, n in zip(t.stride(), t.shape)) + 1
+    return lo * t.element_size(), hi * t.element_size()
+
+
+def check_disjoint(op: str, named) -> None:
+    """InvalidArgumentError when two of the ``(tensor, name)`` pairs share memory (the same storage and
+    overlapping byte ranges): an output that aliases another output or an input would be garbled."""
+    spans = []
+    for t, name in named:
+        if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.device.type == "meta":
+            continue
+        lo, hi = byte_span(t)
+        spans.append((t.untyped_storage().data_ptr(), t.device, lo, hi, name))
+    for i, (p, d, lo, hi, name) in enumerate(spans):
+        for q, e, lo2, hi2, name2 in spans[:i]:
+            if p == q and d == e and lo < hi2 and lo2 < hi:
+                raise InvalidArgumentError(op, f"{name} and {name2} share memory; give them separate buffers")

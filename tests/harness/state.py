@@ -54,7 +54,7 @@ def lookup(pool, block_hash: bytes, group_ids=(0,)):
 
 # ---- managers ------------------------------------------------------------------------------------
 
-MANAGER_FIELDS = ("rows", "num_computed", "num_cached", "pending", "reserved", "num_reserved")
+MANAGER_FIELDS = ("rows", "num_computed", "num_cached", "pending", "reserved", "num_reserved", "requests", "stats")
 
 
 def manager_state(m) -> dict:
@@ -72,6 +72,8 @@ def manager_state(m) -> dict:
             "pending": list(zip(ints(m.copy_src[:n]), ints(m.copy_dst[:n]), ints(m.copy_release[:n]))),
             "reserved": ints(m.reserved),
             "num_reserved": int(m.num_reserved[0]),
+            "requests": device_requests(m),
+            "stats": ints(m.state.stats),
             "pool": pool_state(m.pool),
         }
     return {
@@ -81,8 +83,32 @@ def manager_state(m) -> dict:
         "pending": [tuple(c) for c in m.pending_copies],
         "reserved": list(m.reserved),
         "num_reserved": m.num_reserved,
+        "requests": reference_requests(m),
+        "stats": m.prefix_cache_stats.as_list(),
         "pool": pool_state(m.pool),
     }
+
+
+def reference_requests(m) -> list:
+    """Per active slot of a reference manager: its hashes' device keys in every group and, for a request
+    that hashes its own tokens, its tail tokens (None otherwise); None for a free slot."""
+    from gpupool.keys import device_key
+
+    G = len(m.groups)
+    return [None if not m.active[r] else ([[device_key(hh, g) for hh in m.hashes[r]] for g in range(G)],
+                                          None if m.tails[r] is None else list(m.tails[r]))
+            for r in range(m.max_num_reqs)]
+
+
+def device_requests(m) -> list:
+    """:func:`reference_requests` of a device manager, read from its tensors."""
+    s = m.state
+    act, nh, hashing, nt = s.active.tolist(), s.num_hashes.tolist(), s.hashing.tolist(), s.num_tail.tolist()
+    hi, lo, tails = s.req_hi.tolist(), s.req_lo.tolist(), s.tail_tok.tolist()
+    G = len(m.groups)
+    return [None if not act[r] else ([list(zip(hi[r][g][:nh[r]], lo[r][g][:nh[r]])) for g in range(G)],
+                                     tails[r][:nt[r]] if hashing[r] else None)
+            for r in range(m.max_num_reqs)]
 
 
 def manager_snapshot(m) -> dict:

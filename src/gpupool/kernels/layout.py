@@ -84,10 +84,16 @@ class Cause(IntEnum):
     TOKEN_COUNT = 6  # VALUE: the token count (InvalidCountError); EXTRA: its slot
     POSITION_OUTSIDE_ROW = 7  # VALUE: the position; EXTRA: its slot
     LENGTH_OUTSIDE_ROW = 8  # VALUE: the attention length; EXTRA: its slot
+    SLOT_IN_USE = 9  # VALUE: the slot (admit: it must be free)
+    ACCEPTED_COUNT = 10  # VALUE: a lane's accepted tokens (1 .. Q); EXTRA: its slot
+    TOKEN_ID = 11  # VALUE: a token id outside int32; EXTRA: its slot
+    TAIL_LENGTH = 12  # VALUE: a request's tail tokens (admit: < hash_block_size); EXTRA: its slot
+    HASH_COUNT = 13  # VALUE: a request's hashes (admit: <= max_blocks_per_req * hashes_per_block); EXTRA: its slot
 
 
 (C_UNKNOWN, C_SLOT_OUT_OF_RANGE, C_SLOT_NOT_IN_USE, C_SLOT_LISTED_TWICE, C_COUNT_PAST_ARRAYS, C_FINISHED_PAST_ARRAYS,
- C_TOKEN_COUNT, C_POSITION_OUTSIDE_ROW, C_LENGTH_OUTSIDE_ROW) = constexprs(Cause)
+ C_TOKEN_COUNT, C_POSITION_OUTSIDE_ROW, C_LENGTH_OUTSIDE_ROW, C_SLOT_IN_USE, C_ACCEPTED_COUNT, C_TOKEN_ID,
+ C_TAIL_LENGTH, C_HASH_COUNT) = constexprs(Cause)
 
 
 class Op(IntEnum):
@@ -117,6 +123,11 @@ class Op(IntEnum):
     RELEASE_RESERVATION = 22
     CACHE_BLOCKS_BATCHED = 23
     ATTENTION_VIEWS = 24
+    ADMIT = 25
+    APPEND_TOKENS = 26
+    WINDOW_BEGIN = 27
+    WINDOW_STEP = 28
+    WINDOW_END = 29
 
 
 def op_name(code: int) -> str:
@@ -130,7 +141,8 @@ def op_name(code: int) -> str:
  OP_MOVE_BLOCK_HASHES, OP_EVICT_BLOCKS, OP_RESET_PREFIX_CACHE, OP_ALLOCATE_BATCHED, OP_FREE_BATCHED,
  OP_TOUCH_BATCHED, OP_LOOKUP_BATCHED, OP_LONGEST_PREFIX_BATCHED, OP_ALLOCATE_SLOTS, OP_FREE, OP_SLOT_MAPPING,
  OP_RELEASE_COPIES, OP_REPLAY, OP_DECODE_STEP, OP_RESERVE, OP_RELEASE_RESERVATION,
- OP_CACHE_BLOCKS_BATCHED, OP_ATTENTION_VIEWS) = constexprs(Op)
+ OP_CACHE_BLOCKS_BATCHED, OP_ATTENTION_VIEWS, OP_ADMIT, OP_APPEND_TOKENS, OP_WINDOW_BEGIN, OP_WINDOW_STEP,
+ OP_WINDOW_END) = constexprs(Op)
 
 # Error codes (gpupool.errors.ErrorCode; the messages live with the error classes).
 (E_NONE, E_UNKNOWN, E_OUT_OF_BLOCKS, E_INVALID_COUNT, E_INVALID_ID, E_NULL_BLOCK, E_DOUBLE_FREE,
@@ -210,6 +222,10 @@ ROUND_WIDTH = len(RoundField)
 RW = tl.constexpr(ROUND_WIDTH)
 (RF_FREE_START, RF_FREE_OFFSETS_START, RF_FREE_CALLS, RF_FREE_IDS, RF_TOUCH_START, RF_TOUCHES, RF_DEMANDS_START,
  RF_DEMANDS, RF_POPPED_START, RF_POPPED, RF_CACHE_START, RF_CACHINGS) = constexprs(RoundField)
+
+#: A block hash on the device (a SHA-256 digest): 8 int32 words, word j the big-endian bytes 4j..4j+3.
+DIGEST_WORDS = 8
+DW = tl.constexpr(DIGEST_WORDS)
 
 # Sentinels.
 BIG = tl.constexpr(2147483647)  # "no index" in min-reductions; int32 maximum

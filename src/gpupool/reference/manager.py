@@ -5,14 +5,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..args import (
-    NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_id_list, as_int, check_slot, check_slot_list,
+    NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_host_list, as_id_list, as_int, as_token_list,
+    check_slot, check_slot_list, check_tail, own_hashing_message,
 )
 from ..errors import (
     ArgumentTypeError, InvalidArgumentError, InvalidCountError, InvariantError, OutOfBlocksError, position_message,
     token_count_message,
 )
+from ..keys import hash_block_tokens
 from ..reservations import check_reservations
 from ..locking import Locked, locked
+from ..stats import PrefixCacheStats
 from .pool import ReferenceBlockPool
 
 
@@ -49,6 +52,9 @@ class ReferenceKVCacheManager(Locked):
         self.reserved = [0] * R  # blocks booked per request (docs/semantics.md section 8)
         self.num_reserved = 0  # their sum, held against the free blocks
         self.pending_copies: list[tuple[int, int, int]] = []  # (src, dst, block released after the copy)
+        # tokens past the last hash block of a request that hashes its own tokens (section 9); None: it does not
+        self.tails: list[list[int] | None] = [None] * R
+        self.prefix_cache_stats = PrefixCacheStats()
 
     # ---- checks ------------------------------------------------------------------------------
     def _slot(self, op: str, slot, active: bool | None = True) -> int:
@@ -64,15 +70,33 @@ class ReferenceKVCacheManager(Locked):
         return self.hashes[r][k - 1::k]
 
     @locked
-    def add_request(self, slot: int, block_hashes: Sequence[bytes] = ()) -> None:
-        """Start a request in a free slot with the hashes of its known hash blocks (prompt)."""
+    def add_request(self, slot: int, block_hashes: Sequence[bytes] = (), tail_tokens: Sequence[int] | None = None) -> None:
+        """Start a request in a free slot with the hashes of its known hash blocks (prompt). With
+        ``tail_tokens`` (the tokens after the last hash block, fewer than ``hash_block_size``) the
+        manager hashes the request's further tokens itself as :meth:`append_tokens` gives them
+        (docs/semantics.md section 9, "Keys of generated blocks"); the hashes must then be 32-byte
+        (vLLM's sha256). Raises InvalidArgumentError (slot in use or out of range, too many hashes or
+        tokens), ArgumentTypeError (hashes that are not bytes, tokens that are not ints)."""
         op = "add_request"
         r = self._slot(op, slot, active=False)
+        hs, tail = self._request_args(op, block_hashes, tail_tokens)
+        self._start(r, hs, tail)
+
+    def _request_args(self, op: str, block_hashes, tail_tokens) -> tuple[list[bytes], list[int] | None]:
+        """``add_request``'s hashes and tail tokens, checked (section 9)."""
         hs = as_hash_bytes_list(op, block_hashes)
         if len(hs) > self.max_blocks_per_req * self.hashes_per_block:
             raise InvalidArgumentError(op, f"{len(hs)} block hashes exceed max_blocks_per_req", len(hs))
+        if tail_tokens is None:
+            return hs, None
+        tail = as_token_list(op, tail_tokens, "tail_tokens")
+        check_tail(op, hs, tail, self.hash_block_size, self.max_blocks_per_req * self.block_size)
+        return hs, tail
+
+    def _start(self, r: int, hs: list[bytes], tail: list[int] | None) -> None:
         self.active[r] = True
         self.hashes[r] = hs
+        self.tails[r] = tail
         self.num_computed[r] = 0
         for g in range(len(self.groups)):
             self.tables[g][r] = []
@@ -84,6 +108,8 @@ class ReferenceKVCacheManager(Locked):
         op = "append_block_hashes"
         r = self._slot(op, slot)
         hs = as_hash_bytes_list(op, block_hashes)
+        if self.tails[r] is not None:
+            raise InvalidArgumentError(op, own_hashing_message(r), r)
         if len(self.hashes[r]) + len(hs) > self.max_blocks_per_req * self.hashes_per_block:
             raise InvalidArgumentError(op, "block hashes exceed max_blocks_per_req", len(self.hashes[r]) + len(hs))
         self.hashes[r].extend(hs)
@@ -129,7 +155,8 @@ class ReferenceKVCacheManager(Locked):
                 self.pool.free_blocks(removed)
 
     @locked
-    def allocate_slots(self, slots, num_tokens, target_tokens, lookup=None, stop_on_failure: bool = True) -> list[bool]:
+    def allocate_slots(self, slots, num_tokens, target_tokens, lookup=None, stop_on_failure: bool = True,
+                       resumed=None, hit_tokens: list | None = None) -> list[bool]:
         """Give each request, in order, blocks for ``target_tokens`` tokens (all or nothing per request).
 
         For request k (slot r): first the sliding-window blocks that left the window are freed and
@@ -145,55 +172,202 @@ class ReferenceKVCacheManager(Locked):
         block after them, if written up to a hash-block boundary ``nh * hbs > nf * bs`` (``nh =
         min(min(eff, num_tokens) // hbs, len(hashes))``), is then ``cache_partial_block(row[nf],
         hashes, nh * hbs, g, bs, hbs)`` (null blocks skipped). Returns one admitted flag per request.
+
+        An admitted request that looked up (``lookup[k]``, an empty row, caching on) is recorded in
+        :attr:`prefix_cache_stats` (``num_tokens[k]`` queried, its hit tokens; in the ``preempted_*``
+        counters where ``resumed[k]``; docs/semantics.md section 9). ``hit_tokens``: a list of at
+        least ``len(slots)`` entries, filled with each request's prefix-hit tokens (0 where not
+        admitted).
         """
         op = "allocate_slots"
         rs = self._slots(op, slots)
         nts = as_id_list(op, num_tokens)
         tgt = as_id_list(op, target_tokens)
         lk = as_flag_list(op, lookup) if lookup is not None else [False] * len(rs)
-        if not len(nts) == len(tgt) == len(lk) == len(rs):
-            raise InvalidArgumentError(op, "slots, num_tokens, target_tokens and lookup differ in length")
-        bs, G = self.block_size, len(self.groups)
+        rsm = as_flag_list(op, resumed) if resumed is not None else [False] * len(rs)
+        if not len(nts) == len(tgt) == len(lk) == len(rsm) == len(rs):
+            raise InvalidArgumentError(op, "slots, num_tokens, target_tokens, lookup and resumed differ in length")
+        if hit_tokens is not None and (not isinstance(hit_tokens, list) or len(hit_tokens) < len(rs)):
+            raise InvalidArgumentError(op, f"hit_tokens must be a list of at least {len(rs)} entries")
+        bs = self.block_size
         for t in (t for pair in zip(nts, tgt) for t in pair):  # request by request, as a batch of single calls
             if not 0 <= t <= self.max_blocks_per_req * bs:
                 raise InvalidCountError(op, token_count_message(t, 0, self.max_blocks_per_req * bs), t)
         admitted = [False] * len(rs)
+        hits = [0] * len(rs)
         for k, r in enumerate(rs):
-            self._remove_skipped_blocks(r)
-            hits = self._lookup_hits(r, nts[k]) if lk[k] and not self.tables[0][r] else [[] for _ in range(G)]
-            nh = len(hits[0])
-            eff = max(tgt[k], nh * bs)
-            need = max(0, -(-eff // bs) - len(self.tables[0][r]) - nh)
-            zero_ref = sum(1 for g in range(G) for c in self.pool.ref_counts(hits[g]) if c == 0)
-            if need * G + zero_ref > self._room(r):
+            hit = self._allocate_one(r, nts[k], tgt[k], lk[k], rsm[k])
+            if hit is None:
                 if stop_on_failure:
                     break
                 continue
-            self._draw(r, need * G + zero_ref)
-            for g in range(G):
-                self.pool.touch(hits[g])
-            for g in range(G):
-                self.tables[g][r].extend(hits[g])
-                self.num_cached[g][r] = max(self.num_cached[g][r], nh)
-            for g in range(G):
-                self.tables[g][r].extend(self.pool.get_new_blocks(need))
-            if self.enable_caching:
-                full = self._full_hashes(r)
-                known = min(eff, nts[k])
-                nf = min(known // bs, len(full))
-                nh = min(known // self.hash_block_size, len(self.hashes[r]))
-                for g in range(G):
-                    if nf > self.num_cached[g][r]:
-                        self.pool.cache_full_blocks(self.tables[g][r], full, self.num_cached[g][r], nf, bs, g)
-                        self.num_cached[g][r] = nf
-                    row = self.tables[g][r]
-                    if nh * self.hash_block_size > nf * bs and nf < len(row) and row[nf] != NULL_BLOCK \
-                            and self._partial_key_fits(row[nf], nh * self.hash_block_size):
-                        self.pool.cache_partial_block(row[nf], self.hashes[r], nh * self.hash_block_size, g, bs,
-                                                      self.hash_block_size)
-            self.num_computed[r] = eff
-            admitted[k] = True
+            admitted[k], hits[k] = True, hit
+        if hit_tokens is not None:
+            hit_tokens[: len(rs)] = hits
         return admitted
+
+    def _allocate_one(self, r: int, nt: int, target: int, lookup: bool, resumed: bool = False) -> int | None:
+        """``allocate_slots`` of one request whose arguments are checked: its prefix-hit tokens if
+        admitted, else None (nothing changed but the skipped sliding-window blocks)."""
+        bs, G = self.block_size, len(self.groups)
+        self._remove_skipped_blocks(r)
+        looked = lookup and not self.tables[0][r]
+        hits = self._lookup_hits(r, nt) if looked else [[] for _ in range(G)]
+        nh = len(hits[0])
+        eff = max(target, nh * bs)
+        need = max(0, -(-eff // bs) - len(self.tables[0][r]) - nh)
+        zero_ref = sum(1 for g in range(G) for c in self.pool.ref_counts(hits[g]) if c == 0)
+        if need * G + zero_ref > self._room(r):
+            return None
+        self._draw(r, need * G + zero_ref)
+        for g in range(G):
+            self.pool.touch(hits[g])
+        for g in range(G):
+            self.tables[g][r].extend(hits[g])
+            self.num_cached[g][r] = max(self.num_cached[g][r], nh)
+        for g in range(G):
+            self.tables[g][r].extend(self.pool.get_new_blocks(need))
+        if self.enable_caching:
+            self._cache_blocks(r, min(eff, nt))
+            if looked:
+                self.prefix_cache_stats.record(nt, nh * bs, resumed)
+        self.num_computed[r] = eff
+        return nh * bs
+
+    def _cache_blocks(self, r: int, known: int) -> None:
+        """Key the blocks of slot r that ``known`` tokens fill (``allocate_slots``' last step)."""
+        bs = self.block_size
+        full = self._full_hashes(r)
+        nf = min(known // bs, len(full))
+        nh = min(known // self.hash_block_size, len(self.hashes[r]))
+        for g in range(len(self.groups)):
+            if nf > self.num_cached[g][r]:
+                self.pool.cache_full_blocks(self.tables[g][r], full, self.num_cached[g][r], nf, bs, g)
+                self.num_cached[g][r] = nf
+            row = self.tables[g][r]
+            if nh * self.hash_block_size > nf * bs and nf < len(row) and row[nf] != NULL_BLOCK \
+                    and self._partial_key_fits(row[nf], nh * self.hash_block_size):
+                self.pool.cache_partial_block(row[nf], self.hashes[r], nh * self.hash_block_size, g, bs,
+                                              self.hash_block_size)
+
+    @locked
+    def allocate_running(self, slots, num_tokens, num_lookahead_tokens: int = 0) -> tuple[list[bool], list[bool]]:
+        """vLLM's scheduler over its running requests (docs/semantics.md section 9, "Preemption"):
+        each request in order gets blocks for ``num_tokens[k] + num_lookahead_tokens`` tokens
+        (``allocate_slots`` without lookup; blocks keyed as far as ``num_tokens[k]``); when one does not
+        fit, the LAST request still in the list is preempted (:meth:`free`: its blocks go back, tail
+        first; its reservation is released) and the request tries again; a request that had to
+        preempt itself ends the loop (every request after it was preempted before it). Returns
+        ``(admitted, preempted)``, one flag each per request. Raises InvalidArgumentError (slots),
+        InvalidCountError (a token count below 1, or ``num_tokens + num_lookahead_tokens`` past
+        ``max_blocks_per_req * block_size``), nothing changed."""
+        op = "allocate_running"
+        rs = self._slots(op, slots)
+        nts = as_id_list(op, num_tokens)
+        d = as_int(op, num_lookahead_tokens, "num_lookahead_tokens")
+        if len(nts) != len(rs):
+            raise InvalidArgumentError(op, "slots and num_tokens differ in length")
+        cap = self.max_blocks_per_req * self.block_size
+        if d < 0:
+            raise InvalidCountError(op, f"num_lookahead_tokens must be >= 0, got {d}", d)
+        for r, t in zip(rs, nts):
+            if not 1 <= t <= cap - d:
+                raise InvalidCountError(op, token_count_message(t, 1, cap - d, r), t)
+        admitted, preempted = [False] * len(rs), [False] * len(rs)
+        i, last = 0, len(rs) - 1
+        while i <= last:
+            if self._allocate_one(rs[i], nts[i], nts[i] + d, False) is not None:
+                admitted[i] = True
+                i += 1
+                continue
+            self.free([rs[last]])
+            preempted[last] = True
+            if last == i:
+                break
+            last -= 1
+        return admitted, preempted
+
+    @locked
+    def admit(self, slots, block_hashes, num_tokens, tail_tokens=None, resumed=None,
+              blocked: bool = False) -> tuple[list[bool], list[int]]:
+        """Admit waiting requests in order (docs/semantics.md section 9, "Admission"): each is
+        :meth:`add_request` (``block_hashes[k]``, ``tail_tokens[k]``) then ``allocate_slots`` of
+        ``num_tokens[k]`` tokens with a prefix lookup, recorded in :attr:`prefix_cache_stats`
+        (``resumed[k]``: a request resumed after a preemption). The first request that does not fit
+        is not admitted and neither is any after it (head-of-line); their slots stay free. With
+        ``blocked`` (vLLM: no admission in a step that preempted) none is. Returns ``(admitted,
+        hit_tokens)`` per request. Raises InvalidArgumentError (a slot out of range, in use or listed
+        twice; hashes or tails as ``add_request`` checks them; lengths), InvalidCountError (a token
+        count outside ``1 .. max_blocks_per_req * block_size``), nothing changed."""
+        op = "admit"
+        rs = as_id_list(op, slots, "slots")
+        hls = as_host_list(op, block_hashes, "block_hashes")
+        nts = as_id_list(op, num_tokens, "num_tokens")
+        tls = [None] * len(rs) if tail_tokens is None else as_host_list(op, tail_tokens, "tail_tokens")
+        rsm = as_flag_list(op, resumed) if resumed is not None else [False] * len(rs)
+        if not len(hls) == len(nts) == len(tls) == len(rsm) == len(rs):
+            raise InvalidArgumentError(op, "slots, block_hashes, num_tokens, tail_tokens and resumed differ in length")
+        check_slot_list(op, rs, self.max_num_reqs, self.active.__getitem__, active=False)
+        reqs = [self._request_args(op, hs, tl) for hs, tl in zip(hls, tls)]
+        cap = self.max_blocks_per_req * self.block_size
+        for r, t in zip(rs, nts):
+            if not 1 <= t <= cap:
+                raise InvalidCountError(op, token_count_message(t, 1, cap, r), t)
+        admitted, hits = [False] * len(rs), [0] * len(rs)
+        if blocked:
+            return admitted, hits
+        for k, r in enumerate(rs):
+            self._start(r, *reqs[k])
+            hit = self._allocate_one(r, nts[k], nts[k], True, rsm[k])
+            if hit is None:
+                self.free([r])
+                break
+            admitted[k], hits[k] = True, hit
+        return admitted, hits
+
+    @locked
+    def append_tokens(self, slots, tokens) -> None:
+        """Tokens the requests ``slots`` gained (sampled, or accepted drafts), in order: a request
+        that hashes its own tokens (:meth:`add_request` with ``tail_tokens``) adds them to its tail
+        and hashes every hash block they fill (``hash_block_tokens`` chained on its last hash, no
+        extra keys), so a later ``allocate_slots`` keys the blocks (docs/semantics.md section 9).
+        Other requests ignore them. ``tokens[k]``: a sequence of token ids (int32). Raises
+        InvalidArgumentError (slots, lengths, a token outside int32), InvalidCountError (a request's
+        tokens past ``max_blocks_per_req * block_size``), nothing changed."""
+        op = "append_tokens"
+        rs = self._slots(op, slots)
+        toks = [as_token_list(op, t) for t in as_host_list(op, tokens, "tokens")]
+        if len(toks) != len(rs):
+            raise InvalidArgumentError(op, "slots and tokens differ in length")
+        cap = self.max_blocks_per_req * self.block_size
+        for r, t in zip(rs, toks):
+            tail = self.tails[r]
+            if tail is not None and len(self.hashes[r]) * self.hash_block_size + len(tail) + len(t) > cap:
+                n = len(self.hashes[r]) * self.hash_block_size + len(tail) + len(t)
+                raise InvalidCountError(op, token_count_message(n, 1, cap, r), n)
+        for r, t in zip(rs, toks):
+            self._append(r, t)
+
+    def _append(self, r: int, tokens: list[int]) -> None:
+        tail = self.tails[r]
+        if tail is None:
+            return
+        hbs = self.hash_block_size
+        tail.extend(tokens)
+        while len(tail) >= hbs:
+            parent = self.hashes[r][-1] if self.hashes[r] else None
+            self.hashes[r].append(hash_block_tokens(parent, tail[:hbs]))
+            del tail[:hbs]
+
+    def forget_tokens(self, r: int) -> None:
+        """Slot r's request stops hashing its tokens (tokens it gained that the manager was not given)."""
+        self.tails[r] = None
+
+    @locked
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix-cache statistics since the last call, and a fresh count (vLLM's name)."""
+        out, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return out
 
     def _partial_key_fits(self, b: int, num_tokens: int) -> bool:
         """A partial key replaces the block's keys if its primary covers fewer tokens, else it is a
@@ -215,6 +389,7 @@ class ReferenceKVCacheManager(Locked):
             self.active[r] = False
             self.num_computed[r] = 0
             self.hashes[r] = []
+            self.tails[r] = None
             self.num_reserved -= self.reserved[r]
             self.reserved[r] = 0
 

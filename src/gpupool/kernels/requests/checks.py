@@ -7,7 +7,7 @@ from ..common import checked_count, keep_first, keep_first_why, no_error, no_err
     status_clear, tile_of
 from ..layout import (
     BIG, C_COUNT_PAST_ARRAYS, C_FINISHED_PAST_ARRAYS, C_SLOT_LISTED_TWICE, C_SLOT_NOT_IN_USE, C_SLOT_OUT_OF_RANGE,
-    C_TOKEN_COUNT, EV_COUNT, E_BUFFER_FULL, E_INVALID_ARG, E_INVALID_COUNT, OP_ALLOCATE_SLOTS, OP_DECODE_STEP,
+    C_SLOT_IN_USE, C_TOKEN_COUNT, EV_COUNT, E_BUFFER_FULL, E_INVALID_ARG, E_INVALID_COUNT, OP_ALLOCATE_SLOTS, OP_DECODE_STEP,
 )
 
 
@@ -18,14 +18,15 @@ def slot_cause(mc: tl.constexpr, r, idle):
 
 
 @triton.jit
-def mark_tile(ms, mc: tl.constexpr, slots, i, n, err, val, why, err_i, base):
+def mark_tile(ms, mc: tl.constexpr, slots, i, n, err, val, why, err_i, base, FREE: tl.constexpr = False):
     """Mark each in-range slot of tile ``slots[i:i + BLOCK]`` (of ``n``) in ``s_req`` (BIG minus its
     earliest index, by atomic max) and fold the first bad entry into the running (error, value,
     cause, index): a slot out of range or not in use at its index, a slot listed twice at its first
     index (entry i has index ``base + i``). Of two entries of a slot, the one marked second sees the
     other's index, so one pass finds every repeat, across lists too; :func:`unmark_tile` after a
     barrier. The cause goes by the slot (out of range, else not in use, else listed twice), so
-    every entry folded at one index agrees on it."""
+    every entry folded at one index agrees on it. ``FREE``: the slots must be free instead (``admit``;
+    cause SLOT_IN_USE)."""
     offs = tl.arange(0, mc.BLOCK)
     idx = base + i + offs
     r, m = tile_of(slots, i + offs, n)
@@ -33,9 +34,13 @@ def mark_tile(ms, mc: tl.constexpr, slots, i, n, err, val, why, err_i, base):
     ok = m & ~out
     seen = tl.atomic_max(ms.s_req + r, -idx + BIG, mask=ok)
     rep = ok & (seen > 0)
-    idle = ok & (tl.load(ms.active + r, mask=ok, other=1) == 0)
+    if FREE:
+        idle = ok & (tl.load(ms.active + r, mask=ok, other=0) != 0)  # here: in use
+    else:
+        idle = ok & (tl.load(ms.active + r, mask=ok, other=1) == 0)
     at = tl.where(rep, tl.minimum(idx, -seen + BIG), idx)
-    cause = tl.where(out | idle, slot_cause(mc, r, idle), C_SLOT_LISTED_TWICE)
+    cause = tl.where(out, C_SLOT_OUT_OF_RANGE, tl.where(idle, C_SLOT_IN_USE if FREE else C_SLOT_NOT_IN_USE,
+                                                        C_SLOT_LISTED_TWICE))
     err, val, why, _, err_i = keep_first_why(err, val, why, tl.zeros([], tl.int64), err_i, new_err=E_INVALID_ARG,
                                              bad=out | idle | rep, idx=at, val=r, cause=cause, ext=r)
     return err, val, why, err_i
@@ -50,13 +55,14 @@ def unmark_tile(ms, mc: tl.constexpr, slots, i, n):
 
 
 @triton.jit
-def check_slots(ms, mc: tl.constexpr, slots, nb):
-    """(error, value, cause): a slot out of range, listed twice or not in use; ``s_req`` scratch left
-    zeroed."""
+def check_slots(ms, mc: tl.constexpr, slots, nb, FREE: tl.constexpr = False):
+    """(error, value, cause): a slot out of range, listed twice or not in use (in use with ``FREE``);
+    ``s_req`` scratch left zeroed."""
     err, val, why, _, err_i = no_error_why()
     i = 0
     while i < nb:
-        err, val, why, err_i = mark_tile(ms, mc, slots, i=i, n=nb, err=err, val=val, why=why, err_i=err_i, base=0)
+        err, val, why, err_i = mark_tile(ms, mc, slots, i=i, n=nb, err=err, val=val, why=why, err_i=err_i, base=0,
+                                         FREE=FREE)
         i += mc.BLOCK
     tl.debug_barrier()
     i = 0
@@ -109,6 +115,7 @@ def check_batch_counts(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, MI
             per = need.to(tl.int64) * pc.MK + (nt // mc.BS).to(tl.int64) * (pc.MK + 1) + pc.MK + 3
             rows += tl.sum(tl.where(ok, per * mc.G, 0), axis=0)
         tl.store(batch.admitted + idx, tl.zeros([mc.BLOCK], tl.int32), mask=m)
+        tl.store(batch.hits + idx, tl.zeros([mc.BLOCK], tl.int32), mask=m)
         i += mc.BLOCK
     return err, err_val, rows
 
@@ -138,6 +145,7 @@ def check_allocate_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap)
     i = 0
     while i < cap:
         tl.store(batch.admitted + i + offs, tl.zeros([mc.BLOCK], tl.int32), mask=(i + offs) < cap)
+        tl.store(batch.hits + i + offs, tl.zeros([mc.BLOCK], tl.int32), mask=(i + offs) < cap)
         i += mc.BLOCK
     tl.debug_barrier()  # strict: before check_batch_counts zeroes the first nb again (other threads)
     if status_clear(ps.status):
@@ -155,13 +163,14 @@ def check_allocate_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap)
 
 
 @triton.jit
-def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished, num_finished, fcap):
+def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished, num_finished, fcap,
+               OP: tl.constexpr):
     """A decode step's inputs, checked before any of its ops runs, so that a bad one changes nothing
     (gpupool/graph.py): both counts within their arrays (``batch.num_reqs`` of ``cap``, ``num_finished``
     of ``fcap``); every slot of ``finished[:num_finished]`` and ``batch.slots[:num_reqs]`` in range, in
     use and listed once across both lists; and the allocation batch as ``allocate_slots`` checks it,
     with token counts from 1 (the new token's position is ``num_tokens - 1``) and its event rows.
-    The first bad input sets the status word (op DECODE_STEP); nothing else is written but
+    The first bad input sets the status word (op ``OP``: DECODE_STEP, WINDOW_BEGIN); nothing else is written but
     ``admitted`` (all ``cap`` entries zeroed on an error) and idle scratch. Run first by
     ``decode_step_kernel`` (``kernels/requests/decode.py``). Returns (whether the step may go on: the status word
     was clear and every input is good, requests, finished requests), a count 0 when it is bad."""
@@ -195,7 +204,7 @@ def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished,
                                               CAUSE=C_COUNT_PAST_ARRAYS)
         ok = err == 0
         if err != 0:
-            set_status_why(ps.status, code=err, op=OP_DECODE_STEP, value=val, cause=why, extra=extra)
+            set_status_why(ps.status, code=err, op=OP, value=val, cause=why, extra=extra)
             offs = tl.arange(0, mc.BLOCK)
             i = 0
             while i < cap:  # no request admitted

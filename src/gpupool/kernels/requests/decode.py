@@ -48,7 +48,7 @@ def decode_step_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, f
     """``batch`` (AllocateBatch, capacity ``cap``): the running requests, ``target = num_tokens``;
     ``finished: int32[fcap]`` with ``num_finished: int32[1]``; ``slot_mapping: int64[cap]`` output.
     A bad input sets the status word (op DECODE_STEP) in the first step and the others do nothing."""
-    ok, nb, nf = check_step(ps, pc, ms, mc, batch, cap, finished, num_finished, fcap)
+    ok, nb, nf = check_step(ps, pc, ms, mc, batch, cap, finished, num_finished, fcap, OP=OP_DECODE_STEP)
     tl.debug_barrier()
     ok = free_requests_checked(ps, pc, ms, mc, finished, num=nf, ok=ok)
     tl.debug_barrier()

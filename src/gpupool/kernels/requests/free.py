@@ -114,6 +114,7 @@ def free_requests_checked(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, num
                 tl.store(ms.num_computed + r, zero, mask=m)
                 tl.store(ms.num_hashes + r, zero, mask=m)
                 tl.store(ms.active + r, zero.to(tl.int8), mask=m)
+                tl.store(ms.hashing + r, zero.to(tl.int8), mask=m)
                 for g in tl.static_range(mc.G):
                     tl.store(ms.num_cached + g * mc.R + r, zero, mask=m)
                 i += mc.BLOCK

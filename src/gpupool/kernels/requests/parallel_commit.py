@@ -240,8 +240,8 @@ def cache_all(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, split, seq0, remov
 
 @triton.jit
 def finish_requests(ms, mc: tl.constexpr, sc, batch, split, any_reserved, CACHING: tl.constexpr):
-    """Row lengths, computed and cached counts and ``admitted`` of requests [0, split), and, when
-    ``any_reserved`` (a scalar flag: some reservation held, so ``plan_requests`` stored the fields),
+    """Row lengths, computed and cached counts, ``admitted`` and ``hits`` (tokens) of requests [0,
+    split), and, when ``any_reserved`` (a scalar flag: some reservation held, so ``plan_requests`` stored the fields),
     each one's reservation less the blocks it took off the free queue (pops and zero-ref hits, drawn
     from it first). Returns the blocks drawn from reservations."""
     drawn = tl.zeros([], tl.int32)
@@ -257,6 +257,7 @@ def finish_requests(ms, mc: tl.constexpr, sc, batch, split, any_reserved, CACHIN
         tl.store(ms.num_blocks + r, nblk + hits + need, mask=m)
         tl.store(ms.num_computed + r, eff, mask=m)
         tl.store(batch.admitted + k, tl.full([mc.BLOCK], 1, tl.int32), mask=m)
+        tl.store(batch.hits + k, hits * mc.BS, mask=m)
         if any_reserved:
             tl.store(ms.reserved + r, ld(sc.req.rleft + k, m), mask=m)
             drawn += tl.sum(ld(sc.req.take + k, m), axis=0)
