@@ -4,6 +4,8 @@ tensor made from Python data, or a copy from a CPU tensor onto a GPU). The decod
 reports them per generated token (examples/decode_loop.py)."""
 from __future__ import annotations
 
+import time
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from triton.runtime.jit import KernelInterface
@@ -43,6 +45,7 @@ class Meter:
     def __init__(self):
         self.syncs = self.launches = self.torch_ops = self.copies = 0
         self.in_launch = 0
+        self.launch_seconds = 0.0  # wall time inside kernel launches (the interpreter's, on a CPU)
 
     def __enter__(self):
         meter = self
@@ -54,10 +57,13 @@ class Meter:
             def counted(*args, **kwargs):
                 meter.launches += 1
                 meter.in_launch += 1
+                t0 = time.perf_counter()
                 try:
                     return launch(*args, **kwargs)
                 finally:
                     meter.in_launch -= 1
+                    if not meter.in_launch:
+                        meter.launch_seconds += time.perf_counter() - t0
 
             return counted
 

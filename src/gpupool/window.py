@@ -258,8 +258,7 @@ class DecodeWindow:
         o += 1 + names[1].numel()
         out = []
         for t in extra:
-            out.append(torch.tensor(flat[o:o + t.numel()]).view(t.shape).tolist() if t.dim() > 1 else
-                       flat[o:o + t.numel()])
+            out.append(_nest(flat[o:o + t.numel()], tuple(t.shape)))
             o += t.numel()
         adm = [st[4 * B + 2 + k * B:4 * B + 2 + k * B + n] for k in range(K)]
         return WindowResult(st[:n], st[2 * B:2 * B + n], st[3 * B:3 * B + n], adm, bool(st[4 * B]), out)
@@ -268,6 +267,14 @@ class DecodeWindow:
         """Hash blocks one lane can fill in a window (its accepted tokens over K steps, and its end)."""
         hbs = self.m.hash_block_size
         return (self.queries * (self.steps + 1) + hbs - 1) // hbs
+
+
+def _nest(flat: list, shape: tuple) -> list:
+    """``flat`` as the nested lists of ``shape`` (``Tensor.tolist``'s form, built on the host)."""
+    if len(shape) <= 1:
+        return flat
+    step = len(flat) // shape[0] if shape[0] else 0
+    return [_nest(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
 __all__ = ["DecodeWindow", "WindowResult"]
