@@ -22,6 +22,8 @@ from .kernels.layout import Cause
 
 #: The name of each op's device count, as its keyword argument (``num_reqs``, ``slot_mapping``'s ``num``).
 COUNT_NAMES = {"slot_mapping": "num"}
+#: Ops whose token counts start at 1 (the newest token sits at ``num_tokens - 1``).
+STEP_OPS = ("decode_step", "window_begin", "window_step", "window_end", "admit", "append_tokens")
 
 
 def recorded_error(shape: ManagerShape, read: Callable[[str, int], int], code: int, op: str, value: int,
@@ -36,14 +38,20 @@ def recorded_error(shape: ManagerShape, read: Callable[[str, int], int], code: i
         cap = shape.max_tokens
         if op == "reserve":  # the room left in the slot's row
             return InvalidCountError(op, token_count_message(value, 0, cap - read("num_computed", extra), extra), value)
-        low = 1 if op == "decode_step" else 0  # a step's new token is at num_tokens - 1
+        low = 1 if op in STEP_OPS else 0  # a step's new token is at num_tokens - 1
         return InvalidCountError(op, token_count_message(value, low, cap), value)
+    if code == ErrorCode.INVALID_COUNT and cause == Cause.ACCEPTED_COUNT:
+        return InvalidCountError(op, f"slot {extra}'s lane accepted {value} tokens; a pass gives 1 .. D + 1", value)
+    if code == ErrorCode.INVALID_ARG and cause == Cause.TOKEN_ID:
+        return InvalidArgumentError(op, f"token id {value} of slot {extra} is outside int32", value)
     if code != ErrorCode.INVALID_ARG:
         return None
     if cause == Cause.SLOT_OUT_OF_RANGE:
         msg = slot_range_message(value, shape.max_num_reqs)
     elif cause == Cause.SLOT_NOT_IN_USE:
         msg = slot_use_message(value)
+    elif cause == Cause.SLOT_IN_USE:
+        msg = slot_use_message(value, active=False)
     elif cause == Cause.SLOT_LISTED_TWICE:
         msg = slot_twice_message(value)
     elif cause == Cause.COUNT_PAST_ARRAYS:
