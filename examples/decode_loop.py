@@ -109,7 +109,7 @@ def make_workload(num_requests: int, prompt_len: int, prefix_len: int, max_new: 
                   groups: int = 2, fork: bool = True, turns: int = 2, prompt_len_max: int | None = None) -> list[Request]:
     """Requests whose prompts (``prompt_len`` to ``prompt_len_max`` tokens) share a prefix within each of
     ``groups`` groups (prefix hits), budgets from ``max_new // 2`` to ``max_new`` (so requests stop at
-    different steps of a window), a second turn for every ``turns``-th request (0: none; its prompt
+    different steps of a window; the first request's is ``max_new``, so that its fork finds it running), a second turn for every ``turns``-th request (0: none; its prompt
     continues that request's conversation), and with ``fork`` a fork of the first request."""
     g = torch.Generator().manual_seed(seed)
     prefixes = [torch.randint(1, vocab, (prefix_len,), generator=g).tolist() for _ in range(groups)]
@@ -118,7 +118,7 @@ def make_workload(num_requests: int, prompt_len: int, prefix_len: int, max_new: 
     for i in range(num_requests):
         n = int(torch.randint(prompt_len, hi + 1, (1,), generator=g))
         tail = torch.randint(1, vocab, (n - prefix_len,), generator=g).tolist()
-        budget = int(torch.randint(max(1, max_new // 2), max_new + 1, (1,), generator=g))
+        budget = int(torch.randint(max(1, max_new // 2), max_new + 1, (1,), generator=g)) if i else max_new
         reqs.append(Request(i, prefixes[i % groups] + tail, budget))
     if turns:
         for i in range(0, num_requests, turns):
@@ -495,25 +495,30 @@ class Engine:
                         self._parent_prompt[r.rid] = len(full_prompt(by_rid[r.parent], out, by_rid))
                     seqs[r.rid] = s = Seq(r, prompt, len(prompt))
                     waiting.append(s)
-                if waiting and waiting[0].req.fork_of is not None and self.free_slots:
-                    parent = seqs.get(waiting[0].req.fork_of)
-                    if parent in running and not parent.pending_first and len(parent.tokens) > len(waiting[0].tokens):
-                        s = waiting[0]
-                        if self._admit_fork(s, self.free_slots[0], parent):
-                            waiting.popleft()
-                            self.free_slots.pop(0)
-                            (ending if s.done_after_first else running).append(s)
+                # a fork waits for its parent to run, then shares its blocks; once the parent ended, it is a request
+                forking = lambda s: s.req.fork_of is not None and not s.generated and s.req.fork_of not in out  # noqa: E731
+                if waiting and forking(waiting[0]) and self.free_slots:
+                    s, parent = waiting[0], seqs.get(waiting[0].req.fork_of)
+                    if parent is not None and any(q is parent for q in running) and not parent.pending_first and \
+                            len(parent.tokens) > len(s.tokens) and \
+                            self._admit_fork(s, self.free_slots[0], parent):
+                        waiting.popleft()
+                        self.free_slots.pop(0)
+                        (ending if s.done_after_first else running).append(s)
                 admitting = None
                 if not blocked and waiting and self.free_slots:
                     batch = []
-                    for s in waiting:  # the head of the line, up to the fork (admitted by host ops)
-                        if s.req.fork_of is not None or len(batch) == len(self.free_slots):
+                    for s in waiting:  # the head of the line, up to a fork that waits for its parent
+                        if forking(s) or len(batch) == len(self.free_slots):
                             break
                         batch.append(s)
                     if batch:
                         slots = self.free_slots[:len(batch)]
                         admitting = (batch, slots) + tuple(self._admit(batch, slots))
                 if not running and not ending and admitting is None:
+                    if blocked:  # the window that preempted was the last to run: admission resumes now
+                        blocked = False
+                        continue
                     head = (waiting or pending)[0]
                     raise RuntimeError(f"request {head.req.rid if isinstance(head, Seq) else head.rid} does not "
                                        "fit the pool even alone")
