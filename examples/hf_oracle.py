@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from llama import UnsupportedCheckpoint, _transformers, load_hf_model
+from llama import UnsupportedCheckpoint, load_hf_model
 
 
 class HFOracle:
@@ -26,19 +26,22 @@ class HFOracle:
     ``llama`` / ``qwen2`` checkpoint whose weights all load, or ``transformers`` is missing or too old."""
 
     def __init__(self, path, dtype: torch.dtype = torch.float64, device="cpu"):
-        self.path = path
         self.model = load_hf_model(path, dtype, device)
-        self._generation_config = _transformers(path).GenerationConfig
+        from transformers import GenerationConfig  # importable: the model loaded
+
+        self._generation_config = GenerationConfig
         self.vocab_size = self.model.config.vocab_size
+        self.max_positions = self.model.config.max_position_embeddings
 
     def greedy(self, prompts: list[list[int]], max_new: int | list[int], first_tokens: list[int | None] | None = None,
                eos_token_id: int | None = None) -> list[list[int]]:
         """Greedy tokens ``list[int]`` per prompt (token ids in ``0 .. vocab_size - 1``, at least one per
-        prompt): ``max_new`` new tokens each (one int for all, or one per prompt). ``first_tokens[i]``, where
-        not None, is prompt i's first new token instead of its greedy one (a fork). Generation does not
-        stop at an end-of-sequence token unless ``eos_token_id`` is given: then a prompt's tokens end at
-        its first ``eos_token_id`` (included). Raises ValueError on a malformed argument."""
-        n = len(prompts)
+        prompt): ``max_new`` new tokens each (one int for all, or one per prompt; with the prompt, at most
+        the checkpoint's ``max_position_embeddings``). ``first_tokens[i]``, where not None, is prompt i's
+        first new token instead of its greedy one (a fork). Generation does not stop at an
+        end-of-sequence token unless ``eos_token_id`` is given: then a prompt's tokens end at its first
+        ``eos_token_id`` (included). Raises ValueError on a malformed argument."""
+        n = len(prompts) if isinstance(prompts, (list, tuple)) else 0
         max_new = [max_new] * n if _is_int(max_new) else max_new
         first_tokens = [None] * n if first_tokens is None else first_tokens
         if not all(isinstance(a, (list, tuple)) and len(a) == n for a in (max_new, first_tokens)) or n == 0:
@@ -50,8 +53,13 @@ class HFOracle:
                     not (f is None or self._is_token(f)):
                 raise ValueError(f"greedy: prompt {i} must be 1 or more token ids in 0..{self.vocab_size - 1} "
                                  f"(and its first token one too), got {p!r}, first token {f!r}")
-            if not _is_int(m) or m < 1:
-                raise ValueError(f"greedy: max_new of prompt {i} must be an int >= 1, got {m!r}")
+            if not _is_int(m) or not 1 <= m <= self.max_positions - len(p):
+                raise ValueError(f"greedy: max_new of prompt {i} must be an int in 1..{self.max_positions - len(p)} "
+                                 f"(the checkpoint's max_position_embeddings, {self.max_positions}, less the prompt's "
+                                 f"{len(p)} tokens), got {m!r}")
+        if not (eos_token_id is None or self._is_token(eos_token_id)):
+            raise ValueError(f"greedy: eos_token_id must be None or a token id in 0..{self.vocab_size - 1}, "
+                             f"got {eos_token_id!r}")
         inputs = [p + [f] if f is not None else list(p) for p, f in zip(prompts, first_tokens)]
         todo = [m - (f is not None) for m, f in zip(max_new, first_tokens)]  # tokens generate makes
         made = self._generate(inputs, max(todo), eos_token_id) if max(todo) > 0 else [[] for _ in prompts]
@@ -92,7 +100,7 @@ def hf_greedy(path, prompt_ids: list[int], max_new: int, dtype: torch.dtype = to
     cache, no end-of-sequence stop); with ``first_token``, a fork: that token first, then greedy. Loads
     the model for this one call (:class:`HFOracle` keeps it). Raises :class:`llama.UnsupportedCheckpoint`
     (see :class:`HFOracle`) or ValueError (see :meth:`HFOracle.greedy`)."""
-    return HFOracle(path, dtype, device).greedy([list(prompt_ids)], max_new, [first_token])[0]
+    return HFOracle(path, dtype, device).greedy([prompt_ids], max_new, [first_token])[0]
 
 
 __all__ = ["HFOracle", "hf_greedy", "UnsupportedCheckpoint"]

@@ -71,11 +71,11 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
         return inv
     if s.rope_type == "linear":
         return inv / s.factor
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    old_context = s.original_max_position_embeddings
+    low_wavelen, high_wavelen = old_context / s.low_freq_factor, old_context / s.high_freq_factor
     wavelen = 2 * math.pi / inv
     scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)  # long wavelengths: divided by factor
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smooth = (old_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
@@ -214,6 +214,10 @@ def _refuse(path, what: str) -> UnsupportedCheckpoint:
     return UnsupportedCheckpoint(" ".join(f"{path}: {what}".split()))  # one line, whatever the values hold
 
 
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
 def _transformers(path):
     """The installed ``transformers`` (at least :data:`TRANSFORMERS_FLOOR`), else UnsupportedCheckpoint."""
     try:
@@ -232,8 +236,10 @@ def _version(transformers) -> tuple[int, int]:
 
 def _config_json(path) -> dict:
     """``path``'s config.json as saved; UnsupportedCheckpoint if ``path`` is not a checkpoint directory."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise _refuse(repr(path), "not a path")
     if not os.path.isdir(path):
-        raise _refuse(path, "no such directory")
+        raise _refuse(path, "not a directory" if os.path.exists(path) else "no such directory")
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise _refuse(path, "not a checkpoint directory (no config.json)")
@@ -252,9 +258,9 @@ def _config_json(path) -> dict:
 def load_hf_model(path, dtype: torch.dtype = torch.float32, device="cpu"):
     """transformers' own causal LM of the local checkpoint ``path`` (``llama`` or ``qwen2``), in eval mode,
     weights of ``dtype`` on ``device``, its attention torch's ``scaled_dot_product_attention``; nothing
-    is downloaded. Raises :class:`UnsupportedCheckpoint` (one
-    line) if ``path`` is not such a checkpoint, ``transformers`` is missing or older than 4.57, or a
-    weight the model needs is missing from the files, is left over or has the wrong shape."""
+    is downloaded. Raises :class:`UnsupportedCheckpoint` (one line) if ``path`` is not such a
+    checkpoint, ``transformers`` is missing or older than 4.57, or a weight the model needs is missing
+    from the files, is left over or has the wrong shape."""
     raw = _config_json(path)
     tf = _transformers(path)
     try:
@@ -263,13 +269,14 @@ def load_hf_model(path, dtype: torch.dtype = torch.float32, device="cpu"):
         model, info = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
                                                               attn_implementation="sdpa", output_loading_info=True)
     except Exception as e:  # the library's many error types: one line for the command's usage message
-        raise _refuse(path, f"transformers cannot load it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise _refuse(path, f"transformers cannot load it ({_first_line(e)})") from None
     if type(model).__name__ != CAUSAL_LM[raw["model_type"]]:
         raise _refuse(path, f"loads as {type(model).__name__}, not {CAUSAL_LM[raw['model_type']]}")
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         bad = sorted(str(k) for k in info.get(kind) or [])
         if bad:
-            raise _refuse(path, f"weights {kind.replace('_', ' ')}: {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}")
+            more = " ..." if len(bad) > 3 else ""
+            raise _refuse(path, f"weights {kind.replace('_', ' ')}: {', '.join(bad[:3])}{more}")
     return model.to(device).eval()
 
 
@@ -292,7 +299,7 @@ def read_config(path) -> LlamaConfig:
     try:
         c = tf.AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # the library's many error types: one line for the command's usage message
-        raise _refuse(path, f"transformers cannot read config.json ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise _refuse(path, f"transformers cannot read config.json ({_first_line(e)})") from None
     if c.hidden_act != "silu":
         raise _refuse(path, f"hidden_act {c.hidden_act!r} is not supported (silu is)")
     if mt == "qwen2":
@@ -320,7 +327,6 @@ def read_config(path) -> LlamaConfig:
                        tie_word_embeddings=bool(c.tie_word_embeddings))
 
 
-
 def _rope(path, raw: dict, c, tf5: bool) -> tuple[float, RopeScaling | None]:
     """The rotary base and scaling of config ``c`` as the installed transformers keeps them: 5 in
     ``rope_parameters`` (``rope_theta`` included), 4.57 in ``rope_theta`` and ``rope_scaling``."""
@@ -332,7 +338,8 @@ def _rope(path, raw: dict, c, tf5: bool) -> tuple[float, RopeScaling | None]:
                                 f"installed transformers 4 ignores (pip install -U transformers)")
         params = dict(c.rope_scaling or {})
         params["rope_theta"] = c.rope_theta
-        params.setdefault("partial_rotary_factor", getattr(c, "partial_rotary_factor", None) or 1.0)
+        if getattr(c, "partial_rotary_factor", None) is not None:
+            params.setdefault("partial_rotary_factor", c.partial_rotary_factor)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if not isinstance(params.get("rope_theta"), (int, float)):

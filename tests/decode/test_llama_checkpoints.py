@@ -226,11 +226,18 @@ def test_the_oracle_batches_and_ignores_the_checkpoints_eos(checkpoints, tmp_pat
     assert again.greedy(ps[:1], 6, eos_token_id=eos) == [batch[0][:batch[0].index(eos) + 1]]
 
 
+@pytest.fixture(scope="module")
+def plain_oracle(checkpoints):
+    return HFOracle(checkpoints["llama"], torch.float64)
+
+
 @pytest.mark.parametrize("args", [([[]], 3), ([[1, 2]], 0), ([[1, 96]], 3), ([[-1]], 3), ([[1]], 3, [96]),
-                                  ([[1.5]], 3), ([[1]], [3, 3]), ([[True]], 3), ([[1]], 2.0)])
-def test_the_oracle_refuses_bad_arguments(checkpoints, args):
+                                  ([[1.5]], 3), ([[1]], [3, 3]), ([[True]], 3), ([[1]], 2.0), ([], 3), (None, 3),
+                                  ([5], 3), ([[1]], 3, None, 96), ([[1]], 3, None, -1), ([[1]], 10**30),
+                                  ([[1], [2]], 3, [1])])
+def test_the_oracle_refuses_bad_arguments(plain_oracle, args):
     with pytest.raises(ValueError, match="^greedy: "):
-        HFOracle(checkpoints["llama"], torch.float64).greedy(*args)
+        plain_oracle.greedy(*args)
 
 
 # ---- what the loader refuses ---------------------------------------------------------------------------
@@ -290,7 +297,7 @@ def test_an_unsupported_config_is_one_line(checkpoints, tmp_path, name):
 def test_a_missing_or_broken_checkpoint_is_one_line(checkpoints, tmp_path, monkeypatch):
     cases = {str(tmp_path / "nope"): "no such directory", str(tmp_path): "not a checkpoint directory"}
     (tmp_path / "file").write_text("x")
-    cases[str(tmp_path / "file")] = "no such directory"
+    cases[str(tmp_path / "file")] = "not a directory"
     weightless = tmp_path / "weightless"
     weightless.mkdir()
     shutil.copy(os.path.join(checkpoints["llama"], "config.json"), weightless)
@@ -304,6 +311,9 @@ def test_a_missing_or_broken_checkpoint_is_one_line(checkpoints, tmp_path, monke
             with pytest.raises(UnsupportedCheckpoint, match=says) as e:
                 load(path)
             assert "\n" not in str(e.value)
+    for path in (None, 3):
+        with pytest.raises(UnsupportedCheckpoint, match="not a path"):
+            Llama.from_pretrained(path)
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     with pytest.raises(UnsupportedCheckpoint, match="needs transformers"):
         Llama.from_pretrained(checkpoints["llama"])
