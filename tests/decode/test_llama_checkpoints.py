@@ -108,6 +108,16 @@ def hf_logits(oracle: HFOracle, prompt: list[int]) -> torch.Tensor:
         return oracle.model(torch.tensor([prompt])).logits[0]
 
 
+def edited(checkpoints, tmp_path, kind: str, edit) -> str:
+    """A copy of checkpoint ``kind`` whose config.json dict ``edit`` changed."""
+    path = tmp_path / "edited"
+    shutil.copytree(checkpoints[kind], path)
+    raw = json.loads((path / "config.json").read_text())
+    edit(raw)
+    (path / "config.json").write_text(json.dumps(raw))
+    return str(path)
+
+
 def assert_logits_equal(path):
     ours, oracle = Llama.from_pretrained(path, torch.float64), HFOracle(path, torch.float64)
     hf_inv = oracle.model.model.rotary_emb.inv_freq
@@ -174,16 +184,15 @@ def test_the_other_config_layout_is_read_or_refused(checkpoints, tmp_path):
     """A Llama 3 config.json in the other transformers major's layout: transformers 5 reads 4's
     ``rope_theta`` / ``rope_scaling`` (and so does the loader, logits equal); 4.57 ignores 5's
     ``rope_parameters`` (its model would use base 10,000), so the loader refuses it."""
-    path = str(tmp_path / "other")
-    shutil.copytree(checkpoints["llama3"], path)
-    raw = json.load(open(os.path.join(path, "config.json")))
-    if TF5:
-        rope = raw.pop("rope_parameters")
-        raw["rope_theta"] = rope.pop("rope_theta")
-        raw["rope_scaling"] = rope
-    else:
-        raw["rope_parameters"] = {"rope_theta": raw.pop("rope_theta"), **raw.pop("rope_scaling")}
-    json.dump(raw, open(os.path.join(path, "config.json"), "w"))
+    def other_layout(raw):
+        if TF5:
+            rope = raw.pop("rope_parameters")
+            raw["rope_theta"] = rope.pop("rope_theta")
+            raw["rope_scaling"] = rope
+        else:
+            raw["rope_parameters"] = {"rope_theta": raw.pop("rope_theta"), **raw.pop("rope_scaling")}
+
+    path = edited(checkpoints, tmp_path, "llama3", other_layout)
     if TF5:
         assert read_config(path) == read_config(checkpoints["llama3"])
         assert_logits_equal(path)
@@ -220,7 +229,7 @@ def test_the_oracle_batches_and_ignores_the_checkpoints_eos(checkpoints, tmp_pat
     assert batch == [oracle.greedy([p], 6)[0] for p in ps]
     assert oracle.greedy(ps[:2], [3, 6], [None, 5]) == [batch[0][:3], [5] + hf_greedy(path, ps[1] + [5], 5)]
     eos = batch[0][2]
-    json.dump({"eos_token_id": eos, "repetition_penalty": 3.0}, open(os.path.join(path, "generation_config.json"), "w"))
+    (tmp_path / "eos" / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "repetition_penalty": 3.0}))
     again = HFOracle(path, torch.float64)
     assert again.greedy(ps, 6) == batch
     assert again.greedy(ps[:1], 6, eos_token_id=eos) == [batch[0][:batch[0].index(eos) + 1]]
@@ -241,17 +250,6 @@ def test_the_oracle_refuses_bad_arguments(plain_oracle, args):
 
 
 # ---- what the loader refuses ---------------------------------------------------------------------------
-def _edited(checkpoints, tmp_path, kind: str, edit) -> str:
-    """A copy of checkpoint ``kind`` whose config.json dict ``edit`` changed."""
-    path = str(tmp_path / "edited")
-    shutil.copytree(checkpoints[kind], path)
-    file = os.path.join(path, "config.json")
-    raw = json.load(open(file))
-    edit(raw)
-    json.dump(raw, open(file, "w"))
-    return path
-
-
 def _rope_edit(**rope):
     """Replace the rope settings, in the installed transformers' layout."""
     def edit(raw):
@@ -288,7 +286,7 @@ REFUSED = {  # name: (kind, config edit, what the one line says)
 @pytest.mark.parametrize("name", REFUSED)
 def test_an_unsupported_config_is_one_line(checkpoints, tmp_path, name):
     kind, edit, says = REFUSED[name]
-    path = _edited(checkpoints, tmp_path, kind, edit)
+    path = edited(checkpoints, tmp_path, kind, edit)
     with pytest.raises(UnsupportedCheckpoint, match=says) as e:
         Llama.from_pretrained(path, torch.float64)
     assert isinstance(e.value, ValueError) and "\n" not in str(e.value) and str(e.value).startswith(path)
@@ -321,7 +319,7 @@ def test_a_missing_or_broken_checkpoint_is_one_line(checkpoints, tmp_path, monke
 
 def test_a_missing_weight_is_refused(checkpoints, tmp_path):
     """A checkpoint whose files lack a weight the config needs (transformers would initialise it at random)."""
-    path = _edited(checkpoints, tmp_path, "llama", lambda raw: raw.update(attention_bias=True))
+    path = edited(checkpoints, tmp_path, "llama", lambda raw: raw.update(attention_bias=True))
     with pytest.raises(UnsupportedCheckpoint, match="weights missing keys: model.layers.0.self_attn.k_proj.bias"):
         Llama.from_pretrained(path, torch.float64)
 
