@@ -655,7 +655,7 @@ def run_all(args, progress=None) -> list[dict]:
                          args.seed, fork=not args.no_fork, turns=0 if args.no_turns else 2,
                          prompt_len_max=args.prompt_len_max)
     want = oracle(model, reqs, args.eos)
-    hf = hf_reference(args, model, reqs, want) if args.model else None
+    hf = hf_reference(args, reqs) if args.model else None
     rows = []
     runs = [("host", 1, 0)] if "host" in args.modes else []
     runs += [("window", K, 0) for K in args.steps] if "window" in args.modes else []
@@ -686,22 +686,19 @@ def run_all(args, progress=None) -> list[dict]:
     return rows
 
 
-def hf_reference(args, model, reqs, want):
-    """transformers' own greedy ``generate`` on the checkpoint, per request (second turns on their first
-    turn's tokens; the fork with its first token forced), or None where it cannot run."""
-    from hf_oracle import hf_greedy
+def hf_reference(args, reqs: list[Request]) -> dict[int, list[int]]:
+    """transformers' own greedy ``generate`` on the checkpoint (its model code, its KV cache): first turns
+    and the fork in one batch, then the second turns on their first turn's tokens."""
+    from hf_oracle import HFOracle
 
+    oracle_model = HFOracle(args.model, getattr(torch, args.dtype), args.device)
     by_rid = {r.rid: r for r in reqs}
     out: dict[int, list[int]] = {}
-    for r in sorted(reqs, key=lambda r: r.parent is not None):
-        prompt = full_prompt(r, out, by_rid)
-        if r.first_token is not None:
-            rest = hf_greedy(args.model, prompt + [r.first_token], r.max_new - 1, dtype=getattr(torch, args.dtype),
-                             device=args.device, eos=args.eos) if r.max_new > 1 else []
-            out[r.rid] = [r.first_token] + rest
-        else:
-            out[r.rid] = hf_greedy(args.model, prompt, r.max_new, dtype=getattr(torch, args.dtype),
-                                   device=args.device, eos=args.eos)
+    for turn in ([r for r in reqs if r.parent is None], [r for r in reqs if r.parent is not None]):
+        if turn:
+            got = oracle_model.greedy([full_prompt(r, out, by_rid) for r in turn], [r.max_new for r in turn],
+                                      [r.first_token for r in turn], eos_token_id=args.eos)
+            out.update({r.rid: g for r, g in zip(turn, got)})
     return out
 
 
@@ -753,8 +750,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float64", choices=["float64", "float32", "bfloat16", "float16"],
                    help="weights and KV (float64: exact comparisons)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:i]")
-    p.add_argument("--model", help="a local LlamaForCausalLM / Qwen2ForCausalLM directory (needs transformers); its "
-                                   "tokens are also compared with transformers' generate")
+    p.add_argument("--model", help="a local LlamaForCausalLM or Qwen2ForCausalLM checkpoint directory (needs "
+                                   "transformers; nothing is downloaded): its tokens are also compared with "
+                                   "transformers' own generate")
     p.add_argument("--seed", type=int, default=0, help="seed of the random model and the workload")
     p.add_argument("--no-fork", action="store_true", help="no copy-on-write fork in the workload")
     p.add_argument("--no-turns", action="store_true", help="no second turns in the workload")
@@ -828,8 +826,7 @@ def main(argv=None) -> int:
     try:
         rows = run_all(args, progress)
     except (PoolError, ValueError, ImportError, OSError) as e:  # a checkpoint the loader refuses, a size the pool refuses
-        print(f"decode_loop: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
-        return 2
+        p.error(str(e).splitlines()[0] if str(e) else type(e).__name__)
     print(format_table(rows))
     return 0 if all(r["identical"] and r["hf"] in (True, "-") for r in rows) else 1
 

@@ -134,7 +134,7 @@ def assert_greedy_equal(path, max_new: int = 9):
     reqs = [dl.Request(i, p, max_new) for i, p in enumerate(ps)]
     reqs.append(dl.Request(len(ps), ps[0], max_new, fork_of=0, first_token=7))
     want = oracle.greedy([r.prompt for r in reqs], max_new, [r.first_token for r in reqs])
-    assert [dl.contiguous_decode(ours, r) for r in reqs] == want
+    assert [dl.contiguous_decode(ours, r.prompt, r.max_new, r.first_token) for r in reqs] == want
     assert all(len(t) == max_new for t in want) and want[-1][0] == 7 and want[-1] != want[0]
 
 
@@ -335,3 +335,20 @@ def test_random_models_take_the_new_settings():
     plain = rope_inv_freq(dataclasses.replace(cfg, rope_scaling=None))
     inv = rope_inv_freq(cfg)
     assert inv[0] == plain[0] and inv[-1] == plain[-1] / 8 and plain[1] / 8 < inv[1] < plain[1]  # the 3 bands
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+def test_the_decode_loop_on_a_checkpoint_equals_transformers_generate(checkpoints, kind, capsys):
+    """``examples/decode_loop.py --model``: the host pool, a decode window and speculative decoding on the
+    checkpoint give transformers' own tokens (second turns and the fork included); the command exits 0
+    only when every mode's tokens equal both oracles'."""
+    vocab = SIZES["vocab_size"]
+    argv = ["--model", checkpoints[kind], "--modes", "host", "window", "spec", "--steps", "4", "--draft", "2",
+            "--spec-steps", "2", "--requests", "3", "--prompt-len", "9", "--prefix-len", "5", "--max-new", "6",
+            "--num-blocks", "24", "--block-size", "4", "--max-blocks-per-req", "12"]
+    assert dl.main(argv) == 0, capsys.readouterr()
+    out = capsys.readouterr().out.split("columns:")[0]
+    rows = [line.split() for line in out.strip().splitlines()[1:]]
+    assert len(rows) == 3 and all(r[4:6] == ["yes", "yes"] for r in rows), out
+    assert vocab
