@@ -21,6 +21,7 @@ from gpupool.errors import ArgumentTypeError, InvalidArgumentError
 from gpupool.kernels.block_hash import (MAX_HASH_BLOCK_SIZE, NONE_HASH_WORDS, block_hash, device_key, digest_words,
                                         launch_block_hashes, max_chunks, max_message_bytes, scratch_words,
                                         words_digest)
+from gpupool.kernels.sha256 import round_constant_table
 from strict import Checker
 from test_kernel_barriers import without_barrier
 
@@ -195,16 +196,16 @@ def test_tiles_and_a_persistent_loop_leave_other_rows_untouched(monkeypatch):
 
 
 @triton.jit
-def _helpers_kernel(parents, tokens, out, groups, keys_out, scratch, row_of, MASK_EVERY: tl.constexpr,
-                    HBS: tl.constexpr, L: tl.constexpr):
+def _helpers_kernel(parents, tokens, out, groups, keys_out, scratch, k_table, row_of, MASK_EVERY: tl.constexpr,
+                    HBS: tl.constexpr, L: tl.constexpr, W: tl.constexpr):
     """The helpers as a caller uses them: lane l hashes row ``row_of[l]`` (per-lane row pointers, in
     place: out is parents) unless ``l % MASK_EVERY == 1``, then keys its digest in ``groups[l]`` (int64)."""
     lane = tl.arange(0, L)
     row = tl.load(row_of + lane)
     m = (lane % MASK_EVERY) != 1
-    h0, h1, h2, h3, h4, h5, h6, h7 = block_hash(parents + row * 8, tokens + row * HBS, m, out + row * 8, scratch,
-                                                HBS, L)
-    hi, lo = device_key(h0, h1, h2, h3, h4, h5, h6, h7, tl.load(groups + lane))
+    h0, h1, h2, h3, h4, h5, h6, h7 = block_hash(parents + row * 8, tokens + row * HBS, m, out + row * 8,
+                                                scratch + row * W, k_table, HBS, L)
+    hi, lo = device_key(h0, h1, h2, h3, h4, h5, h6, h7, tl.load(groups + lane), k_table)
     tl.store(keys_out + row * 2, hi, mask=m)
     tl.store(keys_out + row * 2 + 1, lo, mask=m)
 
@@ -222,7 +223,8 @@ def test_helpers_with_row_pointers_masks_and_int64_groups():
     keys_out = torch.full((L, 2), 99, dtype=torch.int64)
     scratch = torch.empty(L * scratch_words(hbs), dtype=torch.int32)
     _helpers_kernel[(1,)](words, torch.tensor(rows, dtype=torch.int32), words, torch.tensor(groups, dtype=torch.int64),
-                          keys_out, scratch, torch.tensor(row_of, dtype=torch.int32), MASK_EVERY=3, HBS=hbs, L=L)
+                          keys_out, scratch, round_constant_table(), torch.tensor(row_of, dtype=torch.int32),
+                          MASK_EVERY=3, HBS=hbs, L=L, W=scratch_words(hbs))
     for lane, r in enumerate(row_of):
         if lane % 3 == 1:  # masked: nothing read, nothing written
             assert torch.equal(words[r], before[r]) and keys_out[r].tolist() == [99, 99]

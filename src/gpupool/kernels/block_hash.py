@@ -12,6 +12,22 @@ Digests travel as 8 words: word ``j`` holds bytes ``4j .. 4j + 3`` of the digest
 as ``int32`` (the bit pattern of the ``uint32``); :func:`digest_words` and :func:`words_digest`
 convert on the host, :data:`NONE_HASH_WORDS` is ``keys.NONE_HASH`` so.
 
+Interface (a kernel that fills blocks with tokens keys them with the first two):
+
+* ``h0, ..., h7 = block_hash(parent_ptrs, tok_ptrs, mask, out_ptrs, scratch_ptrs, k_table, HBS, L)``:
+  per-lane ``int32`` pointer tensors ``[L]`` to the parent's digest words, the ``HBS`` token ids, where
+  the digest's words go (may be the parent's) and a scratch row of :func:`scratch_words` ``(HBS)``
+  words; ``k_table`` is ``sha256.round_constant_table(device)``, made once and kept. Returns the digest
+  words as ``tl.uint32 [L]``.
+* ``hi, lo = device_key(h0, ..., h7, group, k_table)``: ``tl.int64`` tensors; ``group`` an integer
+  tensor broadcastable against the words.
+* ``keys = launch_block_hashes(parents, tokens, out, groups)``: the standalone kernel
+  (:func:`block_hashes_kernel`) over ``n`` lanes, for tests and for hashing batches on the device.
+
+Each SHA-256 compression a kernel contains adds a few hundred operations to its IR, and Triton's
+coalescing pass is quadratic in that size (kernels/sha256.py): ``block_hash`` and one ``device_key``
+call hold three; the standalone kernel compiles in about 5 s of CPU per target.
+
 The pickled message (protocol 5, what CPython's ``pickle.dumps`` writes; byte offsets):
 
 ====================  =======================================================================
@@ -32,14 +48,13 @@ SHA-256 pads it to ``(length + 72) // 64`` chunks of 64 bytes (:func:`max_chunks
 the whole pickle while it is under 64 KiB (CPython's frame target), hence
 :data:`MAX_HASH_BLOCK_SIZE`.
 
-How a lane is hashed (:func:`block_hash`): the tokens' encodings and the header are stored into the
-caller's scratch, each message byte ``p`` at byte ``3 - p % 4`` of word ``p // 4`` (memory is
-little-endian), so a plain word load reads the big-endian message word SHA-256 wants; word ``w`` of
-lane ``l`` of a tile sits at ``scratch_ptr + w * L + l`` (a chunk's word loads coalesce). The
-``0x80`` pad byte and three zeros follow the message; words past it load as 0 (masked) and the last
-chunk's word 15 is replaced by the bit length. After one barrier, the chunks run through
-:func:`gpupool.kernels.sha256.sha256_compress` for every lane at once; a lane whose message has
-fewer chunks keeps its state (the loop runs to the tile's longest message).
+How a lane is hashed (:func:`block_hash`): the message is stored into the lane's scratch row in
+its own byte order (the header as whole little-endian words; each token's 2, 3 or 5 bytes at its
+offset), followed by the ``0x80`` pad byte and three zeros. After one barrier the chunks are loaded
+back as words, byte-swapped into SHA-256's big-endian words (words past the pad load as 0, masked,
+and the last chunk's word 15 is the bit length) and run through
+:func:`gpupool.kernels.sha256.sha256_compress` for every lane at once; a lane whose message has fewer
+chunks keeps its state (the loop runs to the tile's longest message).
 
 Per lane cost: one compression (64 rounds) per chunk: a 16-token block of ids below 256 is 2 chunks,
 below 65,536 2 chunks, larger ids 3; HBS 512 up to 41. A device key is 2 more compressions per group.
@@ -57,7 +72,7 @@ import triton.language as tl
 from .._backend import interpreted
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..keys import _DEVICE_KEY_DOMAIN, NONE_HASH
-from .sha256 import sha256_compress, sha256_iv
+from .sha256 import round_constant_table, sha256_compress, sha256_iv
 
 __all__ = [
     "DIGEST_WORDS", "MAX_HASH_BLOCK_SIZE", "NONE_HASH_WORDS", "block_hash", "block_hashes_kernel", "device_key",
@@ -68,9 +83,9 @@ OP = "block_hashes"
 DIGEST_WORDS = 8  # a 32-byte digest as int32 words
 
 # Pickle protocol 5 opcodes, for the kernels (CPython's pickle module names them once)
-_PROTO_5 = tl.constexpr(pickle.PROTO[0] << 8 | 5)
-_FRAME, _SHORT_BINBYTES, _MEMOIZE, _MARK, _BININT1, _BININT2, _BININT = (
-    tl.constexpr(op[0]) for op in (pickle.FRAME, pickle.SHORT_BINBYTES, pickle.MEMOIZE, pickle.MARK, pickle.BININT1,
+_HEAD_WORD = tl.constexpr(int.from_bytes(pickle.PROTO + bytes([5]) + pickle.FRAME, "little"))  # word 0 but its top byte
+_SHORT_BINBYTES, _MEMOIZE, _MARK, _BININT1, _BININT2, _BININT = (
+    tl.constexpr(op[0]) for op in (pickle.SHORT_BINBYTES, pickle.MEMOIZE, pickle.MARK, pickle.BININT1,
                                    pickle.BININT2, pickle.BININT))
 _TUPLE_OF = (pickle.TUPLE1[0], pickle.TUPLE2[0], pickle.TUPLE3[0], pickle.TUPLE[0])  # by min(HBS, 4) - 1
 _TRAILER = (pickle.MEMOIZE + pickle.NONE + pickle.TUPLE3 + pickle.MEMOIZE + pickle.STOP)
@@ -110,8 +125,8 @@ def max_chunks(hbs: int) -> int:
 
 
 def scratch_words(hbs: int) -> int:
-    """``W``: int32 words of scratch per lane that :func:`block_hash` needs for blocks of ``hbs`` tokens
-    (the longest message and its 4 pad bytes). A tile of ``L`` lanes needs ``L * W`` words."""
+    """``W``: int32 words of the scratch row each lane of :func:`block_hash` needs for blocks of ``hbs``
+    tokens (the longest message and its 4 pad bytes)."""
     return (max_message_bytes(hbs) + PAD_BYTES + 3) // 4
 
 
@@ -139,14 +154,52 @@ NONE_HASH_WORDS: list[int] = digest_words(NONE_HASH)
 
 
 @triton.jit
-def _byte_ptr(sb, lb, p, L: tl.constexpr):
-    """Where message byte ``p`` goes: byte ``3 - p % 4`` of word ``p // 4`` (``lb``: the lane's
-    ``4 * lane + 3``; ``sb``: the scratch as bytes)."""
-    return sb + lb + (p >> 2) * (4 * L) - (p & 3)
+def _bswap(x):
+    """The ``tl.uint32`` words ``x`` with their bytes reversed (compiled: one byte permute)."""
+    return (x >> 24) | ((x >> 8) & 0xFF00) | ((x & 0xFF00) << 8) | (x << 24)
 
 
 @triton.jit
-def block_hash(parent_ptrs, tok_ptrs, mask, out_ptrs, scratch_ptr, HBS: tl.constexpr, L: tl.constexpr):
+def _chunk_words(rows, b, live, wlim):
+    """Words ``b .. b + 15`` of every lane's message (``rows``: the lanes' scratch rows), big-endian:
+    loaded where ``live`` and the word holds a message or pad byte (``w <= wlim``), else 0."""
+    w0 = tl.load(rows + b, mask=live & (wlim >= b), other=0).to(tl.uint32, bitcast=True)
+    w1 = tl.load(rows + (b + 1), mask=live & (wlim >= b + 1), other=0).to(tl.uint32, bitcast=True)
+    w2 = tl.load(rows + (b + 2), mask=live & (wlim >= b + 2), other=0).to(tl.uint32, bitcast=True)
+    w3 = tl.load(rows + (b + 3), mask=live & (wlim >= b + 3), other=0).to(tl.uint32, bitcast=True)
+    w4 = tl.load(rows + (b + 4), mask=live & (wlim >= b + 4), other=0).to(tl.uint32, bitcast=True)
+    w5 = tl.load(rows + (b + 5), mask=live & (wlim >= b + 5), other=0).to(tl.uint32, bitcast=True)
+    w6 = tl.load(rows + (b + 6), mask=live & (wlim >= b + 6), other=0).to(tl.uint32, bitcast=True)
+    w7 = tl.load(rows + (b + 7), mask=live & (wlim >= b + 7), other=0).to(tl.uint32, bitcast=True)
+    w8 = tl.load(rows + (b + 8), mask=live & (wlim >= b + 8), other=0).to(tl.uint32, bitcast=True)
+    w9 = tl.load(rows + (b + 9), mask=live & (wlim >= b + 9), other=0).to(tl.uint32, bitcast=True)
+    w10 = tl.load(rows + (b + 10), mask=live & (wlim >= b + 10), other=0).to(tl.uint32, bitcast=True)
+    w11 = tl.load(rows + (b + 11), mask=live & (wlim >= b + 11), other=0).to(tl.uint32, bitcast=True)
+    w12 = tl.load(rows + (b + 12), mask=live & (wlim >= b + 12), other=0).to(tl.uint32, bitcast=True)
+    w13 = tl.load(rows + (b + 13), mask=live & (wlim >= b + 13), other=0).to(tl.uint32, bitcast=True)
+    w14 = tl.load(rows + (b + 14), mask=live & (wlim >= b + 14), other=0).to(tl.uint32, bitcast=True)
+    w15 = tl.load(rows + (b + 15), mask=live & (wlim >= b + 15), other=0).to(tl.uint32, bitcast=True)
+    # byte swaps written out: a nested @triton.jit call per word would cost the interpreter milliseconds
+    return ((w0 >> 24) | ((w0 >> 8) & 0xFF00) | ((w0 & 0xFF00) << 8) | (w0 << 24),
+            (w1 >> 24) | ((w1 >> 8) & 0xFF00) | ((w1 & 0xFF00) << 8) | (w1 << 24),
+            (w2 >> 24) | ((w2 >> 8) & 0xFF00) | ((w2 & 0xFF00) << 8) | (w2 << 24),
+            (w3 >> 24) | ((w3 >> 8) & 0xFF00) | ((w3 & 0xFF00) << 8) | (w3 << 24),
+            (w4 >> 24) | ((w4 >> 8) & 0xFF00) | ((w4 & 0xFF00) << 8) | (w4 << 24),
+            (w5 >> 24) | ((w5 >> 8) & 0xFF00) | ((w5 & 0xFF00) << 8) | (w5 << 24),
+            (w6 >> 24) | ((w6 >> 8) & 0xFF00) | ((w6 & 0xFF00) << 8) | (w6 << 24),
+            (w7 >> 24) | ((w7 >> 8) & 0xFF00) | ((w7 & 0xFF00) << 8) | (w7 << 24),
+            (w8 >> 24) | ((w8 >> 8) & 0xFF00) | ((w8 & 0xFF00) << 8) | (w8 << 24),
+            (w9 >> 24) | ((w9 >> 8) & 0xFF00) | ((w9 & 0xFF00) << 8) | (w9 << 24),
+            (w10 >> 24) | ((w10 >> 8) & 0xFF00) | ((w10 & 0xFF00) << 8) | (w10 << 24),
+            (w11 >> 24) | ((w11 >> 8) & 0xFF00) | ((w11 & 0xFF00) << 8) | (w11 << 24),
+            (w12 >> 24) | ((w12 >> 8) & 0xFF00) | ((w12 & 0xFF00) << 8) | (w12 << 24),
+            (w13 >> 24) | ((w13 >> 8) & 0xFF00) | ((w13 & 0xFF00) << 8) | (w13 << 24),
+            (w14 >> 24) | ((w14 >> 8) & 0xFF00) | ((w14 & 0xFF00) << 8) | (w14 << 24),
+            (w15 >> 24) | ((w15 >> 8) & 0xFF00) | ((w15 & 0xFF00) << 8) | (w15 << 24))
+
+
+@triton.jit
+def block_hash(parent_ptrs, tok_ptrs, mask, out_ptrs, scratch_ptrs, k_table, HBS: tl.constexpr, L: tl.constexpr):
     """vLLM's ``sha256`` block hash of every lane ``tl.arange(0, L)`` where ``mask`` (module docstring).
 
     Args:
@@ -157,26 +210,26 @@ def block_hash(parent_ptrs, tok_ptrs, mask, out_ptrs, scratch_ptr, HBS: tl.const
         mask: ``[L]`` booleans, the lanes to hash; the others read and write nothing.
         out_ptrs: ``int32`` pointers ``[L]``: lane ``l``'s digest words go to ``out_ptrs[l] + j``. May
             equal ``parent_ptrs`` (a lane reads its parent before anything is written).
-        scratch_ptr: ``int32`` pointer to ``L * scratch_words(HBS)`` words this call may overwrite
-            (word ``w`` of lane ``l`` at ``scratch_ptr + w * L + l``); no other program may use them.
+        scratch_ptrs: ``int32`` pointers ``[L]``: lane ``l``'s scratch row of ``scratch_words(HBS)``
+            words, which this call overwrites (its message); rows of lanes another program may run
+            at the same time must not overlap it.
+        k_table: ``int32`` pointer to SHA-256's round constants (``sha256.round_constant_table``).
         HBS: tokens per hash block, ``1 .. MAX_HASH_BLOCK_SIZE``.
         L: lanes, a power of two.
 
     Returns:
-        The digest as eight ``tl.uint32 [L]`` words (word ``j`` as stored; 0-state garbage on masked
-        lanes), so a caller can go on to :func:`device_key` without reloading.
+        The digest as eight ``tl.uint32 [L]`` words (word ``j`` as stored; garbage on masked lanes),
+        so a caller can go on to :func:`device_key` without reloading.
 
-    Barriers: one at entry (the scratch may hold a previous call's message, and the caller's writes of
+    Barriers: one at entry (the rows may hold a previous call's message, and the caller's writes of
     tokens or parents by other threads become visible) and one between storing the message and reading
     it back; every thread of the program must call it.
     """
     FIRST: tl.constexpr = _HEADER + (1 if HBS > 3 else 0)
-    TT: tl.constexpr = 32 if HBS > 16 else (16 if HBS > 8 else (8 if HBS > 4 else (4 if HBS > 2 else HBS)))
+    TT: tl.constexpr = 16 if HBS > 8 else (8 if HBS > 4 else (4 if HBS > 2 else HBS))
     MAXC: tl.constexpr = (FIRST + _TOKEN_MAX * HBS + _TAIL + 72) // 64
-    lane = tl.arange(0, L)
-    sw = scratch_ptr + lane  # word w of the lane at sw + w * L
-    sb = scratch_ptr.to(tl.pointer_type(tl.uint8))
-    lb = lane * 4 + 3
+    rows = scratch_ptrs
+    rb = rows.to(tl.pointer_type(tl.uint8))  # the rows as bytes: message byte p of a lane at rb + p
     tl.debug_barrier()  # strict: orders a previous call's scratch reads and the caller's row writes before ours
     p0 = tl.load(parent_ptrs + 0, mask=mask, other=0).to(tl.uint32, bitcast=True)
     p1 = tl.load(parent_ptrs + 1, mask=mask, other=0).to(tl.uint32, bitcast=True)
@@ -189,7 +242,7 @@ def block_hash(parent_ptrs, tok_ptrs, mask, out_ptrs, scratch_ptr, HBS: tl.const
 
     # the tokens, a tile of TT at a time: BININT1 / BININT2 / BININT at a prefix sum of their sizes
     total = tl.zeros([L], tl.int32)
-    lb2 = lb[:, None]
+    rb2 = rb[:, None]
     for t0 in range(0, HBS, TT):
         t = t0 + tl.arange(0, TT)
         tm = mask[:, None] & (t < HBS)[None, :]
@@ -197,78 +250,69 @@ def block_hash(parent_ptrs, tok_ptrs, mask, out_ptrs, scratch_ptr, HBS: tl.const
         small = tok >= 0
         size = tl.where(small & (tok < 256), 2, tl.where(small & (tok < 65536), 3, 5))
         size = tl.where(tm, size, 0)
-        at = total[:, None] + tl.cumsum(size, axis=1) - size + FIRST
+        at = rb2 + (total[:, None] + tl.cumsum(size, axis=1) - size + FIRST)
         total += tl.sum(size, axis=1)
-        code = tl.where(size == 2, _BININT1, tl.where(size == 3, _BININT2, _BININT))
-        tl.store(_byte_ptr(sb, lb2, at, L), code.to(tl.uint8), mask=tm)
-        tl.store(_byte_ptr(sb, lb2, at + 1, L), (tok & 0xFF).to(tl.uint8), mask=tm)
-        tl.store(_byte_ptr(sb, lb2, at + 2, L), ((tok >> 8) & 0xFF).to(tl.uint8), mask=tm & (size > 2))
-        tl.store(_byte_ptr(sb, lb2, at + 3, L), ((tok >> 16) & 0xFF).to(tl.uint8), mask=tm & (size > 3))
-        tl.store(_byte_ptr(sb, lb2, at + 4, L), ((tok >> 24) & 0xFF).to(tl.uint8), mask=tm & (size > 3))
+        tl.store(at, tl.where(size == 2, _BININT1, tl.where(size == 3, _BININT2, _BININT)).to(tl.uint8), mask=tm)
+        tl.store(at + 1, tok.to(tl.uint8), mask=tm)
+        tl.store(at + 2, (tok >> 8).to(tl.uint8), mask=tm & (size > 2))
+        tl.store(at + 3, (tok >> 16).to(tl.uint8), mask=tm & (size > 3))
+        tl.store(at + 4, (tok >> 24).to(tl.uint8), mask=tm & (size > 3))
     end = total + FIRST  # where the tail starts
     mlen = end + _TAIL
 
-    # the tail and the pad: the tuple's opcode, MEMOIZE NONE TUPLE3 MEMOIZE STOP, 0x80, 0, 0, 0
-    j = tl.arange(0, 16)
-    tail = tl.full([16], _TAIL64[(HBS if HBS < 4 else 4) - 1], tl.int64)
-    tail = tl.where(j < 8, (tail >> (tl.minimum(j, 7) * 8).to(tl.int64)) & 0xFF, 0).to(tl.uint8)
-    tl.store(_byte_ptr(sb, lb2, end[:, None] + j[None, :], L), tl.broadcast_to(tail[None, :], (L, 16)),
-             mask=mask[:, None] & (j < _TAIL + _PAD)[None, :])
+    # one byte store for the rest: j < 10 the tail (the tuple's opcode, MEMOIZE NONE TUPLE3 MEMOIZE STOP)
+    # and the pad (0x80, 0, 0, 0) at end + j; j = 10, 11, 12 the parent's last byte, MEMOIZE and MARK
+    # (HBS > 3) at bytes 44, 45, 46
+    j = tl.arange(0, 16)[None, :]
+    tail = tl.full([1, 16], _TAIL64[(HBS if HBS < 4 else 4) - 1], tl.int64)
+    tail = tl.where(j < 8, (tail >> (tl.minimum(j, 7) * 8).to(tl.int64)) & 0xFF, 0).to(tl.int32)
+    head = tl.where(j == 10, (p7 & 0xFF).to(tl.int32)[:, None], tl.where(j == 11, _MEMOIZE, _MARK))
+    tl.store(rb2 + tl.where(j < _TAIL + _PAD, end[:, None] + j, _HEADER - 12 + j),
+             tl.where(j < _TAIL + _PAD, tail, head).to(tl.uint8),
+             mask=mask[:, None] & (j < _TAIL + _PAD + (3 if HBS > 3 else 2)))
 
-    # the header, whole words: PROTO 5, FRAME + its length, SHORT_BINBYTES 32 + the parent
+    # the header, whole words (little-endian, as memory holds them): PROTO 5, FRAME + its length,
+    # SHORT_BINBYTES 32 + the parent (its words are big-endian: swapped first)
     fl = (mlen - _FRAMED_FROM).to(tl.uint32)
-    tl.store(sw, ((fl & 0xFF) | (_PROTO_5 << 16 | _FRAME << 8)).to(tl.int32, bitcast=True), mask=mask)
-    tl.store(sw + 1 * L, ((((fl >> 8) & 0xFF) << 24) | (((fl >> 16) & 0xFF) << 16) | ((fl >> 24) << 8))
-             .to(tl.int32, bitcast=True), mask=mask)
-    tl.store(sw + 2 * L, tl.full([L], _SHORT_BINBYTES, tl.int32), mask=mask)
-    tl.store(sw + 3 * L, ((32 << 24) | (p0 >> 8)).to(tl.int32, bitcast=True), mask=mask)
-    tl.store(sw + 4 * L, ((p0 << 24) | (p1 >> 8)).to(tl.int32, bitcast=True), mask=mask)
-    tl.store(sw + 5 * L, ((p1 << 24) | (p2 >> 8)).to(tl.int32, bitcast=True), mask=mask)
-    tl.store(sw + 6 * L, ((p2 << 24) | (p3 >> 8)).to(tl.int32, bitcast=True), mask=mask)
-    tl.store(sw + 7 * L, ((p3 << 24) | (p4 >> 8)).to(tl.int32, bitcast=True), mask=mask)
-    tl.store(sw + 8 * L, ((p4 << 24) | (p5 >> 8)).to(tl.int32, bitcast=True), mask=mask)
-    tl.store(sw + 9 * L, ((p5 << 24) | (p6 >> 8)).to(tl.int32, bitcast=True), mask=mask)
-    tl.store(sw + 10 * L, ((p6 << 24) | (p7 >> 8)).to(tl.int32, bitcast=True), mask=mask)
-    tl.store(_byte_ptr(sb, lb, 44, L), (p7 & 0xFF).to(tl.uint8), mask=mask)
-    tl.store(_byte_ptr(sb, lb, 45, L), tl.full([L], _MEMOIZE, tl.uint8), mask=mask)
-    if HBS > 3:
-        tl.store(_byte_ptr(sb, lb, 46, L), tl.full([L], _MARK, tl.uint8), mask=mask)
+    q0 = _bswap(p0)
+    q1 = _bswap(p1)
+    q2 = _bswap(p2)
+    q3 = _bswap(p3)
+    q4 = _bswap(p4)
+    q5 = _bswap(p5)
+    q6 = _bswap(p6)
+    q7 = _bswap(p7)
+    tl.store(rows, ((fl << 24) | _HEAD_WORD).to(tl.int32, bitcast=True), mask=mask)
+    tl.store(rows + 1, (fl >> 8).to(tl.int32, bitcast=True), mask=mask)
+    tl.store(rows + 2, tl.full([L], _SHORT_BINBYTES << 24, tl.int32), mask=mask)
+    tl.store(rows + 3, ((q0 << 8) | 32).to(tl.int32, bitcast=True), mask=mask)
+    tl.store(rows + 4, ((q1 << 8) | (q0 >> 24)).to(tl.int32, bitcast=True), mask=mask)
+    tl.store(rows + 5, ((q2 << 8) | (q1 >> 24)).to(tl.int32, bitcast=True), mask=mask)
+    tl.store(rows + 6, ((q3 << 8) | (q2 >> 24)).to(tl.int32, bitcast=True), mask=mask)
+    tl.store(rows + 7, ((q4 << 8) | (q3 >> 24)).to(tl.int32, bitcast=True), mask=mask)
+    tl.store(rows + 8, ((q5 << 8) | (q4 >> 24)).to(tl.int32, bitcast=True), mask=mask)
+    tl.store(rows + 9, ((q6 << 8) | (q5 >> 24)).to(tl.int32, bitcast=True), mask=mask)
+    tl.store(rows + 10, ((q7 << 8) | (q6 >> 24)).to(tl.int32, bitcast=True), mask=mask)
     tl.debug_barrier()  # strict: orders the message's byte stores before its word loads (other threads)
 
-    # The message length again, from the frame length just stored (byte 3: word 0's low byte; bytes 4, 5:
-    # word 1's top two; fl < 65,536): from here on every per-lane value derives from loads of [L] words,
+    # The message length again, from the frame length just stored (bytes 3..5: word 0's top byte and
+    # word 1's low two; fl < 65,536): from here on every per-lane value derives from loads of [L] words,
     # so the compiler keeps them in one layout (the token tile's sums would cost a layout conversion at
     # every use in the chunk loop).
-    f0 = tl.load(sw, mask=mask, other=0)
-    f1 = tl.load(sw + L, mask=mask, other=0)
-    mlen = ((f0 & 0xFF) | (((f1 >> 24) & 0xFF) << 8) | (((f1 >> 16) & 0xFF) << 16)) + _FRAMED_FROM
+    f0 = tl.load(rows, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    f1 = tl.load(rows + 1, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    mlen = ((f0 >> 24) | ((f1 & 0xFFFF) << 8)).to(tl.int32) + _FRAMED_FROM
     nch = tl.where(mask, (mlen + 72) >> 6, 0)
     last = nch - 1
     bits = (mlen * 8).to(tl.uint32)
     wlim = mlen >> 2  # words 0 .. mlen // 4 hold message bytes or the 0x80; later ones load as 0
-    s0, s1, s2, s3, s4, s5, s6, s7 = sha256_iv(lane)
+    s0, s1, s2, s3, s4, s5, s6, s7 = sha256_iv(p0)
     for c in range(0, tl.minimum(tl.max(nch, axis=0), MAXC)):
         live = c < nch
-        b = c * 16
-        w0 = tl.load(sw + b * L, mask=live & (wlim >= b), other=0).to(tl.uint32, bitcast=True)
-        w1 = tl.load(sw + (b + 1) * L, mask=live & (wlim >= b + 1), other=0).to(tl.uint32, bitcast=True)
-        w2 = tl.load(sw + (b + 2) * L, mask=live & (wlim >= b + 2), other=0).to(tl.uint32, bitcast=True)
-        w3 = tl.load(sw + (b + 3) * L, mask=live & (wlim >= b + 3), other=0).to(tl.uint32, bitcast=True)
-        w4 = tl.load(sw + (b + 4) * L, mask=live & (wlim >= b + 4), other=0).to(tl.uint32, bitcast=True)
-        w5 = tl.load(sw + (b + 5) * L, mask=live & (wlim >= b + 5), other=0).to(tl.uint32, bitcast=True)
-        w6 = tl.load(sw + (b + 6) * L, mask=live & (wlim >= b + 6), other=0).to(tl.uint32, bitcast=True)
-        w7 = tl.load(sw + (b + 7) * L, mask=live & (wlim >= b + 7), other=0).to(tl.uint32, bitcast=True)
-        w8 = tl.load(sw + (b + 8) * L, mask=live & (wlim >= b + 8), other=0).to(tl.uint32, bitcast=True)
-        w9 = tl.load(sw + (b + 9) * L, mask=live & (wlim >= b + 9), other=0).to(tl.uint32, bitcast=True)
-        w10 = tl.load(sw + (b + 10) * L, mask=live & (wlim >= b + 10), other=0).to(tl.uint32, bitcast=True)
-        w11 = tl.load(sw + (b + 11) * L, mask=live & (wlim >= b + 11), other=0).to(tl.uint32, bitcast=True)
-        w12 = tl.load(sw + (b + 12) * L, mask=live & (wlim >= b + 12), other=0).to(tl.uint32, bitcast=True)
-        w13 = tl.load(sw + (b + 13) * L, mask=live & (wlim >= b + 13), other=0).to(tl.uint32, bitcast=True)
-        w14 = tl.load(sw + (b + 14) * L, mask=live & (wlim >= b + 14), other=0).to(tl.uint32, bitcast=True)
-        w15 = tl.load(sw + (b + 15) * L, mask=live & (wlim >= b + 15), other=0).to(tl.uint32, bitcast=True)
+        w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _chunk_words(rows, c * 16, live, wlim)
         w15 = tl.where(c == last, bits, w15)  # the last chunk ends with the bit length (its word 14 is 0)
         n0, n1, n2, n3, n4, n5, n6, n7 = sha256_compress(s0, s1, s2, s3, s4, s5, s6, s7, w0, w1, w2, w3, w4, w5,
-                                                         w6, w7, w8, w9, w10, w11, w12, w13, w14, w15)
+                                                         w6, w7, w8, w9, w10, w11, w12, w13, w14, w15, k_table)
         s0 = tl.where(live, n0, s0)
         s1 = tl.where(live, n1, s1)
         s2 = tl.where(live, n2, s2)
@@ -297,12 +341,13 @@ def _bswap64(lo, hi):
 
 
 @triton.jit
-def device_key(h0, h1, h2, h3, h4, h5, h6, h7, group):
+def device_key(h0, h1, h2, h3, h4, h5, h6, h7, group, k_table):
     """``keys.device_key(digest, group)`` as ``(hi, lo)``, two ``tl.int64`` tensors.
 
     ``h0..h7``: the digest words (``tl.uint32``, e.g. :func:`block_hash`'s result); ``group``: the group
     id, an integer tensor (int32 or int64, sign-extended to 8 bytes) broadcastable against them (a
-    ``[L, 1]`` digest and a ``[1, G]`` group give ``[L, G]`` keys). No memory is touched. The message
+    ``[L, 1]`` digest and a ``[1, G]`` group give ``[L, G]`` keys); ``k_table`` as for :func:`block_hash`.
+    No memory is written. The message
     ``domain + (32).to_bytes(8, "little") + digest + group.to_bytes(8, "little", signed=True)`` is 70
     bytes, two chunks: the digest starts at byte 30, so its words enter shifted by 16 bits.
     """
@@ -326,36 +371,38 @@ def device_key(h0, h1, h2, h3, h4, h5, h6, h7, group):
         zero + _KEY_WORDS[4], zero + _KEY_WORDS[5], zero + _KEY_WORDS[6], h0 >> 16,
         (h0 << 16) | (h1 >> 16), (h1 << 16) | (h2 >> 16), (h2 << 16) | (h3 >> 16), (h3 << 16) | (h4 >> 16),
         (h4 << 16) | (h5 >> 16), (h5 << 16) | (h6 >> 16), (h6 << 16) | (h7 >> 16),
-        (h7 << 16) | ((glo & 0xFF) << 8) | ((glo >> 8) & 0xFF))
+        (h7 << 16) | ((glo & 0xFF) << 8) | ((glo >> 8) & 0xFF), k_table)
     s0, s1, s2, s3, s4, s5, s6, s7 = sha256_compress(
         s0, s1, s2, s3, s4, s5, s6, s7,
         (((glo >> 16) & 0xFF) << 24) | ((glo >> 24) << 16) | ((ghi & 0xFF) << 8) | ((ghi >> 8) & 0xFF),
         (((ghi >> 16) & 0xFF) << 24) | ((ghi >> 24) << 16) | 0x8000,
-        zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero + _KEY_BITS)
+        zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero + _KEY_BITS, k_table)
     return _bswap64(s0, s1), _bswap64(s2, s3)
 
 
 @triton.jit
-def block_hashes_kernel(parents, tokens, out, groups, keys, scratch, n, num_groups,
+def block_hashes_kernel(parents, tokens, out, groups, keys, scratch, k_table, n, num_groups,
                         HBS: tl.constexpr, L: tl.constexpr, W: tl.constexpr, GB: tl.constexpr):
     """Block hashes of ``n`` lanes and their device keys in ``num_groups`` groups.
 
     ``parents``, ``out``: ``int32 [n, 8]`` digest words (may be one tensor); ``tokens``: ``int32 [n, HBS]``;
     ``groups``: ``int32 [num_groups]``; ``keys``: ``int64 [n, num_groups, 2]`` (``hi``, ``lo``);
-    ``scratch``: ``int32 [num_programs * L * W]``, ``W = scratch_words(HBS)``. Program ``p`` hashes tiles
-    ``p, p + num_programs, ...`` of ``L`` lanes with scratch ``p``, then reads the tile's digests back as
+    ``scratch``: ``int32 [num_programs * L * W]``, ``W = scratch_words(HBS)``; ``k_table``: the round
+    constants (``sha256.round_constant_table``). Program ``p`` hashes tiles
+    ``p, p + num_programs, ...`` of ``L`` lanes with scratch rows ``p * L .. p * L + L - 1``, then reads the tile's digests back as
     ``L * GB`` (lane, group) pairs and keys ``GB`` groups at a time. Lanes and their rows are disjoint
     across programs, so programs never race.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    my_scratch = scratch + pid * (L * W)
+    my_rows = scratch + (pid * L + tl.arange(0, L)) * W  # this program's lanes' scratch rows
     KL: tl.constexpr = L * GB
     k = tl.arange(0, KL)  # the keys of a tile: lane k // GB, group g0 + k % GB
     for tile in range(pid, tl.cdiv(n, L), nprog):
         lane = (tile * L + tl.arange(0, L)).to(tl.int64)
         m = lane < n
-        block_hash(parents + lane * _DIGEST, tokens + lane * HBS, m, out + lane * _DIGEST, my_scratch, HBS, L)
+        block_hash(parents + lane * _DIGEST, tokens + lane * HBS, m, out + lane * _DIGEST, my_rows, k_table, HBS,
+                   L)
         if num_groups > 0:
             tl.debug_barrier()  # strict: orders the digests' stores before their reads as (lane, group) pairs
             kl = (tile * L + k // GB).to(tl.int64)
@@ -372,7 +419,7 @@ def block_hashes_kernel(parents, tokens, out, groups, keys, scratch, n, num_grou
             for g0 in range(0, num_groups, GB):
                 gi = g0 + k % GB
                 km = kml & (gi < num_groups)
-                hi, lo = device_key(h0, h1, h2, h3, h4, h5, h6, h7, tl.load(groups + gi, mask=km, other=0))
+                hi, lo = device_key(h0, h1, h2, h3, h4, h5, h6, h7, tl.load(groups + gi, mask=km, other=0), k_table)
                 at = keys + (kl * num_groups + gi) * 2
                 tl.store(at, hi, mask=km)
                 tl.store(at + 1, lo, mask=km)
@@ -464,6 +511,7 @@ def launch_block_hashes(parents: torch.Tensor, tokens: torch.Tensor, out: torch.
     programs = max(1, min(tiles, MAX_PROGRAMS, SCRATCH_BUDGET // (lanes * words * 4)))
     scratch = torch.empty(programs * lanes * words, dtype=torch.int32, device=device)
     gb = min(triton.next_power_of_2(max(num_groups, 1)), 8)
-    block_hashes_kernel[(programs,)](parents, tokens, out, groups, keys, scratch, n, num_groups,
+    block_hashes_kernel[(programs,)](parents, tokens, out, groups, keys, scratch, round_constant_table(device), n,
+                                     num_groups,
                                      HBS=hbs, L=lanes, W=words, GB=gb, num_warps=max(1, min(4, lanes // 32)))
     return keys

@@ -5,15 +5,17 @@ element); every add wraps modulo 2**32 (compiled: ``arith.addi`` on i32; Triton'
 uint32, which wraps the same way), a rotation is two logical shifts. Padding and byte order are the
 caller's: it hands in a chunk's 16 big-endian words (kernels/block_hash.py builds them).
 
-The 64 rounds run as a loop of :data:`STEP` steps of rounds unrolled inside (the 16-word schedule
-window and the state are the loop's carried values; a step's round constants are picked from a
-constant table by the step index, a tree of selects on a scalar). Not fully unrolled, on purpose: the
-compiler's coalescing pass (TritonGPUCoalesce, triton 3.9) walks, for every global load and store of
-a kernel, a slice of the whole kernel for each operation in it, quadratic in the kernel's size; 64
-unrolled rounds (about 3,500 operations per compression) made a kernel with three compressions
-compile for over 20 minutes, the loop about 15 seconds (on a loaded 2-core machine). Keep callers'
-compressions few per kernel for the same reason.
+The 64 rounds run as a loop of 16 steps of :data:`STEP` rounds unrolled inside; the 16-word schedule
+window and the state are the loop's carried values, and the round constants come from a table in
+device memory (:func:`round_constant_table`, ``int32 [K_TABLE_WORDS]``), loaded a step ahead. Not
+fully unrolled, on purpose: the compiler's coalescing pass (TritonGPUCoalesce, triton 3.9) walks, for
+every global load and store of a kernel, a slice of the whole kernel for each operation in it,
+quadratic in the kernel's size; 64 unrolled rounds (about 3,500 operations per compression) made a
+kernel with three compressions compile for over 20 minutes, the loop in seconds. Keep a kernel's
+compressions few for the same reason. Nor are the constants picked by the step index in registers:
+a 16-way pick compiled to about 27 instructions a round, as many as the round itself.
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -33,13 +35,19 @@ ROUND_CONSTANTS = (
 )
 
 _IV = tl.constexpr(IV)
-#: Rounds per step of the round loop (unrolled inside a step): 16 steps, a 16-way pick per constant.
+#: Rounds per step of the round loop (unrolled inside a step).
 STEP = 4
-# The constant of round STEP * q + i, indexed [i][q]: a step picks its STEP constants by q at run time.
-# As int32 bit patterns, so every candidate has one Triton type (a dynamic ternary needs that).
-_K = tl.constexpr(tuple(tuple(k - (1 << 32) if k >= 1 << 31 else k for k in ROUND_CONSTANTS[i::STEP])
-                        for i in range(STEP)))
 _STEP = tl.constexpr(STEP)
+#: Words of :func:`round_constant_table`: the 64 constants, then one step of zeros (read ahead, unused).
+K_TABLE_WORDS = 64 + STEP
+
+
+def round_constant_table(device=None) -> torch.Tensor:
+    """The round constants as ``int32 [K_TABLE_WORDS]`` (their bit patterns, then ``STEP`` zeros) on
+    ``device``, for :func:`sha256_compress`'s ``k_table``. Make it once and keep it: a captured CUDA
+    graph reads it at replay."""
+    words = [k - (1 << 32) if k >= 1 << 31 else k for k in ROUND_CONSTANTS] + [0] * STEP
+    return torch.tensor(words, dtype=torch.int32, device=device)
 
 
 @triton.jit
@@ -53,20 +61,20 @@ def sha256_iv(like):
 
 @triton.jit
 def sha256_compress(s0, s1, s2, s3, s4, s5, s6, s7,
-                    w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15):
+                    w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15, k_table):
     """One SHA-256 compression: the state ``s0..s7`` after the 64-byte chunk whose big-endian words are
-    ``w0..w15``. All 24 are ``tl.uint32`` tensors of one shape (the lanes'); returns the eight new state
-    words, the same.
+    ``w0..w15``. All 24 are ``tl.uint32`` tensors of one shape (the lanes'); ``k_table``: an ``int32``
+    pointer to :func:`round_constant_table` (read only, 4 scalar loads a step). Returns the eight new
+    state words, the same shape.
 
-    Written for Triton's interpreter as much as for the compiler: every operand is a tensor of the
-    lanes' shape (a Python constant costs the interpreter a broadcast per use; the compiler folds
-    both forms to the same immediates) and adds are ``tl.add(..., sanitize_overflow=False)`` (the
-    interpreter otherwise checks each add for overflow in int64; they are meant to wrap), so one
-    compression is about 3,600 cheap interpreted ops. Rotations are written out, not called: a
-    nested ``@triton.jit`` call costs the interpreter milliseconds. The constants' pick is Python
-    ternaries on the step index: free in the interpreter (a Python int there), selects compiled.
+    Written for Triton's interpreter as much as for the compiler: every operand of the rounds is a
+    tensor of the lanes' shape (a Python constant costs the interpreter a broadcast per use; the
+    compiler folds both forms to the same immediates) and adds are ``tl.add(..., sanitize_overflow=
+    False)`` (the interpreter otherwise checks each add for overflow in int64; they are meant to
+    wrap), so one compression is about 3,200 cheap interpreted ops. Rotations are written out, not
+    called: a nested ``@triton.jit`` call costs the interpreter milliseconds.
     """
-    # shift amounts, made once: a rotation right by n is (x >> n) | (x << (32 - n))
+    # shift amounts, made once: a rotation right by n is (x >> n) | (x << (32 - n)), here ^ (disjoint bits)
     r2 = tl.full(s0.shape, 2, tl.uint32)
     r3 = tl.full(s0.shape, 3, tl.uint32)
     r6 = tl.full(s0.shape, 6, tl.uint32)
@@ -93,32 +101,23 @@ def sha256_compress(s0, s1, s2, s3, s4, s5, s6, s7,
     g = s6
     h = s7
     bc = b ^ c  # Maj(a, b, c) = b ^ ((a ^ b) & (b ^ c)); a round's a ^ b is the next round's b ^ c
+    k0 = tl.load(k_table + 0).to(tl.uint32, bitcast=True)
+    k1 = tl.load(k_table + 1).to(tl.uint32, bitcast=True)
+    k2 = tl.load(k_table + 2).to(tl.uint32, bitcast=True)
+    k3 = tl.load(k_table + 3).to(tl.uint32, bitcast=True)
     for q in range(0, 64 // _STEP):  # a loop, not unrolled: keeps the compiler's IR small (module docstring)
-        odd = q & 1  # the bits of q pick among the 16 candidates
-        b1 = q & 2
-        b2 = q & 4
-        b3 = q & 8
-        for i in tl.static_range(_STEP):
-            kq = _K[i]
-            k01 = kq[0] if odd == 0 else kq[1]
-            k23 = kq[2] if odd == 0 else kq[3]
-            k45 = kq[4] if odd == 0 else kq[5]
-            k67 = kq[6] if odd == 0 else kq[7]
-            k89 = kq[8] if odd == 0 else kq[9]
-            kab = kq[10] if odd == 0 else kq[11]
-            kcd = kq[12] if odd == 0 else kq[13]
-            kef = kq[14] if odd == 0 else kq[15]
-            k03 = k01 if b1 == 0 else k23
-            k47 = k45 if b1 == 0 else k67
-            k8b = k89 if b1 == 0 else kab
-            kcf = kcd if b1 == 0 else kef
-            k07 = k03 if b2 == 0 else k47
-            k8f = k8b if b2 == 0 else kcf
-            k = k07 if b3 == 0 else k8f
+        # the next step's constants, loaded a step ahead (the last step reads the table's zeros)
+        n0 = tl.load(k_table + (q + 1) * _STEP + 0).to(tl.uint32, bitcast=True)
+        n1 = tl.load(k_table + (q + 1) * _STEP + 1).to(tl.uint32, bitcast=True)
+        n2 = tl.load(k_table + (q + 1) * _STEP + 2).to(tl.uint32, bitcast=True)
+        n3 = tl.load(k_table + (q + 1) * _STEP + 3).to(tl.uint32, bitcast=True)
+        for i in tl.static_range(_STEP):  # rounds 4 q + i: W[4 q + i] is w_i, K[4 q + i] is k_i
+            wi = w0 if i == 0 else (w1 if i == 1 else (w2 if i == 2 else w3))
+            ki = k0 if i == 0 else (k1 if i == 1 else (k2 if i == 2 else k3))
             big_s1 = (e >> r6) ^ (e << r26) ^ (e >> r11) ^ (e << r21) ^ (e >> r25) ^ (e << r7)
             ch = g ^ (e & (f ^ g))
-            t1 = tl.add(tl.add(tl.add(h, big_s1, sanitize_overflow=False), tl.add(ch, w0, sanitize_overflow=False),
-                               sanitize_overflow=False), k, sanitize_overflow=False)
+            t1 = tl.add(tl.add(tl.add(h, big_s1, sanitize_overflow=False), tl.add(ch, wi, sanitize_overflow=False),
+                               sanitize_overflow=False), ki, sanitize_overflow=False)
             big_s0 = (a >> r2) ^ (a << r30) ^ (a >> r13) ^ (a << r19) ^ (a >> r22) ^ (a << r10)
             ab = a ^ b
             t2 = tl.add(big_s0, b ^ (ab & bc), sanitize_overflow=False)
@@ -131,13 +130,31 @@ def sha256_compress(s0, s1, s2, s3, s4, s5, s6, s7,
             c = b
             b = a
             a = tl.add(t1, t2, sanitize_overflow=False)
-            # W[STEP q + i + 16] (rounds 48..63 extend it too, unused: one loop body for every step)
-            small_s0 = (w1 >> r7) ^ (w1 << r25) ^ (w1 >> r18) ^ (w1 << r14) ^ (w1 >> r3)
-            small_s1 = (w14 >> r17) ^ (w14 << r15) ^ (w14 >> r19) ^ (w14 << r13) ^ (w14 >> r10)
-            nxt = tl.add(tl.add(w0, small_s0, sanitize_overflow=False), tl.add(w9, small_s1, sanitize_overflow=False),
-                         sanitize_overflow=False)
-            w0, w1, w2, w3, w4, w5, w6, w7 = w1, w2, w3, w4, w5, w6, w7, w8
-            w8, w9, w10, w11, w12, w13, w14, w15 = w9, w10, w11, w12, w13, w14, w15, nxt
+        if q < 64 // _STEP - 16 // _STEP:  # W[4 q + 16 .. 4 q + 19]; the last 16 rounds extend nothing
+            x0 = tl.add(tl.add(w0, (w1 >> r7) ^ (w1 << r25) ^ (w1 >> r18) ^ (w1 << r14) ^ (w1 >> r3),
+                               sanitize_overflow=False),
+                        tl.add(w9, (w14 >> r17) ^ (w14 << r15) ^ (w14 >> r19) ^ (w14 << r13) ^ (w14 >> r10),
+                               sanitize_overflow=False), sanitize_overflow=False)
+            x1 = tl.add(tl.add(w1, (w2 >> r7) ^ (w2 << r25) ^ (w2 >> r18) ^ (w2 << r14) ^ (w2 >> r3),
+                               sanitize_overflow=False),
+                        tl.add(w10, (w15 >> r17) ^ (w15 << r15) ^ (w15 >> r19) ^ (w15 << r13) ^ (w15 >> r10),
+                               sanitize_overflow=False), sanitize_overflow=False)
+            x2 = tl.add(tl.add(w2, (w3 >> r7) ^ (w3 << r25) ^ (w3 >> r18) ^ (w3 << r14) ^ (w3 >> r3),
+                               sanitize_overflow=False),
+                        tl.add(w11, (x0 >> r17) ^ (x0 << r15) ^ (x0 >> r19) ^ (x0 << r13) ^ (x0 >> r10),
+                               sanitize_overflow=False), sanitize_overflow=False)
+            x3 = tl.add(tl.add(w3, (w4 >> r7) ^ (w4 << r25) ^ (w4 >> r18) ^ (w4 << r14) ^ (w4 >> r3),
+                               sanitize_overflow=False),
+                        tl.add(w12, (x1 >> r17) ^ (x1 << r15) ^ (x1 >> r19) ^ (x1 << r13) ^ (x1 >> r10),
+                               sanitize_overflow=False), sanitize_overflow=False)
+        else:
+            x0 = w0
+            x1 = w1
+            x2 = w2
+            x3 = w3
+        w0, w1, w2, w3, w4, w5, w6, w7 = w4, w5, w6, w7, w8, w9, w10, w11
+        w8, w9, w10, w11, w12, w13, w14, w15 = w12, w13, w14, w15, x0, x1, x2, x3
+        k0, k1, k2, k3 = n0, n1, n2, n3
     return (tl.add(s0, a, sanitize_overflow=False), tl.add(s1, b, sanitize_overflow=False),
             tl.add(s2, c, sanitize_overflow=False), tl.add(s3, d, sanitize_overflow=False),
             tl.add(s4, e, sanitize_overflow=False), tl.add(s5, f, sanitize_overflow=False),
