@@ -21,6 +21,7 @@ Interface (a kernel that fills blocks with tokens keys them with the first two):
   words as ``tl.uint32 [L]``.
 * ``hi, lo = device_key(h0, ..., h7, group, k_table)``: ``tl.int64`` tensors; ``group`` an integer
   tensor broadcastable against the words.
+* :func:`load_digest` / :func:`store_digest`: a digest's 8 words from / to memory.
 * ``keys = launch_block_hashes(parents, tokens, out, groups)``: the standalone kernel
   (:func:`block_hashes_kernel`) over ``n`` lanes, for tests and for hashing batches on the device.
 
@@ -76,7 +77,8 @@ from .sha256 import round_constant_table, sha256_compress, sha256_iv
 
 __all__ = [
     "DIGEST_WORDS", "MAX_HASH_BLOCK_SIZE", "NONE_HASH_WORDS", "block_hash", "block_hashes_kernel", "device_key",
-    "digest_words", "launch_block_hashes", "max_chunks", "max_message_bytes", "scratch_words", "words_digest",
+    "digest_words", "launch_block_hashes", "load_digest", "max_chunks", "max_message_bytes", "round_constant_table",
+    "scratch_words", "store_digest", "words_digest",
 ]
 
 OP = "block_hashes"
@@ -151,6 +153,32 @@ def words_digest(words) -> bytes:
 
 #: ``keys.NONE_HASH`` (block 0's parent) as digest words.
 NONE_HASH_WORDS: list[int] = digest_words(NONE_HASH)
+
+
+@triton.jit
+def load_digest(ptrs, mask):
+    """The 8 digest words at ``ptrs + j`` (``int32`` pointers, any shape) as ``tl.uint32``, 0 where not ``mask``."""
+    return (tl.load(ptrs + 0, mask=mask, other=0).to(tl.uint32, bitcast=True),
+            tl.load(ptrs + 1, mask=mask, other=0).to(tl.uint32, bitcast=True),
+            tl.load(ptrs + 2, mask=mask, other=0).to(tl.uint32, bitcast=True),
+            tl.load(ptrs + 3, mask=mask, other=0).to(tl.uint32, bitcast=True),
+            tl.load(ptrs + 4, mask=mask, other=0).to(tl.uint32, bitcast=True),
+            tl.load(ptrs + 5, mask=mask, other=0).to(tl.uint32, bitcast=True),
+            tl.load(ptrs + 6, mask=mask, other=0).to(tl.uint32, bitcast=True),
+            tl.load(ptrs + 7, mask=mask, other=0).to(tl.uint32, bitcast=True))
+
+
+@triton.jit
+def store_digest(ptrs, h0, h1, h2, h3, h4, h5, h6, h7, mask):
+    """Store the digest words ``h0..h7`` (``tl.uint32``) at ``ptrs + j`` where ``mask``."""
+    tl.store(ptrs + 0, h0.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(ptrs + 1, h1.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(ptrs + 2, h2.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(ptrs + 3, h3.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(ptrs + 4, h4.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(ptrs + 5, h5.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(ptrs + 6, h6.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(ptrs + 7, h7.to(tl.int32, bitcast=True), mask=mask)
 
 
 @triton.jit
@@ -231,14 +259,7 @@ def block_hash(parent_ptrs, tok_ptrs, mask, out_ptrs, scratch_ptrs, k_table, HBS
     rows = scratch_ptrs
     rb = rows.to(tl.pointer_type(tl.uint8))  # the rows as bytes: message byte p of a lane at rb + p
     tl.debug_barrier()  # strict: orders a previous call's scratch reads and the caller's row writes before ours
-    p0 = tl.load(parent_ptrs + 0, mask=mask, other=0).to(tl.uint32, bitcast=True)
-    p1 = tl.load(parent_ptrs + 1, mask=mask, other=0).to(tl.uint32, bitcast=True)
-    p2 = tl.load(parent_ptrs + 2, mask=mask, other=0).to(tl.uint32, bitcast=True)
-    p3 = tl.load(parent_ptrs + 3, mask=mask, other=0).to(tl.uint32, bitcast=True)
-    p4 = tl.load(parent_ptrs + 4, mask=mask, other=0).to(tl.uint32, bitcast=True)
-    p5 = tl.load(parent_ptrs + 5, mask=mask, other=0).to(tl.uint32, bitcast=True)
-    p6 = tl.load(parent_ptrs + 6, mask=mask, other=0).to(tl.uint32, bitcast=True)
-    p7 = tl.load(parent_ptrs + 7, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    p0, p1, p2, p3, p4, p5, p6, p7 = load_digest(parent_ptrs, mask)
 
     # the tokens, a tile of TT at a time: BININT1 / BININT2 / BININT at a prefix sum of their sizes
     total = tl.zeros([L], tl.int32)
@@ -321,14 +342,7 @@ def block_hash(parent_ptrs, tok_ptrs, mask, out_ptrs, scratch_ptrs, k_table, HBS
         s5 = tl.where(live, n5, s5)
         s6 = tl.where(live, n6, s6)
         s7 = tl.where(live, n7, s7)
-    tl.store(out_ptrs + 0, s0.to(tl.int32, bitcast=True), mask=mask)
-    tl.store(out_ptrs + 1, s1.to(tl.int32, bitcast=True), mask=mask)
-    tl.store(out_ptrs + 2, s2.to(tl.int32, bitcast=True), mask=mask)
-    tl.store(out_ptrs + 3, s3.to(tl.int32, bitcast=True), mask=mask)
-    tl.store(out_ptrs + 4, s4.to(tl.int32, bitcast=True), mask=mask)
-    tl.store(out_ptrs + 5, s5.to(tl.int32, bitcast=True), mask=mask)
-    tl.store(out_ptrs + 6, s6.to(tl.int32, bitcast=True), mask=mask)
-    tl.store(out_ptrs + 7, s7.to(tl.int32, bitcast=True), mask=mask)
+    store_digest(out_ptrs, s0, s1, s2, s3, s4, s5, s6, s7, mask)
     return s0, s1, s2, s3, s4, s5, s6, s7
 
 
@@ -407,15 +421,7 @@ def block_hashes_kernel(parents, tokens, out, groups, keys, scratch, k_table, n,
             tl.debug_barrier()  # strict: orders the digests' stores before their reads as (lane, group) pairs
             kl = (tile * L + k // GB).to(tl.int64)
             kml = kl < n
-            d = out + kl * _DIGEST
-            h0 = tl.load(d + 0, mask=kml, other=0).to(tl.uint32, bitcast=True)
-            h1 = tl.load(d + 1, mask=kml, other=0).to(tl.uint32, bitcast=True)
-            h2 = tl.load(d + 2, mask=kml, other=0).to(tl.uint32, bitcast=True)
-            h3 = tl.load(d + 3, mask=kml, other=0).to(tl.uint32, bitcast=True)
-            h4 = tl.load(d + 4, mask=kml, other=0).to(tl.uint32, bitcast=True)
-            h5 = tl.load(d + 5, mask=kml, other=0).to(tl.uint32, bitcast=True)
-            h6 = tl.load(d + 6, mask=kml, other=0).to(tl.uint32, bitcast=True)
-            h7 = tl.load(d + 7, mask=kml, other=0).to(tl.uint32, bitcast=True)
+            h0, h1, h2, h3, h4, h5, h6, h7 = load_digest(out + kl * _DIGEST, kml)
             for g0 in range(0, num_groups, GB):
                 gi = g0 + k % GB
                 km = kml & (gi < num_groups)

@@ -10,10 +10,10 @@ window and the state are the loop's carried values, and the round constants come
 device memory (:func:`round_constant_table`, ``int32 [K_TABLE_WORDS]``), loaded a step ahead. Not
 fully unrolled, on purpose: the compiler's coalescing pass (TritonGPUCoalesce, triton 3.9) walks, for
 every global load and store of a kernel, a slice of the whole kernel for each operation in it,
-quadratic in the kernel's size; 64 unrolled rounds (about 3,500 operations per compression) made a
-kernel with three compressions compile for over 20 minutes, the loop in seconds. Keep a kernel's
+quadratic in the kernel's size; with 64 unrolled rounds (about 3,500 operations a compression) a
+kernel of three compressions compiles for over 20 minutes, with the loop in seconds. Keep a kernel's
 compressions few for the same reason. Nor are the constants picked by the step index in registers:
-a 16-way pick compiled to about 27 instructions a round, as many as the round itself.
+a 16-way pick compiles to about 27 instructions a round, as many as the round itself.
 """
 import torch
 import triton
