@@ -95,8 +95,12 @@ def test_digest_words_round_trip_and_errors():
         digest_words("x" * 32)
     with pytest.raises(InvalidArgumentError):
         digest_words(b"x" * 31)
-    with pytest.raises(InvalidArgumentError):
-        words_digest([0] * 7)
+    for bad in ([0] * 7, [0] * 7 + [1 << 32], [0] * 7 + [-(1 << 31) - 1]):
+        with pytest.raises(InvalidArgumentError):
+            words_digest(bad)
+    for bad in ([0.0] * 8, None, [b"x"] * 8):
+        with pytest.raises(ArgumentTypeError):
+            words_digest(bad)
 
 
 # ---- on the device -------------------------------------------------------------------------------
@@ -133,16 +137,16 @@ def check_block_size(hbs: int, groups=GROUPS):
     assert hash_on_device(parent_list, rows, groups) == expected(parent_list, rows, groups)
 
 
-@pytest.mark.parametrize("hbs", [1, 4, 17])
-def test_block_hashes_and_keys_equal_the_host(hbs):
-    """One tile of lanes with messages of different lengths (so of 1 to 3 chunks), keys in groups 0, 1,
-    7, -1. 1 and 4 tokens take the TUPLE1 and MARK ... TUPLE forms; 17 a second token tile."""
-    check_block_size(hbs)
+def test_block_hashes_and_keys_equal_the_host():
+    """One tile of lanes of 4 tokens (MARK ... TUPLE) whose messages differ in length (1 or 2 chunks),
+    keys in groups 0, 1, 7, -1."""
+    check_block_size(4)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hbs", [2, 3, 16, 64])
+@pytest.mark.parametrize("hbs", [1, 2, 3, 16, 17, 64])
 def test_block_hashes_and_keys_equal_the_host_more_sizes(hbs):
+    """As above: TUPLE1, TUPLE2, TUPLE3; 16 tokens (2 or 3 chunks); 17 and 64 (several token tiles)."""
     check_block_size(hbs)
 
 
@@ -152,7 +156,7 @@ def test_block_hashes_of_512_tokens():
 
 
 @pytest.mark.slow
-@settings(max_examples=max(4, settings().max_examples // 2))
+@settings(max_examples=max(4, settings().max_examples // 4))
 @given(st.integers(1, 40), st.data())
 def test_random_blocks_equal_the_host(hbs, data):
     n = data.draw(st.integers(1, 9))
@@ -166,7 +170,7 @@ def test_random_blocks_equal_the_host(hbs, data):
 def test_chains_equal_hash_request_tokens():
     """Block i's parent is block i - 1's digest: hashed in place (``out`` is ``parents``), one launch
     per block position, every request's chain equals ``hash_request_tokens``."""
-    hbs, blocks = 4, 3
+    hbs, blocks = 2, 2
     rng = random.Random(5)
     requests = [[rng.choice(BOUNDARIES) for _ in range(hbs * blocks)], list(range(hbs * blocks)),
                 [rng.randrange(I32_MIN, I32_MAX + 1) for _ in range(hbs * blocks + 2)]]
@@ -179,12 +183,12 @@ def test_chains_equal_hash_request_tokens():
 
 
 def test_tiles_and_a_persistent_loop_leave_other_rows_untouched(monkeypatch):
-    """9 lanes in tiles of 4 on 2 programs (program 0 hashes tiles 0 and 2): every digest and key
-    right, and the rows of ``out``'s tensor past ``n`` never written."""
-    monkeypatch.setattr(bh, "MAX_PROGRAMS", 2)
-    n, hbs = 9, 2
+    """5 lanes in tiles of 4 on one program (it hashes and keys tile 0, then tile 1): every digest and
+    key right, and the rows of ``out``'s tensor past ``n`` never written."""
+    monkeypatch.setattr(bh, "MAX_PROGRAMS", 1)
+    n, hbs = 5, 1
     rng = random.Random(11)
-    rows = [[rng.choice(BOUNDARIES) for _ in range(hbs)] for _ in range(n)]
+    rows = [[rng.randrange(256)] for _ in range(n)]  # one chunk each
     parent_list = [rng.randbytes(32) for _ in range(n)]
     big = torch.full((n + 3, 8), 12345, dtype=torch.int32)
     parents_t = torch.tensor([digest_words(p) for p in parent_list], dtype=torch.int32)
@@ -285,11 +289,9 @@ def test_bad_arguments_are_typed_errors_and_write_nothing(case):
         assert torch.equal(o, out_before)
 
 
-def test_no_lanes_and_no_groups():
+def test_no_lanes():
     p, t, o, g = _args()
     assert launch_block_hashes(p[:0], t[:0], o[:0], g).shape == (0, 1, 2)
-    assert launch_block_hashes(p, t, o).shape == (2, 0, 2)  # groups None: no keys
-    assert words_digest(o[0]) == keys.hash_block_tokens(bytes(32), [0, 0, 0, 0])
 
 
 # ---- the barrier between the digests and the keys ----------------------------------------------

@@ -63,6 +63,7 @@ docs/algorithms.md, "Block hashes on the device".
 """
 from __future__ import annotations
 
+import operator
 import pickle
 import struct
 
@@ -143,12 +144,19 @@ def digest_words(b: bytes) -> list[int]:
 
 
 def words_digest(words) -> bytes:
-    """The digest of 8 words (:func:`digest_words`' inverse; ints, signed or unsigned 32-bit, or an
-    int32 tensor row). Raises InvalidArgumentError for another count."""
-    words = [int(w) & 0xFFFFFFFF for w in (words.tolist() if isinstance(words, torch.Tensor) else words)]
+    """The digest of 8 words (:func:`digest_words`' inverse): integers in ``-2**31 .. 2**32 - 1`` (signed
+    or unsigned 32-bit), or an integer tensor row. Raises ArgumentTypeError (not integers) or
+    InvalidArgumentError (another count, a value out of range)."""
+    try:
+        words = [operator.index(w) for w in (words.tolist() if isinstance(words, torch.Tensor) else words)]
+    except TypeError as e:
+        raise ArgumentTypeError(OP, f"digest words must be integers: {e}") from None
     if len(words) != DIGEST_WORDS:
         raise InvalidArgumentError(OP, f"a digest is {DIGEST_WORDS} words, got {len(words)}", len(words))
-    return struct.pack(">8I", *words)
+    for w in words:
+        if not -(1 << 31) <= w < 1 << 32:
+            raise InvalidArgumentError(OP, f"digest word {w} is not a 32-bit value", w)
+    return struct.pack(">8I", *(w & 0xFFFFFFFF for w in words))
 
 
 #: ``keys.NONE_HASH`` (block 0's parent) as digest words.
