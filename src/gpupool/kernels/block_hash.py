@@ -340,8 +340,9 @@ def block_hash(parent_ptrs, tok_ptrs, mask, out_ptrs, scratch_ptrs, k_table, HBS
         live = c < nch
         w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _chunk_words(rows, c * 16, live, wlim)
         w15 = tl.where(c == last, bits, w15)  # the last chunk ends with the bit length (its word 14 is 0)
-        n0, n1, n2, n3, n4, n5, n6, n7 = sha256_compress(s0, s1, s2, s3, s4, s5, s6, s7, w0, w1, w2, w3, w4, w5,
-                                                         w6, w7, w8, w9, w10, w11, w12, w13, w14, w15, k_table)
+        n0, n1, n2, n3, n4, n5, n6, n7 = sha256_compress(
+            (s0, s1, s2, s3, s4, s5, s6, s7), (w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15),
+            k_table)
         s0 = tl.where(live, n0, s0)
         s1 = tl.where(live, n1, s1)
         s2 = tl.where(live, n2, s2)
@@ -386,19 +387,18 @@ def device_key(h0, h1, h2, h3, h4, h5, h6, h7, group, k_table):
     h6, h0 = tl.broadcast(h6, h0)
     h7, h0 = tl.broadcast(h7, h0)
     zero = tl.zeros_like(h0)
-    s0, s1, s2, s3, s4, s5, s6, s7 = sha256_iv(h0)
-    s0, s1, s2, s3, s4, s5, s6, s7 = sha256_compress(
-        s0, s1, s2, s3, s4, s5, s6, s7,
-        zero + _KEY_WORDS[0], zero + _KEY_WORDS[1], zero + _KEY_WORDS[2], zero + _KEY_WORDS[3],
-        zero + _KEY_WORDS[4], zero + _KEY_WORDS[5], zero + _KEY_WORDS[6], h0 >> 16,
-        (h0 << 16) | (h1 >> 16), (h1 << 16) | (h2 >> 16), (h2 << 16) | (h3 >> 16), (h3 << 16) | (h4 >> 16),
-        (h4 << 16) | (h5 >> 16), (h5 << 16) | (h6 >> 16), (h6 << 16) | (h7 >> 16),
-        (h7 << 16) | ((glo & 0xFF) << 8) | ((glo >> 8) & 0xFF), k_table)
-    s0, s1, s2, s3, s4, s5, s6, s7 = sha256_compress(
-        s0, s1, s2, s3, s4, s5, s6, s7,
-        (((glo >> 16) & 0xFF) << 24) | ((glo >> 24) << 16) | ((ghi & 0xFF) << 8) | ((ghi >> 8) & 0xFF),
-        (((ghi >> 16) & 0xFF) << 24) | ((ghi >> 24) << 16) | 0x8000,
-        zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero + _KEY_BITS, k_table)
+    state = sha256_compress(
+        sha256_iv(h0),
+        (zero + _KEY_WORDS[0], zero + _KEY_WORDS[1], zero + _KEY_WORDS[2], zero + _KEY_WORDS[3],
+         zero + _KEY_WORDS[4], zero + _KEY_WORDS[5], zero + _KEY_WORDS[6], h0 >> 16,
+         (h0 << 16) | (h1 >> 16), (h1 << 16) | (h2 >> 16), (h2 << 16) | (h3 >> 16), (h3 << 16) | (h4 >> 16),
+         (h4 << 16) | (h5 >> 16), (h5 << 16) | (h6 >> 16), (h6 << 16) | (h7 >> 16),
+         (h7 << 16) | ((glo & 0xFF) << 8) | ((glo >> 8) & 0xFF)), k_table)
+    s0, s1, s2, s3, _, _, _, _ = sha256_compress(
+        state,
+        ((((glo >> 16) & 0xFF) << 24) | ((glo >> 24) << 16) | ((ghi & 0xFF) << 8) | ((ghi >> 8) & 0xFF),
+         (((ghi >> 16) & 0xFF) << 24) | ((ghi >> 24) << 16) | 0x8000,
+         zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero + _KEY_BITS), k_table)
     return _bswap64(s0, s1), _bswap64(s2, s3)
 
 

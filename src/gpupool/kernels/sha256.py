@@ -60,12 +60,12 @@ def sha256_iv(like):
 
 
 @triton.jit
-def sha256_compress(s0, s1, s2, s3, s4, s5, s6, s7,
-                    w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15, k_table):
-    """One SHA-256 compression: the state ``s0..s7`` after the 64-byte chunk whose big-endian words are
-    ``w0..w15``. All 24 are ``tl.uint32`` tensors of one shape (the lanes'); ``k_table``: an ``int32``
-    pointer to :func:`round_constant_table` (read only, 4 scalar loads a step). Returns the eight new
-    state words, the same shape.
+def sha256_compress(state, words, k_table):
+    """One SHA-256 compression: the state after the 64-byte chunk whose big-endian words are ``words``.
+
+    ``state``: a tuple of 8 ``tl.uint32`` tensors, ``words`` one of 16, all of one shape (the lanes');
+    ``k_table``: an ``int32`` pointer to :func:`round_constant_table` (read only, 4 scalar loads a
+    step). Returns the new state, a tuple of 8 like ``state``.
 
     Written for Triton's interpreter as much as for the compiler: every operand of the rounds is a
     tensor of the lanes' shape (a Python constant costs the interpreter a broadcast per use; the
@@ -74,6 +74,8 @@ def sha256_compress(s0, s1, s2, s3, s4, s5, s6, s7,
     wrap), so one compression is about 3,200 cheap interpreted ops. Rotations are written out, not
     called: a nested ``@triton.jit`` call costs the interpreter milliseconds.
     """
+    s0, s1, s2, s3, s4, s5, s6, s7 = state
+    w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = words
     # shift amounts, made once: a rotation right by n is (x >> n) | (x << (32 - n)), here ^ (disjoint bits)
     r2 = tl.full(s0.shape, 2, tl.uint32)
     r3 = tl.full(s0.shape, 3, tl.uint32)
