@@ -149,6 +149,18 @@ def drive_store_kv(pool):
 EXTRA_DRIVERS.append(drive_store_kv)
 
 
+def drive_block_hashes(pool):
+    """``block_hashes_kernel`` (block hashes and device keys on the device, kernels/block_hash.py) as it
+    runs compiled: 32 lanes a program, 16 tokens a block."""
+    from gpupool.kernels.block_hash import launch_block_hashes
+    i32 = torch.int32
+    launch_block_hashes(torch.zeros(2, 8, dtype=i32), torch.zeros(2, 16, dtype=i32), torch.zeros(2, 8, dtype=i32),
+                        torch.tensor([0, 1], dtype=i32), lanes=32)
+
+
+EXTRA_DRIVERS.append(drive_block_hashes)
+
+
 def signature_of(fn, args, kwargs):
     names = fn.arg_names
     values = dict(zip(names, args))
