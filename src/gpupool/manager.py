@@ -50,6 +50,7 @@ from .errors import (
     ArgumentTypeError, InvalidArgumentError, InvalidCountError, InvariantError, OutOfBlocksError, token_count_message,
 )
 from .kernels.block_hash import NONE_HASH_WORDS, digest_words, scratch_words, words_digest
+from .kernels.sha256 import round_constant_table
 from .kernels.requests import admit as k_admit
 from .kernels.requests import copies as k_copies
 from .kernels.requests import decode as k_decode
@@ -108,6 +109,7 @@ class ManagerState(NamedTuple):
     s_map: torch.Tensor
     s_filter: torch.Tensor
     s_hash: torch.Tensor
+    k_table: torch.Tensor
 
 
 class ManagerConfig(NamedTuple):
@@ -115,7 +117,8 @@ class ManagerConfig(NamedTuple):
     K hash blocks per block, BS tokens per block, Q pending-copy capacity, BLOCK lanes per request tile,
     FS entries of the request-parallel path's key filter, MAPS = G * R * M entries per item map
     (kernels/requests/parallel.py), SW whether any group has a sliding window (else the kernels skip the
-    window's passes), HBS tokens per hash block, NLOG entries of the log of device-made hashes."""
+    window's passes), HBS tokens per hash block, NLOG entries of the log of device-made hashes, HW words
+    of a lane's scratch row for a block hash (kernels/block_hash.py)."""
 
     G: int
     R: int
@@ -129,6 +132,7 @@ class ManagerConfig(NamedTuple):
     SW: bool
     HBS: int
     NLOG: int
+    HW: int
 
 
 class AllocateBatch(NamedTuple):
@@ -182,6 +186,7 @@ def allocate_manager_state(shape: ManagerShape, q: int, device) -> ManagerState:
         s_map=torch.zeros((NMAP, G * R * M), dtype=i32, device=device),
         s_filter=torch.zeros(filter_size(R), dtype=i32, device=device),
         s_hash=torch.zeros(request_block(R) * scratch_words(shape.hash_block_size), dtype=i32, device=device),
+        k_table=round_constant_table(device),
     )
 
 
@@ -237,7 +242,7 @@ class KVCacheManager:
                                     FS=filter_size(sh.max_num_reqs),
                                     MAPS=len(sh.groups) * sh.max_num_reqs * sh.max_blocks_per_req,
                                     SW=any(w > 0 for _, w in sh.groups), HBS=sh.hash_block_size,
-                                    NLOG=name_log_size(sh))
+                                    NLOG=name_log_size(sh), HW=scratch_words(sh.hash_block_size))
         self.parallel = True  # False: every batch takes the exact sequential path (tests, debugging)
         self._pool.registry.add_pin_source(self._active_keys)
         self._pool.registry.add_name_source(self._drain_names)

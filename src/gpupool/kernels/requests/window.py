@@ -22,7 +22,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from ..block_hash import block_hash, device_key
+from ..block_hash import block_hash, device_key, store_digest
 from ..common import checked_count, keep_first_why, lanes, ld, no_error_why, set_status_why, status_clear, warps_for
 from ..layout import (
     BIG, C_ACCEPTED_COUNT, C_COUNT_PAST_ARRAYS, C_TOKEN_COUNT, C_TOKEN_ID, DW, E_BUFFER_FULL, E_INVALID_ARG,
@@ -166,14 +166,15 @@ def check_advance(ps, pc: tl.constexpr, ms, mc: tl.constexpr, wb, n, Q: tl.const
 
 
 @triton.jit
-def append_tile(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, acc, tok_row, going, names, Q: tl.constexpr):
+def append_tile(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, acc, tok_row, going, names, Q: tl.constexpr,
+                QP: tl.constexpr):
     """Lanes ``going`` of a tile: request ``r`` (hashing its own tokens) appends ``acc`` tokens from
     ``tok_row`` (per-lane pointers, token q at ``tok_row + q``) to its tail, hashing every hash block
     they fill (``block_hash`` chained on ``last_digest``), its device key per group into the request's
     keys (``req_hi / req_lo[r, g, num_hashes]``), ``num_hashes`` + 1 and the digest into ``name_log``
     at ``names`` on (in lane order). A request whose hashes would pass its row stops hashing. Returns
-    the entries logged. Every thread calls it (``block_hash`` has barriers)."""
-    QP: tl.constexpr = triton.next_power_of_2(Q)
+    the entries logged. ``QP``: the power of two at or above Q (a tile of tokens). Every thread calls it
+    (``block_hash`` has barriers)."""
     NR: tl.constexpr = (Q + 2 * mc.HBS - 2) // mc.HBS  # rounds: blocks the tokens can fill, and a last partial one
     cols = tl.arange(0, QP)
     hashes = going & (ld(ms.hashing + r, going) != 0)
@@ -183,7 +184,8 @@ def append_tile(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, acc, tok_row, goi
     logged = tl.zeros([], tl.int32)
     tail_row = ms.tail_tok + r.to(tl.int64) * mc.HBS
     digest_row = ms.last_digest + r.to(tl.int64) * DW
-    for _ in tl.static_range(NR):
+    scratch_rows = ms.s_hash + tl.arange(0, mc.BLOCK).to(tl.int64) * mc.HW
+    for _ in range(NR):  # a loop, not unrolled: each round's hash is three SHA-256 compressions of code
         take = tl.maximum(tl.minimum(acc - pos, mc.HBS - t), 0)
         cm = hashes[:, None] & (cols[None, :] < take[:, None])
         tok = tl.load(tok_row[:, None] + (pos[:, None] + cols[None, :]), mask=cm, other=0)
@@ -194,23 +196,16 @@ def append_tile(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, acc, tok_row, goi
         room = nh < mc.M * mc.K
         hashed = full & room
         if tl.max(hashed.to(tl.int32), axis=0) > 0:
-            h0, h1, h2, h3, h4, h5, h6, h7 = block_hash(digest_row, tail_row, hashed, digest_row, ms.s_hash, mc.HBS,
-                                                        mc.BLOCK)
-            for g in tl.static_range(mc.G):
-                hi, lo = device_key(h0, h1, h2, h3, h4, h5, h6, h7, tl.full([mc.BLOCK], g, tl.int32))
+            h0, h1, h2, h3, h4, h5, h6, h7 = block_hash(digest_row, tail_row, hashed, digest_row, scratch_rows,
+                                                        ms.k_table, mc.HBS, mc.BLOCK)
+            for g in range(mc.G):
+                hi, lo = device_key(h0, h1, h2, h3, h4, h5, h6, h7, tl.zeros([mc.BLOCK], tl.int32) + g, ms.k_table)
                 at = (r * mc.G + g).to(tl.int64) * (mc.M * mc.K) + nh
                 tl.store(ms.req_hi + at, hi, mask=hashed)
                 tl.store(ms.req_lo + at, lo, mask=hashed)
             hv = hashed.to(tl.int32)
-            slot = (names + logged + tl.cumsum(hv, axis=0) - hv).to(tl.int64) * DW
-            tl.store(ms.name_log + slot + 0, h0.to(tl.int32, bitcast=True), mask=hashed)
-            tl.store(ms.name_log + slot + 1, h1.to(tl.int32, bitcast=True), mask=hashed)
-            tl.store(ms.name_log + slot + 2, h2.to(tl.int32, bitcast=True), mask=hashed)
-            tl.store(ms.name_log + slot + 3, h3.to(tl.int32, bitcast=True), mask=hashed)
-            tl.store(ms.name_log + slot + 4, h4.to(tl.int32, bitcast=True), mask=hashed)
-            tl.store(ms.name_log + slot + 5, h5.to(tl.int32, bitcast=True), mask=hashed)
-            tl.store(ms.name_log + slot + 6, h6.to(tl.int32, bitcast=True), mask=hashed)
-            tl.store(ms.name_log + slot + 7, h7.to(tl.int32, bitcast=True), mask=hashed)
+            store_digest(ms.name_log + (names + logged + tl.cumsum(hv, axis=0) - hv).to(tl.int64) * DW,
+                         h0, h1, h2, h3, h4, h5, h6, h7, hashed)
             logged += tl.sum(hv, axis=0)
             nh += hv
             tl.debug_barrier()  # the next round's tail stores follow this round's hash reads (other threads)
@@ -224,7 +219,7 @@ def append_tile(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, acc, tok_row, goi
 
 @triton.jit
 def advance_lanes(ps, pc: tl.constexpr, ms, mc: tl.constexpr, wb, k, n, ok, OP: tl.constexpr, Q: tl.constexpr,
-                  ROOM: tl.constexpr, TOKENS: tl.constexpr, TOK_STRIDE: tl.constexpr):
+                  QP: tl.constexpr, ROOM: tl.constexpr, TOKENS: tl.constexpr, TOK_STRIDE: tl.constexpr):
     """What forward pass k - 1 decided (module docstring), all or nothing: checked
     (:func:`check_advance`, op ``OP``), then the stopped lanes freed in lane order as one batched free
     (``stop_step = k - 1``), then every other live lane's tokens appended (:func:`append_tile`; without
@@ -263,7 +258,7 @@ def advance_lanes(ps, pc: tl.constexpr, ms, mc: tl.constexpr, wb, k, n, ok, OP: 
             tl.store(wb.lane_tokens + idx, ld(wb.lane_tokens + idx, going) + acc, mask=going)
             if TOKENS:
                 names += append_tile(ps, pc, ms, mc, r, acc, wb.tokens + idx.to(tl.int64) * TOK_STRIDE, going,
-                                     names, Q=Q)
+                                     names, Q=Q, QP=QP)
             else:
                 tl.store(ms.hashing + r, tl.zeros([mc.BLOCK], tl.int8), mask=going)
             i += mc.BLOCK
@@ -345,7 +340,7 @@ def allocate_lanes(ps, pc: tl.constexpr, ms, mc: tl.constexpr, wb, work, k, n, c
 
 @triton.jit
 def window_step_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, wb, work, k, cap, OP: tl.constexpr,
-                       K: tl.constexpr, Q: tl.constexpr, D: tl.constexpr, ADVANCE: tl.constexpr,
+                       K: tl.constexpr, Q: tl.constexpr, QP: tl.constexpr, D: tl.constexpr, ADVANCE: tl.constexpr,
                        ALLOCATE: tl.constexpr, TOKENS: tl.constexpr, FORCE_EXACT: tl.constexpr):
     """Pool step ``k`` (``ALLOCATE``; after forward pass k - 1 with ``ADVANCE``), or the window's end
     (``ADVANCE`` alone). Errors go to the status word as op ``OP``; a step after an error clears its
@@ -353,7 +348,7 @@ def window_step_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, wb, work, k, 
     n, _ = checked_count(wb.num_reqs, cap)
     ok = status_clear(ps.status)
     if ADVANCE:
-        ok = advance_lanes(ps, pc, ms, mc, wb, k, n, ok, OP=OP, Q=Q, ROOM=D if ALLOCATE else 0, TOKENS=TOKENS,
+        ok = advance_lanes(ps, pc, ms, mc, wb, k, n, ok, OP=OP, Q=Q, QP=QP, ROOM=D if ALLOCATE else 0, TOKENS=TOKENS,
                            TOK_STRIDE=Q)
         tl.debug_barrier()
     if ALLOCATE:
@@ -362,7 +357,7 @@ def window_step_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, wb, work, k, 
 
 @triton.jit
 def append_tokens_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, counts, tokens, num, cap,
-                         T: tl.constexpr):
+                         T: tl.constexpr, TP: tl.constexpr):
     """``KVCacheManager.append_tokens``: requests ``slots[:num[0]]`` (``int32[cap]``) gain ``counts[k]``
     tokens each (0 .. T) from row k of ``tokens: int32 or int64[cap, T]``, in order (:func:`append_tile`).
     Checked first, all or nothing (op APPEND_TOKENS): the count within its arrays, every slot in range,
@@ -400,7 +395,7 @@ def append_tokens_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, coun
         while i < n:
             idx, m = lanes(i, n, mc.BLOCK)
             names += append_tile(ps, pc, ms, mc, ld(slots + idx, m), ld(counts + idx, m),
-                                 tokens + idx.to(tl.int64) * T, m, names, Q=T)
+                                 tokens + idx.to(tl.int64) * T, m, names, Q=T, QP=TP)
             i += mc.BLOCK
         tl.debug_barrier()  # strict: orders every thread's read of num_names before thread 0's store
         tl.store(ms.num_names, names)
@@ -422,6 +417,7 @@ def launch_window_step(ps, pc, ms, mc, wb, work, k: int, *, steps: int, lookahea
     pass with ``advance``), or the window's end (``advance`` alone, ``k = steps``)."""
     window_step_kernel[(1,)](ps, pc, ms, mc, wb, work, k, wb.slots.numel(),
                              OP=OP_WINDOW_STEP if allocate else OP_WINDOW_END, K=steps, Q=lookahead + 1,
+                             QP=triton.next_power_of_2(lookahead + 1),
                              D=lookahead, ADVANCE=bool(advance), ALLOCATE=bool(allocate), TOKENS=bool(tokens),
                              FORCE_EXACT=bool(force_exact), num_warps=_warps(pc, mc))
 
@@ -429,4 +425,5 @@ def launch_window_step(ps, pc, ms, mc, wb, work, k: int, *, steps: int, lookahea
 def launch_append_tokens(ps, pc, ms, mc, slots, counts, tokens, num) -> None:
     """Launch :func:`append_tokens_kernel` (one program); ``tokens: [cap, T]``."""
     append_tokens_kernel[(1,)](ps, pc, ms, mc, slots, counts, tokens, num, slots.numel(), T=tokens.shape[1],
+                               TP=triton.next_power_of_2(tokens.shape[1]),
                                num_warps=_warps(pc, mc))
