@@ -20,7 +20,7 @@ from gpupool.graph import DecodeStep
 from gpupool.manager import KVCacheManager
 from harness.compare import assert_managers_agree
 from harness.keys import h
-from harness.launches import LaunchCounter
+from gpupool.instrument import Meter
 from harness.device import cpu_i32
 from harness.ops import fail_a_batched_op, fill_step as fill
 from harness.sizes import sized
@@ -170,7 +170,7 @@ def test_decode_step_launches_and_syncs_do_not_depend_on_batch_size():
         m.allocate_slots(list(range(batch)), [7] * batch, [7] * batch, [1] * batch)
         step = DecodeStep(m, 32)
         fill(step, list(range(1, batch)), [8] * (batch - 1), [0])
-        with LaunchCounter() as c:
+        with Meter() as c:
             step.run()
         m.pool.check()
         assert step.admitted[: batch - 1].tolist() == [1] * (batch - 1)
