@@ -46,6 +46,9 @@ from .args import (
     NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_id_list, as_int, check_slot, check_slot_list,
 )
 from .errors import ArgumentTypeError, InvalidArgumentError, InvalidCountError, InvariantError, OutOfBlocksError
+from . import _backend
+
+_backend.select()  # the kernels' backend, before the kernels below are defined
 from .kernels.requests import copies as k_copies
 from .kernels.requests import decode as k_decode
 from .kernels.requests import exact as k_exact
@@ -197,6 +200,7 @@ class KVCacheManager:
                                     MAPS=len(sh.groups) * sh.max_num_reqs * sh.max_blocks_per_req,
                                     SW=any(w > 0 for _, w in sh.groups))
         self.parallel = True  # False: every batch takes the exact sequential path (tests, debugging)
+        self._copy_offsets: dict = {}  # copy_blocks' layer offset tables, read by captured steps: kept while we live
         self._pool.registry.add_pin_source(self._active_keys)
         self._pool.add_error_wording(self._recorded_error)
 
@@ -730,7 +734,8 @@ class KVCacheManager:
         """:meth:`copy_and_release` of caches already checked by ``check_kv_caches``."""
         s = self.state
         if kv_caches:
-            copy_blocks(kv_caches, s.copy_src, s.copy_dst, num_copies=s.num_copies, check=False)
+            copy_blocks(kv_caches, s.copy_src, s.copy_dst, num_copies=s.num_copies, check=False,
+                        offset_tables=self._copy_offsets)
         k_copies.launch_release_copies(self._pool.state, self._pool.config, s, self.config)
 
     @locked
@@ -741,7 +746,8 @@ class KVCacheManager:
         self._pool.finish()
         n = self._pending()
         if n:
-            copy_blocks(kv_caches, self.state.copy_src[:n], self.state.copy_dst[:n])  # checks, may raise
+            copy_blocks(kv_caches, self.state.copy_src[:n], self.state.copy_dst[:n],  # checks, may raise
+                        offset_tables=self._copy_offsets)
         k_copies.launch_release_copies(self._pool.state, self._pool.config, self.state, self.config)
         self._pool.finish()
         return n

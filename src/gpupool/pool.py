@@ -32,6 +32,7 @@ from .errors import (
     double_free_message, out_of_blocks_message,
 )
 from .events import AllBlocksCleared, BlockRemoved, BlockStored
+_backend.select()  # the kernels' backend, before the kernels below are defined
 from .kernels import alloc as k_alloc
 from .kernels import cache as k_cache
 from .kernels import flush as k_flush

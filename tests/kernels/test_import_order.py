@@ -36,6 +36,7 @@ def test_pool_and_manager_ops_after_importing_triton_first():
     assert p.stdout.splitlines() == ["[1, 2]", "[[1, 2, 3], [], [], []]"]
 
 
+@pytest.mark.heavy
 def test_differential_tests_pass_after_importing_triton_first():
     """The decode step's differential test (two groups, KV events on, against the reference manager)
     in a process that imported triton before gpupool."""
@@ -67,3 +68,22 @@ def test_use_interpreter_chooses_before_the_first_kernel_and_only_then():
     lines = p.stdout.splitlines()
     assert lines[0] == "True None", lines
     assert lines[1].startswith("refused:") and "already defined for CUDA" in lines[1], lines
+
+
+def test_importing_the_kernels_sets_nothing_and_the_pool_follows_kernels_already_defined():
+    """``gpupool.kernels`` is plain Triton: importing it (a kernel module too) leaves the process as it
+    was, its kernels follow ``TRITON_INTERPRET`` as it stands (unset: compiled); a pool built after it
+    keeps that choice rather than mixing backends, so on a CPU it is a typed error, not a crash."""
+    p = _run("import os, gpupool.kernels, gpupool.kernels.layout, gpupool.kernels.alloc as a, gpupool._backend as b\n"
+             "print(os.environ.get('TRITON_INTERPRET'), type(a.alloc_kernel).__name__, b._chosen)\n"
+             "import gpupool\n"
+             "try:\n"
+             "    gpupool.BlockPool(8)\n"
+             "except gpupool.InvalidArgumentError as e:\n"
+             "    print('refused:', e)\n"
+             "print(os.environ.get('TRITON_INTERPRET'), b._chosen)\n")
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    assert lines[0] == "None JITFunction None", lines
+    assert lines[1].startswith("refused:") and "set up for the GPU" in lines[1], lines
+    assert lines[2] == "None False", lines
