@@ -47,6 +47,7 @@ def run(model, reqs, mode, K=1, num_blocks=12, engine=dl.Engine, **kw):
 
 
 @pytest.mark.parametrize("mode,K", [("host", 1), ("burst", 2)])
+@pytest.mark.heavy("host-1")
 def test_tokens_equal_contiguous_kv(model, small, mode, K):
     """The quick case: prefix hits, a preemption, the fork, and (burst) a request out of blocks mid-burst."""
     reqs, want = small
@@ -121,6 +122,7 @@ def test_reservations_evict_no_more_than_single_steps(model):
     assert stats["burst"].hit_tokens >= stats["prebook"].hit_tokens
 
 
+@pytest.mark.heavy
 def test_a_burst_reads_the_device_once_per_replay(model):
     """Decode only (one request, no admission in between): K = 8 tokens per replay, one host read,
     one host-to-device copy (the step's inputs); the host pool reads and uploads once per token."""

@@ -109,6 +109,7 @@ def assert_views(v: AttentionViews, want, B):
 
 
 @given(data=st.data())
+@pytest.mark.heavy
 def test_attention_views_equal_the_host_rows(data):
     ref, dev = small_manager_twin(n=data.draw(st.integers(8, 32), label="n"))
     lens = []

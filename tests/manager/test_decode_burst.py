@@ -176,6 +176,7 @@ def _burst_cases():
 
 
 @pytest.mark.parametrize("kind, events, K", list(_burst_cases()))
+@pytest.mark.heavy("full-events-K2")
 def test_burst_equals_single_steps_and_reference(kind, events, K):
     totals = {"failed_mid_burst": 0, "admitted": 0, "events": 0}
     # the quick case keeps its small size under ci too (it runs there under --strict-gpu as well)

@@ -99,6 +99,7 @@ def drive(step_fn, ref, dev, steps, seed, dev_manager):
 
 @pytest.mark.parametrize("events", [False, True], ids=["no-events", "events"])
 @pytest.mark.parametrize("groups", [("full",), ("full", ("sliding_window", 8))])
+@pytest.mark.heavy("groups1-events", "groups1-no-events", "groups0-events")
 def test_eager_decode_step_equals_reference(groups, events):
     """Full groups only (``ManagerConfig.SW`` off: no window passes) and with a window; KV events
     off (no event layout) and on (every event row compared)."""
@@ -353,6 +354,7 @@ def test_failed_step_admits_nobody():
 
 
 @pytest.mark.parametrize("groups", SMALL_GROUPS, ids=SMALL_GROUP_IDS)
+@pytest.mark.heavy("full+full")
 def test_pending_copy_survives_a_failed_step(groups):
     """The issue's repro: cache a block, cow_append it, make a batched op fail, run a step, check(),
     free the request: every block comes back."""
