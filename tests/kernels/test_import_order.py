@@ -22,6 +22,11 @@ def _run(code: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
+def _refused(call: str) -> str:
+    """Code that runs ``call`` and prints ``refused: <message>`` for an InvalidArgumentError."""
+    return f"try:\n    {call}\nexcept gpupool.InvalidArgumentError as e:\n    print('refused:', e)\n"
+
+
 def test_pool_and_manager_ops_after_importing_triton_first():
     p = _run("import triton, triton.language\n"
              "import gpupool\n"
@@ -60,10 +65,7 @@ def test_use_interpreter_chooses_before_the_first_kernel_and_only_then():
              "from gpupool.kernels import alloc\n"
              "print(isinstance(alloc.alloc_kernel, triton.runtime.JITFunction), os.environ.get('TRITON_INTERPRET'))\n"
              "gpupool.use_interpreter(False)\n"  # the same choice: nothing to do
-             "try:\n"
-             "    gpupool.use_interpreter(True)\n"
-             "except gpupool.InvalidArgumentError as e:\n"
-             "    print('refused:', e)\n")
+             + _refused("gpupool.use_interpreter(True)"))
     assert p.returncode == 0, p.stderr[-3000:]
     lines = p.stdout.splitlines()
     assert lines[0] == "True None", lines
@@ -77,11 +79,8 @@ def test_importing_the_kernels_sets_nothing_and_the_pool_follows_kernels_already
     p = _run("import os, gpupool.kernels, gpupool.kernels.layout, gpupool.kernels.alloc as a, gpupool._backend as b\n"
              "print(os.environ.get('TRITON_INTERPRET'), type(a.alloc_kernel).__name__, b._chosen)\n"
              "import gpupool\n"
-             "try:\n"
-             "    gpupool.BlockPool(8)\n"
-             "except gpupool.InvalidArgumentError as e:\n"
-             "    print('refused:', e)\n"
-             "print(os.environ.get('TRITON_INTERPRET'), b._chosen)\n")
+             + _refused("gpupool.BlockPool(8)")
+             + "print(os.environ.get('TRITON_INTERPRET'), b._chosen)\n")
     assert p.returncode == 0, p.stderr[-3000:]
     lines = p.stdout.splitlines()
     assert lines[0] == "None JITFunction None", lines
