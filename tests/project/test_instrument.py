@@ -139,27 +139,32 @@ def test_another_tools_patch_over_a_meter_survives_its_exit():
 
 
 def test_each_thread_counts_its_own_work():
-    """Two threads each inside their own meter, run in lockstep so both are active at once: each
-    meter has its own thread's counts (a thread's work never reaches another thread's meter); a thread
-    with no meter adds nothing."""
+    """Two threads each inside their own meter, both meters active at once (a barrier after entering,
+    another before leaving): each meter has its own thread's counts (a thread's work never reaches
+    another thread's meter); a thread with no meter adds nothing. The work itself takes turns (Triton's
+    interpreter runs one launch at a time)."""
     x = {name: torch.zeros(6, dtype=torch.int32) for name in ("a", "b", "bare")}
     meters = {"a": Meter(), "b": Meter()}
     both_in = threading.Barrier(3)
     done = threading.Barrier(3)
+    turn = threading.Lock()
     errors = []
+
+    def run(name, times):
+        for _ in range(times):
+            with turn:
+                _sequence(x[name])
 
     def work(name):
         try:
             if name in meters:
                 with meters[name]:
                     both_in.wait()
-                    _sequence(x[name])
-                    if name == "a":
-                        _sequence(x[name])
+                    run(name, 2 if name == "a" else 1)
                     done.wait()
             else:
                 both_in.wait()
-                _sequence(x[name])
+                run(name, 1)
                 done.wait()
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
