@@ -1,6 +1,7 @@
 """Every number the host and the kernels must agree on, defined once: control-word slots, the status
 word and its causes, op codes, error codes, event kinds and row columns, key-row columns, the key table's chunk
-width, the fallback reasons, the flush kernel's round table, sentinels.
+width, the fallback reasons, the flush kernel's round table, sentinels; and the columns of the pool's
+read API that the host reads from those (``BlockPool.mirror_rows``, ``BlockPool.counters``).
 
 Each group is an ``IntEnum`` for the host; kernels read the ``tl.constexpr`` mirrors below it (a
 kernel cannot read an enum member), unpacked from :func:`constexprs` into names that repeat the
