@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama import Llama, LlamaConfig  # noqa: E402
-from meter import Meter  # noqa: E402
+from gpupool.instrument import Meter  # noqa: E402
 
 from gpupool.args import device_arg  # noqa: E402
 from gpupool.errors import PoolError  # noqa: E402

@@ -3,7 +3,8 @@
 Profiles (``GPUPOOL_HYPOTHESIS_PROFILE``): ``dev`` (the default: few examples per property, so
 ``pytest -m "not slow" tests`` stays under 3 minutes on 2 cores), ``ci`` (what ``.ci/run`` uses with
 every test, slow ones included), ``deep`` (1,000 examples, a long hunt). Tests that scale their own
-example counts read ``settings().max_examples``. Long runs are marked ``slow``.
+example counts read ``settings().max_examples``. Long runs are marked ``slow``; the heaviest of the
+quick-looking ones ``heavy``, which this file turns into ``slow``.
 """
 import os
 
@@ -23,62 +24,27 @@ settings.register_profile("fast", settings.get_profile("ci"))  # the old name of
 settings.register_profile("deep", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("GPUPOOL_HYPOTHESIS_PROFILE", "dev"))
 
-# The heaviest of the quick tests (2 to 37 s each on 2 cores), run with the slow ones instead, which
-# .ci/run runs too: each keeps a lighter sibling in the quick run (another parameter of the same test,
-# or a test of the same code path), so `pytest -m "not slow"` stays under 3 minutes on 2 cores.
-HEAVY_QUICK = (
-    "manager/test_decode_burst.py::test_burst_equals_single_steps_and_reference[full-events-K2]",
-    "kernels/test_import_order.py::test_differential_tests_pass_after_importing_triton_first",
-    "pool/test_apply_batched.py::test_rounds_equal_the_single_calls_round_after_round",
-    "manager/test_allocate_slots_parallel.py::test_decode_batch_is_parallel[full+full]",
-    "replay/test_cli.py::test_a_closed_pipe_on_stdout_exits_quietly",
-    "manager/test_reservation.py::test_allocation_inside_a_reservation_evicts_in_lru_order[parallel]",
-    "manager/test_decode_step.py::test_eager_decode_step_equals_reference[groups1-events]",
-    "manager/test_decode_step.py::test_eager_decode_step_equals_reference[groups1-no-events]",
-    "kernels/test_kernel_barriers.py::test_cache_blocks_with_its_barrier_is_clean_and_passes_under_stale",
-    "vllm_plugin/test_vllm_fast_path_hunts.py::test_device_small_window_big_pops",
-    "manager/test_kv_cache_manager.py::test_get_computed_blocks_agree[full+sw]",
-    "manager/test_kv_cache_manager.py::test_manager_matches_reference[full+sliding-parallel]",
-    "manager/test_allocate_slots_parallel.py::test_sliding_window_hashed_release_is_parallel",
-    "manager/test_reservation.py::test_bad_input_is_a_typed_error_and_changes_nothing",
-    "manager/test_decode_step.py::test_eager_decode_step_equals_reference[groups0-events]",
-    "vllm_plugin/test_vllm_fast_path.py::test_a_decode_step_is_one_flush",
-    "decode/test_decode_loop.py::test_a_burst_reads_the_device_once_per_replay",
-    "pool/test_pool_errors.py::test_mixed_valid_and_invalid_ops_on_both_pools",
-    "vllm_plugin/test_vllm_fast_path_orders.py::test_batch_order_equals_call_order",
-    "pool/test_cache_blocks_batched.py::test_one_launch_equals_the_calls_in_order",
-    "pool/test_device_pool.py::test_key_table_near_its_limit[1-5-4]",
-    "project/test_documented_commands.py::test_documented_command_runs[TRITON_INTERPRET=1 python bench/model_cases.py]",
-    "manager/test_allocate_slots_parallel.py::test_zero_ref_hit_an_earlier_request_pops_falls_back",
-    "vllm_plugin/test_vllm_publisher.py::test_close_sends_every_queued_batch",
-    "vllm_plugin/test_vllm_adapter_args.py::test_fuzz_entry_points",
-    "pool/test_batched_input_checks.py::test_fuzz[allocate_slots]",
-    "vllm_plugin/test_vllm_fast_path.py::test_deferred_equals_per_call_device",
-    "vllm_plugin/test_vllm_fast_path_events.py::test_events_and_metrics_equal_per_call_device",
-    "vllm_plugin/test_vllm_fast_path_hunts.py::test_device_small_window",
-    "vllm_plugin/test_vllm_fast_path_edges.py::test_edge_sequence_equals_per_call_device[pop every block, keys evicted]",
-    "vllm_plugin/test_vllm_fast_path_edges.py::test_edge_sequence_equals_per_call_device[one key, two holders]",
-    "kernels/test_kernel_barriers.py::test_cache_blocks_race_is_flagged_and_fails_under_stale",
-    "kernels/test_kernel_barriers.py::test_replay_with_its_barrier_passes_under_lag",
-    "pool/test_batched_input_checks.py::test_fuzz[release_copied]",
-    "pool/test_batched_input_checks.py::test_fuzz[get_computed_blocks]",
-    "pool/test_batched_input_checks.py::test_fuzz[decode_step]",
-    "replay/test_cli.py::test_stdout_on_a_full_disk_is_a_one_line_error[extra1]",
-    "pool/test_validate.py::test_validate_sees_a_leaked_reference[full+full-device]",
-    "manager/test_decode_step.py::test_pending_copy_survives_a_failed_step[full+full]",
-    "manager/test_reservation.py::test_reserve_holds_blocks_against_other_requests[exact]",    "pool/test_apply_batched.py::test_one_launch_equals_the_single_calls",
-    "manager/test_allocate_slots_parallel.py::test_decode_batch_is_parallel[full]",
-    "decode/test_kv_cache.py::test_attention_views_equal_the_host_rows",
-    "vllm_plugin/test_vllm_fast_path_hunts.py::test_device_reset_tiny_pools",
-    "decode/test_decode_loop.py::test_tokens_equal_contiguous_kv[host-1]",
-)
-
-
+# The heaviest of the quick tests (2 to 37 s each on 2 cores) carry ``@pytest.mark.heavy`` (every
+# parametrization) or ``@pytest.mark.heavy("id", ...)`` (the parametrizations with those ids, as pytest
+# shows them in brackets): they run with the slow ones, which .ci/run runs too. Each keeps a lighter
+# sibling in the quick run (another parameter of the same test, or a test of the same code path), so
+# `pytest -m "not slow"` stays under 3 minutes on 2 cores.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    named: dict[str, tuple[set, set]] = {}  # test -> (ids its heavy marks name, ids collected)
     for item in items:
-        if item.nodeid.split("tests/")[-1] in HEAVY_QUICK:
+        mark = item.get_closest_marker("heavy")
+        if mark is None:
+            continue
+        param = item.callspec.id if hasattr(item, "callspec") else None
+        if not mark.args or param in mark.args:
             item.add_marker(pytest.mark.slow)
+        if mark.args:
+            named.setdefault(item.nodeid.split("[")[0], (set(mark.args), set()))[1].add(param)
+    if not any("::" in str(a) for a in config.args):  # every parametrization collected: a stale id is an error
+        stale = {test: sorted(ids - seen) for test, (ids, seen) in named.items() if ids - seen}
+        if stale:
+            raise pytest.UsageError(f"@pytest.mark.heavy names parametrizations that do not exist: {stale}")
 
 
 # ---- strict GPU mode (tests/strict/) --------------------------------------------------------------

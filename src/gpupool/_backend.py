@@ -1,13 +1,17 @@
 """How gpupool's kernels run: compiled for CUDA, or in Triton's interpreter on CPU tensors.
 
-Triton fixes that for a kernel when its ``@triton.jit`` runs (it reads ``TRITON_INTERPRET`` then),
-so gpupool chooses once, just before its first kernel is defined (the first import of
-``gpupool.kernels``: building a ``BlockPool`` or a manager, or importing one of their modules), and
-never changes the choice. ``import gpupool`` alone chooses nothing and changes nothing. In order:
+Triton fixes that for a kernel when its ``@triton.jit`` runs (it reads ``TRITON_INTERPRET`` then).
+``gpupool.kernels`` is plain Triton: importing it or one of its modules chooses nothing and sets
+nothing, its kernels follow ``TRITON_INTERPRET`` as it stands. gpupool's device modules (the pool,
+the manager, the KV cache, the validator, the replay's device loop) choose once, with :func:`select`,
+before they import their kernels, and never change the choice. ``import gpupool`` alone chooses
+nothing and changes nothing. In order:
 
 1. :func:`use_interpreter`, if called before that;
-2. else ``TRITON_INTERPRET`` as the user set it (Triton's own switch);
-3. else the interpreter when torch sees no CUDA device, so the package works out of the box on a
+2. else the backend of gpupool kernels already defined (a program that imported ``gpupool.kernels``
+   modules itself), so the pool never mixes the two;
+3. else ``TRITON_INTERPRET`` as the user set it (Triton's own switch);
+4. else the interpreter when torch sees no CUDA device, so the package works out of the box on a
    CPU-only machine (logged at INFO on the ``gpupool`` logger), and compiled kernels otherwise.
 
 Choosing the interpreter sets ``TRITON_INTERPRET=1`` for the process, which Triton reads (child
@@ -40,6 +44,8 @@ def use_interpreter(enable: bool = True) -> None:
     from .errors import InvalidArgumentError
 
     enable = bool(enable)
+    if _chosen is None and _defined_kernels() is not None:
+        select()  # kernels defined already: their backend is the choice
     if _chosen is not None:
         if _chosen != enable:
             raise InvalidArgumentError(
@@ -50,10 +56,14 @@ def use_interpreter(enable: bool = True) -> None:
 
 
 def select() -> bool:
-    """Make the choice (module docstring) if not made yet; returns it. Called by ``gpupool.kernels``
-    before any kernel is defined."""
+    """Make the choice (module docstring) if not made yet; returns it. Each device module calls it
+    before it imports its kernels."""
+    global _chosen
     if _chosen is None:
-        if "TRITON_INTERPRET" in os.environ:
+        defined = _defined_kernels()
+        if defined is not None:
+            _chosen = defined  # the environment stays as those kernels found it
+        elif "TRITON_INTERPRET" in os.environ:
             _choose(os.environ["TRITON_INTERPRET"] not in ("", "0"))
         else:
             import torch
@@ -64,6 +74,22 @@ def select() -> bool:
                     "no CUDA device: gpupool's kernels run in Triton's interpreter (TRITON_INTERPRET=1)")
             _choose(cpu_only)
     return _chosen
+
+
+def _defined_kernels() -> bool | None:
+    """Whether gpupool kernels already defined run in the interpreter (True) or compiled (False);
+    None when none is defined yet."""
+    if "triton.runtime.jit" not in sys.modules:
+        return None
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("gpupool.kernels.") and mod is not None:
+            for value in vars(mod).values():
+                if isinstance(value, (JITFunction, InterpretedFunction)):
+                    return isinstance(value, InterpretedFunction)
+    return None
 
 
 def _choose(enable: bool) -> None:

@@ -24,6 +24,9 @@ import torch
 
 from .args import as_int, device_arg
 from .errors import ArgumentTypeError, InvalidArgumentError
+from . import _backend
+
+_backend.select()  # the kernels' backend, before the kernels below are defined
 from .kernels.kv_store import launch_store_kv
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

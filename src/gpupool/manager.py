@@ -49,9 +49,12 @@ from .args import (
 from .errors import (
     ArgumentTypeError, InvalidArgumentError, InvalidCountError, InvariantError, OutOfBlocksError, token_count_message,
 )
-from .kernels.block_hash import NONE_HASH_WORDS, digest_words, scratch_words, words_digest
-from .kernels.sha256 import round_constant_table
-from .kernels.requests import admit as k_admit
+from . import _backend
+
+_backend.select()  # the kernels' backend, before the kernels below are defined
+from .kernels.block_hash import NONE_HASH_WORDS, digest_words, scratch_words, words_digest  # noqa: E402
+from .kernels.sha256 import round_constant_table  # noqa: E402
+from .kernels.requests import admit as k_admit  # noqa: E402
 from .kernels.requests import copies as k_copies
 from .kernels.requests import decode as k_decode
 from .kernels.requests import exact as k_exact
@@ -244,6 +247,7 @@ class KVCacheManager:
                                     SW=any(w > 0 for _, w in sh.groups), HBS=sh.hash_block_size,
                                     NLOG=name_log_size(sh), HW=scratch_words(sh.hash_block_size))
         self.parallel = True  # False: every batch takes the exact sequential path (tests, debugging)
+        self._copy_offsets: dict = {}  # copy_blocks' layer offset tables, read by captured steps: kept while we live
         self._pool.registry.add_pin_source(self._active_keys)
         self._pool.registry.add_name_source(self._drain_names)
         self._pool.add_error_wording(self._recorded_error)
@@ -943,7 +947,8 @@ class KVCacheManager:
         """:meth:`copy_and_release` of caches already checked by ``check_kv_caches``."""
         s = self.state
         if kv_caches:
-            copy_blocks(kv_caches, s.copy_src, s.copy_dst, num_copies=s.num_copies, check=False)
+            copy_blocks(kv_caches, s.copy_src, s.copy_dst, num_copies=s.num_copies, check=False,
+                        offset_tables=self._copy_offsets)
         k_copies.launch_release_copies(self._pool.state, self._pool.config, s, self.config)
 
     @locked
@@ -954,7 +959,8 @@ class KVCacheManager:
         self._pool.finish()
         n = self._pending()
         if n:
-            copy_blocks(kv_caches, self.state.copy_src[:n], self.state.copy_dst[:n])  # checks, may raise
+            copy_blocks(kv_caches, self.state.copy_src[:n], self.state.copy_dst[:n],  # checks, may raise
+                        offset_tables=self._copy_offsets)
         k_copies.launch_release_copies(self._pool.state, self._pool.config, self.state, self.config)
         self._pool.finish()
         return n

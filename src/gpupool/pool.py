@@ -32,12 +32,14 @@ from .errors import (
     double_free_message, out_of_blocks_message,
 )
 from .events import AllBlocksCleared, BlockRemoved, BlockStored
+_backend.select()  # the kernels' backend, before the kernels below are defined
 from .kernels import alloc as k_alloc
 from .kernels import cache as k_cache
 from .kernels import flush as k_flush
 from .kernels import lookup as k_lookup
 from .kernels import release as k_release
-from .kernels.layout import CHUNK_SLOTS, KEY_WIDTH, Ctrl, Event, Fallback, KeyCol, Op, Status, op_name
+from .kernels.layout import (CHUNK_SLOTS, KEY_WIDTH, MIRROR_KEY_WIDTH, Ctrl, Event, Fallback, KeyCol, MirrorCol, Op,
+                             Status, op_name)
 from .locking import locked, new_lock
 from .memory import allocate_checked
 from .registry import KeyRegistry
@@ -624,17 +626,19 @@ class BlockPool:
 
     # ---- the read API: device views for a host mirror of the pool (the vLLM adapter), no wait ------
     def mirror_rows(self, idx: torch.Tensor, key_slots: int | None = None) -> torch.Tensor:
-        """``int64[len(idx), 3 + 3 * k]`` on the device (``k``: ``key_slots``, default
-        ``max_keys_per_block``), per block of ``idx`` (``int64[n]`` ids on the device): ref count, key
-        count, tokens its primary key covers (-1: none), then ``(hi, lo, insertion seq)`` of its first
-        ``k`` key slots, primary first (slots past the key count are unspecified; ``hi, lo`` are device
-        keys, :meth:`key_name` gives vLLM's). Not waiting."""
+        """``int64[len(idx), MirrorCol.KEYS + MIRROR_KEY_WIDTH * k]`` on the device (``k``: ``key_slots``,
+        default ``max_keys_per_block``), per block of ``idx`` (``int64[n]`` ids on the device), columns
+        named by ``kernels/layout.py``'s MirrorCol: ref count, key count, tokens its primary key covers
+        (-1: none), then per key slot of its first ``k``, primary first, ``(hi, lo, insertion seq)``
+        (MirrorKey; slots past the key count are unspecified; ``hi, lo`` are device keys,
+        :meth:`key_name` gives vLLM's). Not waiting."""
         s, mk = self.state, self.max_keys_per_block
         k = mk if key_slots is None else max(0, min(int(key_slots), mk))
-        kv = s.keys.view(self.num_blocks, mk, 5)[idx, :k]
-        keys = torch.cat([kv[:, :, 0:2], kv[:, :, 3:4]], dim=2).reshape(idx.numel(), 3 * k)
-        return torch.cat([s.ref_cnt[idx].long()[:, None], s.num_keys[idx].long()[:, None],
-                          s.hash_ntok[idx].long()[:, None], keys], dim=1)
+        kv = s.keys.view(self.num_blocks, mk, KEY_WIDTH)[idx, :k]
+        keys = torch.cat([kv[:, :, KeyCol.HI: KeyCol.LO + 1], kv[:, :, KeyCol.SEQ: KeyCol.SEQ + 1]],  # MirrorKey's order
+                         dim=2).reshape(idx.numel(), MIRROR_KEY_WIDTH * k)
+        per_block = {MirrorCol.REF_CNT: s.ref_cnt, MirrorCol.NUM_KEYS: s.num_keys, MirrorCol.HASH_NTOK: s.hash_ntok}
+        return torch.cat([per_block[c][idx].long()[:, None] for c in sorted(per_block)] + [keys], dim=1)
 
     def free_window(self, n: int) -> torch.Tensor:
         """``int64[min(ring capacity, n)]`` on the device: the ids in the free queue's first ``n`` ring
@@ -649,10 +653,12 @@ class BlockPool:
         return torch.where((rel < tail - head) & (v >= 0), v, -1)
 
     def counters(self) -> torch.Tensor:
-        """``int64[5]`` on the device: the status word's error code (0: none), the free count, the key
-        insertion counter, the undrained event rows and the undrained reuse-log entries. Not waiting."""
+        """``int64[len(Counter)]`` on the device, entries named by ``kernels/layout.py``'s Counter: the
+        status word's error code (0: none), the free count, the key insertion counter, the undrained
+        event rows and the undrained reuse-log entries. Not waiting."""
         st = self.state
-        return torch.cat([st.status[:1], st.ctrl[Ctrl.NUM_FREE:Ctrl.REUSE_COUNT + 1].long()])
+        return torch.cat([st.status[Status.CODE: Status.CODE + 1],  # Counter's order
+                          st.ctrl[Ctrl.NUM_FREE: Ctrl.REUSE_COUNT + 1].long()])
 
     def key_name(self, device_key: tuple[int, int]) -> tuple[bytes, int]:
         """The ``(block hash bytes, group)`` of a device key ``(hi, lo)`` read by :meth:`mirror_rows`."""

@@ -6,6 +6,9 @@ from __future__ import annotations
 import torch
 
 from .errors import InvariantError
+from . import _backend
+
+_backend.select()  # the kernels' backend, before the kernels below are defined
 from .kernels import validate as k_validate
 from .kernels.validate import Check
 

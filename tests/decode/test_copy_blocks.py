@@ -182,11 +182,12 @@ def test_cuda_graph_replays_with_a_changing_count():
     caches = [random_bits((64, 2, 16, 8, 64), torch.bfloat16, gen).cuda() for _ in range(4)]
     src, dst = (t.cuda() for t in pairs(64, 16, gen))
     count = torch.tensor([16], dtype=I32, device="cuda")
-    copy_blocks(caches, src, dst, count)  # eager: builds the offset table, compiles
+    tables = {}
+    copy_blocks(caches, src, dst, count, offset_tables=tables)  # eager: builds the offset table, compiles
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        copy_blocks(caches, src, dst, count, check=False)
+        copy_blocks(caches, src, dst, count, check=False, offset_tables=tables)
     for n in (3, 0, 16):
         before = [c.clone() for c in caches]
         count.fill_(n)

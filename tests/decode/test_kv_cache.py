@@ -14,7 +14,7 @@ from gpupool.kv_cache import (AttentionViews, PagedKVCache, attention, paged_att
                               store_kv)
 from gpupool.manager import KVCacheManager
 from harness.keys import hashes
-from harness.launches import LaunchCounter
+from gpupool.instrument import Meter
 from harness.ops import fill_step
 from harness.twins import small_manager_twin
 
@@ -109,6 +109,7 @@ def assert_views(v: AttentionViews, want, B):
 
 
 @given(data=st.data())
+@pytest.mark.heavy
 def test_attention_views_equal_the_host_rows(data):
     ref, dev = small_manager_twin(n=data.draw(st.integers(8, 32), label="n"))
     lens = []
@@ -146,7 +147,7 @@ def test_decode_step_views_follow_the_burst(K):
         assert ref.allocate_slots([r], [n], [n])[0] and dev.allocate_slots([r], [n], [n])[0]
     step = DecodeStep(dev, R, steps=K, views=True)
     fill_step(step, [0, 1, 2], [n + 1 for n in lens])
-    with LaunchCounter() as c:
+    with Meter() as c:
         step.run()
     assert c.syncs == 0
     dev.pool.check()

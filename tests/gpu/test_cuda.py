@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gpupool import BlockPool, ReferenceBlockPool
-from gpupool.launch_state import forced_warps
+from harness.warps import forced_warps
 from gpupool.errors import OutOfBlocksError
 from gpupool.replay import load_trace, replay
 from gpupool.replay.device import replay_on_device

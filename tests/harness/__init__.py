@@ -11,7 +11,6 @@
 * :mod:`harness.ops`: running ops (on both sides, expected to fail, request admission, decode steps,
   threads);
 * :mod:`harness.watchers`: reuse-watcher callbacks that log what fired;
-* :mod:`harness.launches`: counting Triton launches and host syncs in a block of code;
 * :mod:`harness.strategies`: hypothesis draws shared by several test files.
 
 Import from the module (``from harness.compare import assert_pools_agree``); this file exports nothing.

@@ -22,6 +22,11 @@ def _run(code: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
+def _refused(call: str) -> str:
+    """Code that runs ``call`` and prints ``refused: <message>`` for an InvalidArgumentError."""
+    return f"try:\n    {call}\nexcept gpupool.InvalidArgumentError as e:\n    print('refused:', e)\n"
+
+
 def test_pool_and_manager_ops_after_importing_triton_first():
     p = _run("import triton, triton.language\n"
              "import gpupool\n"
@@ -36,6 +41,7 @@ def test_pool_and_manager_ops_after_importing_triton_first():
     assert p.stdout.splitlines() == ["[1, 2]", "[[1, 2, 3], [], [], []]"]
 
 
+@pytest.mark.heavy
 def test_differential_tests_pass_after_importing_triton_first():
     """The decode step's differential test (two groups, KV events on, against the reference manager)
     in a process that imported triton before gpupool."""
@@ -59,11 +65,24 @@ def test_use_interpreter_chooses_before_the_first_kernel_and_only_then():
              "from gpupool.kernels import alloc\n"
              "print(isinstance(alloc.alloc_kernel, triton.runtime.JITFunction), os.environ.get('TRITON_INTERPRET'))\n"
              "gpupool.use_interpreter(False)\n"  # the same choice: nothing to do
-             "try:\n"
-             "    gpupool.use_interpreter(True)\n"
-             "except gpupool.InvalidArgumentError as e:\n"
-             "    print('refused:', e)\n")
+             + _refused("gpupool.use_interpreter(True)"))
     assert p.returncode == 0, p.stderr[-3000:]
     lines = p.stdout.splitlines()
     assert lines[0] == "True None", lines
     assert lines[1].startswith("refused:") and "already defined for CUDA" in lines[1], lines
+
+
+def test_importing_the_kernels_sets_nothing_and_the_pool_follows_kernels_already_defined():
+    """``gpupool.kernels`` is plain Triton: importing it (a kernel module too) leaves the process as it
+    was, its kernels follow ``TRITON_INTERPRET`` as it stands (unset: compiled); a pool built after it
+    keeps that choice rather than mixing backends, so on a CPU it is a typed error, not a crash."""
+    p = _run("import os, gpupool.kernels, gpupool.kernels.layout, gpupool.kernels.alloc as a, gpupool._backend as b\n"
+             "print(os.environ.get('TRITON_INTERPRET'), type(a.alloc_kernel).__name__, b._chosen)\n"
+             "import gpupool\n"
+             + _refused("gpupool.BlockPool(8)")
+             + "print(os.environ.get('TRITON_INTERPRET'), b._chosen)\n")
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    assert lines[0] == "None JITFunction None", lines
+    assert lines[1].startswith("refused:") and "set up for the GPU" in lines[1], lines
+    assert lines[2] == "None False", lines

@@ -65,6 +65,7 @@ def manager_without_barrier(tmp_path, monkeypatch):
     return path, lines
 
 
+@pytest.mark.heavy
 def test_cache_blocks_race_is_flagged_and_fails_under_stale(manager_without_barrier):
     path, (line,) = manager_without_barrier
     with Checker("detect") as c:
@@ -78,6 +79,7 @@ def test_cache_blocks_race_is_flagged_and_fails_under_stale(manager_without_barr
     assert c.stats["stale_lanes"] > 0
 
 
+@pytest.mark.heavy
 def test_cache_blocks_with_its_barrier_is_clean_and_passes_under_stale():
     with Checker("detect") as c:
         preemption_scenario()
@@ -117,6 +119,7 @@ def test_replay_root_race_is_flagged_and_fails_under_lag(replay_without_barrier)
     assert c.stats["lag_lanes"] > 0, e.value
 
 
+@pytest.mark.heavy
 def test_replay_with_its_barrier_passes_under_lag():
     with Checker("detect") as c:
         replay_scenario()

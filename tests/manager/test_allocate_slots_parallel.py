@@ -61,6 +61,7 @@ def decode(p: ManagerPair, slots, reason=None, sof=True) -> list[bool]:
 
 
 @pytest.mark.parametrize("groups", [("full",), ("full", "full")], ids=["full", "full+full"])
+@pytest.mark.heavy("full+full", "full")
 def test_decode_batch_is_parallel(groups):
     """Block crossings, blocks that fill (keyed, BlockStored with parent), quiet requests, events on."""
     p = small_pair(groups, num_blocks=48)
@@ -94,6 +95,7 @@ def test_duplicate_prefix_in_one_batch_falls_back():
         alloc(p, [0, 1], [12, 12], [12, 12], [True, True])
 
 
+@pytest.mark.heavy
 def test_zero_ref_hit_an_earlier_request_pops_falls_back():
     """Request 1 hits cached blocks at the head of the queue that request 0's pops take first."""
     p = small_pair(num_blocks=16)
@@ -124,6 +126,7 @@ def test_out_of_blocks_mid_batch_falls_back(sof):
     assert got == ([True, True, False, False] if sof else [True, True, False, True])
 
 
+@pytest.mark.heavy
 def test_sliding_window_hashed_release_is_parallel():
     """Blocks that leave the window are keyed: they go to the queue's tail, which no pop reaches."""
     p = small_pair(("full", ("sliding_window", 4)), num_blocks=40)

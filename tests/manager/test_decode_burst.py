@@ -15,7 +15,7 @@ from gpupool.graph import DecodeStep
 from gpupool.manager import KVCacheManager
 from harness.compare import assert_managers_agree
 from harness.keys import h
-from harness.launches import LaunchCounter
+from gpupool.instrument import Meter
 from harness.ops import fill_step as fill
 from harness.sizes import sized
 from harness.state import pool_state
@@ -128,7 +128,7 @@ def run_bursts(groups, events, K, seed, rounds, n_blocks):
         expect_adm, expect_sm = reference_burst(ref, decoding, ntok, finished, K)
         single_adm, single_sm = single_steps(step1, decoding, ntok, finished, K)
         fill(burst, decoding, ntok, finished)
-        with LaunchCounter() as c:
+        with Meter() as c:
             burst.run()
         assert c.syncs == 0
         for m in (dk, d1):
@@ -176,6 +176,7 @@ def _burst_cases():
 
 
 @pytest.mark.parametrize("kind, events, K", list(_burst_cases()))
+@pytest.mark.heavy("full-events-K2")
 def test_burst_equals_single_steps_and_reference(kind, events, K):
     totals = {"failed_mid_burst": 0, "admitted": 0, "events": 0}
     # the quick case keeps its small size under ci too (it runs there under --strict-gpu as well)
@@ -213,7 +214,7 @@ def test_burst_launches_and_syncs():
     m.allocate_slots([0, 1, 2], [3, 4, 5], [3, 4, 5])
     burst = DecodeStep(m, max_batch=R, steps=5)
     fill(burst, [2, 0, 1], [6, 4, 5], [])
-    with LaunchCounter() as c:
+    with Meter() as c:
         burst.run()
     m.pool.check()
     assert (c.launches, c.syncs) == (2 + 4, 0)

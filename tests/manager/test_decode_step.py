@@ -20,7 +20,7 @@ from gpupool.graph import DecodeStep
 from gpupool.manager import KVCacheManager
 from harness.compare import assert_managers_agree
 from harness.keys import h
-from harness.launches import LaunchCounter
+from gpupool.instrument import Meter
 from harness.device import cpu_i32
 from harness.ops import fail_a_batched_op, fill_step as fill
 from harness.sizes import sized
@@ -99,6 +99,7 @@ def drive(step_fn, ref, dev, steps, seed, dev_manager):
 
 @pytest.mark.parametrize("events", [False, True], ids=["no-events", "events"])
 @pytest.mark.parametrize("groups", [("full",), ("full", ("sliding_window", 8))])
+@pytest.mark.heavy("groups1-events", "groups1-no-events", "groups0-events")
 def test_eager_decode_step_equals_reference(groups, events):
     """Full groups only (``ManagerConfig.SW`` off: no window passes) and with a window; KV events
     off (no event layout) and on (every event row compared)."""
@@ -170,7 +171,7 @@ def test_decode_step_launches_and_syncs_do_not_depend_on_batch_size():
         m.allocate_slots(list(range(batch)), [7] * batch, [7] * batch, [1] * batch)
         step = DecodeStep(m, 32)
         fill(step, list(range(1, batch)), [8] * (batch - 1), [0])
-        with LaunchCounter() as c:
+        with Meter() as c:
             step.run()
         m.pool.check()
         assert step.admitted[: batch - 1].tolist() == [1] * (batch - 1)
@@ -353,6 +354,7 @@ def test_failed_step_admits_nobody():
 
 
 @pytest.mark.parametrize("groups", SMALL_GROUPS, ids=SMALL_GROUP_IDS)
+@pytest.mark.heavy("full+full")
 def test_pending_copy_survives_a_failed_step(groups):
     """The issue's repro: cache a block, cow_append it, make a batched op fail, run a step, check(),
     free the request: every block comes back."""

@@ -66,6 +66,7 @@ from harness.manager_pair import (  # noqa: E402
 @settings(max_examples=_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                           HealthCheck.data_too_large])
 @given(data=st.data())
+@pytest.mark.heavy("full+sliding-parallel")
 def test_manager_matches_reference(kind, parallel, data):
     """Random workloads; ``parallel``: allocate_slots takes the request-parallel path where it is exact
     (kernels/requests/parallel.py), else every batch takes the exact sequential path."""
@@ -100,6 +101,7 @@ def test_manager_matches_reference(kind, parallel, data):
 # full+full in the slow run only (quick budget): full+sw covers two groups in the quick run
 @pytest.mark.parametrize("groups", [("full",), pytest.param(("full", "full"), marks=pytest.mark.slow), ("full", SW)],
                          ids=["full", "full+full", "full+sw"])
+@pytest.mark.heavy("full+sw")
 def test_get_computed_blocks_agree(groups):
     """Shared prefixes, a repeated hash (one block hit twice), every num_tokens cap, any slot order."""
     p = small_pair(groups)

@@ -84,6 +84,7 @@ BOTH_PATHS = pytest.mark.parametrize("parallel", [True, pytest.param(False, mark
 
 
 @pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "exact"])
+@pytest.mark.heavy("exact")
 def test_reserve_holds_blocks_against_other_requests(parallel):
     """11 usable blocks. Request 0 (1 block, 4 tokens) reserves 8 more tokens: 2 blocks, none taken
     off the queue. Request 1 takes 7 of the 8 unreserved; request 2 then gets 1 block but not 3
@@ -165,6 +166,7 @@ def test_reserve_evicts_nothing_and_keeps_the_queue_order():
 
 
 @BOTH_PATHS
+@pytest.mark.heavy("parallel")
 def test_allocation_inside_a_reservation_evicts_in_lru_order(parallel):
     """Two twin pairs, one with a reservation for request 2, one without: the same allocations pop
     the same blocks from the queue's head (7, 8, then the cached 5, 4, 3: their keys evicted only
@@ -275,6 +277,7 @@ def test_reserve_counts_every_group():
     validate(q)
 
 
+@pytest.mark.heavy
 def test_bad_input_is_a_typed_error_and_changes_nothing():
     p = pair()
     add(p, 0, [], 0)

@@ -61,6 +61,7 @@ def reference_apply(ref, segments, touches, demands, calls, cache_ids):
 
 @settings(max_examples=12, deadline=None)
 @given(data=st.data())
+@pytest.mark.heavy
 def test_one_launch_equals_the_single_calls(data):
     ref, dev, old, held = setup()
     nfree = data.draw(st.integers(0, 2), label="held blocks freed")
@@ -91,6 +92,7 @@ def test_one_launch_equals_the_single_calls(data):
 
 @settings(max_examples=12, deadline=None)
 @given(data=st.data())
+@pytest.mark.heavy
 def test_rounds_equal_the_single_calls_round_after_round(data):
     """``rounds``: up to 3 batches in one launch equal the single calls, round after round: a round
     frees blocks an earlier round popped or touched, touches blocks it popped (held, or popped and

@@ -49,6 +49,7 @@ def hashes(tag, n):
 
 @settings(max_examples=12, deadline=None)
 @given(data=st.data())
+@pytest.mark.heavy
 def test_one_launch_equals_the_calls_in_order(data):
     ref, dev = twins()
     # earlier history: a request cached and freed (keyed free blocks at the queue's back), one held

@@ -175,6 +175,7 @@ def test_ring_compaction_in_free_batched_and_unpin():
 @pytest.mark.parametrize("chunks,n,mk", [(1, 5, 4), pytest.param(1, 17, 1, marks=pytest.mark.slow),
                                          pytest.param(2, 9, 4, marks=pytest.mark.slow),
                                          pytest.param(2, 17, 2, marks=pytest.mark.slow)])
+@pytest.mark.heavy("1-5-4")
 def test_key_table_near_its_limit(chunks, n, mk):
     """Tables sized so every key slot can be in use at once ((N-1)*MK == 16*chunks): inserts, deletes,
     moves and lookups stay exact, and validate() checks the overflow counts along every probe path."""

@@ -82,6 +82,7 @@ PHASES = tuple(Phase) if os.environ.get("GPUPOOL_FAULTS_SHRINK") else tuple(p fo
 @settings(max_examples=EXAMPLES, deadline=None, phases=PHASES,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
 @given(st.data())
+@pytest.mark.heavy
 def test_mixed_valid_and_invalid_ops_on_both_pools(data):
     """Random mixes of valid and invalid ops (single and batched) on small pools: right error class,
     full-state digests unchanged by every fault, pools equal and valid after every op."""

@@ -90,6 +90,7 @@ def test_healthy_pool_after_many_ops_validates():
 
 @pytest.mark.parametrize("cls", [ReferenceKVCacheManager, KVCacheManager], ids=["reference", "device"])
 @pytest.mark.parametrize("groups", SMALL_GROUPS, ids=SMALL_GROUP_IDS)
+@pytest.mark.heavy("full+full-device")
 def test_validate_sees_a_leaked_reference(groups, cls):
     """validate() of both managers works with any number of groups and checks every block's ref count
     against its references from block tables and pending copies."""

@@ -174,6 +174,7 @@ def _run(argv, env, cwd=ROOT, timeout=600):
 
 @pytest.mark.parametrize("cmd", [pytest.param(c, marks=[] if c in QUICK or c.startswith(QUICK[2]) and not gpucost_available() else [pytest.mark.slow])
                                  for c in COMMANDS])
+@pytest.mark.heavy("TRITON_INTERPRET=1 python bench/model_cases.py")
 def test_documented_command_runs(cmd, tmp_path):
     argv, env, expect = tiny(cmd, tmp_path)
     p = _run(argv, env)

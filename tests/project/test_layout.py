@@ -69,3 +69,37 @@ def test_every_constexpr_mirror_equals_its_member(module, enum, prefix):
     wrong = {prefix + m.name: getattr(module, prefix + m.name, None) for m in enum
              if getattr(getattr(module, prefix + m.name, None), "value", None) != int(m)}
     assert not wrong, f"{module.__name__}: mirrors that differ from {enum.__name__}: {wrong}"
+
+
+def test_the_read_apis_columns_are_where_the_layout_names_them():
+    """``BlockPool.mirror_rows`` and ``counters`` against the pool's own getters, column by name
+    (``kernels/layout.py``'s MirrorCol, MirrorKey, Counter); Counter follows Ctrl's order from NUM_FREE."""
+    import torch
+
+    from gpupool.kernels.layout import MIRROR_KEY_WIDTH, Counter, Ctrl, KeyCol, MirrorCol, MirrorKey
+    from harness.keys import h
+    from harness.twins import pool_twin
+
+    assert [c.name for c in Counter][1:] == [c.name for c in Ctrl if Ctrl.NUM_FREE <= c <= Ctrl.REUSE_COUNT]
+    assert [k.name for k in MirrorKey] == ["HI", "LO", "SEQ"] and KeyCol.LO == KeyCol.HI + 1
+    assert MirrorCol.KEYS == len(MirrorCol) - 1
+    _, pool = pool_twin(12, max_keys_per_block=2, enable_kv_cache_events=True)
+    blocks = pool.get_new_blocks(4).tolist()
+    pool.cache_full_blocks(blocks[:3], [h(1), h(2), h(3)], 0, 3, 16, 0)
+    pool.cache_partial_block(blocks[0], [h(7), h(8), h(9), h(10)], 16, 1, 16, 4)  # a second key on the first block
+    pool.free_blocks(blocks[2:])
+    rows = pool.mirror_rows(torch.tensor(blocks)).tolist()
+    for b, row in zip(blocks, rows):
+        assert row[MirrorCol.REF_CNT] == pool.ref_counts([b])[0]
+        assert row[MirrorCol.NUM_KEYS] == len(pool.block_keys(b))
+        assert row[MirrorCol.HASH_NTOK] == (pool.block_hash_num_tokens(b) or -1)
+        slots = [row[MirrorCol.KEYS + MIRROR_KEY_WIDTH * j:][:MIRROR_KEY_WIDTH] for j in range(row[MirrorCol.NUM_KEYS])]
+        assert [pool.key_name((s[MirrorKey.HI], s[MirrorKey.LO])) for s in slots] == pool.block_keys(b)
+    seqs = [rows[0][MirrorCol.KEYS + MirrorKey.SEQ], rows[1][MirrorCol.KEYS + MirrorKey.SEQ],
+            rows[0][MirrorCol.KEYS + MIRROR_KEY_WIDTH + MirrorKey.SEQ]]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 3  # insertion order: block 0, block 1, block 0's second key
+    counters = pool.counters().tolist()
+    assert counters[Counter.ERROR_CODE] == 0
+    assert counters[Counter.NUM_FREE] == pool.get_num_free_blocks()
+    assert counters[Counter.KEY_SEQ] == max(seqs) + 1  # the next insertion's number
+    assert counters[Counter.EV_COUNT] == counters[Counter.REUSE_COUNT] == 0  # drained by each op

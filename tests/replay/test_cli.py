@@ -384,6 +384,7 @@ def test_a_line_without_end_is_refused_at_the_cap(tmp_path, capsys, monkeypatch)
     fails(capsys, ["replay", src, "--pool", "reference"], "line 1", "longer than 1 MiB")
 
 
+@pytest.mark.heavy
 def test_a_closed_pipe_on_stdout_exits_quietly():
     """``gpupool replay | head -1``: no traceback, the shell's SIGPIPE status (141), not 1 ("disagree")."""
     p = subprocess.run(f"{sys.executable} -m gpupool replay --pool reference | head -1; exit ${{PIPESTATUS[0]}}",
@@ -432,6 +433,7 @@ def test_singular_counts(tmp_path, capsys):
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 @pytest.mark.parametrize("extra", [[], ["--json", "-"]])
+@pytest.mark.heavy("extra1")
 def test_stdout_on_a_full_disk_is_a_one_line_error(tmp_path, extra):
     """``gpupool replay > /dev/full``: stdout cannot be written (no space left); one line on stderr,
     exit 2, no traceback (it once ended in ``OSError: [Errno 28]``). With ``--json -`` the text goes to

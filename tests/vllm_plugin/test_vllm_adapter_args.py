@@ -147,6 +147,7 @@ def _value(v, p, q, r, a):
 @settings(max_examples=300, deadline=None,
           suppress_health_check=list(HealthCheck))
 @given(entry=ENTRY, args=ARGS, cls=st.sampled_from(CLASSES))
+@pytest.mark.heavy
 def test_fuzz_entry_points(entry, args, cls):
     p, r, a = setup(cls, "reference")
     q = cls(4, True, BS, backend="reference")

@@ -87,6 +87,7 @@ def test_deferred_equals_per_call_reference(ops, caching):
 
 @settings(max_examples=8, deadline=None)
 @given(ops=st.lists(OPS, min_size=4, max_size=16), caching=st.just(True))
+@pytest.mark.heavy
 def test_deferred_equals_per_call_device(ops, caching):
     _check_same(ops, caching, "device")
 
@@ -342,6 +343,7 @@ def test_batch_rounds_where_the_order_requires():
     assert got[0] == got[1]
 
 
+@pytest.mark.heavy
 def test_a_decode_step_is_one_flush():
     """vLLM's decode step over 32 running requests, each crossing into a new block (``get_new_blocks(1)``)
     and caching the block it filled (``cache_full_blocks``), after the frees of 2 finished requests:

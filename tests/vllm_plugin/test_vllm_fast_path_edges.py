@@ -137,6 +137,7 @@ def test_edge_sequence_equals_per_call_reference(name):
 
 
 @pytest.mark.parametrize("name", ["pop every block, keys evicted", "one key, two holders", "past the free count"])
+@pytest.mark.heavy("pop every block, keys evicted", "one key, two holders")
 def test_edge_sequence_equals_per_call_device(name):
     run_sequence("device", SEQUENCES[name])
 

@@ -81,6 +81,7 @@ def test_events_and_metrics_equal_per_call_small_window(ops, caching, window):
 
 @settings(max_examples=6, deadline=None)
 @given(ops=st.lists(OPS, min_size=4, max_size=14))
+@pytest.mark.heavy
 def test_events_and_metrics_equal_per_call_device(ops):
     deferred, _ = _check_same(ops, True, "device")
     deferred.device_pool.validate()

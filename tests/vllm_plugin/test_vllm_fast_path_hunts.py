@@ -102,6 +102,7 @@ def test_reference_small_window(ops, n, window, caching):
 @settings(max_examples=min(10, settings().max_examples), deadline=None, suppress_health_check=list(HealthCheck))
 @given(ops=st.lists(OPS, min_size=4, max_size=24), n=st.sampled_from([3, 6, 12]),
        window=st.sampled_from([1, 2, 3, 5]))
+@pytest.mark.heavy
 def test_device_small_window(ops, n, window):
     check(ops, n, window, "device")
 
@@ -114,6 +115,7 @@ OPS2 = st.one_of(BIG, BIG, O.BATCH_OPS, EXTRA, st.tuples(st.just("end_step")))
           suppress_health_check=list(HealthCheck))
 @given(ops=st.lists(OPS2, min_size=6, max_size=30), n=st.sampled_from([4, 8, 12]),
        window=st.sampled_from([1, 2, 3, 4]))
+@pytest.mark.heavy
 def test_device_small_window_big_pops(ops, n, window):
     check(ops, n, window, "device")
 
@@ -133,6 +135,7 @@ def _apply3(pool, op, reqs, seen):
           suppress_health_check=list(HealthCheck))
 @given(ops=st.lists(OPS3, min_size=6, max_size=30), n=st.sampled_from([2, 3, 5, 9]),
        window=st.sampled_from([1, 2, 3, 2048]), caching=st.booleans())
+@pytest.mark.heavy
 def test_device_reset_tiny_pools(ops, n, window, caching):
     with mock.patch(__name__ + "._apply", _apply3):
         check(ops, n, window, "device", caching)

@@ -39,6 +39,7 @@ def _check(ops, n):
 
 @settings(max_examples=10, deadline=None)
 @given(ops=st.lists(BATCH_OPS, min_size=4, max_size=24))
+@pytest.mark.heavy
 def test_batch_order_equals_call_order(ops):
     _check(ops, 12)
 

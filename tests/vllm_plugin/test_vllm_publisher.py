@@ -86,6 +86,7 @@ def test_publish_never_blocks_drops_when_full(caplog):
         _call_with_deadline(pub.close, 10)
 
 
+@pytest.mark.heavy
 def test_close_sends_every_queued_batch():
     # a subscriber that reads nothing until the publisher is closed: the batches wait in the PUB
     # socket's pipe (not dropped: under its high-water mark), which a close with linger 0 discards

@@ -1,6 +1,6 @@
 """Triton kernels of gpupool (installed as ``gpupool.kernels``): ``@triton.jit`` kernels and thin launch
-functions. No policy and no Python state live here; the pool (``gpupool.pool``) decides what to launch.
+functions. No policy and no Python state live here, and importing a module of it changes nothing in
+the process: its kernels follow ``TRITON_INTERPRET`` as it stands, like any Triton code. The pool
+(``gpupool.pool``) decides what to launch, and gpupool's device modules choose the backend before they
+import the kernels (``gpupool/_backend.py``).
 """
-from .._backend import select as _select_backend
-
-_select_backend()  # compiled or interpreted, before any kernel is defined (gpupool/_backend.py)

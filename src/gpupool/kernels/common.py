@@ -7,7 +7,6 @@ errors, docs/semantics.md section 3); it validates its whole input, then commits
 import triton
 import triton.language as tl
 
-from ..launch_state import forced_num_warps
 from .layout import BIG, ST_CAUSE, ST_CODE, ST_EXTRA, ST_OP, ST_VALUE
 
 
@@ -132,11 +131,7 @@ def batch_config(pc, n: int):
 
 
 def warps_for(block: int) -> int:
-    """Warps of a one-program kernel with ``block`` lanes (host side): 2 to 4 lanes per thread, unless
-    a test forces a count (``gpupool.launch_state.forced_warps``)."""
-    forced = forced_num_warps()
-    if forced is not None:
-        return forced
+    """Warps of a one-program kernel with ``block`` lanes (host side): 2 to 4 lanes per thread."""
     return 16 if block >= 1024 else 8 if block >= 512 else 4
 
 

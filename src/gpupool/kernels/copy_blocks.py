@@ -29,10 +29,12 @@ loop's carried value, and with ``while`` the same kernel compiled to scalar acce
 
 CUDA graphs. With ``num_copies: int32[1]`` on the device the grid is sized by ``len(src)`` (the queue
 capacity) and programs ``i >= num_copies[0]`` exit, so a captured graph replays with a changing count.
-The offset table is built on the first call for a given set of layer addresses and kept for the life
-of the process (``gpupool.launch_state.offset_tables``: a captured graph reads it; a few bytes per
-layer): make that first call (and any with ``check=True``, whose value checks sync with the host)
-before capture, and capture with ``check=False``.
+The offset table is a small device tensor built from the layers' addresses. A caller that captures
+passes ``offset_tables``, a dict it keeps for as long as the graph may replay (the manager keeps one):
+the table is built on the first call for a given set of layer addresses and reused after (a few
+bytes per layer); make that first call (and any with ``check=True``, whose value checks sync with
+the host) before capture, and capture with ``check=False``. Without it each call builds its table
+(one host-to-device copy), so the module itself keeps nothing.
 The launcher groups layers by bytes per block and splits a group past 65,535 layers (CUDA's grid limit).
 """
 from __future__ import annotations
@@ -44,7 +46,6 @@ import triton
 import triton.language as tl
 
 from gpupool.errors import InvalidArgumentError
-from gpupool.launch_state import offset_tables
 
 # Host-side settings of the launcher (no kernel reads them, so they are plain Python values).
 OP = "copy_blocks"
@@ -164,18 +165,22 @@ def _check_values(kv_caches, src, dst, num_copies) -> None:
             _fail(f"block {b} is both a copy's source and a copy's destination", b)
 
 
-def _offset_table(layers, unit: int, vec: int, device) -> torch.Tensor:
+def _offset_table(layers, unit: int, vec: int, device, offset_tables: dict | None) -> torch.Tensor:
     key = (str(device), unit, vec, tuple(t.data_ptr() for t in layers))
-    off = offset_tables.get(key)
+    off = None if offset_tables is None else offset_tables.get(key)
     if off is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            _fail("the layers' offset table is not built: pass offset_tables (a dict kept while the graph "
+                  "lives) to an eager call with these caches first, and the same dict when capturing")
         base = layers[0].data_ptr()
         off = torch.tensor([(t.data_ptr() - base) // (unit * vec) for t in layers], dtype=torch.int64,
                            device=device)
-        offset_tables[key] = off
+        if offset_tables is not None:
+            offset_tables[key] = off
     return off
 
 
-def _launch(layers, block_bytes: int, src, dst, num_copies, device) -> None:
+def _launch(layers, block_bytes: int, src, dst, num_copies, device, offset_tables: dict | None) -> None:
     align = 16
     for v in [block_bytes] + [t.data_ptr() for t in layers]:
         while v % align:
@@ -187,7 +192,7 @@ def _launch(layers, block_bytes: int, src, dst, num_copies, device) -> None:
     nz = min(triton.cdiv(units, block), MAX_GRID_YZ)
     warps = max(1, min(4, block * unit // 512))
     base = layers[0].view(-1).view(torch.uint8).view(_UNIT_DTYPE[unit])
-    off = _offset_table(layers, unit, vec, device)
+    off = _offset_table(layers, unit, vec, device, offset_tables)
     count = num_copies if num_copies is not None else src
     copy_blocks_kernel[(len(src), len(layers), nz)](
         base, off, src, dst, count, len(src), units // vec, min(t.shape[0] for t in layers),
@@ -195,7 +200,7 @@ def _launch(layers, block_bytes: int, src, dst, num_copies, device) -> None:
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor,
-                num_copies: torch.Tensor | None = None, check: bool = True) -> None:
+                num_copies: torch.Tensor | None = None, check: bool = True, offset_tables: dict | None = None) -> None:
     """Copy block ``src[i]`` to block ``dst[i]`` in every layer of ``kv_caches``, for ``i < n``, in place.
 
     ``kv_caches``: contiguous tensors ``[num_blocks, ...]`` on one device, in disjoint memory; any
@@ -208,7 +213,10 @@ def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Ten
     different devices, overlapping caches, ids that are not 1-d int32 of equal length, and (``check=True``
     only, as these read device values: a host sync) a count outside ``0 .. P``, an id outside
     ``0 .. num_blocks - 1``, two copies to one block, or a block that is both a source and a destination.
-    Use ``check=False`` inside CUDA graph capture, after one eager call with the same caches.
+    ``offset_tables``: a dict the caller keeps, where the per-layer offset tables are built once per
+    set of layer addresses and reused (module docstring); None builds one for this call alone.
+    Use ``check=False`` inside CUDA graph capture, after one eager call with the same caches and the
+    same ``offset_tables`` (a table not built yet during capture is an InvalidArgumentError).
     """
     device = check_layers(kv_caches)
     _check_ids("src", src, device)
@@ -240,7 +248,7 @@ def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Ten
     for block_bytes, layers in groups.items():
         if per_layer:
             for t in layers:
-                _launch([t], block_bytes, src, dst, num_copies, device)
+                _launch([t], block_bytes, src, dst, num_copies, device, offset_tables)
             continue
         for start in range(0, len(layers), MAX_GRID_YZ):
-            _launch(layers[start:start + MAX_GRID_YZ], block_bytes, src, dst, num_copies, device)
+            _launch(layers[start:start + MAX_GRID_YZ], block_bytes, src, dst, num_copies, device, offset_tables)

@@ -1,6 +1,7 @@
 """Every number the host and the kernels must agree on, defined once: control-word slots, the status
 word and its causes, op codes, error codes, event kinds and row columns, key-row columns, the key table's chunk
-width, the fallback reasons, the flush kernel's round table, sentinels.
+width, the fallback reasons, the flush kernel's round table, sentinels; and the columns of the pool's
+read API that the host reads from those (``BlockPool.mirror_rows``, ``BlockPool.counters``).
 
 Each group is an ``IntEnum`` for the host; kernels read the ``tl.constexpr`` mirrors below it (a
 kernel cannot read an enum member), unpacked from :func:`constexprs` into names that repeat the
@@ -194,6 +195,39 @@ class KeyCol(IntEnum):
 KEY_WIDTH = len(KeyCol)
 KW = tl.constexpr(KEY_WIDTH)
 K_HI, K_LO, K_GROUP, K_SEQ, K_SLOT = constexprs(KeyCol)
+
+
+class MirrorCol(IntEnum):
+    """Columns of ``BlockPool.mirror_rows``' rows ``int64[n, KEYS + MIRROR_KEY_WIDTH * k]`` (the host
+    reads them, no kernel): per block, then its first ``k`` key slots, primary first, each
+    ``MIRROR_KEY_WIDTH`` columns in MirrorKey's order from ``KEYS + MIRROR_KEY_WIDTH * slot``."""
+
+    REF_CNT = 0
+    NUM_KEYS = 1
+    HASH_NTOK = 2  # tokens the primary key covers (-1: none)
+    KEYS = 3  # the first key slot's first column
+
+
+class MirrorKey(IntEnum):
+    """One key slot's columns in ``BlockPool.mirror_rows`` (MirrorCol): KeyCol's HI, LO and SEQ."""
+
+    HI = 0
+    LO = 1
+    SEQ = 2
+
+
+MIRROR_KEY_WIDTH = len(MirrorKey)
+
+
+class Counter(IntEnum):
+    """Entries of ``BlockPool.counters()``: ``int64[len(Counter)]`` (the host reads them, no kernel):
+    the status word's error code, then the control words from NUM_FREE to REUSE_COUNT (Ctrl)."""
+
+    ERROR_CODE = 0
+    NUM_FREE = 1
+    KEY_SEQ = 2
+    EV_COUNT = 3
+    REUSE_COUNT = 4
 
 #: Slots per chunk of the prefix-key table ``table: int64[NCHUNK * CHUNK_SLOTS + 1]`` (kernels/keytable.py).
 CHUNK_SLOTS = 16

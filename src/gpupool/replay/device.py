@@ -16,6 +16,9 @@ from collections.abc import Mapping
 
 import torch
 
+from .. import _backend
+
+_backend.select()  # the kernels' backend, before the kernels below are defined
 from ..kernels.replay import NUM_LOOP_WORDS, LoopState, LoopWord, TraceTensors, launch_replay_loop
 from ..keys import trace_block_hash
 from ..pool import BlockPool
