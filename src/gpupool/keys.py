@@ -26,6 +26,8 @@ import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from .errors import ArgumentTypeError, InvalidArgumentError
+
 __all__ = [
     "NONE_HASH",
     "PICKLE_PROTOCOL",
@@ -37,6 +39,9 @@ __all__ = [
     "device_keys",
     "device_key_list",
     "trace_block_hash",
+    "digest_words",
+    "words_digest",
+    "NONE_HASH_WORDS",
 ]
 
 #: Pickle protocol used to serialise hash inputs (vLLM's ``sha256`` uses ``pickle.HIGHEST_PROTOCOL``;
@@ -286,6 +291,40 @@ def device_keys(block_hashes: Sequence[bytes], group_id: int, device=None):
     if not rows:
         return torch.empty((0, 2), dtype=torch.int64, device=device)
     return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+DIGEST_OP = "block_hashes"  # the op the digest conversions' errors name
+DIGEST_WORDS = 8  # a 32-byte digest as int32 words (kernels/layout.py DIGEST_WORDS)
+
+
+def digest_words(b: bytes) -> list[int]:
+    """The 8 int32 words of a 32-byte digest: word ``j`` = bytes ``4j .. 4j + 3`` big-endian, as a
+    signed int32. Raises ArgumentTypeError (not bytes) or InvalidArgumentError (not 32 bytes)."""
+    if not isinstance(b, (bytes, bytearray)):
+        raise ArgumentTypeError(DIGEST_OP, f"a digest must be bytes, got {type(b).__name__}")
+    if len(b) != 4 * DIGEST_WORDS:
+        raise InvalidArgumentError(DIGEST_OP, f"a digest must be {4 * DIGEST_WORDS} bytes, got {len(b)}", len(b))
+    return list(struct.unpack(">8i", bytes(b)))
+
+
+def words_digest(words) -> bytes:
+    """The digest of 8 words (:func:`digest_words`' inverse): integers in ``-2**31 .. 2**32 - 1`` (signed
+    or unsigned 32-bit), or an integer tensor row. Raises ArgumentTypeError (not integers) or
+    InvalidArgumentError (another count, a value out of range)."""
+    try:
+        words = [operator.index(w) for w in (words.tolist() if hasattr(words, "tolist") and not isinstance(words, (list, tuple)) else words)]
+    except TypeError as e:
+        raise ArgumentTypeError(DIGEST_OP, f"digest words must be integers: {e}") from None
+    if len(words) != DIGEST_WORDS:
+        raise InvalidArgumentError(DIGEST_OP, f"a digest is {DIGEST_WORDS} words, got {len(words)}", len(words))
+    for w in words:
+        if not -(1 << 31) <= w < 1 << 32:
+            raise InvalidArgumentError(DIGEST_OP, f"digest word {w} is not a 32-bit value", w)
+    return struct.pack(">8I", *(w & 0xFFFFFFFF for w in words))
+
+
+#: :data:`NONE_HASH` (block 0's parent) as digest words (:func:`digest_words`).
+NONE_HASH_WORDS: list[int] = digest_words(NONE_HASH)
 
 
 def trace_block_hash(hash_id: int | str) -> bytes:

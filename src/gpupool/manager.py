@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 
 from . import tensors
+from .keys import NONE_HASH_WORDS, digest_words, words_digest
 from .args import (
     NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_host_list, as_id_list, as_int, as_token_list,
     check_slot, check_slot_list, check_tail, own_hashing_message,
@@ -52,7 +53,7 @@ from .errors import (
 from . import _backend
 
 _backend.select()  # the kernels' backend, before the kernels below are defined
-from .kernels.block_hash import NONE_HASH_WORDS, digest_words, scratch_words, words_digest  # noqa: E402
+from .kernels.block_hash import scratch_words  # noqa: E402
 from .kernels.sha256 import round_constant_table  # noqa: E402
 from .kernels.requests import admit as k_admit  # noqa: E402
 from .kernels.requests import copies as k_copies

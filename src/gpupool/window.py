@@ -28,12 +28,15 @@ from typing import NamedTuple
 
 import torch
 
+from . import _backend
 from .args import as_id_list, as_int
 from .errors import ArgumentTypeError, InvalidArgumentError
-from .kernels.requests import views as k_views
-from .kernels.requests import window as k_window
-from .kv_cache import AttentionViews
-from .tensors import check_int32
+
+_backend.select()  # the kernels' backend, before the kernels below are defined
+from .kernels.requests import views as k_views  # noqa: E402
+from .kernels.requests import window as k_window  # noqa: E402
+from .kv_cache import AttentionViews  # noqa: E402
+from .tensors import check_int32  # noqa: E402
 
 
 class WindowResult(NamedTuple):

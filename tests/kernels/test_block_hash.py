@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 import gpupool.kernels.block_hash as bh
 from gpupool import keys
 from gpupool.errors import ArgumentTypeError, InvalidArgumentError
-from gpupool.kernels.block_hash import (MAX_HASH_BLOCK_SIZE, NONE_HASH_WORDS, block_hash, device_key, digest_words,
-                                        launch_block_hashes, max_chunks, max_message_bytes, scratch_words,
-                                        words_digest)
+from gpupool.keys import NONE_HASH_WORDS, digest_words, words_digest
+from gpupool.kernels.block_hash import (KEY_DOMAIN, MAX_HASH_BLOCK_SIZE, block_hash, device_key,
+                                        launch_block_hashes, max_chunks, max_message_bytes, scratch_words)
 from gpupool.kernels.sha256 import round_constant_table
 from strict import Checker
 from test_kernel_barriers import without_barrier
@@ -312,3 +312,8 @@ def test_the_digest_barrier_is_needed(tmp_path, monkeypatch):
     with Checker("stale"):
         assert hash_on_device(parent_list, rows, (0, 1)) != expected(parent_list, rows, (0, 1))
 
+
+
+def test_the_key_domain_is_the_hosts():
+    """The kernel module names keys.device_key's domain itself (it imports no host module)."""
+    assert KEY_DOMAIN == keys._DEVICE_KEY_DOMAIN

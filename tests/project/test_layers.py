@@ -151,6 +151,7 @@ def test_kernels_hold_no_python_state(path):
                         found.append(f"line {node.lineno}: writes into {base.id}")
             elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                   and isinstance(node.func.value, ast.Name) and node.func.value.id in module_names
+                  and node.func.value.id not in ("tl", "triton")  # Triton's ops (tl.add) change no module
                   and node.func.attr in MUTATORS):
                 found.append(f"line {node.lineno}: {node.func.value.id}.{node.func.attr}(...)")
     assert not found, f"{path.relative_to(ROOT)} holds Python state: {found}"

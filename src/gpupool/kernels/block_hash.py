@@ -10,7 +10,7 @@ A *lane* is one hash block of one request. For each lane the helpers compute wha
 
 Digests travel as 8 words: word ``j`` holds bytes ``4j .. 4j + 3`` of the digest big-endian, stored
 as ``int32`` (the bit pattern of the ``uint32``); :func:`digest_words` and :func:`words_digest`
-convert on the host, :data:`NONE_HASH_WORDS` is ``keys.NONE_HASH`` so.
+convert on the host, :data:`gpupool.keys.NONE_HASH_WORDS` is ``keys.NONE_HASH`` so.
 
 Interface (a kernel that fills blocks with tokens keys them with the first two):
 
@@ -71,15 +71,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import interpreted
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from ..keys import _DEVICE_KEY_DOMAIN, NONE_HASH
 from .sha256 import round_constant_table, sha256_compress, sha256_iv
 
 __all__ = [
-    "DIGEST_WORDS", "MAX_HASH_BLOCK_SIZE", "NONE_HASH_WORDS", "block_hash", "block_hashes_kernel", "device_key",
-    "digest_words", "launch_block_hashes", "load_digest", "max_chunks", "max_message_bytes", "round_constant_table",
-    "scratch_words", "store_digest", "words_digest",
+    "DIGEST_WORDS", "MAX_HASH_BLOCK_SIZE", "block_hash", "block_hashes_kernel", "device_key",
+    "launch_block_hashes", "load_digest", "max_chunks", "max_message_bytes", "round_constant_table",
+    "scratch_words", "store_digest",
 ]
 
 OP = "block_hashes"
@@ -111,7 +109,10 @@ _TAIL64 = tl.constexpr(tuple(int.from_bytes(bytes([op]) + _TRAILER + b"\x80", "l
 assert TAIL_BYTES + 1 <= 8
 
 # device_key: domain + 8-byte length (30 bytes) + digest (32) + group (8) = 70 bytes, 2 chunks
-_KEY_PREFIX = _DEVICE_KEY_DOMAIN + (32).to_bytes(8, "little")
+#: ``keys.device_key``'s domain (a kernel module imports no host module: tests/kernels/test_block_hash.py
+#: checks the two are equal)
+KEY_DOMAIN = b"gpupool.device_key.v1\x00"
+_KEY_PREFIX = KEY_DOMAIN + (32).to_bytes(8, "little")
 assert len(_KEY_PREFIX) == 30 and _KEY_PREFIX[28:] == b"\0\0"  # word 7 = 00 00 d0 d1 (shifts below)
 _KEY_WORDS = tl.constexpr(struct.unpack(">7I", _KEY_PREFIX[:28]))
 _KEY_BITS = tl.constexpr((len(_KEY_PREFIX) + 32 + 8) * 8)
@@ -131,36 +132,6 @@ def scratch_words(hbs: int) -> int:
     """``W``: int32 words of the scratch row each lane of :func:`block_hash` needs for blocks of ``hbs``
     tokens (the longest message and its 4 pad bytes)."""
     return (max_message_bytes(hbs) + PAD_BYTES + 3) // 4
-
-
-def digest_words(b: bytes) -> list[int]:
-    """The 8 int32 words of a 32-byte digest: word ``j`` = bytes ``4j .. 4j + 3`` big-endian, as a
-    signed int32. Raises ArgumentTypeError (not bytes) or InvalidArgumentError (not 32 bytes)."""
-    if not isinstance(b, (bytes, bytearray)):
-        raise ArgumentTypeError(OP, f"a digest must be bytes, got {type(b).__name__}")
-    if len(b) != 4 * DIGEST_WORDS:
-        raise InvalidArgumentError(OP, f"a digest must be {4 * DIGEST_WORDS} bytes, got {len(b)}", len(b))
-    return list(struct.unpack(">8i", bytes(b)))
-
-
-def words_digest(words) -> bytes:
-    """The digest of 8 words (:func:`digest_words`' inverse): integers in ``-2**31 .. 2**32 - 1`` (signed
-    or unsigned 32-bit), or an integer tensor row. Raises ArgumentTypeError (not integers) or
-    InvalidArgumentError (another count, a value out of range)."""
-    try:
-        words = [operator.index(w) for w in (words.tolist() if isinstance(words, torch.Tensor) else words)]
-    except TypeError as e:
-        raise ArgumentTypeError(OP, f"digest words must be integers: {e}") from None
-    if len(words) != DIGEST_WORDS:
-        raise InvalidArgumentError(OP, f"a digest is {DIGEST_WORDS} words, got {len(words)}", len(words))
-    for w in words:
-        if not -(1 << 31) <= w < 1 << 32:
-            raise InvalidArgumentError(OP, f"digest word {w} is not a 32-bit value", w)
-    return struct.pack(">8I", *(w & 0xFFFFFFFF for w in words))
-
-
-#: ``keys.NONE_HASH`` (block 0's parent) as digest words.
-NONE_HASH_WORDS: list[int] = digest_words(NONE_HASH)
 
 
 @triton.jit
@@ -240,8 +211,8 @@ def block_hash(parent_ptrs, tok_ptrs, mask, out_ptrs, scratch_ptrs, k_table, HBS
 
     Args:
         parent_ptrs: ``int32`` pointers ``[L]``: lane ``l``'s parent digest words at
-            ``parent_ptrs[l] + j``, ``j < 8`` (:func:`digest_words`; block 0's parent is
-            :data:`NONE_HASH_WORDS`).
+            ``parent_ptrs[l] + j``, ``j < 8`` (``keys.digest_words``; block 0's parent is
+            ``keys.NONE_HASH_WORDS``).
         tok_ptrs: ``int32`` pointers ``[L]``: lane ``l``'s ``HBS`` token ids at ``tok_ptrs[l] + t``.
         mask: ``[L]`` booleans, the lanes to hash; the others read and write nothing.
         out_ptrs: ``int32`` pointers ``[L]``: lane ``l``'s digest words go to ``out_ptrs[l] + j``. May
@@ -473,11 +444,11 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 def launch_block_hashes(parents: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor,
                         groups: torch.Tensor | None = None, *, lanes: int | None = None) -> torch.Tensor:
     """Hash ``n`` blocks on the device: ``out[i]`` = the digest words of
-    ``keys.hash_block_tokens(words_digest(parents[i]), tokens[i].tolist())`` and
+    ``keys.hash_block_tokens(keys.words_digest(parents[i]), tokens[i].tolist())`` and
     ``keys[i, g] = keys.device_key(that digest, groups[g])``. One launch.
 
     Args:
-        parents: ``int32 [n, 8]``: each lane's parent digest words (:func:`digest_words`).
+        parents: ``int32 [n, 8]``: each lane's parent digest words (``keys.digest_words``).
         tokens: ``int32 [n, HBS]``: each lane's token ids, ``1 <= HBS <= MAX_HASH_BLOCK_SIZE``.
         out: ``int32 [n, 8]``: receives the digest words; ``parents`` itself (hashed in place) or memory
             shared with neither ``parents`` nor ``tokens``.
@@ -519,7 +490,7 @@ def launch_block_hashes(parents: torch.Tensor, tokens: torch.Tensor, out: torch.
     if n == 0:
         return keys
     if lanes is None:
-        lanes = min(triton.next_power_of_2(n), 256 if interpreted() else 32)
+        lanes = min(triton.next_power_of_2(n), 256 if parents.device.type == "cpu" else 32)
     words = scratch_words(hbs)
     tiles = triton.cdiv(n, lanes)
     programs = max(1, min(tiles, MAX_PROGRAMS, SCRATCH_BUDGET // (lanes * words * 4)))

@@ -26,7 +26,7 @@ from ..block_hash import block_hash, device_key, store_digest
 from ..common import checked_count, keep_first_why, lanes, ld, no_error_why, set_status_why, status_clear, warps_for
 from ..layout import (
     BIG, C_ACCEPTED_COUNT, C_COUNT_PAST_ARRAYS, C_TOKEN_COUNT, C_TOKEN_ID, DW, E_BUFFER_FULL, E_INVALID_ARG,
-    E_INVALID_COUNT, OP_APPEND_TOKENS, OP_WINDOW_BEGIN, OP_WINDOW_END, OP_WINDOW_STEP,
+    E_INVALID_COUNT, OP_APPEND_TOKENS, OP_WINDOW_BEGIN, OP_WINDOW_STEP, Op,
 )
 from .checks import check_batch_counts, check_slots, check_step, count_cause, or_count_error, with_event_room
 from .exact import allocate_running_exact
@@ -107,13 +107,15 @@ def window_begin_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, wb, work, ca
 
 
 @triton.jit
-def fold_append_errors(ms, mc: tl.constexpr, err, val, why, extra, err_i, idx, r, acc, nt, going, tok_row,
-                       Q: tl.constexpr, LIMIT, TOKENS: tl.constexpr, MIN_ACC: tl.constexpr):
-    """Fold a tile of appends into the running first error (``keep_first_why``): lanes ``going`` of
+def fold_append_errors(ms, mc: tl.constexpr, fold, idx, r, acc, nt, going, tok_row, Q: tl.constexpr, LIMIT,
+                       TOKENS: tl.constexpr, MIN_ACC: tl.constexpr):
+    """Fold a tile of appends into the running first error ``fold`` (``keep_first_why``'s (error,
+    value, cause, extra, index)): lanes ``going`` of
     request ``r`` gain ``acc`` tokens (MIN_ACC .. Q, else InvalidCountError, cause ACCEPTED_COUNT), which
     take them to ``nt`` tokens (at most ``LIMIT``, else TOKEN_COUNT); with ``TOKENS`` the tokens at
     ``tok_row`` (per-lane pointers) must be int32 (InvalidArgumentError, TOKEN_ID). Returns the fold
     and the hash blocks the appends fill for requests that hash their tokens (the name log's need)."""
+    err, val, why, extra, err_i = fold
     bad_acc = going & ((acc < MIN_ACC) | (acc > Q))
     bad_nt = going & ~bad_acc & (nt > LIMIT)
     err, val, why, extra, err_i = keep_first_why(
@@ -131,7 +133,7 @@ def fold_append_errors(ms, mc: tl.constexpr, err, val, why, extra, err_i, idx, r
         f = (ld(ms.num_tail + r, hashes) + acc) // mc.HBS
         f = tl.minimum(f, mc.M * mc.K - ld(ms.num_hashes + r, hashes))
         fills = tl.sum(tl.where(hashes, tl.maximum(f, 0), 0), axis=0)
-    return err, val, why, extra, err_i, fills
+    return (err, val, why, extra, err_i), fills
 
 
 @triton.jit
@@ -148,19 +150,20 @@ def check_advance(ps, pc: tl.constexpr, ms, mc: tl.constexpr, wb, n, Q: tl.const
     """(error, value, cause, extra) of what a forward pass wrote, the first bad lane's
     (:func:`fold_append_errors` of every live lane that did not stop, its token count at most
     ``M * BS - ROOM`` after), then the name log's room (:func:`with_name_room`)."""
-    err, val, why, extra, err_i = no_error_why()
+    fold = no_error_why()
     fills = tl.zeros([], tl.int32)
     i = 0
     while i < n:
         idx, m = lanes(i, n, mc.BLOCK)
         going = m & (ld(wb.live + idx, m) != 0) & (ld(wb.stopped + idx, m) == 0)
         acc = ld(wb.accepted + idx, going)
-        err, val, why, extra, err_i, f = fold_append_errors(
-            ms, mc, err, val, why, extra, err_i, idx, ld(wb.slots + idx, m), acc, ld(wb.lane_tokens + idx, going) + acc,
-            going, wb.tokens + idx.to(tl.int64) * TOK_STRIDE, Q=Q, LIMIT=mc.M * mc.BS - ROOM, TOKENS=TOKENS,
-            MIN_ACC=1)
+        fold, f = fold_append_errors(ms, mc, fold, idx, ld(wb.slots + idx, m), acc,
+                                     ld(wb.lane_tokens + idx, going) + acc, going,
+                                     wb.tokens + idx.to(tl.int64) * TOK_STRIDE, Q=Q, LIMIT=mc.M * mc.BS - ROOM,
+                                     TOKENS=TOKENS, MIN_ACC=1)
         fills += f
         i += mc.BLOCK
+    err, val, why, extra, _ = fold
     err, val = with_name_room(ms, mc, err, val, fills)
     return err, val, why, extra
 
@@ -338,21 +341,36 @@ def allocate_lanes(ps, pc: tl.constexpr, ms, mc: tl.constexpr, wb, work, k, n, c
         tl.store(wb.flags, 1)
 
 
+class StepConfig(NamedTuple):
+    """A window launch's constants (one ``tl.constexpr`` argument): the op its errors name (``OP``),
+    ``K`` steps, ``Q = D + 1`` queries a lane (``QP`` the power of two at or above), ``D`` lookahead
+    tokens, whether it takes a pass's decisions (``ADVANCE``) and allocates (``ALLOCATE``), whether the
+    pass gives its tokens (``TOKENS``), the exact path for every lane (``FORCE_EXACT``)."""
+
+    OP: int
+    K: int
+    Q: int
+    QP: int
+    D: int
+    ADVANCE: bool
+    ALLOCATE: bool
+    TOKENS: bool
+    FORCE_EXACT: bool
+
+
 @triton.jit
-def window_step_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, wb, work, k, cap, OP: tl.constexpr,
-                       K: tl.constexpr, Q: tl.constexpr, QP: tl.constexpr, D: tl.constexpr, ADVANCE: tl.constexpr,
-                       ALLOCATE: tl.constexpr, TOKENS: tl.constexpr, FORCE_EXACT: tl.constexpr):
-    """Pool step ``k`` (``ALLOCATE``; after forward pass k - 1 with ``ADVANCE``), or the window's end
-    (``ADVANCE`` alone). Errors go to the status word as op ``OP``; a step after an error clears its
-    output rows and does nothing else."""
+def window_step_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, wb, work, k, cap, wc: tl.constexpr):
+    """Pool step ``k`` (``wc.ALLOCATE``; after forward pass k - 1 with ``wc.ADVANCE``), or the window's
+    end (``ADVANCE`` alone); ``wc``: a :class:`StepConfig`. Errors go to the status word as op ``wc.OP``;
+    a step after an error clears its output rows and does nothing else."""
     n, _ = checked_count(wb.num_reqs, cap)
     ok = status_clear(ps.status)
-    if ADVANCE:
-        ok = advance_lanes(ps, pc, ms, mc, wb, k, n, ok, OP=OP, Q=Q, QP=QP, ROOM=D if ALLOCATE else 0, TOKENS=TOKENS,
-                           TOK_STRIDE=Q)
+    if wc.ADVANCE:
+        ok = advance_lanes(ps, pc, ms, mc, wb, k, n, ok, OP=wc.OP, Q=wc.Q, QP=wc.QP,
+                           ROOM=wc.D if wc.ALLOCATE else 0, TOKENS=wc.TOKENS, TOK_STRIDE=wc.Q)
         tl.debug_barrier()
-    if ALLOCATE:
-        allocate_lanes(ps, pc, ms, mc, wb, work, k, n, cap, ok, K=K, Q=Q, D=D, FORCE_EXACT=FORCE_EXACT)
+    if wc.ALLOCATE:
+        allocate_lanes(ps, pc, ms, mc, wb, work, k, n, cap, ok, K=wc.K, Q=wc.Q, D=wc.D, FORCE_EXACT=wc.FORCE_EXACT)
 
 
 @triton.jit
@@ -370,7 +388,7 @@ def append_tokens_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, coun
         extra = tl.zeros([], tl.int64)
         err, val, why, extra = or_count_error(err, val, why, extra, n_ok, num, cap, CAUSE=C_COUNT_PAST_ARRAYS)
         if err == 0:
-            err_i = tl.full([], BIG, tl.int32)
+            fold = (err, val, why, extra, tl.full([], BIG, tl.int32))
             fills = tl.zeros([], tl.int32)
             i = 0
             while i < n:
@@ -379,11 +397,12 @@ def append_tokens_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, coun
                 c = ld(counts + idx, m)
                 hashes = m & (ld(ms.hashing + r, m) != 0)
                 known = ld(ms.num_hashes + r, hashes) * mc.HBS + ld(ms.num_tail + r, hashes) + c
-                err, val, why, extra, err_i, f = fold_append_errors(
-                    ms, mc, err, val, why, extra, err_i, idx, r, c, tl.where(hashes, known, 0), m,
-                    tokens + idx.to(tl.int64) * T, Q=T, LIMIT=mc.M * mc.BS, TOKENS=True, MIN_ACC=0)
+                fold, f = fold_append_errors(ms, mc, fold, idx, r, c, tl.where(hashes, known, 0), m,
+                                             tokens + idx.to(tl.int64) * T, Q=T, LIMIT=mc.M * mc.BS, TOKENS=True,
+                                             MIN_ACC=0)
                 fills += f
                 i += mc.BLOCK
+            err, val, why, extra, _ = fold
             err, val = with_name_room(ms, mc, err, val, fills)
         if err != 0:
             set_status_why(ps.status, code=err, op=OP_APPEND_TOKENS, value=val, cause=why, extra=extra)
@@ -415,11 +434,10 @@ def launch_window_step(ps, pc, ms, mc, wb, work, k: int, *, steps: int, lookahea
                        allocate: bool, tokens: bool, force_exact: bool = False) -> None:
     """Launch :func:`window_step_kernel` (one program): pool step ``k`` (``allocate``; after a forward
     pass with ``advance``), or the window's end (``advance`` alone, ``k = steps``)."""
-    window_step_kernel[(1,)](ps, pc, ms, mc, wb, work, k, wb.slots.numel(),
-                             OP=OP_WINDOW_STEP if allocate else OP_WINDOW_END, K=steps, Q=lookahead + 1,
-                             QP=triton.next_power_of_2(lookahead + 1),
-                             D=lookahead, ADVANCE=bool(advance), ALLOCATE=bool(allocate), TOKENS=bool(tokens),
-                             FORCE_EXACT=bool(force_exact), num_warps=_warps(pc, mc))
+    wc = StepConfig(OP=int(Op.WINDOW_STEP if allocate else Op.WINDOW_END), K=steps, Q=lookahead + 1,
+                    QP=triton.next_power_of_2(lookahead + 1), D=lookahead, ADVANCE=bool(advance),
+                    ALLOCATE=bool(allocate), TOKENS=bool(tokens), FORCE_EXACT=bool(force_exact))
+    window_step_kernel[(1,)](ps, pc, ms, mc, wb, work, k, wb.slots.numel(), wc, num_warps=_warps(pc, mc))
 
 
 def launch_append_tokens(ps, pc, ms, mc, slots, counts, tokens, num) -> None:
