@@ -243,3 +243,17 @@ def test_gpu_bench_bad_flags_end_with_a_usage_message(flags, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--device", "cpu", "--no-graph", *flags])
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode,K", [("host", 1), ("window", 2)])
+def test_an_exactly_full_pool_makes_progress(model, mode, K):
+    """Six requests at a block boundary fill the pool exactly and each needs a block for its next
+    token: following vLLM (the last running request preempted so the earlier ones advance, nobody
+    admitted after a step that preempted) every request finishes; preempting every request a step
+    refused (the rule this replaced) re-admitted the same six forever."""
+    prompts = [[i + 1, 2, 3, 4, 5, 6, 7] for i in range(6)]  # 7 tokens + the prefill's: 2 full blocks each
+    reqs = [dl.Request(i, p, 3) for i, p in enumerate(prompts)]
+    want = dl.oracle(model, reqs, None)
+    got, eng = run(model, reqs, mode, K, num_blocks=13, max_num_reqs=6)  # 12 usable blocks: exactly full
+    assert got == want
+    assert eng.stats.preemptions > 0
