@@ -55,8 +55,8 @@ class DecodeStep:
     (``num_tokens``: each running request's token count at the burst's first step),
     ``num_reqs: int32[1]``, ``finished: int32[B]``, ``num_finished: int32[1]``.
     Outputs: ``admitted_steps: int32[K, B]`` and ``slot_mapping_steps: int64[K, B]`` (KV slot of each
-    request's newest token in group 0 at step k, -1 where not admitted), by the request's lane in
-    ``slots``; ``admitted`` and ``slot_mapping`` are the same tensors, or for ``steps=1`` their row 0
+    request's newest token in group 0 at step k, -1 where not admitted and on every lane past
+    ``num_reqs``, so a row can be stored over its whole width), by the request's lane in ``slots``; ``admitted`` and ``slot_mapping`` are the same tensors, or for ``steps=1`` their row 0
     (``int32[B]`` / ``int64[B]``, the single step's API); and the manager's ``block_table``.
     ``InvalidArgumentError``: ``max_batch`` or ``steps`` below 1.
     """
@@ -131,9 +131,8 @@ class DecodeStep:
         for k in range(1, self.steps):
             src = self._batch if k == 1 else self._work[(k - 1) % 2]
             p = k % 2
-            self.m.decode_burst_step(src, self._w_orig[(k - 1) % 2], self.num_reqs, self._work[p], self._w_orig[p],
-                                      self._w_map[p], self.admitted_steps[k], self.slot_mapping_steps[k],
-                                      src_is_step0=k == 1)
+            self.m.decode_burst_step(src, self._w_orig[(k - 1) % 2], self._work[p], self._w_orig[p], self._w_map[p],
+                                     self.admitted_steps[k], self.slot_mapping_steps[k], src_is_step0=k == 1)
         if self.views is not None:
             self.m.attention_views(self.slots, self.num_tokens, self.num_reqs, admitted=self.admitted_steps,
                                    out=self.views)

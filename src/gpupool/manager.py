@@ -510,16 +510,17 @@ class KVCacheManager:
         self._copy_and_release(kv_caches)
 
     @locked
-    def decode_burst_step(self, src: AllocateBatch, src_orig: torch.Tensor, num0: torch.Tensor,
-                           dst: AllocateBatch, dst_orig: torch.Tensor, dst_map: torch.Tensor,
-                           out_admitted: torch.Tensor, out_map: torch.Tensor, *, src_is_step0: bool) -> None:
+    def decode_burst_step(self, src: AllocateBatch, src_orig: torch.Tensor, dst: AllocateBatch, dst_orig: torch.Tensor,
+                          dst_map: torch.Tensor, out_admitted: torch.Tensor, out_map: torch.Tensor, *,
+                          src_is_step0: bool) -> None:
         """Step k >= 1 of a burst (``kernels/requests/decode.py`` decode_burst_kernel; gpupool/graph.py): the
         batch ``dst`` built on the device from the requests ``src`` admitted, one token more, then
         allocated and mapped; row k of the burst's outputs ``out_admitted: int32[B]``,
-        ``out_map: int64[B]``. The buffers are :class:`gpupool.graph.DecodeStep`'s, checked when it
-        built them (``batch``, nothing checked again here); no host sync."""
+        ``out_map: int64[B]`` (0 / -1 on every lane that takes no part, the padded ones included).
+        The buffers are :class:`gpupool.graph.DecodeStep`'s, checked when it built them (``batch``,
+        nothing checked again here); no host sync."""
         k_decode.launch_decode_burst(self._pool.state, self._pool.config, self.state, self.config, src, src_orig,
-                                   num0, dst, dst_orig, dst_map, out_admitted, out_map,
+                                   dst, dst_orig, dst_map, out_admitted, out_map,
                                    src_is_step0=src_is_step0, force_exact=not self.parallel)
 
     @locked
