@@ -45,6 +45,7 @@ import triton.language as tl
 
 from gpupool.errors import InvalidArgumentError
 from gpupool.launch_state import offset_tables
+from gpupool.tensors import check_disjoint
 
 # Host-side settings of the launcher (no kernel reads them, so they are plain Python values).
 OP = "copy_blocks"
@@ -107,7 +108,6 @@ def check_layers(kv_caches) -> torch.device | None:
     if not isinstance(kv_caches, (list, tuple)):
         _fail(f"kv_caches must be a list of tensors, got {type(kv_caches).__name__}")
     device = None
-    spans = []
     for j, t in enumerate(kv_caches):
         if not isinstance(t, torch.Tensor):
             _fail(f"kv_caches[{j}] is a {type(t).__name__}, not a tensor", j)
@@ -119,13 +119,7 @@ def check_layers(kv_caches) -> torch.device | None:
             device = t.device
         elif t.device != device:
             _fail(f"kv_caches[{j}] is on {t.device}, kv_caches[0] on {device}", j)
-        nbytes = t.numel() * t.element_size()
-        if nbytes:
-            spans.append((t.data_ptr(), t.data_ptr() + nbytes, j))
-    spans.sort()
-    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
-        if start < end:
-            _fail(f"kv_caches[{a}] and kv_caches[{b}] share memory", b)
+    check_disjoint(OP, [(t, f"kv_caches[{j}]") for j, t in enumerate(kv_caches)])
     return device
 
 
