@@ -6,6 +6,8 @@ input or with the manager's or pool's own tensors is refused on the host before 
 not start addresses."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -16,6 +18,12 @@ from gpupool.tensors import check_disjoint, memory_span
 
 BS = 4
 i32, i64 = torch.int32, torch.int64
+
+
+@functools.cache
+def shared_manager():
+    """One manager for the refused calls (none of them may change it: each test checks so)."""
+    return manager()
 
 
 def manager():
@@ -76,7 +84,7 @@ def buffer_calls():
 
 @pytest.mark.parametrize("name,call", buffer_calls(), ids=[n for n, _ in buffer_calls()])
 def test_overlapping_output_is_refused_and_changes_nothing(name, call):
-    m = manager()
+    m = shared_manager()
     before = snapshot(m)
     with pytest.raises(InvalidArgumentError, match="shares? memory"):
         call(m)
