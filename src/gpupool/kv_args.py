@@ -25,6 +25,9 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDICES = (torch.int32, torch.int64)
 #: Entries of one int32-indexed view (FlashInfer's ``kv_indptr`` sums pages in int32).
 MAX_INT32 = 2**31 - 1
+#: Layers of a PagedKVCache: two tensors each, as Python objects (sized on the meta device first), so
+#: a count in the billions would exhaust the host before any memory check could answer.
+MAX_LAYERS = 1 << 16
 
 
 def sizes(op: str, *named, low: int = 1, high: int = MAX_INT32) -> list[int]:
@@ -108,5 +111,5 @@ def fits(op: str, what: str, size: int, nbytes: int, device) -> None:
     check_fits(op, what, size, nbytes, torch.device("cpu") if device is None else device)
 
 
-__all__ = ["FLOATS", "INDICES", "MAX_INT32", "sizes", "device", "float_dtype", "scale", "tensor", "float_tensors",
+__all__ = ["FLOATS", "INDICES", "MAX_INT32", "MAX_LAYERS", "sizes", "device", "float_dtype", "scale", "tensor", "float_tensors",
            "index_tensor", "fits"]

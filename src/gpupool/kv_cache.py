@@ -103,14 +103,16 @@ class AttentionViews(NamedTuple):
 class PagedKVCache:
     """Per layer a key and a value cache ``[num_blocks, block_size, num_kv_heads, head_dim]`` of
     ``dtype`` (a float dtype) on ``device``, zeroed. Raises ArgumentTypeError for a size that is not
-    an int or a dtype that is not a ``torch.dtype``, InvalidArgumentError for a size below 1, a dtype
-    that is not a float, an unknown or absent device, or caches larger than the free memory there."""
+    an int or a dtype that is not a ``torch.dtype``, InvalidArgumentError for a size below 1 (or past
+    int32; ``num_layers`` past ``kv_args.MAX_LAYERS``), a dtype that is not a float, an unknown or
+    absent device, or caches larger than the free memory there."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float16, device=None):
         op = "PagedKVCache"
-        sizes = kv_args.sizes(op, (num_layers, "num_layers"), (num_blocks, "num_blocks"), (block_size, "block_size"),
-                              (num_kv_heads, "num_kv_heads"), (head_dim, "head_dim"))
+        sizes = kv_args.sizes(op, (num_layers, "num_layers"), high=kv_args.MAX_LAYERS)
+        sizes += kv_args.sizes(op, (num_blocks, "num_blocks"), (block_size, "block_size"),
+                               (num_kv_heads, "num_kv_heads"), (head_dim, "head_dim"))
         dtype = kv_args.float_dtype(op, dtype)
         device = kv_args.device(op, device)
         self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = sizes

@@ -25,7 +25,8 @@ def test_store_rejects_a_layer_outside_the_cache(layer):
     assert all(t.abs().sum() == 0 for t in c.layers())  # -1 used to write layer 0 (Python's last item)
 
 
-@pytest.mark.parametrize("bad", [dict(device="bogus"), dict(device="meta"), dict(num_blocks=10 ** 13)])
+@pytest.mark.parametrize("bad", [dict(device="bogus"), dict(device="meta"), dict(num_blocks=10 ** 13),
+                                 dict(num_blocks=2**31 - 1, num_kv_heads=2**20), dict(num_layers=2**31 - 1)])
 def test_paged_kv_cache_rejects_a_bad_device_or_a_size_past_memory(bad):
     with pytest.raises(InvalidArgumentError):
         PagedKVCache(**(dict(num_layers=1, num_blocks=4, block_size=BS, num_kv_heads=1, head_dim=2) | bad))
