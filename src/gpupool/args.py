@@ -33,7 +33,7 @@ def device_arg(op: str, device) -> "torch.device":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
+    except (RuntimeError, TypeError, ValueError, OverflowError) as e:  # ValueError: an index past int64
         raise InvalidArgumentError(op, f"unknown device {device!r} (use 'cpu' or 'cuda[:index]')", device) from e
     if dev.type not in ("cpu", "cuda"):
         raise InvalidArgumentError(op, f"device {dev} is not supported: the pool runs on 'cuda' or, through "

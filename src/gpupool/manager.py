@@ -249,6 +249,9 @@ class KVCacheManager:
                                     NLOG=name_log_size(sh), HW=scratch_words(sh.hash_block_size))
         self.parallel = True  # False: every batch takes the exact sequential path (tests, debugging)
         self._copy_offsets: dict = {}  # copy_blocks' layer offset tables, read by captured steps: kept while we live
+        # what a caller's output buffer must not overlap (tensors.check_disjoint)
+        self._held = tensors.HeldMemory([(t, f"the manager's {n}") for n, t in self.state._asdict().items()]
+                                        + [(t, f"the pool's {n}") for n, t in self._pool.state._asdict().items()])
         self._pool.registry.add_pin_source(self._active_keys)
         self._pool.registry.add_name_source(self._drain_names)
         self._pool.add_error_wording(self._recorded_error)
@@ -506,6 +509,13 @@ class KVCacheManager:
     def _out(self, op: str, t, dtype, n: int, what: str) -> torch.Tensor:
         return tensors.out_buffer(op, t, dtype, n, what, self.device)
 
+    def _disjoint(self, op: str, outputs, inputs) -> None:
+        """No output shares memory with another, with an input or with this manager's or its pool's
+        state (``tensors.check_disjoint``; ``(tensor, name)`` pairs, None entries skipped):
+        InvalidArgumentError before anything runs."""
+        tensors.check_disjoint(op, [x for x in outputs if x[0] is not None], [x for x in inputs if x[0] is not None],
+                               self._held)
+
     @locked
     def get_computed_blocks(self, slots, num_tokens):
         """Longest cached prefix of each request's hashes, all groups hitting, capped at
@@ -543,10 +553,12 @@ class KVCacheManager:
             lk = torch.where(lk != 0, 1 + self._flags(op, resumed, b, "resumed"), 0).to(torch.int8)
         if not nt.numel() == tg.numel() == lk.numel() == b:
             raise InvalidArgumentError(op, "slots, num_tokens, target_tokens, lookup and resumed differ in length")
+        count = self._count(op, num_reqs, b)
         admitted = self._buffer(op, admitted, b, "admitted")
         hits = self._buffer(op, hits, b, "hit_tokens")
-        self._disjoint(op, (admitted, "admitted"), (hits, "hit_tokens"))
-        return AllocateBatch(s, nt, tg, lk, self._count(op, num_reqs, b), admitted, hits)
+        self._disjoint(op, [(admitted, "admitted"), (hits, "hit_tokens")],
+                       [(s, "slots"), (nt, "num_tokens"), (tg, "target_tokens"), (lk, "lookup"), (count, "num_reqs")])
+        return AllocateBatch(s, nt, tg, lk, count, admitted, hits)
 
     def _flags(self, op: str, x, n: int, what: str) -> torch.Tensor:
         """Per-request flags as ``int8[n]`` (0 / 1; an int8 tensor as is) on the device."""
@@ -564,10 +576,6 @@ class KVCacheManager:
         if t is None:
             return torch.zeros(max(n, 1), dtype=torch.int32, device=self.device)
         return self._out(op, t, torch.int32, n, what)
-
-    def _disjoint(self, op: str, *named) -> None:
-        """The tensors ``(t, name)`` share no memory (an output aliasing another would garble it)."""
-        tensors.check_disjoint(op, named)
 
     @locked
     def allocate_slots(self, slots, num_tokens, target_tokens, lookup=None, num_reqs=None,
@@ -628,11 +636,12 @@ class KVCacheManager:
         n = self._i32(op, num_tokens, "num_tokens", InvalidCountError)
         if s.numel() != n.numel():
             raise InvalidArgumentError(op, "slots and num_tokens differ in length")
+        count = None if num_reqs is None else self._count(op, num_reqs, s.numel())  # None: all of them
         if out is None:  # the kernel writes every entry: no fill kernel
             out = torch.empty(max(s.numel(), 1), dtype=torch.int32, device=self.device)
         else:
             out = self._out(op, out, torch.int32, s.numel(), "out")
-        count = None if num_reqs is None else self._count(op, num_reqs, s.numel())  # None: all of them
+            self._disjoint(op, [(out, "out")], [(s, "slots"), (n, "num_tokens"), (count, "num_reqs")])
         k_reserve.launch_reserve(self._pool.state, self._pool.config, self.state, self.config, s, n, count, out)
         return out[: s.numel()]
 
@@ -723,21 +732,26 @@ class KVCacheManager:
         finished = self._i32(op, finished, "finished")
         num_finished = self._count(op, num_finished, finished.numel())
         slot_mapping = self._out(op, slot_mapping, torch.int64, batch.slots.numel(), "slot_mapping")
+        self._disjoint(op, [(slot_mapping, "slot_mapping"), (batch.admitted, "batch.admitted")]
+                       + [(t, f"kv_caches[{j}]") for j, t in enumerate(kv_caches)],
+                       [(getattr(batch, f), f"batch.{f}") for f in ("slots", "num_tokens", "target", "lookup", "num_reqs")]
+                       + [(finished, "finished"), (num_finished, "num_finished")])
         k_decode.launch_decode_step(self._pool.state, self._pool.config, self.state, self.config, batch, finished,
                                   num_finished, slot_mapping, force_exact=not self.parallel)
         self._copy_and_release(kv_caches)
 
     @locked
-    def decode_burst_step(self, src: AllocateBatch, src_orig: torch.Tensor, num0: torch.Tensor,
-                           dst: AllocateBatch, dst_orig: torch.Tensor, dst_map: torch.Tensor,
-                           out_admitted: torch.Tensor, out_map: torch.Tensor, *, src_is_step0: bool) -> None:
+    def decode_burst_step(self, src: AllocateBatch, src_orig: torch.Tensor, dst: AllocateBatch, dst_orig: torch.Tensor,
+                          dst_map: torch.Tensor, out_admitted: torch.Tensor, out_map: torch.Tensor, *,
+                          src_is_step0: bool) -> None:
         """Step k >= 1 of a burst (``kernels/requests/decode.py`` decode_burst_kernel; gpupool/graph.py): the
         batch ``dst`` built on the device from the requests ``src`` admitted, one token more, then
         allocated and mapped; row k of the burst's outputs ``out_admitted: int32[B]``,
-        ``out_map: int64[B]``. The buffers are :class:`gpupool.graph.DecodeStep`'s, checked when it
-        built them (``batch``, nothing checked again here); no host sync."""
+        ``out_map: int64[B]`` (0 / -1 on every lane that takes no part, the padded ones included).
+        The buffers are :class:`gpupool.graph.DecodeStep`'s, checked when it built them (``batch``,
+        nothing checked again here); no host sync."""
         k_decode.launch_decode_burst(self._pool.state, self._pool.config, self.state, self.config, src, src_orig,
-                                   num0, dst, dst_orig, dst_map, out_admitted, out_map,
+                                   dst, dst_orig, dst_map, out_admitted, out_map,
                                    src_is_step0=src_is_step0, force_exact=not self.parallel)
 
     @locked
@@ -756,15 +770,17 @@ class KVCacheManager:
         p = self._index_tensor(op, positions, "positions")
         if s.numel() != p.numel():
             raise InvalidArgumentError(op, "slots and positions differ in length")
+        adm = None if admitted is None else self._i32(op, admitted, "admitted")
+        if adm is not None and adm.numel() < s.numel():
+            raise InvalidArgumentError(op, f"admitted has {adm.numel()} entries for {s.numel()} slots")
+        count = self._count(op, num, s.numel())
+        offset = as_int(op, position_offset, "position_offset")
         if out is None:
             out = torch.empty(s.numel(), dtype=torch.int64, device=self.device)
         else:
             out = self._out(op, out, torch.int64, s.numel(), "out")
-        adm = None if admitted is None else self._i32(op, admitted, "admitted")
-        if adm is not None and adm.numel() < s.numel():
-            raise InvalidArgumentError(op, f"admitted has {adm.numel()} entries for {s.numel()} slots")
-        k_slot_mapping.launch_slot_mapping(self._pool.state, self.state, self.config, s, p,
-                                      self._count(op, num, s.numel()), out, g, as_int(op, position_offset), adm)
+            self._disjoint(op, [(out, "out")], [(s, "slots"), (p, "positions"), (count, "num"), (adm, "admitted")])
+        k_slot_mapping.launch_slot_mapping(self._pool.state, self.state, self.config, s, p, count, out, g, offset, adm)
         return out
 
     @locked
@@ -777,9 +793,11 @@ class KVCacheManager:
         at step k is ``base_len[i] + k`` (``int32[B]``: its token count at the first step) where
         ``admitted[k, i] != 0`` (every lane ``< num_reqs[0]`` without ``admitted``), else 0. Built on
         the device, no host sync. A live lane whose slot is not in use or whose length passes its row
-        gives length 0 and InvalidArgumentError at the next ``check()`` (op ``attention_views``).
-        ``out``: views to fill (``AttentionViews.empty(B, max_blocks_per_req, K)``); a wrong shape,
-        dtype or device raises InvalidArgumentError at once."""
+        gives length 0 and InvalidArgumentError at the next ``check()`` (op ``attention_views``), as
+        does a count outside ``0..B`` (an empty batch too). ``out``: views to fill (shapes
+        ``AttentionViews.shapes(B, max_blocks_per_req, K)``); a wrong shape, dtype or device, or an
+        ``out`` tensor sharing memory with another, with an input or with the manager's state, raises
+        InvalidArgumentError at once (ArgumentTypeError: not an ``AttentionViews``)."""
         op = "attention_views"
         g = self._group(op, group)
         s = self._i32(op, slots, "slots")
@@ -791,17 +809,22 @@ class KVCacheManager:
         if admitted is not None:
             if not isinstance(admitted, torch.Tensor):
                 raise ArgumentTypeError(op, "admitted must be an int32 tensor [K, B] or [B]")
-            adm = admitted.reshape(-1, admitted.shape[-1]) if admitted.dim() in (1, 2) else admitted
-            if adm.dtype != torch.int32 or adm.device != self.device or adm.dim() != 2 or adm.shape[1] != B \
-                    or not adm.is_contiguous():
-                raise InvalidArgumentError(op, f"admitted must be a contiguous int32 tensor [K, {B}] on {self.device}, "
-                                               f"got {tuple(admitted.shape)} {admitted.dtype} on {admitted.device}")
+            if admitted.dim() not in (1, 2) or admitted.shape[-1] != B or admitted.dtype != torch.int32 \
+                    or admitted.device != self.device or not admitted.is_contiguous():
+                raise InvalidArgumentError(op, f"admitted must be a contiguous int32 tensor [K, {B}] or [{B}] on "
+                                               f"{self.device}, got {tuple(admitted.shape)} {admitted.dtype} on "
+                                               f"{admitted.device}")
+            adm = admitted if admitted.dim() == 2 else admitted[None]
         K = 1 if adm is None else adm.shape[0]
+        shapes = AttentionViews.shapes(B, self.max_blocks_per_req, K, op=op)
+        count = self._count(op, num_reqs, B)
         if out is None:
             out = AttentionViews.empty(B, self.max_blocks_per_req, K, device=self.device)
         else:
-            self._check_views(op, out, B, K)
-        self._attention_views(s, bl, self._count(op, num_reqs, B), adm, g, K, out)
+            AttentionViews.check_out(op, out, shapes, self.device)
+            self._disjoint(op, [(t, f"out.{name}") for name, t in zip(AttentionViews._fields, out)],
+                           [(s, "slots"), (bl, "base_len"), (count, "num_reqs"), (adm, "admitted")])
+        self._attention_views(s, bl, count, adm, g, K, out)
         return out
 
     def _group(self, op: str, group) -> int:
@@ -809,19 +832,6 @@ class KVCacheManager:
         if not 0 <= g < len(self.groups):
             raise InvalidArgumentError(op, f"group {g} out of range 0..{len(self.groups) - 1}", g)
         return g
-
-    def _check_views(self, op: str, v, B: int, K: int) -> None:
-        if not isinstance(v, AttentionViews):
-            raise ArgumentTypeError(op, "out must be an AttentionViews (AttentionViews.empty)")
-        M = self.max_blocks_per_req
-        want = AttentionViews((B, M), (K, B), (K, B + 1), (K, B * M), (K, B))
-        for name, t, shape in zip(AttentionViews._fields, v, want):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != torch.int32 \
-                    or t.device != self.device or not t.is_contiguous():
-                raise InvalidArgumentError(op, f"out.{name} must be a contiguous int32 tensor {list(shape)} on "
-                                               f"{self.device}")
-        if len({t.data_ptr() for t in v if t.numel()}) < sum(1 for t in v if t.numel()):
-            raise InvalidArgumentError(op, "out's five tensors must not share memory (AttentionViews.empty)")
 
     def _attention_views(self, slots, base_len, num, admitted, group: int, steps: int, out: AttentionViews) -> None:
         """:meth:`attention_views` of arguments already checked (a ``DecodeStep``'s buffers)."""

@@ -5,6 +5,7 @@ tensor a kernel argument, and host values copied to the device. Every check rais
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left
 
 import torch
 
@@ -115,25 +116,71 @@ def check_tensors(op: str, specs, dims: int, device: torch.device) -> None:
                                            f"{tuple(t.shape)} {t.dtype} on {t.device}")
 
 
-def byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes ``[lo, hi)`` of ``t``'s storage that its elements can touch (its strides' extent)."""
+# ---- memory that outputs must not share ----------------------------------------------------------
+
+def memory_span(t: torch.Tensor) -> tuple[str, int, int] | None:
+    """The bytes ``t`` can reach: ``(device, first address, past the last)``, from its storage's
+    address, its offset, sizes and strides (every element between its first and last one, so two
+    views that interleave in one storage overlap too); None for a tensor with no elements."""
     if t.numel() == 0:
-        return 0, 0
-    lo = t.storage_offset() + sum(min(0, s * (n - 1)) for s, n in zip(t.stride(), t.shape))
-    hi = t.storage_offset() + sum(max(0, s * (n - 1)) for s, n in zip(t.stride(), t.shape)) + 1
-    return lo * t.element_size(), hi * t.element_size()
+        return None
+    reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))  # torch strides are >= 0
+    lo = t.data_ptr()
+    return str(t.device), lo, lo + (reach + 1) * t.element_size()
 
 
-def check_disjoint(op: str, named) -> None:
-    """InvalidArgumentError when two of the ``(tensor, name)`` pairs share memory (the same storage and
-    overlapping byte ranges): an output that aliases another output or an input would be garbled."""
+class HeldMemory:
+    """The spans of tensors an object owns (a manager's device state; ``named``: ``(tensor, name)``
+    pairs, each name as an error should say it), sorted once per device, so that a caller's output
+    is checked against all of them with one bisection."""
+
+    def __init__(self, named):
+        by_dev: dict[str, list] = {}
+        for t, name in named:
+            s = memory_span(t)
+            if s is not None:
+                by_dev.setdefault(s[0], []).append((s[1], s[2], name))
+        self._by_dev = {}
+        for dev, spans in by_dev.items():
+            spans.sort()
+            reach, best = [], (0, "")
+            for _, hi, name in spans:  # per index, the span reaching furthest among those up to it
+                best = max(best, (hi, name))
+                reach.append(best)
+            self._by_dev[dev] = ([lo for lo, _, _ in spans], reach)
+
+    def overlap(self, span) -> str | None:
+        """The name of a held tensor sharing a byte with ``span`` (:func:`memory_span`), or None."""
+        dev, lo, hi = span
+        starts, reach = self._by_dev.get(dev, ((), ()))
+        i = bisect_left(starts, hi) - 1  # the last held span starting before hi
+        return reach[i][1] if i >= 0 and reach[i][0] > lo else None
+
+
+def check_disjoint(op: str, outputs, inputs=(), held: HeldMemory | None = None) -> None:
+    """Raise InvalidArgumentError (naming both) unless no output shares a byte of memory with another
+    output, with an input, or with ``held`` (the op's own state): a kernel writing an output that
+    another argument also occupies garbles one of them. ``outputs``, ``inputs``: ``(tensor, name)``
+    pairs (tensors already checked to be tensors); inputs may share memory with each other. Compares
+    the bytes each tensor reaches (:func:`memory_span`), so views of one buffer at different
+    offsets are caught as well as the same tensor twice."""
     spans = []
-    for t, name in named:
-        if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.device.type == "meta":
-            continue
-        lo, hi = byte_span(t)
-        spans.append((t.untyped_storage().data_ptr(), t.device, lo, hi, name))
-    for i, (p, d, lo, hi, name) in enumerate(spans):
-        for q, e, lo2, hi2, name2 in spans[:i]:
-            if p == q and d == e and lo < hi2 and lo2 < hi:
-                raise InvalidArgumentError(op, f"{name} and {name2} share memory; give them separate buffers")
+    for kind, named in ((True, outputs), (False, inputs)):
+        for t, name in named:
+            s = memory_span(t)
+            if s is not None:
+                spans.append((s, kind, name))
+                if kind and held is not None and (other := held.overlap(s)) is not None:
+                    raise InvalidArgumentError(op, f"{name} shares memory with {other}: an output must be a buffer "
+                                                   "of its own")
+    spans.sort(key=lambda x: x[0])
+    reach: dict[tuple[str, bool], tuple[int, str]] = {}  # per (device, is output): furthest end so far
+    for (dev, lo, hi), is_out, name in spans:
+        for other_is_out in (True, False) if is_out else (True,):
+            end, other = reach.get((dev, other_is_out), (0, ""))
+            if end > lo:
+                raise InvalidArgumentError(op, f"{other} and {name} share memory: an output must not overlap "
+                                               "another output or an input")
+        key = (dev, is_out)
+        if hi > reach.get(key, (0, ""))[0]:
+            reach[key] = (hi, name)

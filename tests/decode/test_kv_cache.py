@@ -15,7 +15,7 @@ from gpupool.kv_cache import (AttentionViews, PagedKVCache, attention, paged_att
 from gpupool.manager import KVCacheManager
 from harness.keys import hashes
 from gpupool.instrument import Meter
-from harness.ops import fill_step
+from harness.ops import fail_a_batched_op, fill_step
 from harness.twins import small_manager_twin
 
 BS, R, M = 4, 4, 8
@@ -211,3 +211,39 @@ def test_paged_attention_equals_contiguous(data):
         bad = perm.clone()
         bad[0, 0] = perm[1, 0]
         assert not torch.allclose(paged_attention(q, kc, vc, bad.to(torch.int32), seq)[0], want[0])
+
+
+# ---- padded lanes ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("K", [1, 2])
+def test_padded_lanes_map_nothing_after_a_shrinking_batch(K):
+    """A step over 3 requests, then one over 2 in another order: lane 2 kept the first step's slots
+    and admitted flags, and (K = 2) its step-1 slot was the one the new step gave request 1's token,
+    so a store over the full padded width (what a captured graph replays) overwrote request 1's K/V.
+    Every lane past the count reads -1 / 0 after every step."""
+    m = KVCacheManager(32, block_size=BS, max_num_reqs=R, max_blocks_per_req=M)
+    for r in range(3):
+        m.add_request(r, [])
+    m.allocate_slots([0, 1, 2], [3, 3, 3], [3, 3, 3])
+    step = DecodeStep(m, R, steps=K, views=True)
+    kv = PagedKVCache(1, 32, BS, 1, 2, dtype=torch.float64)
+    fill_step(step, [0, 1, 2], [4, 4, 4])
+    step.run()
+    m.pool.check()
+    assert step.admitted_steps[:, :3].tolist() == [[1, 1, 1]] * K
+    fill_step(step, [2, 1], [4 + K, 4 + K], finished=[0])
+    step.run()
+    m.pool.check()
+    assert step.admitted_steps[:, 2:].tolist() == [[0] * (R - 2)] * K
+    assert step.slot_mapping_steps[:, 2:].tolist() == [[-1] * (R - 2)] * K
+    for k in range(K):  # the model's store over the whole width: the padding must land nowhere
+        key = torch.full((R, 1, 2), float(k + 1), dtype=torch.float64)
+        key[2:] = -7.0
+        kv.store(0, key, -key, step.slot_mapping_steps[k])
+    assert not (kv.key_caches[0] == -7.0).any() and not (kv.value_caches[0] == 7.0).any()
+    # a step that does not run (the status word set by an earlier op) admits and maps no lane
+    fail_a_batched_op(m)
+    fill_step(step, [2, 1], [4 + 2 * K, 4 + 2 * K])
+    step.run()
+    with pytest.raises(InvalidArgumentError):
+        m.pool.check()
+    assert step.admitted_steps.eq(0).all() and step.slot_mapping_steps.eq(-1).all()

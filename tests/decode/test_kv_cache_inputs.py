@@ -3,6 +3,8 @@ a typed error (a PoolError), raised before anything is written, never a raw Type
 RuntimeError or a silently broadcast answer."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -23,7 +25,8 @@ def test_store_rejects_a_layer_outside_the_cache(layer):
     assert all(t.abs().sum() == 0 for t in c.layers())  # -1 used to write layer 0 (Python's last item)
 
 
-@pytest.mark.parametrize("bad", [dict(device="bogus"), dict(device="meta"), dict(num_blocks=10 ** 13)])
+@pytest.mark.parametrize("bad", [dict(device="bogus"), dict(device="meta"), dict(num_blocks=10 ** 13),
+                                 dict(num_blocks=2**31 - 1, num_kv_heads=2**20), dict(num_layers=2**31 - 1)])
 def test_paged_kv_cache_rejects_a_bad_device_or_a_size_past_memory(bad):
     with pytest.raises(InvalidArgumentError):
         PagedKVCache(**(dict(num_layers=1, num_blocks=4, block_size=BS, num_kv_heads=1, head_dim=2) | bad))
@@ -75,6 +78,7 @@ def test_attention_entry_points_reject_bad_input(call):
 
 def test_attention_entry_points_still_take_good_input():
     assert paged_attention(q, kc, kc, bt, seq).shape == q.shape
+    assert torch.equal(paged_attention(q, kc, kc, torch.cat([bt, bt[:1]]), seq), paged_attention(q, kc, kc, bt, seq))
     assert paged_attention_flashinfer(q1, kc, kc, ip, ix, lp, 2).shape == q1.shape
     assert attention(q, kv, kv, seq).shape == q.shape
 
@@ -117,3 +121,114 @@ def test_set_inputs_names_the_argument_at_fault(args, word):
     from gpupool.graph import DecodeStep
     with pytest.raises(ArgumentTypeError, match=word):  # every error used to say "block ids"
         DecodeStep(_manager(), 2).set_inputs(*args)
+
+
+# ---- the views' outputs must not overlap each other or an input --------------------------------------
+def _state(m):
+    return [t.clone() for t in (*m.state, *m.pool.state)]
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_attention_views_refuse_out_views_that_overlap():
+    """Five views of one buffer at overlapping offsets (not the same start: the old check compared
+    start addresses only) garbled the lengths; refused on the host, nothing written."""
+    m = _manager()
+    m.allocate_slots([0], [5], [5])
+    shapes = AttentionViews.shapes(1, 8)
+    buf = torch.zeros(64, dtype=i32)
+    out = AttentionViews(*(buf[3 * j:3 * j + math.prod(s)].view(s) for j, s in enumerate(shapes)))
+    before, buf0 = _state(m), buf.clone()
+    with pytest.raises(InvalidArgumentError, match="share memory"):
+        m.attention_views([0], [5], out=out)
+    assert torch.equal(buf, buf0) and _same(before, _state(m))
+    m.pool.check()
+
+
+def test_attention_views_refuse_an_out_view_that_is_an_input():
+    """``base_len`` as ``out.seqused_k[0]``: the views were right, then check() said a slot was not in
+    use; now refused on the host."""
+    m = _manager()
+    m.allocate_slots([0], [5], [5])
+    out = AttentionViews.empty(1, 8)
+    out.seqused_k[0, 0] = 5
+    with pytest.raises(InvalidArgumentError, match="share memory"):
+        m.attention_views([0], out.seqused_k[0], out=out)
+    with pytest.raises(InvalidArgumentError, match="share memory"):  # the count inside an output
+        m.attention_views([0], [5], num_reqs=out.kv_indptr[0, 1:], out=out)
+    with pytest.raises(InvalidArgumentError, match="the manager's num_blocks"):  # the manager's own state
+        m.attention_views([0], [5], out=out._replace(seqused_k=m.state.num_blocks[:1].view(1, 1)))
+    m.pool.check()
+
+
+# ---- an empty batch with a count --------------------------------------------------------------------
+@pytest.mark.parametrize("admitted", [None, torch.zeros(2, 0, dtype=i32)], ids=["one-step", "two-steps"])
+def test_attention_views_of_an_empty_batch_check_the_count(admitted):
+    """0 slots and ``num_reqs = [3]``: every other manager op records the count; so does this one (a
+    (K, 0) grid ran no program, so nothing checked it). ``admitted [2, 0]`` is two empty steps (it
+    raised torch's RuntimeError)."""
+    m = _manager()
+    v = m.attention_views([], [], admitted=admitted)
+    m.pool.check()
+    assert v.kv_indptr.tolist() == [[0]] * (1 if admitted is None else 2)
+    m.attention_views([], [], num_reqs=torch.tensor([3], dtype=i32), admitted=admitted)
+    with pytest.raises(InvalidArgumentError, match="attention_views"):
+        m.pool.check()
+
+
+# ---- the FlashInfer reference with no page at all -----------------------------------------------------
+@pytest.mark.parametrize("max_pages", [0, 2])
+def test_flashinfer_reference_with_no_page_gives_zeros(max_pages):
+    """A burst step in which every lane stopped: ``kv_indptr`` all 0, ``kv_indices`` empty (was an
+    IndexError)."""
+    z = torch.zeros(2, dtype=i32)
+    out = paged_attention_flashinfer(q1, kc, kc, torch.zeros(3, dtype=i32), torch.zeros(0, dtype=i32), z, max_pages)
+    assert out.shape == q1.shape and out.abs().sum() == 0
+
+
+def test_flashinfer_reference_reads_a_length_as_flashinfer_does():
+    """``max(pages - 1, 0) * page_size + kv_last_page_len`` (FlashInfer's ``get_seq_lens``): an empty
+    lane's length is its ``kv_last_page_len``, so only 0 is right there; on a CPU the reference
+    refuses anything else, and a last page outside 1..page_size."""
+    for last in ([1, 3], [0, 0], [5, 3]):  # lane 0 empty with 1; a lane with pages and 0; past the page
+        ptr = torch.tensor([0, 0, 1], dtype=i32) if last[0] == 1 else ip
+        with pytest.raises(InvalidArgumentError, match="kv_last_page_len"):
+            paged_attention_flashinfer(q1, kc, kc, ptr, ix, torch.tensor(last, dtype=i32), 2)
+
+
+# ---- typed errors, nothing changed --------------------------------------------------------------------
+@pytest.mark.parametrize("call,error", [
+    (lambda: paged_attention(q, kc, kc, bt, seq, scale="x"), ArgumentTypeError),
+    (lambda: paged_attention_flashinfer(q1, kc, kc, ip, ix, lp, 2, scale="x"), ArgumentTypeError),
+    (lambda: attention(q, kv, kv, seq, scale=True), ArgumentTypeError),
+    (lambda: attention(q, kv, kv, seq, scale=float("nan")), InvalidArgumentError),
+    (lambda: paged_attention(q, kc, kc, bt, seq, scale=float("-inf")), InvalidArgumentError),
+    (lambda: paged_attention_flashinfer(q1, kc, kc, ip, ix, lp, 2**40), InvalidArgumentError),  # 8 TiB was tried
+    (lambda: paged_attention(q, kc, kc, torch.tensor([[1, 9], [3, 0]], dtype=i32), seq), InvalidArgumentError),
+    (lambda: paged_attention(q, kc, kc, bt, torch.tensor([9, 3], dtype=i32)), InvalidArgumentError),
+    (lambda: paged_attention_flashinfer(q1, kc, kc, torch.tensor([0, 2, 9], dtype=i32), ix, lp, 8),
+     InvalidArgumentError),
+    (lambda: AttentionViews.empty(2, 2, device="bogus"), InvalidArgumentError),
+    (lambda: PagedKVCache(1, 2, BS, 1, 2, device=2**63), InvalidArgumentError),  # was torch's ValueError
+    (lambda: AttentionViews.empty(2**20, 2**20), InvalidArgumentError),
+    (lambda: AttentionViews.empty(2, 2, steps=True), ArgumentTypeError),
+    (lambda: PagedKVCache(1, 4, BS, 1, 2, dtype="float16"), ArgumentTypeError),
+    (lambda: store_kv(kc[0], kc[0], kc, kc, torch.tensor([0, 1, 2, 3])), InvalidArgumentError),  # K is V
+], ids=["scale-str", "flashinfer-scale-str", "scale-bool", "scale-nan", "scale-inf", "max-pages-2**40",
+        "block-past-cache", "length-past-row", "indptr-past-indices", "device-bogus", "device-2**63", "views-2**40",
+        "steps-bool", "dtype-str", "k-is-v"])
+def test_consumer_errors_are_typed(call, error):
+    before = [t.clone() for t in (q, kv, kc, bt, seq, q1, ip, ix, lp)]
+    with pytest.raises(error):
+        call()
+    assert _same(before, (q, kv, kc, bt, seq, q1, ip, ix, lp))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present")
+def test_cuda_without_cuda_is_a_typed_error():
+    with pytest.raises(InvalidArgumentError):  # was torch's AssertionError
+        AttentionViews.empty(2, 2, device="cuda")
+    with pytest.raises(InvalidArgumentError):
+        PagedKVCache(1, 2, BS, 1, 2, device="cuda")

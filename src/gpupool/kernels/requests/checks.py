@@ -170,13 +170,22 @@ def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished,
     of ``fcap``); every slot of ``finished[:num_finished]`` and ``batch.slots[:num_reqs]`` in range, in
     use and listed once across both lists; and the allocation batch as ``allocate_slots`` checks it,
     with token counts from 1 (the new token's position is ``num_tokens - 1``) and its event rows.
-    The first bad input sets the status word (op ``OP``: DECODE_STEP, WINDOW_BEGIN); nothing else is written but
-    ``admitted`` (all ``cap`` entries zeroed on an error) and idle scratch. Run first by
+    The first bad input sets the status word (op DECODE_STEP); nothing else is written but
+    ``admitted`` (all ``cap`` entries zeroed, but the admitted ones later: the lanes past the count
+    always, every lane on an error or with the status word already set) and idle scratch. Run first by
     ``decode_step_kernel`` (``kernels/requests/decode.py``). Returns (whether the step may go on: the status word
     was clear and every input is good, requests, finished requests), a count 0 when it is bad."""
     nb, nb_ok = checked_count(batch.num_reqs, cap)
     nf, nf_ok = checked_count(num_finished, fcap)
     ok = status_clear(ps.status)
+    # no lane past the count is admitted, and none at all once the status word is set (the step does
+    # nothing): a captured step's ``admitted`` keeps no flag of an earlier step. The lanes below the
+    # count are zeroed by check_batch_counts (other addresses: no barrier between the two).
+    offs = tl.arange(0, mc.BLOCK)
+    i = tl.where(ok, nb, 0)
+    while i < cap:
+        tl.store(batch.admitted + i + offs, tl.zeros([mc.BLOCK], tl.int32), mask=(i + offs) < cap)
+        i += mc.BLOCK
     if ok:
         err, val, why, extra, err_i = no_error_why()
         i = 0
@@ -203,11 +212,6 @@ def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished,
         err, val, why, extra = or_count_error(err, val, why, extra, nb_ok, batch.num_reqs, cap,
                                               CAUSE=C_COUNT_PAST_ARRAYS)
         ok = err == 0
-        if err != 0:
+        if err != 0:  # no request admitted: check_batch_counts zeroed the flags below the count
             set_status_why(ps.status, code=err, op=OP, value=val, cause=why, extra=extra)
-            offs = tl.arange(0, mc.BLOCK)
-            i = 0
-            while i < cap:  # no request admitted
-                tl.store(batch.admitted + i + offs, tl.zeros([mc.BLOCK], tl.int32), mask=(i + offs) < cap)
-                i += mc.BLOCK
     return ok, nb, nf

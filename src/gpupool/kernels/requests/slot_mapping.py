@@ -59,20 +59,21 @@ def slot_mapping(ps, ms, mc: tl.constexpr, slots, positions, num, cap, out, grou
 
 
 @triton.jit
-def slot_mapping_checked(ms, mc: tl.constexpr, slots, positions, num, out, group, offset, admitted):
+def slot_mapping_checked(ms, mc: tl.constexpr, slots, positions, num, cap, out, group, offset, admitted):
     """:func:`slot_mapping` of a decode step's admitted requests, already checked: ``num`` (a value)
     the step's checked count, and each entry with ``admitted[t] != 0`` has its slot in use and its
     position inside its row, as the step checked and allocated them, so neither is read again;
-    the others give -1."""
+    the others give -1, and so do the entries ``num .. cap - 1`` (as :func:`slot_mapping` leaves
+    them: a captured step's padded lanes keep no slot of an earlier step)."""
     offs = tl.arange(0, mc.BLOCK)
     i = 0
-    while i < num:
+    while i < cap:
         idx = i + offs
         inb = idx < num
         ok = inb & (tl.load(admitted + idx, mask=inb, other=0) != 0)
         r = tl.load(slots + idx, mask=inb, other=0)  # not masked by ``admitted``: one wait, not two
         p = tl.load(positions + idx, mask=inb, other=0).to(tl.int64) + offset
-        tl.store(out + idx, slot_of(ms, mc, group=group, r=r, p=p, ok=ok), mask=inb)
+        tl.store(out + idx, slot_of(ms, mc, group=group, r=r, p=p, ok=ok), mask=idx < cap)
         i += mc.BLOCK
 
 

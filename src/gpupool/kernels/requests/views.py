@@ -14,6 +14,8 @@ Step k's length of lane i is ``base_len[i] + k`` where ``admitted[k, i] != 0`` (
 without ``admitted``), else 0. Programs over (step, tile of lanes), each writing its lanes' rows at
 once, its positions in ``kv_indices`` from a prefix sum (no loop over requests).
 """
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
@@ -24,10 +26,24 @@ from .checks import or_count_error, slot_cause
 TILE_ELEMS = 4096  # lanes x blocks of one row-copy tile
 
 
+class LaneLengths(NamedTuple):
+    """:func:`lane_lengths` of a tile of lanes at one step: ``live`` (the lane takes part: below the
+    count and admitted), its ``slot`` and row length ``nblk`` (blocks), ``slot_ok`` (live, in range,
+    in use), ``ok`` (that and a length inside the row), ``seq`` (its length, 0 unless ``ok``) and
+    ``pages`` (``ceil(seq / BS)``)."""
+
+    live: tl.tensor
+    slot: tl.tensor
+    nblk: tl.tensor
+    slot_ok: tl.tensor
+    ok: tl.tensor
+    seq: tl.tensor
+    pages: tl.tensor
+
+
 @triton.jit
 def lane_lengths(ms, mc: tl.constexpr, slots, base_len, admitted, n, cap, k, idx, HAS_ADMITTED: tl.constexpr):
-    """Lanes ``idx`` at step ``k``: (live, slot, row length in blocks, slot valid, length valid,
-    length or 0, pages)."""
+    """Lanes ``idx`` at step ``k`` as a :class:`LaneLengths`."""
     live = idx < n
     if HAS_ADMITTED:
         live = live & (tl.load(admitted + k * cap + idx, mask=live, other=0) != 0)
@@ -38,13 +54,13 @@ def lane_lengths(ms, mc: tl.constexpr, slots, base_len, admitted, n, cap, k, idx
     nblk = tl.load(ms.num_blocks + r, mask=okr, other=0)
     ok = okr & (seq >= 0) & (seq <= nblk * mc.BS)
     seq = tl.where(ok, seq, 0)
-    return live, r, nblk, okr, ok, seq, (seq + mc.BS - 1) // mc.BS
+    return LaneLengths(live=live, slot=r, nblk=nblk, slot_ok=okr, ok=ok, seq=seq, pages=(seq + mc.BS - 1) // mc.BS)
 
 
 @triton.jit
 def attention_views_kernel(ps, ms, mc: tl.constexpr, slots, base_len, admitted, num, cap, group, K, views,
                            HAS_ADMITTED: tl.constexpr, RB: tl.constexpr, MB: tl.constexpr):
-    """Grid ``(K, cdiv(cap, RB))``: program (k, t) writes step k's views of lanes ``t * RB ..`` of
+    """Grid ``(K, max(1, cdiv(cap, RB)))``: program (k, t) writes step k's views of lanes ``t * RB ..`` of
     ``slots[:num]`` (``int32[cap]``; module docstring) into ``views`` (``AttentionViews``), its ``kv_indices`` offset the pages of the
     lanes before it (a sum over tiles of ``mc.BLOCK`` lanes). Program (0, 0) alone checks every lane
     of every step: a live lane whose slot is out of range or not in use, or whose length passes its
@@ -57,26 +73,25 @@ def attention_views_kernel(ps, ms, mc: tl.constexpr, slots, base_len, admitted, 
     lanes = tl.arange(0, mc.BLOCK)
     carry = tl.zeros([], tl.int32)
     for i in range(0, t * RB, mc.BLOCK):
-        idx = i + lanes
-        p_live, p_r, p_nblk, p_okr, p_ok, p_seq, p_pages = lane_lengths(
-            ms, mc, slots, base_len, admitted, tl.minimum(n, t * RB), cap, k, idx, HAS_ADMITTED=HAS_ADMITTED)
-        carry += tl.sum(p_pages, axis=0)
+        before = lane_lengths(ms, mc, slots, base_len, admitted, tl.minimum(n, t * RB), cap, k, i + lanes,
+                              HAS_ADMITTED=HAS_ADMITTED)
+        carry += tl.sum(before.pages, axis=0)
     idx = t * RB + tl.arange(0, RB)
     inb = idx < cap
-    live, r, nblk, okr, ok, seq, pages = lane_lengths(ms, mc, slots, base_len, admitted, n, cap, k, idx,
-                                                      HAS_ADMITTED=HAS_ADMITTED)
+    lane = lane_lengths(ms, mc, slots, base_len, admitted, n, cap, k, idx, HAS_ADMITTED=HAS_ADMITTED)
+    seq, pages = lane.seq, lane.pages
     start = carry + tl.cumsum(pages, axis=0) - pages
     tl.store(views.seqused_k + k * cap + idx, seq, mask=inb)
     tl.store(views.kv_indptr + k * (cap + 1) + idx, start, mask=inb)
     tl.store(views.kv_last_page_len + k * cap + idx, tl.where(seq > 0, (seq - 1) % mc.BS + 1, 0), mask=inb)
     if (t + 1) * RB >= cap:  # the last tile closes the prefix sum
         tl.store(views.kv_indptr + k * (cap + 1) + cap, carry + tl.sum(pages, axis=0))
-    row = (group * mc.R + r).to(tl.int64) * mc.M
+    row = (group * mc.R + lane.slot).to(tl.int64) * mc.M
     cols = tl.arange(0, MB)
     for j in range(0, mc.M, MB):
         jj = j + cols
-        blk = tl.load(ms.block_table + row[:, None] + jj[None, :], mask=okr[:, None] & (jj[None, :] < nblk[:, None]),
-                      other=0)
+        blk = tl.load(ms.block_table + row[:, None] + jj[None, :],
+                      mask=lane.slot_ok[:, None] & (jj[None, :] < lane.nblk[:, None]), other=0)
         if k == 0:  # one table for every step: the rows hold the whole burst's blocks
             tl.store(views.block_table + idx[:, None].to(tl.int64) * mc.M + jj[None, :], blk,
                      mask=inb[:, None] & (jj[None, :] < mc.M))
@@ -87,13 +102,13 @@ def attention_views_kernel(ps, ms, mc: tl.constexpr, slots, base_len, admitted, 
         for kk in range(0, K):
             for i in range(0, cap, mc.BLOCK):
                 idx = i + lanes
-                e_live, e_r, e_nblk, e_okr, e_ok, e_seq, e_pages = lane_lengths(
-                    ms, mc, slots, base_len, admitted, n, cap, kk, idx, HAS_ADMITTED=HAS_ADMITTED)
-                bad_val = tl.where(e_okr, tl.load(base_len + idx, mask=e_live, other=0) + kk, e_r)
-                idle = e_live & (e_r >= 0) & (e_r < mc.R) & ~e_okr
+                e = lane_lengths(ms, mc, slots, base_len, admitted, n, cap, kk, idx, HAS_ADMITTED=HAS_ADMITTED)
+                bad_val = tl.where(e.slot_ok, tl.load(base_len + idx, mask=e.live, other=0) + kk, e.slot)
+                idle = e.live & (e.slot >= 0) & (e.slot < mc.R) & ~e.slot_ok
                 err, val, why, extra, err_i = keep_first_why(
-                    err, val, why, extra, err_i, new_err=E_INVALID_ARG, bad=e_live & ~e_ok, idx=idx + kk * cap,
-                    val=bad_val, cause=tl.where(e_okr, C_LENGTH_OUTSIDE_ROW, slot_cause(mc, e_r, idle)), ext=e_r)
+                    err, val, why, extra, err_i, new_err=E_INVALID_ARG, bad=e.live & ~e.ok, idx=idx + kk * cap,
+                    val=bad_val, cause=tl.where(e.slot_ok, C_LENGTH_OUTSIDE_ROW, slot_cause(mc, e.slot, idle)),
+                    ext=e.slot)
         if err != 0:
             set_status_why(ps.status, code=err, op=OP_ATTENTION_VIEWS, value=val, cause=why, extra=extra)
 
@@ -103,6 +118,7 @@ def launch_attention_views(ps, ms, mc, slots, base_len, admitted, num, group: in
     cap = slots.numel()
     mb = min(triton.next_power_of_2(mc.M), TILE_ELEMS)
     rb = max(1, min(mc.BLOCK, TILE_ELEMS // mb))
-    attention_views_kernel[(steps, triton.cdiv(cap, rb))](
+    # at least one tile: program (0, 0) checks the count even of an empty batch
+    attention_views_kernel[(steps, max(1, triton.cdiv(cap, rb)))](
         ps, ms, mc, slots, base_len, slots if admitted is None else admitted, num, cap, group, steps, views,
         HAS_ADMITTED=admitted is not None, RB=rb, MB=mb, num_warps=4)
