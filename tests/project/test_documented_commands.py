@@ -12,6 +12,7 @@ tests/vllm_plugin/test_vllm_conformance.py checks that the test extra holds what
 from __future__ import annotations
 
 from harness.paths import ROOT
+from harness.timeouts import scaled
 import os
 import re
 import shlex
@@ -169,7 +170,7 @@ def _run(argv, env, cwd=ROOT, timeout=600):
     full = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
     full["PATH"] = str(Path(sys.executable).parent) + os.pathsep + full.get("PATH", "")
     full.pop("PYTEST_XDIST_WORKER", None)
-    return subprocess.run(argv, cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(argv, cwd=cwd, env=full, capture_output=True, text=True, timeout=scaled(timeout))
 
 
 @pytest.mark.parametrize("cmd", [pytest.param(c, marks=[] if c in QUICK or c.startswith(QUICK[2]) and not gpucost_available() else [pytest.mark.slow])
