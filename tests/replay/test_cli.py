@@ -433,6 +433,48 @@ def test_a_closed_pipe_on_stdout_exits_quietly():
     assert p.returncode == 141 and p.stderr == "", p.stderr
 
 
+def test_a_closed_pipe_is_noticed_before_the_work():
+    """``gpupool replay ... | head -1`` stops when the reader goes, not at its next write: here the device
+    pool on 3,000 requests in the interpreter (many minutes) prints nothing between its header and its
+    report, so only a command that watches stdout ends within the time limit."""
+    import signal
+
+    cmd = (f"{sys.executable} -m gpupool replay --pool device --device cpu --device-limit all --limit 3000 "
+           f"--no-progress | head -1; exit ${{PIPESTATUS[0]}}")
+    p = subprocess.Popen(cmd, shell=True, executable="bash", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=scaled(120))
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # the shell and the replay under it
+        p.communicate()
+        pytest.fail("the replay went on after the reader of its stdout had gone")
+    assert out.startswith("trace ") and out.count("\n") == 1
+    assert p.returncode == 141 and err == "", err
+
+
+@pytest.mark.parametrize("argv", [["replay", "--bogus"], ["replay", "--help"], ["--help"], ["bench", "--nope"]])
+def test_arguments_are_parsed_before_torch_is_imported(argv):
+    """A usage error or ``--help`` answers without importing torch or triton (seconds each)."""
+    code = ("import sys\nfrom gpupool.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    print('exit', e.code, sorted(m for m in ('torch', 'triton') if m in sys.modules), file=sys.stderr)\n")
+    p = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=scaled(120))
+    assert p.stderr.splitlines()[-1] in ("exit 0 []", "exit 2 []"), p.stderr
+
+
+def test_a_file_name_that_is_not_utf8_prints_on_a_strict_stdout(tmp_path, monkeypatch):
+    """On Linux a file name's non-UTF-8 bytes reach Python as surrogates; a stdout with strict errors
+    (``PYTHONIOENCODING=utf-8``) shows them escaped instead of failing on the report's first line."""
+    import io
+
+    path = write(tmp_path, line(), name="odd\udcffname.jsonl")
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict")
+    monkeypatch.setattr(sys, "stdout", out)
+    assert cli.main(["replay", path, "--pool", "reference", "--no-progress"]) == 0
+    out.flush()
+    assert b"odd\\udcffname.jsonl: 1 request" in out.buffer.getvalue()
+
+
 def test_both_with_a_device_limit_labels_the_requests_that_ran(tmp_path, capsys):
     """``--pool both --device-limit N`` on the interpreter replays the first N requests on both pools,
     and says so (it once said "whole trace")."""

@@ -41,7 +41,8 @@ class _VersionAction(argparse.Action):
                          help=help or "print the versions of gpupool, torch, triton and Python, and exit")
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.exit(message=version_text() + "\n")
+        print(version_text())  # on stdout, as argparse's own version action
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
