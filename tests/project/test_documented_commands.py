@@ -196,3 +196,16 @@ def test_the_main_job_runs_as_documented():
     p = _run([sys.executable, "-m", "gpupool", "replay"], {})
     assert p.returncode == 0, p.stderr[-3000:]
     assert "identical       yes" in p.stdout and "hit ratio       0.2821" in p.stdout
+
+
+def test_gpu_check_without_a_gpu_is_one_line_naming_its_dry_run(tmp_path):
+    """``bash bench/gpu_check.sh`` on a machine without CUDA: one line saying so and giving the CPU dry
+    run's command, exit 2 (not ``nvidia-smi: command not found`` and exit 1)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    p = _run(["bash", "bench/gpu_check.sh"], {"OUT": str(tmp_path / "gc"), "GPU_CHECK_ALLOW_CPU": "0"})
+    lines = (p.stdout + p.stderr).strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stdout + p.stderr
+    assert "no CUDA device" in lines[0] and "GPU_CHECK_ALLOW_CPU=1 bash bench/gpu_check.sh" in lines[0]
