@@ -12,6 +12,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before gpupool defines its kernels
+    from harness.interpreter import install  # Triton's interpreter, its language patched once per launch
+
+    install()
 
 from hypothesis import settings  # noqa: E402
 
