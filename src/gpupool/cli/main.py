@@ -88,7 +88,8 @@ def _run(cmd: CLISubcommand, args: argparse.Namespace, argv: list[str] | None) -
 class _PipeWatch:
     """While a command works, a thread that notices when stdout is a pipe whose reader has gone
     (``gpupool replay | head -1``) and interrupts the main thread at once, instead of at its next write
-    minutes later. Linux and the BSDs report a widowed pipe's write end as POLLERR to ``poll``."""
+    minutes later. Linux reports a pipe's write end whose reader has gone as POLLERR to ``poll``; where
+    a system does not, the command stops at its next write."""
 
     def __init__(self):
         self.closed = False
