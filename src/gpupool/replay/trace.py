@@ -96,7 +96,7 @@ def _show(x) -> str:
     try:
         r = repr(x)
     except (RecursionError, ValueError):  # nested too deeply; an int past the str-conversion limit
-        return f"a {type(x).__name__} too large to show"
+        return f"a {type(x).__name__} value too large to show"
     return r if len(r) <= _SHOWN else f"{r[:_SHOWN - 3]}... ({len(r):,} characters)"
 
 
