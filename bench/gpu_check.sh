@@ -11,12 +11,14 @@
 #      1,024 and K = 1, 2, 4, 8, each device mode's replay captured with the model as one CUDA graph),
 #   5. the benchmarks (`gpupool bench`: pytest-benchmark JSON + PNG),
 #   6. short tables (measured cases; decode loop; op, pool, N, batch, median us, GPU us), printed last.
-# Run from anywhere: bash bench/gpu_check.sh (GPU_CHECK_ALLOW_CPU=1: a dry run without CUDA, in
-# which the CUDA-only stage 1 is skipped with a message and the others run in Triton's interpreter).
+# Run from anywhere: bash bench/gpu_check.sh. Without a CUDA device it says so in one line and exits 2;
+# GPU_CHECK_ALLOW_CPU=1 bash bench/gpu_check.sh is then its dry run on the CPU (the CUDA-only stage 1
+# is skipped with a message and the others run in Triton's interpreter, up to 8 minutes).
 # GPU_CHECK_TINY=1 shrinks every stage to seconds (tests/project/test_documented_commands.py runs it so on CPU).
 # Output goes to $OUT if set, else bench/out.
 # Each stage has a timeout taken from one overall deadline; a failed stage is reported and the
-# next one still runs. Exit status: 0 when every stage passed, else 1.
+# next one still runs. Exit status: 0 when every stage passed, 1 when one failed, 2 without CUDA (and
+# without GPU_CHECK_ALLOW_CPU=1).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUTDIR="${OUT:-bench/out}"
@@ -46,11 +48,32 @@ stage() {
   if (( rc == 0 )); then log "$name: ok"; else log "$name: FAILED (exit $rc; 124 = timed out)"; FAILED+=("$name"); fi
 }
 
-log "environment"
-if ! $PY -c 'import torch, triton' 2>/dev/null; then
-  log "torch/triton missing: pip install -e .[test]"
+# 0: torch sees a CUDA device; 1: it sees none; 3: torch or triton is missing (one import of torch, seconds)
+cuda_status() {
+  $PY -c 'import sys
+try:
+    import torch, triton
+except ImportError:
+    sys.exit(3)
+sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null
+}
+cuda_status; CUDA_STATUS=$?
+if (( CUDA_STATUS == 3 )); then
+  log "torch/triton missing: pip install -e '.[test]'"
   timeout 240 $PY -m pip install -q -e '.[test]' 2>&1 | tail -n 5
+  cuda_status; CUDA_STATUS=$?
+  if (( CUDA_STATUS == 3 )); then echo "gpu_check.sh: torch or triton cannot be imported after the install" >&2; exit 1; fi
 fi
+CUDA=1
+if (( CUDA_STATUS != 0 )); then
+  if [[ "${GPU_CHECK_ALLOW_CPU:-0}" != 1 ]]; then  # one line, before any other output
+    echo "gpu_check.sh: no CUDA device (torch sees none), and these are GPU checks; for their dry run on the CPU" \
+      "(Triton's interpreter, up to 8 minutes) run: GPU_CHECK_ALLOW_CPU=1 bash bench/gpu_check.sh" >&2
+    exit 2
+  fi
+  CUDA=0
+fi
+log "environment"
 if ! $PY -c 'import gpupool.kernels' 2>/dev/null; then  # the package itself (src/ layout)
   timeout 120 $PY -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -n 5 \
     || timeout 120 $PY -m pip install -q -e . 2>&1 | tail -n 5
@@ -59,16 +82,15 @@ if ! $PY -c 'import pytest, pytest_benchmark, hypothesis, matplotlib' 2>/dev/nul
   timeout 120 $PY -m pip install -q pytest pytest-benchmark hypothesis matplotlib 2>&1 | tail -n 5
 fi
 {
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || true
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || true
+  else
+    echo "nvidia-smi: not installed"
+  fi
   $PY -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")' 2>&1
   nproc; date -u +%Y-%m-%dT%H:%M:%SZ
 } | tee "$OUTDIR/env.txt"
-CUDA=1
-if ! $PY -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-  if [[ "${GPU_CHECK_ALLOW_CPU:-0}" != 1 ]]; then
-    log "torch sees no CUDA device: the checks below would only repeat the CPU runs"; exit 1
-  fi
-  CUDA=0
+if (( ! CUDA )); then
   log "no CUDA device; GPU_CHECK_ALLOW_CPU=1: dry run on the CPU (Triton interpreter, quick grid)"
 fi
 # Sizes: the full check, or (GPU_CHECK_TINY=1) a few seconds a stage, to check the script itself.

@@ -70,8 +70,8 @@ Run (from the repository root; the package's kernels run in Triton's interpreter
     TRITON_INTERPRET=1 python bench/model_cases.py --cases decode_step --sizes 64 --report
     TRITON_INTERPRET=1 python bench/model_cases.py --json /tmp/model.json
 
-gpucost is NOT part of this repository (nor of any package): it is a development tool its developers
-keep beside the repository. It is looked for at ``--gpucost PATH``, else ``$GPUCOST``, else
+gpucost is NOT part of this repository, nor of any package: it is an unpublished latency model. It
+is looked for at ``--gpucost PATH``, else ``$GPUCOST``, else
 ``../shared/tools/gpucost.py`` next to the repository root; without it (or if it does not load) the
 script prints one line and exits with status 2, so the modelled figures of bench/RESULTS.md cannot be
 recomputed from the repository alone. ``--measure`` needs no gpucost.
@@ -106,13 +106,13 @@ CASES = ("decode_step", "decode_multi", "reserve", "alloc_4096x1", "alloc_64x64"
 COUNT_KINDS = ("ld", "at", "red", "scan", "bar", "br", "it")
 
 
-# ---- imports: gpucost from beside the repository, gpupool from this tree ------------------------
+# ---- imports: gpucost from where it is given, gpupool from this tree ------------------------
 def load_gpucost(path_arg: str | None):
     """Import gpucost from --gpucost, $GPUCOST or ../shared/tools/gpucost.py; exit 2 if absent."""
     path = Path(path_arg or os.environ.get("GPUCOST") or DEFAULT_GPUCOST)
     if not path.is_file():
         print(f"model_cases: gpucost not found at {path} (pass --gpucost PATH or set GPUCOST): the modelled "
-              "figures need this latency model, a development tool kept beside the repository, not part of it "
+              "figures need this latency model, which is not published with this repository or as a package "
               "(bench/RESULTS.md); --measure needs no gpucost", file=sys.stderr)
         sys.exit(2)
     spec = importlib.util.spec_from_file_location("gpucost", path)

@@ -13,12 +13,15 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before gpupool defines its kernels
+    from harness.interpreter import install  # Triton's interpreter, its language patched once per launch
+
+    install()
 
 from hypothesis import settings  # noqa: E402
 
 settings.register_profile("dev", max_examples=4, deadline=None)
 # ci: derandomized, so a CI run's examples are the same each time (a failure reproduces); 25
-# examples, 6x dev, so the whole suite fits .ci/run's 15 minutes on 2 cores; deep hunts at random
+# examples, 6x dev, so the whole suite fits .ci/run's 25 minutes on 2 cores; deep hunts at random
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.register_profile("fast", settings.get_profile("ci"))  # the old name of "ci"
 settings.register_profile("deep", max_examples=1000, deadline=None)

@@ -14,7 +14,7 @@ Hashes are ``bytes`` (32 bytes for every hash made here; the pools accept any ``
 Token ids are Python ``int`` (anything with ``__index__``, e.g. numpy or 0-d integer torch
 values, is converted to ``int`` first, so it hashes like the equal Python int).
 
-Only the standard library is imported at module level; torch is imported lazily by
+Only the standard library and gpupool's errors are imported at module level; torch is imported lazily by
 :func:`device_keys`, the one function that builds a tensor.
 """
 from __future__ import annotations
@@ -331,10 +331,27 @@ def trace_block_hash(hash_id: int | str) -> bytes:
     """Block hash of a trace ``hash_id`` (docs/semantics.md section 5), an integer or a string.
 
     ``sha256(str(hash_id).encode()).digest()`` (32 bytes; ``7`` and ``"7"`` are the same block); trace
-    blocks use group 0. Raises TypeError for anything else (a float, bytes, a bool).
+    blocks use group 0. Raises ArgumentTypeError (a TypeError) for anything else (a float, bytes, a
+    bool); InvalidArgumentError (a ValueError) for a string without a UTF-8 form (a lone surrogate such
+    as ``"\\ud800"``, which JSON can spell) or an integer with more decimal digits than Python turns
+    into text (``sys.get_int_max_str_digits()``).
     """
     if isinstance(hash_id, str):
-        return hashlib.sha256(hash_id.encode()).digest()
-    if isinstance(hash_id, bool):
-        raise TypeError(f"a trace hash id is an integer or a string, got {hash_id!r}")
-    return hashlib.sha256(str(int(operator.index(hash_id))).encode()).digest()
+        try:
+            return hashlib.sha256(hash_id.encode()).digest()
+        except UnicodeEncodeError as e:
+            raise InvalidArgumentError("trace_block_hash", f"a trace hash id must be valid Unicode text; this one "
+                                       f"holds a lone surrogate {hash_id[e.start]!r} at character {e.start}") from None
+    try:
+        if isinstance(hash_id, bool):
+            raise TypeError
+        value = int(operator.index(hash_id))
+    except TypeError:
+        raise ArgumentTypeError("trace_block_hash", f"a trace hash id is an integer or a string, got "
+                                f"{type(hash_id).__name__}") from None
+    try:
+        text = str(value)
+    except ValueError:  # past the int-to-str digit limit
+        raise InvalidArgumentError("trace_block_hash", "a trace hash id has more decimal digits than Python "
+                                   "converts to text (sys.get_int_max_str_digits())") from None
+    return hashlib.sha256(text.encode()).digest()

@@ -8,6 +8,7 @@ import sys
 from hypothesis import strategies as st
 
 from .paths import CONFORMANCE
+from .timeouts import scaled
 
 sys.path.insert(0, str(CONFORMANCE))
 import driver  # noqa: E402
@@ -125,7 +126,7 @@ def run_in_vllm_tree(root, script: str, out, env: dict, args=()) -> None:
     env = dict(os.environ, GPUPOOL_VLLM_SRC=str(root), **env)
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # vLLM's tree keeps its bytecode between runs
     proc = subprocess.run([sys.executable, str(CONFORMANCE / script), *map(str, args), str(out)], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=env, capture_output=True, text=True, timeout=scaled(600))
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness.timeouts import scaled
 
 CCS = (90, 80)
 SCRIPT = Path(__file__).with_name("aot_compile.py")
@@ -20,7 +21,7 @@ ENV = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
 
 def test_every_kernel_is_launched_by_the_compile_drivers():
     out = subprocess.run([sys.executable, str(SCRIPT), "--record-only"], env=ENV, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=scaled(300))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     launched = set(out.stdout.split("kernels launched by the drivers:")[1].split("\n")[0].split())
     assert {"alloc_kernel", "decode_step_kernel", "decode_burst_kernel", "replay_loop_kernel"} <= launched
@@ -31,7 +32,7 @@ def test_every_kernel_is_launched_by_the_compile_drivers():
 def test_every_kernel_compiles_for_cuda(cc):
     cover = [] if os.environ.get("GPUPOOL_AOT_FULL") == "1" else ["--cover"]
     out = subprocess.run([sys.executable, str(SCRIPT), str(cc), *cover], env=ENV, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=900)
+                         stderr=subprocess.STDOUT, text=True, timeout=scaled(900))
     log = out.stdout
     assert out.returncode == 0, f"sm_{cc}:\n{log[-4000:]}"
     assert "failures: 0" in log, f"sm_{cc}:\n{log[-4000:]}"

@@ -5,6 +5,7 @@ and triton.language's own ``@jit`` helpers run in the interpreter without a GPU.
 from __future__ import annotations
 
 from harness.paths import ROOT
+from harness.timeouts import scaled
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["GPUPOOL_HYPOTHESIS_PROFILE"] = "dev"  # the import order is the subject, not the example count
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=scaled(600))
 
 
 def _refused(call: str) -> str:

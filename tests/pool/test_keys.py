@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from harness.paths import ROOT
+from harness.timeouts import scaled
 import hashlib
 import os
 import pickle
@@ -13,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpupool.errors import ArgumentTypeError, InvalidArgumentError
 from gpupool.keys import (
     NONE_HASH,
     device_key,
@@ -202,7 +204,7 @@ def test_deterministic_across_processes(seed):
     env = dict(os.environ, PYTHONHASHSEED=seed)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH", "")) if p)
     out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True,
-                         check=True, timeout=60).stdout.splitlines()
+                         check=True, timeout=scaled(60)).stdout.splitlines()
     h = hash_request_tokens(list(range(100, 122)), 4, lora_name="L", mm_features=[("m", 5, 3)], cache_salt="s")
     assert out == [NONE_HASH.hex(), ",".join(x.hex() for x in h), str(device_key(h[-1], 3)),
                    trace_block_hash(42).hex()]
@@ -301,3 +303,20 @@ def test_trace_block_hash_known_value():
     assert trace_block_hash(0) == hashlib.sha256(b"0").digest()
     assert trace_block_hash(0) != trace_block_hash(1)
     assert len(trace_block_hash(123)) == 32
+
+
+@pytest.mark.parametrize("bad, error", [
+    ("\ud800", InvalidArgumentError), ("a\udfff\ud800", InvalidArgumentError),  # no UTF-8 form
+    (1.0, ArgumentTypeError), (True, ArgumentTypeError), (b"7", ArgumentTypeError), (None, ArgumentTypeError),
+    ([7], ArgumentTypeError), (torch.tensor(1.5), ArgumentTypeError),
+])
+def test_trace_block_hash_refuses_what_has_no_text_form(bad, error):
+    """A typed error naming the op (not the codec's UnicodeEncodeError or a bare TypeError)."""
+    with pytest.raises(error, match="trace_block_hash"):
+        trace_block_hash(bad)
+
+
+def test_trace_block_hash_of_an_int_past_the_str_digit_limit():
+    with pytest.raises(InvalidArgumentError, match="decimal digits"):
+        trace_block_hash(10**5000)
+    assert trace_block_hash(torch.tensor(7)) == trace_block_hash(7)  # __index__ values hash as the int

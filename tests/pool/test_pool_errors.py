@@ -65,6 +65,7 @@ from harness.keys import h
 from harness.sizes import pow2_at_least
 from harness.state import ints, pool_state
 from harness.twins import POOL_IDS, POOLS, pool_twin, small_manager
+from harness.timeouts import scaled
 from harness.fault_pair import (  # noqa: E402
     dev_digest, FaultPair, FAULTS, HypChooser, RandChooser, ref_digest, step, UNIVERSE,
 )
@@ -255,7 +256,7 @@ def test_free_batched_rejects_mismatched_seg_offsets():
     env = dict(os.environ)
     env.setdefault("TRITON_INTERPRET", "1" if DEVICE == "cpu" else "0")
     r = subprocess.run([sys.executable, "-c", _SEG_OFFSETS_REPRO], capture_output=True, text=True, env=env,
-                       timeout=120)
+                       timeout=scaled(120))
     assert r.returncode == 0 and "REJECTED" in r.stdout, f"rc={r.returncode} {r.stdout[-500:]} {r.stderr[-500:]}"
 
 

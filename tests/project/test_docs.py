@@ -48,3 +48,26 @@ def test_paths_named_in_the_docs_exist():
            for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
            for m in PATH_REF.finditer(doc.read_text(encoding="utf-8")) if not m.group(1).startswith("bench/out/") and not (ROOT / m.group(1)).exists()]
     assert not bad, "\n".join(bad)
+
+
+def test_install_instructions_work_from_a_clone():
+    """gpupool is on no package index: every ``pip install`` that the README, docs/, error messages, skip
+    reasons and scripts give installs it from the clone (``pip install -e '.[extra]'``) with extras that
+    pyproject.toml defines, never ``pip install 'gpupool[vllm]'``."""
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"])
+    this = Path(__file__).resolve()
+    bad = []
+    for p in SOURCES + sorted((ROOT / "docs").glob("*.md")):
+        if p.resolve() == this:
+            continue
+        for m in re.finditer(r"pip3? install\b([^`\n&;|)]*)", p.read_text(encoding="utf-8", errors="replace")):
+            args = m.group(1)
+            if re.search(r"""(^|\s)['"]?gpupool\b""", args):
+                bad.append(f"{p.relative_to(ROOT)}: pip install{args} (gpupool is on no package index)")
+            for group in re.findall(r"""\.\[([\w,]+)\]""", args):
+                unknown = set(group.split(",")) - extras
+                if unknown:
+                    bad.append(f"{p.relative_to(ROOT)}: pip install{args} (no extra {sorted(unknown)})")
+    assert not bad, "\n".join(bad)

@@ -12,6 +12,7 @@ tests/vllm_plugin/test_vllm_conformance.py checks that the test extra holds what
 from __future__ import annotations
 
 from harness.paths import ROOT
+from harness.timeouts import scaled
 import os
 import re
 import shlex
@@ -169,7 +170,7 @@ def _run(argv, env, cwd=ROOT, timeout=600):
     full = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
     full["PATH"] = str(Path(sys.executable).parent) + os.pathsep + full.get("PATH", "")
     full.pop("PYTEST_XDIST_WORKER", None)
-    return subprocess.run(argv, cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(argv, cwd=cwd, env=full, capture_output=True, text=True, timeout=scaled(timeout))
 
 
 @pytest.mark.parametrize("cmd", [pytest.param(c, marks=[] if c in QUICK or c.startswith(QUICK[2]) and not gpucost_available() else [pytest.mark.slow])
@@ -196,3 +197,16 @@ def test_the_main_job_runs_as_documented():
     p = _run([sys.executable, "-m", "gpupool", "replay"], {})
     assert p.returncode == 0, p.stderr[-3000:]
     assert "identical       yes" in p.stdout and "hit ratio       0.2821" in p.stdout
+
+
+def test_gpu_check_without_a_gpu_is_one_line_naming_its_dry_run(tmp_path):
+    """``bash bench/gpu_check.sh`` on a machine without CUDA: one line saying so and giving the CPU dry
+    run's command, exit 2 (not ``nvidia-smi: command not found`` and exit 1)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    p = _run(["bash", "bench/gpu_check.sh"], {"OUT": str(tmp_path / "gc"), "GPU_CHECK_ALLOW_CPU": "0"})
+    lines = (p.stdout + p.stderr).strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stdout + p.stderr
+    assert "no CUDA device" in lines[0] and "GPU_CHECK_ALLOW_CPU=1 bash bench/gpu_check.sh" in lines[0]

@@ -5,6 +5,7 @@ exists). Nothing is installed."""
 from __future__ import annotations
 
 from harness.paths import ROOT
+from harness.timeouts import scaled
 import re
 import shlex
 import subprocess
@@ -90,7 +91,7 @@ def test_bash_block_is_valid(i):
 
 def test_console_script_entry_point_exists():
     """``gpupool`` (the console script the README runs) resolves to a callable."""
-    p = subprocess.run([sys.executable, "-c", "import gpupool.cli as c; assert callable(c.main)"], timeout=120)
+    p = subprocess.run([sys.executable, "-c", "import gpupool.cli as c; assert callable(c.main)"], timeout=scaled(120))
     assert p.returncode == 0
 
 
@@ -104,5 +105,5 @@ def test_first_python_block_runs_as_a_script_beside_a_clone_named_gpupool(tmp_pa
         pytest.skip(f"gpupool is imported from {origin}, not from this tree's src/")
     (tmp_path / "gpupool").symlink_to(ROOT, target_is_directory=True)
     (tmp_path / "snippet.py").write_text(blocks("python")[0], encoding="utf-8")
-    p = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, capture_output=True, text=True, timeout=scaled(300))
     assert p.returncode == 0, p.stderr[-2000:]

@@ -6,6 +6,7 @@ replayed first. Traces here are tiny files; the device pool runs only where a te
 from __future__ import annotations
 
 from harness.paths import ROOT
+from harness.timeouts import scaled
 import json
 import os
 from pathlib import Path
@@ -127,10 +128,50 @@ def test_version(capsys):
     pytest.param("[" * 100_000 + "]" * 100_000, ["line 2", "nested too deeply"], id="nested-100000-deep"),
     pytest.param(line().replace('"input_length": 600', '"input_length": ' + "9" * 5000),
                  ["line 2", "number too long", "4300 digits"], id="int-of-5000-digits"),
+    # valid JSON whose strings have no UTF-8 form (a lone surrogate, either half, or a reversed pair)
+    pytest.param(line(ids=["X", 2]).replace("X", "\\ud800"), ["line 2", "hash_ids[0]", "lone surrogate", "\\ud800"],
+                 id="lone-high-surrogate"),
+    pytest.param(line(ids=[1, "aX"]).replace("X", "\\udfff\\ud800"), ["line 2", "hash_ids[1]", "character 1"],
+                 id="reversed-surrogate-pair"),
+    pytest.param(line().replace('"timestamp": 0', '"timestamp": 1' + "0" * 400), ["line 2", "timestamp", "401 characters"],
+                 id="int-timestamp-past-float-range"),
+    pytest.param(line().replace('"timestamp": 0', '"timestamp": "' + "x" * 100_000 + '"'),
+                 ["line 2", "timestamp", "100,002 characters"], id="long-string-value-cut"),
+    pytest.param(line(ids=["X", 2]).replace('"X"', "[" * 900 + "1" + "]" * 900), ["line 2", "hash_ids[0]", "integer or a string"],
+                 id="nested-list-id"),
+    pytest.param(line(ids=[{"a": 1}, 2]), ["line 2", "hash_ids[0]"], id="object-id"),
+    pytest.param(line(ids=[1.0, 2]), ["line 2", "hash_ids[0]", "1.0"], id="float-id"),
+    pytest.param(line(ids=[True, 2]), ["line 2", "hash_ids[0]", "True"], id="bool-id"),
+    pytest.param(line(o="true"), ["line 2", "output_length", "True"], id="bool-length"),
 ])
 def test_bad_trace_lines_name_line_and_field(tmp_path, capsys, bad, needles):
     path = write(tmp_path, line(), bad)
-    fails(capsys, ["replay", path, "--pool", "reference"], path, *needles)
+    msg = fails(capsys, ["replay", path, "--pool", "reference"], path, *needles)
+    assert len(msg) < 300 + len(path), msg  # an offending value is cut, not printed whole
+
+
+@pytest.mark.parametrize("ids", [["\u00e9t\u00e9", "\U0001f600"], ["\x00", "a\nb"], [-1, 10**4000]],
+                         ids=["non-ascii", "control-chars", "huge-int"])
+def test_odd_but_valid_hash_ids_replay(tmp_path, capsys, ids):
+    """Strings with a UTF-8 form (accents, emoji, NUL, newlines) and integers of any size JSON holds are ids."""
+    path = write(tmp_path, line(ids=ids), line(t=1, ids=ids))
+    assert cli.main(["replay", path, "--pool", "reference", "--no-progress"]) == 0
+    assert "hit blocks      1" in capsys.readouterr().out  # the second request hits the first full block
+
+
+def test_library_trace_with_an_id_too_long_to_hash():
+    """A TraceRequest built in Python (not read from JSON) may hold an int past Python's str() digit
+    limit: the replay refuses it with a TraceError naming it, before any pool op."""
+    from gpupool import ReferenceBlockPool
+    from gpupool.replay import TraceRequest, replay
+
+    huge = 10**5000
+    pool = ReferenceBlockPool(16)
+    with pytest.raises(TraceError, match=r"trace\[0\]: field hash_ids\[1\] is an integer of about 5,000 digits"):
+        replay(pool, [TraceRequest(0, 600, 1, (1, huge))])
+    with pytest.raises(TraceError, match=r"hash_ids\[0\] must be valid Unicode"):
+        replay(pool, [TraceRequest(0, 1, 1, ("\ud800",))])
+    assert pool.get_num_free_blocks() == 15
 
 
 @pytest.mark.parametrize("text", ["", "\n  \n\n"])
@@ -285,7 +326,7 @@ def test_bench_skip_reasons_are_merged():
 def test_module_entry_point_runs():
     """``python -m gpupool`` (what the console script does) exits 2 with one line on a bad option."""
     p = subprocess.run([sys.executable, "-m", "gpupool", "replay", "--device", "foo"], capture_output=True, text=True,
-                       timeout=120)
+                       timeout=scaled(120))
     assert p.returncode == 2 and p.stderr.strip().startswith("gpupool: error:") and len(p.stderr.splitlines()) == 1
 
 
@@ -331,7 +372,7 @@ def test_a_pool_too_big_for_memory_is_one_line_before_anything_is_built(capsys, 
 
 
 def test_library_and_cli_work_without_tqdm_and_matplotlib(tmp_path, monkeypatch, capsys):
-    """tqdm and matplotlib are extras (``gpupool[cli]``): without them the replay runs with no bar,
+    """tqdm and matplotlib are extras (``cli``): without them the replay runs with no bar,
     ``--progress`` and ``gpupool bench`` say what to install."""
     import importlib.util as iu
     real = iu.find_spec
@@ -340,10 +381,10 @@ def test_library_and_cli_work_without_tqdm_and_matplotlib(tmp_path, monkeypatch,
     path = write(tmp_path, line(), line(t=1, ids=[1, 3]))
     assert cli.main(["replay", path, "--pool", "reference", "--no-progress"]) == 0
     capsys.readouterr()
-    fails(capsys, ["replay", path, "--pool", "reference", "--progress"], "needs tqdm", "gpupool[cli]")
-    fails(capsys, ["bench"], "needs matplotlib", "gpupool[cli,test]")
+    fails(capsys, ["replay", path, "--pool", "reference", "--progress"], "needs tqdm", "pip install -e '.[cli]'")
+    fails(capsys, ["bench"], "needs matplotlib", "pip install -e '.[cli,test]'")
     from gpupool.replay.model import progress_bar
-    with pytest.raises(ModuleNotFoundError, match=r"gpupool\[cli\]"):
+    with pytest.raises(ModuleNotFoundError, match=r"pip install -e '\.\[cli\]'"):
         progress_bar(True, 3, "x")
 
 
@@ -388,9 +429,51 @@ def test_a_line_without_end_is_refused_at_the_cap(tmp_path, capsys, monkeypatch)
 def test_a_closed_pipe_on_stdout_exits_quietly():
     """``gpupool replay | head -1``: no traceback, the shell's SIGPIPE status (141), not 1 ("disagree")."""
     p = subprocess.run(f"{sys.executable} -m gpupool replay --pool reference | head -1; exit ${{PIPESTATUS[0]}}",
-                       shell=True, executable="bash", capture_output=True, text=True, timeout=300)
+                       shell=True, executable="bash", capture_output=True, text=True, timeout=scaled(300))
     assert p.stdout.startswith("trace ") and p.stdout.count("\n") == 1
     assert p.returncode == 141 and p.stderr == "", p.stderr
+
+
+def test_a_closed_pipe_is_noticed_before_the_work():
+    """``gpupool replay ... | head -1`` stops when the reader goes, not at its next write: here the device
+    pool on 3,000 requests in the interpreter (many minutes) prints nothing between its header and its
+    report, so only a command that watches stdout ends within the time limit."""
+    import signal
+
+    cmd = (f"{sys.executable} -m gpupool replay --pool device --device cpu --device-limit all --limit 3000 "
+           f"--no-progress | head -1; exit ${{PIPESTATUS[0]}}")
+    p = subprocess.Popen(cmd, shell=True, executable="bash", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=scaled(120))
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # the shell and the replay under it
+        p.communicate()
+        pytest.fail("the replay went on after the reader of its stdout had gone")
+    assert out.startswith("trace ") and out.count("\n") == 1
+    assert p.returncode == 141 and err == "", err
+
+
+@pytest.mark.parametrize("argv", [["replay", "--bogus"], ["replay", "--help"], ["--help"], ["bench", "--nope"]])
+def test_arguments_are_parsed_before_torch_is_imported(argv):
+    """A usage error or ``--help`` answers without importing torch or triton (seconds each)."""
+    code = ("import sys\nfrom gpupool.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    print('exit', e.code, sorted(m for m in ('torch', 'triton') if m in sys.modules), file=sys.stderr)\n")
+    p = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=scaled(120))
+    assert p.stderr.splitlines()[-1] in ("exit 0 []", "exit 2 []"), p.stderr
+
+
+def test_a_file_name_that_is_not_utf8_prints_on_a_strict_stdout(tmp_path, monkeypatch):
+    """On Linux a file name's non-UTF-8 bytes reach Python as surrogates; a stdout with strict errors
+    (``PYTHONIOENCODING=utf-8``) shows them escaped instead of failing on the report's first line."""
+    import io
+
+    path = write(tmp_path, line(), name="odd\udcffname.jsonl")
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict")
+    monkeypatch.setattr(sys, "stdout", out)
+    assert cli.main(["replay", path, "--pool", "reference", "--no-progress"]) == 0
+    out.flush()
+    assert b"odd\\udcffname.jsonl: 1 request" in out.buffer.getvalue()
 
 
 def test_both_with_a_device_limit_labels_the_requests_that_ran(tmp_path, capsys):
@@ -441,7 +524,7 @@ def test_stdout_on_a_full_disk_is_a_one_line_error(tmp_path, extra):
     path = write(tmp_path, line())
     with open("/dev/full", "w") as full:
         p = subprocess.run([sys.executable, "-m", "gpupool", "replay", path, "--pool", "reference", *extra],
-                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=scaled(300))
     assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
     last = p.stderr.splitlines()[-1]
     assert p.returncode == 2 and last.startswith("gpupool: error: ") and "No space left on device" in last, p.stderr

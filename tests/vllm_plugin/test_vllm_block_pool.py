@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("msgspec", reason="gpupool[vllm] needs msgspec (pip install 'gpupool[vllm]')")
+pytest.importorskip("msgspec", reason="gpupool.vllm needs msgspec (pip install -e '.[vllm]')")
 
 from gpupool.errors import InvalidArgumentError, OutOfBlocksError, PoolError  # noqa: E402
 from gpupool.vllm import BlockPool, KVCacheBlock  # noqa: E402
@@ -27,6 +27,7 @@ from gpupool.vllm import BlockPool, KVCacheBlock  # noqa: E402
 sys.path.insert(0, str(CONFORMANCE))
 import driver  # noqa: E402
 from harness.vllm_ops import DRIVER_OPS as OPS, N, driver_trace  # noqa: E402
+from harness.timeouts import scaled
 
 def check_mirror(pool: BlockPool) -> None:
     """The host mirror equals the pool behind it: ref counts, keys (primary first), covered tokens,
@@ -167,7 +168,7 @@ def test_gpupool_vllm_imports_without_vllm():
             "import gpupool.vllm; p = gpupool.vllm.BlockPool(4, True, 4, device='cpu'); "
             "assert p._ku is None or 'vllm' in sys.modules; print('ok')")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=scaled(120))
     assert out.stdout.strip() == "ok", out.stderr
 
 

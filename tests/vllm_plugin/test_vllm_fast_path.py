@@ -29,7 +29,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("msgspec", reason="gpupool[vllm] needs msgspec (pip install 'gpupool[vllm]')")
+pytest.importorskip("msgspec", reason="gpupool.vllm needs msgspec (pip install -e '.[vllm]')")
 
 from gpupool import BlockPool as DevicePool  # noqa: E402
 from gpupool import tensors  # noqa: E402

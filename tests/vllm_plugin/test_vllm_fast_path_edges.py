@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("msgspec", reason="gpupool[vllm] needs msgspec (pip install 'gpupool[vllm]')")
+pytest.importorskip("msgspec", reason="gpupool.vllm needs msgspec (pip install -e '.[vllm]')")
 
 from gpupool.errors import PoolError  # noqa: E402
 from gpupool.vllm import BlockPool  # noqa: E402

@@ -18,6 +18,7 @@ download).
   completions and events equal.
 """
 from harness.paths import SRC, LIVE
+from harness.timeouts import scaled
 import json
 import os
 import subprocess
@@ -51,7 +52,7 @@ def _start(py, script: str, *args) -> subprocess.Popen:
 
 def _wait(p: subprocess.Popen, timeout: int) -> None:
     try:
-        out, _ = p.communicate(timeout=timeout)
+        out, _ = p.communicate(timeout=scaled(timeout))
     except subprocess.TimeoutExpired:
         p.kill()
         out, _ = p.communicate()

@@ -14,6 +14,7 @@
 * quick: ``gpupool.vllm`` imports without vLLM and ``GpuPoolScheduler`` is a lazy attribute.
 """
 from harness.vllm_ops import scheduler_runs  # noqa: E402
+from harness.timeouts import scaled
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from collections import Counter
 
 import pytest
 
-pytest.importorskip("msgspec", reason="gpupool[vllm] needs msgspec (pip install 'gpupool[vllm]')")
+pytest.importorskip("msgspec", reason="gpupool.vllm needs msgspec (pip install -e '.[vllm]')")
 
 
 
@@ -33,7 +34,7 @@ def test_scheduler_is_lazy_and_needs_vllm():
             "try:\n    g.nope\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit('no AttributeError')\n"
             "try:\n    g.GpuPoolScheduler\nexcept ImportError as e:\n    print('import', e.name)\n"
             "else:\n    print('loaded')\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120),
                          env=dict(os.environ, TRITON_INTERPRET="1"))
     assert out.returncode == 0, out.stderr
     try:

@@ -55,7 +55,7 @@ class BenchSubcommand(CLISubcommand):
     def validate(self, args) -> None:
         missing = [m for m in ("matplotlib", "pytest", "pytest_benchmark") if importlib.util.find_spec(m) is None]
         if missing:
-            raise CLIError(f"gpupool bench needs {', '.join(missing)}: pip install 'gpupool[cli,test]'")
+            raise CLIError(f"gpupool bench needs {', '.join(missing)}: pip install -e '.[cli,test]' in the repository")
         suite = bench_dir()
         if not (suite / "test_bench_pool.py").is_file() or not (suite / "plot.py").is_file():
             raise CLIError(f"the benchmark suite is not at {suite}: `gpupool bench` runs the bench/ folder of a "

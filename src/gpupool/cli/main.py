@@ -1,12 +1,19 @@
 """The ``gpupool`` command's entry point: the parser assembled from the commands (each a
 :class:`~gpupool.cli.types.CLISubcommand` of its own module, as vLLM's ``entrypoints/cli``), the
-exit statuses, the re-execution that switches the kernels' backend, and a closed stdout pipe."""
+exit statuses, the re-execution that switches the kernels' backend, and a closed stdout pipe.
+
+The arguments are parsed before torch or triton is imported (a usage error takes a fraction of a
+second); the commands import them when they run."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
+import select
+import stat
 import sys
+import threading
 
 from . import bench, replay
 from .machine import version_text
@@ -26,11 +33,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"gpupool: error: {message} (see '{self.prog} --help')\n")
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: argparse's, with the versions read only when it is given (they import torch)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default,
+                         help=help or "print the versions of gpupool, torch, triton and Python, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())  # on stdout, as argparse's own version action
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``gpupool`` parser; a parsed command's :class:`CLISubcommand` is ``args.subcommand``."""
     p = _Parser(prog="gpupool", description="A KV-cache block pool whose bookkeeping lives on the GPU "
                                             "(docs: docs/semantics.md, docs/design.md, docs/errors.md).")
-    p.add_argument("--version", action="version", version=version_text())
+    p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in CMD_MODULES:
         for cmd in module.cmd_init():
@@ -66,15 +85,76 @@ def _run(cmd: CLISubcommand, args: argparse.Namespace, argv: list[str] | None) -
     return cmd.cmd(args)
 
 
+class _PipeWatch:
+    """While a command works, a thread that notices when stdout is a pipe whose reader has gone
+    (``gpupool replay | head -1``) and interrupts the main thread at once, instead of at its next write
+    minutes later. Linux reports a pipe's write end whose reader has gone as POLLERR to ``poll``; where
+    a system does not, the command stops at its next write."""
+
+    def __init__(self):
+        self.closed = False
+        self._wake = None
+
+    def __enter__(self):
+        try:
+            fd = sys.stdout.fileno()
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode) or not hasattr(select, "poll"):
+                return self
+        except (OSError, ValueError, AttributeError):  # no real stdout (a test's capture, closed)
+            return self
+        self._wake = os.pipe()
+        self._thread = threading.Thread(target=self._watch, args=(fd,), daemon=True, name="gpupool-stdout-watch")
+        self._thread.start()
+        return self
+
+    def _watch(self, fd: int) -> None:
+        import _thread
+
+        poller = select.poll()
+        poller.register(fd, 0)  # no events asked for: poll wakes only for POLLERR / POLLHUP
+        poller.register(self._wake[0], select.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            if self._wake[0] in ready:
+                return
+            if ready.get(fd, 0) & (select.POLLERR | select.POLLHUP):
+                self.closed = True
+                _thread.interrupt_main()  # a KeyboardInterrupt in the main thread, told apart by ``closed``
+                return
+
+    def __exit__(self, *exc):
+        if self._wake is not None:
+            os.write(self._wake[1], b"x")
+            self._thread.join()  # after this no interrupt can come
+            for f in self._wake:
+                os.close(f)
+        return False
+
+
+def _text_streams_never_fail_on_encoding() -> None:
+    """A trace's file name is printed as given; on Linux one that is not UTF-8 holds surrogates, which a
+    stream with strict errors (``PYTHONIOENCODING=utf-8``, some locales) cannot write: show them escaped."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            with contextlib.suppress(ValueError, OSError):
+                stream.reconfigure(errors="backslashreplace")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gpupool`` command; returns the exit status (argparse errors exit 2)."""
     args = build_parser().parse_args(argv)
+    _text_streams_never_fail_on_encoding()
+    watch = _PipeWatch()
     try:
-        return _run(args.subcommand, args, argv)
+        with watch:
+            return _run(args.subcommand, args, argv)
     except CLIError as e:
         print(f"gpupool: error: {e}", file=sys.stderr)
         return e.code
     except KeyboardInterrupt:
+        if watch.closed:  # the reader of stdout went away: as a BrokenPipeError below
+            _stdout_to_devnull()
+            return 128 + 13
         print("gpupool: error: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:

@@ -40,7 +40,7 @@ def progress(flag: bool | None, desc: str):
         return False
     if importlib.util.find_spec("tqdm") is None:
         if flag:
-            raise CLIError("--progress needs tqdm: pip install 'gpupool[cli]' (or tqdm)")
+            raise CLIError("--progress needs tqdm: pip install tqdm (or, in the repository, pip install -e '.[cli]')")
         return False
     kw = {"desc": desc, "unit": "req", "leave": True}
     if not sys.stderr.isatty():

@@ -293,7 +293,7 @@ def progress_bar(progress: bool | Mapping, total: int, desc: str):
     try:
         from tqdm import tqdm
     except ModuleNotFoundError as e:
-        raise ModuleNotFoundError("progress bars need tqdm: pip install 'gpupool[cli]' (or tqdm)", name="tqdm") from e
+        raise ModuleNotFoundError("progress bars need tqdm: pip install tqdm (or, in the repository, pip install -e '.[cli]')", name="tqdm") from e
 
     kw = {"total": total, "desc": desc, "unit": "req"}
     if isinstance(progress, Mapping):

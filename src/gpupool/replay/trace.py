@@ -84,21 +84,75 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+#: characters of an offending value an error message shows (a 4 MiB string stays one readable line)
+_SHOWN = 60
+#: an integer id with more bits than this may have more decimal digits than ``str()`` converts
+#: (``sys.get_int_max_str_digits()``, 4300 by default: about 14,284 bits)
+_ID_BITS_CHECKED = 14_000
+
+
+def _show(x) -> str:
+    """``repr(x)``, cut to about _SHOWN characters (a list nested too deeply for ``repr``: its type)."""
+    try:
+        r = repr(x)
+    except (RecursionError, ValueError):  # nested too deeply; an int past the str-conversion limit
+        return f"a {type(x).__name__} value too large to show"
+    return r if len(r) <= _SHOWN else f"{r[:_SHOWN - 3]}... ({len(r):,} characters)"
+
+
+def _finite_at_least_0(x) -> bool:
+    """``x`` is a finite number >= 0 (an int too large for a float is not: timestamps are floats)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x) and x >= 0
+    except OverflowError:  # an int past float range
+        return False
+
+
+def hash_id_problem(h) -> str | None:
+    """Why ``h`` cannot be a trace hash id (None when it can): an integer or a string whose
+    :func:`gpupool.keys.trace_block_hash` exists, i.e. ``str(h)`` encodes as UTF-8 (no lone surrogate,
+    which valid JSON can spell as ``"\\ud800"``) and an integer has at most the decimal digits Python
+    converts to text."""
+    if isinstance(h, str):
+        if h.isascii():
+            return None
+        try:
+            h.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return (f"must be valid Unicode text, got a string with a lone surrogate "
+                    f"{h[e.start]!r} at character {e.start}")
+        return None
+    if not _is_int(h):
+        return f"must be an integer or a string, got {_show(h)}"
+    if h.bit_length() > _ID_BITS_CHECKED:
+        try:
+            str(h)
+        except ValueError:
+            return f"is an integer of about {int(h.bit_length() * 0.30103):,} digits, too long to hash"
+    return None
+
+
 def check_fields(where: str, ts, inp, out, ids, ids_type=(list, tuple)) -> None:
     """One request's fields as docs/semantics.md section 5 allows them: a finite ``timestamp >= 0``,
     integers ``input_length >= 1`` and ``output_length >= 0``, ``hash_ids`` a list (tuple) of integers
-    or strings. Raises TraceError naming ``where`` and the field."""
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
-        raise TraceError(f"{where}: field timestamp must be a finite number >= 0, got {ts!r}")
+    or strings that :func:`hash_id_problem` accepts. Raises TraceError naming ``where`` and the field
+    (the offending value cut to about 60 characters)."""
+    if not _finite_at_least_0(ts):
+        raise TraceError(f"{where}: field timestamp must be a finite number >= 0, got {_show(ts)}")
     if not _is_int(inp) or inp < 1:
-        raise TraceError(f"{where}: field input_length must be an integer >= 1, got {inp!r}")
+        raise TraceError(f"{where}: field input_length must be an integer >= 1, got {_show(inp)}")
     if not _is_int(out) or out < 0:
-        raise TraceError(f"{where}: field output_length must be an integer >= 0, got {out!r}")
+        raise TraceError(f"{where}: field output_length must be an integer >= 0, got {_show(out)}")
     if not isinstance(ids, ids_type):
         raise TraceError(f"{where}: field hash_ids must be a list of integers or strings, got {type(ids).__name__}")
     for k, h in enumerate(ids):
-        if not (_is_int(h) or isinstance(h, str)):
-            raise TraceError(f"{where}: field hash_ids[{k}] must be an integer or a string, got {h!r}")
+        if (_is_int(h) and h.bit_length() <= _ID_BITS_CHECKED) or (isinstance(h, str) and h.isascii()):
+            continue  # the common case, checked without a call
+        why = hash_id_problem(h)
+        if why is not None:
+            raise TraceError(f"{where}: field hash_ids[{k}] {why}")
 
 
 def check_requests(trace) -> list[TraceRequest]:

@@ -1,11 +1,17 @@
-"""gpupool on vLLM's interfaces (optional extra ``gpupool[vllm]``: msgspec, pyzmq; docs/vllm.md).
+"""gpupool on vLLM's interfaces (docs/vllm.md). Optional: it needs msgspec and pyzmq, the ``vllm`` extra
+(``pip install -e '.[vllm]'`` in the repository); vLLM itself only for the scheduler plug-in and
+:mod:`gpupool.vllm.compat`.
 
-Done: KV events on vLLM 0.33's wire (:mod:`gpupool.vllm.kv_events`) and a publisher compatible with
-vLLM's ``ZmqEventPublisher`` (:mod:`gpupool.vllm.publisher`), and a drop-in for vLLM 0.33's ``BlockPool``
-(:mod:`gpupool.vllm.block_pool`; its deferred form for the scheduler's fast path,
-:mod:`gpupool.vllm.fast_path`), and ``GpuPoolScheduler`` for ``vllm serve ... --scheduler-cls
-gpupool.vllm.GpuPoolScheduler`` (:mod:`gpupool.vllm.scheduler`, the only module here that imports vLLM:
-it is loaded on first access of the attribute). The core package never imports this one.
+* :mod:`gpupool.vllm.kv_events`: KV events on vLLM 0.33's wire, and :mod:`gpupool.vllm.publisher`, a
+  publisher compatible with vLLM's ``ZmqEventPublisher``;
+* :mod:`gpupool.vllm.block_pool`: a drop-in for vLLM 0.33's ``BlockPool`` (its deferred form for the
+  scheduler's fast path: :mod:`gpupool.vllm.fast_path`);
+* ``GpuPoolScheduler``, for ``vllm serve MODEL --scheduler-cls gpupool.vllm.GpuPoolScheduler``
+  (:mod:`gpupool.vllm.scheduler`, the only module here that imports vLLM: it is loaded on first access
+  of the attribute);
+* ``python -m gpupool.vllm.compat``: every vLLM name the plug-in touches, checked on the installed vLLM.
+
+The core package never imports this one.
 """
 from .kv_events import (  # noqa: F401
     AllBlocksCleared,

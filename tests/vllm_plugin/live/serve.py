@@ -20,9 +20,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(os.path.dirname(HERE)))  # tests/, for the harness's time limits
 from offline import BLOCK_SIZE, PROMPTS  # noqa: E402
+from harness.timeouts import scaled, scaled_ms  # noqa: E402
 
-STARTUP_S = 240
+STARTUP_S = scaled(240)  # GPUPOOL_TEST_TIMEOUT_SCALE (docs/testing.md, "Time limits"); None: no limit
 
 
 def free_port() -> int:
@@ -57,11 +59,12 @@ def main(model: str, mode: str, out_path: str) -> None:
     sub.connect(endpoint)
     t0 = time.perf_counter()
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=scaled(120),
+                               max_retries=0)
         while True:
             if server.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with {server.returncode} (log: {out_path}.log)")
-            if time.perf_counter() - t0 > STARTUP_S:
+            if STARTUP_S is not None and time.perf_counter() - t0 > STARTUP_S:
                 raise RuntimeError(f"vllm serve not up after {STARTUP_S} s (log: {out_path}.log)")
             try:
                 client.models.list()
@@ -77,7 +80,7 @@ def main(model: str, mode: str, out_path: str) -> None:
             completions.append({"text": r.choices[0].text, "usage": r.usage.model_dump()})
         dec = msgspec.msgpack.Decoder(KVEventBatch)
         events, seqs = [], []
-        while sub.poll(3000):
+        while sub.poll(scaled_ms(3000)):
             topic, seq, payload = sub.recv_multipart()
             seqs.append(int.from_bytes(seq, "big"))
             events += [json.loads(msgspec.json.encode(e)) | {"type": type(e).__name__}
