@@ -373,6 +373,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-jobs", type=int, default=0,
                    help="CUDA: first compile every case's kernels in this many processes at once (Triton compiles a "
                         "kernel at its first launch, one at a time; default 0: each case compiles its own)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="CUDA: only compile every case's kernels into Triton's cache (with --compile-jobs processes, "
+                        "at least 1), so that a later run with the same flags finds them there; no timing")
     p.add_argument("--json", help="write the rows here (rewritten after each row)")
     p.add_argument("--table", metavar="JSON", help="print the rows of a --json file as a markdown table, and exit")
     return p
@@ -442,8 +445,10 @@ def main(argv=None) -> int:
         print(f"[{time.perf_counter() - started:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
     try:
-        if args.compile_jobs and torch.device(args.device).type == "cuda":
-            compile_kernels(args, runs, shape, args.compile_jobs, progress)
+        if (args.compile_jobs or args.compile_only) and torch.device(args.device).type == "cuda":
+            compile_kernels(args, runs, shape, max(1, args.compile_jobs), progress)
+        if args.compile_only:
+            return 0
         for B in args.batch:  # in the order given (by default the smallest first: its cases compile the kernels)
             for mode, K, D in runs:
                 progress(f"{mode} B={B} K={K} D={D} ...")
