@@ -449,8 +449,8 @@ def main(argv=None) -> int:
             compile_kernels(args, runs, shape, max(1, args.compile_jobs), progress)
         if args.compile_only:
             return 0
-        for B in args.batch:  # in the order given (by default the smallest first: its cases compile the kernels)
-            for mode, K, D in runs:
+        for mode, K, D in runs:  # a mode's rows at every B before the next mode compiles its kernels
+            for B in args.batch:
                 progress(f"{mode} B={B} K={K} D={D} ...")
                 try:
                     rows.append(bench_one(model, mode, B, K, D, args, shape))
