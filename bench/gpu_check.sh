@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Device checks for a lent CUDA machine, in one go (under 8 minutes):
-#   1. the CUDA-only tests (python -m pytest -q tests -m cuda),
+#   1. the CUDA-only tests (python -m pytest -q tests -m cuda; the decode window's two files, whose
+#      kernels take long to compile, run in the background beside the other stages, as does the compile
+#      of the decode loop's kernels: on otherwise idle CPU cores, with little GPU work),
 #   2. `gpupool replay --pool both` on the whole bundled trace (the device replay loop and the
 #      reference must agree; the device's wall time is the whole-trace benchmark),
-#   3. the modelled cases of bench/model_cases.py MEASURED with CUDA events (decode step, decode burst
-#      of K = 8 steps and the reserve before it, at B = 64 and 1,024, allocate / free / touch of 4,096
-#      blocks, 10,000 lookups; eager and as CUDA-graph replays; the replay loop on the first 1,000
-#      requests, wall clock),
-#   4. the decode loop of a small model (bench/decode_loop_gpu.py: host / step / burst at B = 64, 256,
-#      1,024 and K = 1, 2, 4, 8, each device mode's replay captured with the model as one CUDA graph),
+#   3. the modelled cases of bench/model_cases.py MEASURED with CUDA events (decode step as DecodeStep
+#      and as the one-launch decode kernel, K = 8 steps of DecodeStep(steps=8), reserve, at B = 64 and
+#      1,024, allocate / free / touch of 4,096 blocks, 10,000 lookups; eager and as CUDA-graph replays;
+#      the replay loop on the first 1,000 requests, wall clock; the decode window's own cases, whose
+#      variants take long to compile, only on request: --cases window_begin,window_step,window_end,admit),
+#   4. the decode loop of a small model (bench/decode_loop_gpu.py at B = 64, 256, 1,024: host, window
+#      with K = 1, 2, 4, 8 and spec with D = 1, 2, 4 at K = 4; each window's pool steps and the model's K
+#      forward passes captured as one CUDA graph; tests/gpu/test_window_graph.py, in the background,
+#      checks such a graph's tokens against an eager run),
 #   5. the benchmarks (`gpupool bench`: pytest-benchmark JSON + PNG),
 #   6. short tables (measured cases; decode loop; op, pool, N, batch, median us, GPU us), printed last.
 # Run from anywhere: bash bench/gpu_check.sh. Without a CUDA device it says so in one line and exits 2;
@@ -47,6 +52,29 @@ stage() {
   tail -n 12 "$OUTDIR/$name.log"
   if (( rc == 0 )); then log "$name: ok"; else log "$name: FAILED (exit $rc; 124 = timed out)"; FAILED+=("$name"); fi
 }
+
+# background NAME MAX_SECONDS CMD...: run CMD beside the stages (its output in $OUTDIR/NAME.log), with a
+# timeout of min(MAX, time left); finish NAME waits for it and reports it as a stage.
+declare -A BG_PID=()
+background() {
+  local name=$1 max=$2
+  shift 2
+  local left=$(( DEADLINE - $(date +%s) ))
+  local limit=$(( max < left ? max : left ))
+  log "$name: in the background: $* (timeout ${limit}s)"
+  timeout -s INT -k 20 "$limit" "$@" > "$OUTDIR/$name.log" 2>&1 &
+  BG_PID[$name]=$!
+}
+finish() {
+  local name=$1
+  [[ -n "${BG_PID[$name]:-}" ]] || return 0
+  wait "${BG_PID[$name]}"
+  local rc=$?
+  unset "BG_PID[$name]"
+  tail -n 12 "$OUTDIR/$name.log"
+  if (( rc == 0 )); then log "$name: ok"; else log "$name: FAILED (exit $rc; 124 = timed out)"; FAILED+=("$name"); fi
+}
+
 
 # 0: torch sees a CUDA device; 1: it sees none; 3: torch or triton is missing (one import of torch, seconds)
 cuda_status() {
@@ -94,12 +122,14 @@ if (( ! CUDA )); then
   log "no CUDA device; GPU_CHECK_ALLOW_CPU=1: dry run on the CPU (Triton interpreter, quick grid)"
 fi
 # Sizes: the full check, or (GPU_CHECK_TINY=1) a few seconds a stage, to check the script itself.
-MEASURE_ARGS=(--reps 50 --sizes 64,1024)
+# the decode window's cases (window_*, admit) compile a kernel per variant that takes long: measured on request
+MEASURE_ARGS=(--reps 50 --sizes 64,1024 --cases decode_step,decode_multi,decode_kernel,reserve,alloc,free_4096,lookup_10000,touch_4096,replay,vllm_flush,vllm_per_call)
 REPLAY_ARGS=()
 BENCH_ARGS=()
-DECODE_ARGS=(--iters 5)
+DECODE_ARGS=(--iters 5 --compile-jobs 8)  # the window's pool step compiles once per K and D: 8 processes at once
 if (( ! CUDA )) || [[ "${GPU_CHECK_TINY:-0}" == 1 ]]; then  # the interpreter: a smoke run of the same code
-  DECODE_ARGS=(--batch 2 --steps 2 --iters 1 --hidden 64 --layers 1 --dtype float32)
+  DECODE_ARGS=(--batch 2 --modes host spec --draft 1 --spec-steps 2 --iters 1 --warmup 1 --hidden 64 --layers 1
+               --dtype float32)  # spec runs the window's code too
   (( CUDA )) || DECODE_ARGS+=(--device cpu --no-graph)
 fi
 if [[ "${GPU_CHECK_TINY:-0}" == 1 ]]; then
@@ -109,16 +139,23 @@ if [[ "${GPU_CHECK_TINY:-0}" == 1 ]]; then
   export GPUPOOL_BENCH_MAX_TIME=${GPUPOOL_BENCH_MAX_TIME:-0.005}
 fi
 
+# The decode window's pool step takes long to compile (once per K and D, and per pool configuration):
+# its tests and the decode loop's kernels compile beside the stages before them, on the idle cores.
+WINDOW_TESTS=(tests/gpu/test_window_graph.py tests/gpu/test_decode_loop_cuda.py)
 if (( CUDA )); then
-  stage cuda_tests 100 350 $PY -m pytest -q -p no:cacheprovider tests -m cuda
+  background decode_compile 330 $PY bench/decode_loop_gpu.py "${DECODE_ARGS[@]}" --compile-only --compile-jobs 8
+  background window_tests 330 $PY -m pytest -q -p no:cacheprovider "${WINDOW_TESTS[@]}" -m cuda
+  stage cuda_tests 100 350 $PY -m pytest -q -p no:cacheprovider tests -m cuda "${WINDOW_TESTS[@]/#/--ignore=}"
 else
   log "cuda_tests: SKIPPED (no CUDA device: the tests marked cuda need one; not counted as a failure)"
 fi
 stage measured 120 230 $PY bench/model_cases.py --measure "${MEASURE_ARGS[@]}" --json "$OUTDIR/measured.json"
 stage replay 100 220 $PY -m gpupool replay --pool both "${REPLAY_ARGS[@]}" --json "$OUTDIR/replay.json"
-stage decode_loop 120 130 $PY bench/decode_loop_gpu.py "${DECODE_ARGS[@]}" --json "$OUTDIR/decode_loop.json"
+finish decode_compile
+stage decode_loop 180 70 $PY bench/decode_loop_gpu.py "${DECODE_ARGS[@]}" --json "$OUTDIR/decode_loop.json"
 export GPUPOOL_BENCH_MAX_TIME=${GPUPOOL_BENCH_MAX_TIME:-0.05}
 stage bench 200 5 $PY -m gpupool bench "${BENCH_ARGS[@]}" --out "$OUTDIR/bench"
+finish window_tests
 
 echo
 log "stages failed: ${FAILED[*]:-none}"
@@ -135,8 +172,8 @@ fi
 if [[ -f "$OUTDIR/measured.log" ]]; then
   grep '^|' "$OUTDIR/measured.log" || true  # the measured cases (compare with bench/RESULTS.md's modelled ones)
 fi
-if [[ -f "$OUTDIR/decode_loop.log" ]]; then
-  grep -E 'tok/s' "$OUTDIR/decode_loop.log" || true  # the decode loop (tokens per second, time per replay)
+if [[ -f "$OUTDIR/decode_loop.json" ]]; then  # the decode loop (tokens per second, time per window and step)
+  $PY bench/decode_loop_gpu.py --table "$OUTDIR/decode_loop.json" || true
 fi
 if [[ -f "$OUTDIR/bench.json" ]]; then
   $PY bench/plot.py "$OUTDIR/bench.json" --table

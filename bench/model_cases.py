@@ -10,7 +10,9 @@ gpucost is a latency *model* (see its module docstring): quote its figures as "m
 Steady state (every case): a pool of 100,000 blocks whose free blocks ALL carry a key (a warm prefix
 cache). It is made by allocating every free block with ``allocate_batched`` (chunks of 16,384),
 keying each chunk with fresh hashes (``cache_full_blocks``) and freeing it (``free_batched``); the
-pool's ``get_num_free_blocks()`` and a ``lookup_batched`` of every warm key then check it.
+pool's ``get_num_free_blocks()`` and a ``lookup_batched`` of every warm key then check it. It is made
+once per run and pool configuration; each later case's fresh pool gets a copy (its device state and
+the names of its keys).
 
 Cases:
 
@@ -29,6 +31,20 @@ Cases:
   ``DecodeStep(steps=K).run()``: a burst of K steps (each running request decodes K tokens; one
   crossing a block boundary at step k gets a block there; blocks that fill are keyed where the hash
   is known, as in ``decode_step``). Compare with K x ``decode_step`` of the same B.
+* ``decode_kernel`` (B = ``--sizes``): the same state and inputs, ONE ``KVCacheManager.decode_step``:
+  the decode step's one-launch kernel (``kernels/requests/decode.py``) and the copies' release, the
+  decode step before the decode window (``DecodeStep`` is now a window's capture wrapper).
+* ``window_begin``, ``window_step``, ``window_end`` (B = ``--sizes``): one launch of a decode window
+  (``DecodeWindow(views=False)``, D = 0) on the same state with the device's hashing (every request
+  added with its tail tokens and its prefill's token appended; the kinds' residues shifted so that B
+  // 16 requests cross into a new block and B // 16 fill one at the recorded launch), the B // 128
+  finishing requests in ``finished``, each pass accepting one token. ``window_begin``: the begin;
+  ``window_step``: step 0 of a one-step window (K = 1), step K // 2 of a ``--steps`` window, and the
+  same with B // 16 lanes stopped (freed in the step); ``window_end``: the end of a ``--steps`` window.
+  The window's earlier launches run before the recorded one.
+* ``admit`` (B = ``--sizes``): on the warm pool, ONE ``KVCacheManager.admit`` of B requests, each with 8
+  cached (free, keyed) blocks to hit from the back half of the free queue, 4 missing and a 5-token tail:
+  197 tokens, 8 hit blocks and 5 popped each.
 * ``reserve`` (B = ``--sizes``, K = ``--steps``): the same state; ONE ``KVCacheManager.reserve`` of the
   running requests (all but the finishing ones) for K tokens each, the booking an engine makes before
   a burst (docs/semantics.md section 8); checked: all booked, each request's count, nothing popped.
@@ -101,7 +117,8 @@ BLOCK_SIZE = 16
 MAX_BLOCKS_PER_REQ = 168
 SEED = 20240611
 WARM_CHUNK = 16_384
-CASES = ("decode_step", "decode_multi", "reserve", "alloc_4096x1", "alloc_64x64", "free_4096", "lookup_10000", "touch_4096",
+CASES = ("decode_step", "decode_multi", "decode_kernel", "window_begin", "window_step", "window_end", "admit", "reserve",
+         "alloc_4096x1", "alloc_64x64", "free_4096", "lookup_10000", "touch_4096",
          "replay", "vllm_flush", "vllm_per_call")
 COUNT_KINDS = ("ld", "at", "red", "scan", "bar", "br", "it")
 
@@ -169,9 +186,22 @@ class Hashes:
         return out
 
 
+_WARM: dict = {}  # (pool config, hashes' tag) -> the warm state made once: device state, keys, owner, hashes
+
+
 def warm_pool(pool, hashes: Hashes) -> dict[bytes, int]:
     """Key every free block of ``pool`` (allocate a chunk, cache it with fresh hashes, free it; the
-    hashed blocks go to the back, so the next chunk takes un-keyed ones). Returns hash -> block."""
+    hashed blocks go to the back, so the next chunk takes un-keyed ones). Returns hash -> block. A
+    fresh pool of a configuration warmed before in this run gets that state copied instead (its device
+    state and its registry of key names: the same state, made once)."""
+    cached = _WARM.get((pool.config, hashes.tag))
+    if cached is not None and pool.get_num_free_blocks() == pool.num_blocks - 1:
+        snap, names, owner, n = cached
+        for t, saved in zip(pool.state, snap):
+            t.copy_(saved)
+        pool.registry.register_pairs(names)
+        hashes.n = n
+        return dict(owner)
     n_free = pool.get_num_free_blocks()
     owner: dict[bytes, int] = {}
     left = n_free
@@ -187,6 +217,9 @@ def warm_pool(pool, hashes: Hashes) -> dict[bytes, int]:
         left -= n
     assert pool.get_num_free_blocks() == n_free, "warm-up changed the number of free blocks"
     check_free_keyed(pool, owner)
+    if n_free == pool.num_blocks - 1:
+        _WARM[(pool.config, hashes.tag)] = ([t.clone() for t in pool.state], [(h, 0) for h in owner], dict(owner),
+                                            hashes.n)
     return owner
 
 
@@ -328,10 +361,15 @@ def record(gc, fn, report: bool, title: str, state=(), graph_ok: bool = True):
 
 
 # ---- cases -------------------------------------------------------------------------------------
-def decode_state(B: int, args):
+def decode_state(B: int, args, shift: int = 1, tails: bool = False):
     """The decode cases' steady state (module docstring): a manager on a warm pool with B requests
-    prefilled. Returns (manager, kinds, prompt, held blocks, fill hashes, free before, warm s,
-    prefill s, t0)."""
+    prefilled. ``shift``: the tokens each request will have gained past its prompt at the recorded
+    allocation (1: the step right after the prefill); the residues are chosen so that exactly B // 16
+    requests cross into a new block there and B // 16 fill their last block. ``tails``: every request
+    added with its tail tokens (it hashes its own tokens on the device), its prefill's sampled token
+    appended (``append_tokens``); else the filling requests get their block's hash from the host
+    (``append_block_hashes``). Returns (manager, kinds, prompt, held blocks, fill hashes, free before,
+    warm s, prefill s, t0)."""
     from gpupool.manager import KVCacheManager
 
     t0 = time.perf_counter()
@@ -339,15 +377,18 @@ def decode_state(B: int, args):
     owner = warm_pool(m.pool, Hashes("warm"))
     t_warm = time.perf_counter() - t0
 
-    # Request kinds, exact counts: cross (num_computed % 16 == 0), fill (% 16 == 15), finish, other.
+    # Request kinds, exact counts: cross (crosses a block boundary at the recorded allocation), fill (fills
+    # its last block there), finish, other.
     rng = random.Random(SEED + B)
     n_cross = n_fill = B // 16
     n_fin = max(1, B // 128)
     kinds = ["cross"] * n_cross + ["fill"] * n_fill + ["finish"] * n_fin
     kinds += ["other"] * (B - len(kinds))
     rng.shuffle(kinds)
-    resid = {"cross": lambda: 0, "fill": lambda: 15, "finish": lambda: rng.randint(1, 14),
-             "other": lambda: rng.randint(1, 14)}
+    cross, fill = (1 - shift) % BLOCK_SIZE, (-shift) % BLOCK_SIZE
+    others = [x for x in range(BLOCK_SIZE) if x not in (cross, fill)]  # shift 1: 1 .. 14
+    resid = {"cross": lambda: cross, "fill": lambda: fill, "finish": lambda: others[rng.randint(0, len(others) - 1)],
+             "other": lambda: others[rng.randint(0, len(others) - 1)]}
     # 12 .. 161 full blocks + residue: prompts of 192 .. 2,591 tokens (max_blocks_per_req 168 fits).
     prompt = [rng.randint(12, 161) * BLOCK_SIZE + resid[k]() for k in kinds]
     held = sum(-(-p // BLOCK_SIZE) for p in prompt)
@@ -356,7 +397,8 @@ def decode_state(B: int, args):
 
     req_hashes = Hashes(f"req{B}")
     for r in range(B):
-        m.add_request(r, req_hashes.take(prompt[r] // BLOCK_SIZE))
+        tail = [rng.randint(1, 50_000) for _ in range(prompt[r] % BLOCK_SIZE)] if tails else None
+        m.add_request(r, req_hashes.take(prompt[r] // BLOCK_SIZE), tail)
     t1 = time.perf_counter()
     for lo in range(0, B, args.prefill_batch):
         rs = list(range(lo, min(B, lo + args.prefill_batch)))
@@ -365,10 +407,16 @@ def decode_state(B: int, args):
         assert int(adm.sum()) == len(rs), "a prefill was not admitted"
     t_prefill = time.perf_counter() - t1
     fill_hash = {}
-    for r in range(B):
-        if kinds[r] == "fill":
-            fill_hash[r] = req_hashes.take(1)[0]
-            m.append_block_hashes(r, [fill_hash[r]])
+    if tails:  # each prefill's sampled token, hashed with its tail where that fills a block
+        import torch
+        m.append_tokens(i32(range(B)), i32([1] * B), torch.tensor([[rng.randint(1, 50_000)] for _ in range(B)],
+                                                                  dtype=torch.int32, device=DEVICE))
+        m.pool.check()
+    else:
+        for r in range(B):
+            if kinds[r] == "fill":
+                fill_hash[r] = req_hashes.take(1)[0]
+                m.append_block_hashes(r, [fill_hash[r]])
     free_before = m.pool.get_num_free_blocks()
     assert free_before == NUM_BLOCKS - 1 - held, (free_before, held)
     check_free_keyed(m.pool, owner)
@@ -393,8 +441,8 @@ def case_decode_step(gp, gc, B: int, args, steps: int = 1) -> dict:
     build_s = time.perf_counter() - t0
 
     name = f"decode_step B={B}" if steps == 1 else f"decode_multi K={steps} B={B}"
-    state = (m.pool.state, m.state, tuple(v for v in vars(step).values() if isinstance(v, torch.Tensor)),
-             tuple(t for b in step._work for t in b))
+    state = (m.pool.state, m.state, tuple(v for v in vars(step.window).values() if isinstance(v, torch.Tensor)),
+             step.window._work)
     rec, _, record_s = record(gc, step.run, args.report, name, state=state)
 
     # The step (every step of the burst) did what the steady state says.
@@ -412,6 +460,128 @@ def case_decode_step(gp, gc, B: int, args, steps: int = 1) -> dict:
               "free_blocks_before": free_before, "prefill_batch": args.prefill_batch}
     extra = {"warm_s": round(t_warm, 2), "prefill_s": round(t_prefill, 2)}
     return summarize(gc, rec, name, params, build_s, record_s, extra)
+
+
+def case_decode_kernel(gp, gc, B: int, args) -> dict:
+    """``decode_kernel``: the decode step's one-launch kernel (``kernels/requests/decode.py`` through
+    ``KVCacheManager.decode_step``, with the copies' release) on ``decode_step``'s state and inputs: the
+    decode step before the window, to compare ``window_step`` with."""
+    import torch
+
+    m, kinds, prompt, held, fill_hash, free_before, t_warm, t_prefill, t0 = decode_state(B, args)
+    run = [r for r in range(B) if kinds[r] != "finish"]
+    fin = [r for r in range(B) if kinds[r] == "finish"]
+    tokens = i32([prompt[r] + 1 for r in run] + [0] * (B - len(run)))
+    batch = m.batch(i32(run + [0] * (B - len(run))), tokens, tokens, lookup=torch.zeros(B, dtype=torch.int8),
+                    num_reqs=i32([len(run)]))
+    finished, num_finished = i32(fin + [0] * (B - len(fin))), i32([len(fin)])
+    slot_mapping = torch.zeros(B, dtype=torch.int64, device=DEVICE)
+    build_s = time.perf_counter() - t0
+    name = f"decode_kernel B={B}"
+    rec, _, record_s = record(gc, lambda: m.decode_step(batch, finished, num_finished, slot_mapping, []),
+                              args.report, name, state=(m.pool.state, m.state, batch, (finished, slot_mapping)))
+    m.pool.check()
+    assert int(batch.admitted[:len(run)].sum()) == len(run), "a decoding request was not admitted"
+    freed = sum(-(-prompt[r] // BLOCK_SIZE) for r in fin)
+    assert m.pool.get_num_free_blocks() == free_before + freed - B // 16
+    hit = m.pool.lookup_batched(*lookup_all(m.pool, list(fill_hash.values()))).tolist()
+    assert min(hit, default=0) >= 0, "a block filled by the step was not keyed"
+    params = {"B": B, "running": len(run), "cross": B // 16, "fill": B // 16, "finished": len(fin)}
+    return summarize(gc, rec, name, params, build_s, record_s, {"warm_s": round(t_warm, 2), "prefill_s": round(t_prefill, 2)})
+
+
+def case_window(gp, gc, B: int, args, what: str, K: int = 1, stops: bool = False) -> dict:
+    """One launch of a decode window's pool side (docs/semantics.md section 9; ``views=False``: the
+    attention views are their own launch) on the decode state with device hashing (``tails``), B - B // 128
+    lanes, the B // 128 finishing requests in ``finished``, D = 0, each pass accepting 1 token:
+
+    * ``window_begin``: the inputs checked, the finished requests freed, the lanes set up;
+    * ``window_step``: pool step k of a K-step window (K = 1: step 0, the allocation alone; else step
+      K // 2, which first takes pass k - 1's tokens: appended, and hashed where a block fills),
+      B // 16 lanes crossing into a new block and B // 16 filling one (hashed, then keyed); ``stops``: B // 16
+      other lanes stopped at pass k - 1 (freed in the step);
+    * ``window_end``: the end of a K-step window (pass K - 1's tokens: B // 16 lanes fill a block, hashed
+      on the device; no allocation).
+
+    The window's earlier launches run eagerly before the recorded one (outside the recorder)."""
+    import torch
+
+    from gpupool.window import DecodeWindow
+
+    k = {"begin": 0, "step": K // 2, "end": K}[what]
+    m, kinds, prompt, held, _, free_before, t_warm, t_prefill, t0 = decode_state(B, args, shift=k + 1, tails=True)
+    run = [r for r in range(B) if kinds[r] != "finish"]
+    fin = [r for r in range(B) if kinds[r] == "finish"]
+    win = DecodeWindow(m, B, K, 0, views=False)
+    win.set_inputs(run, [prompt[r] + 1 for r in run], fin)
+    win.tokens.copy_(torch.randint(1, 50_000, tuple(win.tokens.shape), generator=torch.Generator().manual_seed(SEED)))
+    lanes_stopped = [i for i, r in enumerate(run) if kinds[r] == "other"][:B // 16] if stops else []
+    if what == "begin":
+        fn = win.begin
+    else:
+        win.begin()
+        for j in range(k):
+            win.step(j)
+        if lanes_stopped:
+            win.stopped[lanes_stopped] = 1
+        def step():
+            win._next = k  # --measure repeats the step from a restored state: the eager order check would refuse
+            win.step(k)
+
+        fn = step if what == "step" else win.end
+    m.pool.check()
+    hashes_before = m.state.num_hashes[:B].clone()
+    build_s = time.perf_counter() - t0
+    name = f"window_{what}" + (f" K={K}" if what != "begin" else "") + (" stops" if stops else "") + f" B={B}"
+    cached_before = m.state.num_cached[0, :B].clone()
+    bufs = tuple(t for t in vars(win).values() if isinstance(t, torch.Tensor))
+    rec, _, record_s = record(gc, fn, args.report, name, state=(m.pool.state, m.state, bufs, win._work))
+    m.pool.check()
+    fills = [r for r in run if kinds[r] == "fill"]
+    if what == "begin":
+        freed = sum(-(-prompt[r] // BLOCK_SIZE) for r in fin)
+        assert m.pool.get_num_free_blocks() == free_before + freed, "the finished requests were not freed"
+    if what == "step":
+        admitted = win.admitted[k, :len(run)].tolist()
+        assert sum(admitted) == len(run) - len(lanes_stopped), "a live lane was not admitted"
+        keyed = (m.state.num_cached[0, :B] - cached_before).tolist()
+        assert all(keyed[r] == 1 for r in fills), "a filled block was not keyed"
+    if k > 0:  # the recorded launch took a pass's tokens: the blocks they filled were hashed
+        gained = (m.state.num_hashes[:B] - hashes_before).tolist()
+        assert all(gained[r] == 1 for r in fills), "a filled block was not hashed"
+    params = {"B": B, "steps": K, "step": k, "running": len(run), "finished": len(fin), "stopped": len(lanes_stopped),
+              "cross": B // 16 if what == "step" else 0, "fill": len(fills) if what != "begin" else 0}
+    return summarize(gc, rec, name, params, build_s, record_s, {"warm_s": round(t_warm, 2), "prefill_s": round(t_prefill, 2)})
+
+
+def case_admit(gp, gc, B: int, args) -> dict:
+    """``admit``: B waiting requests admitted in one launch on the warm pool (an empty manager), each with
+    8 hash blocks cached (free and keyed: prefix hits, taken out of the free queue) then 4 missing and a
+    tail of 5 tokens (it hashes its own tokens): 197 tokens, 8 x 16 hit tokens, 5 blocks popped each."""
+    from gpupool.manager import KVCacheManager
+
+    t0 = time.perf_counter()
+    m = KVCacheManager(NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_reqs=B, max_blocks_per_req=MAX_BLOCKS_PER_REQ)
+    owner = warm_pool(m.pool, Hashes("warm"))
+    rng = random.Random(SEED + 3)
+    queue = m.pool.free_queue()  # hits from the back half: the pops of the batch (from the front) evict none
+    by_block = {b: h for h, b in owner.items()}
+    warm = [by_block[b] for b in rng.sample(queue[len(queue) // 2:], 8 * B)]
+    fresh = Hashes("admit")
+    hashes = [warm[8 * k:8 * k + 8] + fresh.take(4) for k in range(B)]
+    n_tokens = 12 * BLOCK_SIZE + 5
+    tails = [[rng.randint(1, 50_000) for _ in range(5)] for _ in range(B)]
+    free0 = m.pool.get_num_free_blocks()
+    build_s = time.perf_counter() - t0
+    name = f"admit B={B}"
+    rec, (admitted, hits), record_s = record(
+        gc, lambda: m.admit(list(range(B)), hashes, [n_tokens] * B, tails), args.report, name,
+        state=(m.pool.state, m.state), graph_ok=False)  # it copies its host arguments at each call
+    m.pool.check()
+    assert admitted[:B].tolist() == [1] * B and hits[:B].tolist() == [8 * BLOCK_SIZE] * B, "not every request hit"
+    assert m.pool.get_num_free_blocks() == free0 - 13 * B
+    params = {"B": B, "hit_blocks_each": 8, "new_blocks_each": 5, "tokens_each": n_tokens}
+    return summarize(gc, rec, name, params, build_s, record_s, {})
 
 
 def case_reserve(gp, gc, B: int, args) -> dict:
@@ -617,7 +787,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default=",".join(CASES),
                     help=f"comma list of cases (default all): {', '.join(CASES)}; 'alloc' means both alloc cases")
     ap.add_argument("--sizes", default="64,256,1024", help="decode_step batch sizes B (comma list)")
-    ap.add_argument("--steps", type=int, default=8, help="decode_multi: steps K per burst (default 8)")
+    ap.add_argument("--steps", type=int, default=8,
+                    help="K of decode_multi (steps per burst), reserve, window_step and window_end (default 8)")
     ap.add_argument("--report", action="store_true", help="print gpucost's full report (launches, hot lines, loops)")
     ap.add_argument("--json", metavar="PATH", help="write every number to PATH")
     ap.add_argument("--gpucost", metavar="PATH", help="gpucost.py (default $GPUCOST, else ../shared/tools/gpucost.py)")
@@ -667,6 +838,19 @@ def main(argv=None) -> int:
         elif c == "decode_multi":
             jobs += [(f"decode_multi K={args.steps} B={B}", lambda B=B: case_decode_step(gp, gc, B, args, args.steps))
                      for B in sizes]
+        elif c == "decode_kernel":
+            jobs += [(f"decode_kernel B={B}", lambda B=B: case_decode_kernel(gp, gc, B, args)) for B in sizes]
+        elif c == "window_begin":
+            jobs += [(f"window_begin B={B}", lambda B=B: case_window(gp, gc, B, args, "begin")) for B in sizes]
+        elif c == "window_step":
+            jobs += [(f"window_step K={K}{' stops' if st else ''} B={B}",
+                      lambda B=B, K=K, st=st: case_window(gp, gc, B, args, "step", K, st))
+                     for B in sizes for K, st in ((1, False), (args.steps, False), (args.steps, True))]
+        elif c == "window_end":
+            jobs += [(f"window_end K={args.steps} B={B}", lambda B=B: case_window(gp, gc, B, args, "end", args.steps))
+                     for B in sizes]
+        elif c == "admit":
+            jobs += [(f"admit B={B}", lambda B=B: case_admit(gp, gc, B, args)) for B in sizes]
         elif c == "reserve":
             jobs += [(f"reserve K={args.steps} B={B}", lambda B=B: case_reserve(gp, gc, B, args)) for B in sizes]
         elif c == "alloc_4096x1":

@@ -409,12 +409,12 @@ class Engine:
         followed by a forward pass, end; then the window's one read (with ``extra``)."""
         win, B = self.win, len(lanes)
         win.set_inputs([s.slot for s in lanes], [len(s.tokens) + s.pending_first for s in lanes], finished)
-        slots = win.slots[:B].long()
 
-        def forward(w: DecodeWindow, k: int) -> None:
+        def forward(w: DecodeWindow, k: int) -> None:  # reads only the window's buffers: a graph can hold it
             live = w.admitted[k, :B] != 0
-            g, acc, stop = self._decode_pass(slots, live, w.positions(k)[:B], w.slot_mapping[0, k, :B * self.Q],
-                                             w.views[0].block_table[:B], w.views[0].seqused_k[k, :B])
+            g, acc, stop = self._decode_pass(w.slots[:B].long(), live, w.positions(k)[:B],
+                                             w.slot_mapping[0, k, :B * self.Q], w.views[0].block_table[:B],
+                                             w.views[0].seqused_k[k, :B])
             w.stopped[:B] = stop
             w.accepted[:B] = acc.to(torch.int32)
             w.tokens[:B] = g

@@ -129,13 +129,13 @@ def tiny(cmd: str, tmp: Path) -> tuple[list[str], dict, int | None]:
         rest = _set(_set(rest, "--requests", "32"), "--steps", "2")
         return [sys.executable, *(_set(rest, "--reps", "1") if "--scheduler" in rest else rest)], env, None
     if prog in ("python", "python3") and rest[:1] == ["examples/decode_loop.py"]:
-        small = ["--modes", "host", "burst", "--steps", "2", "--requests", "2", "--max-new", "3", "--prompt-len", "6",
+        small = ["--modes", "host", "window", "--steps", "2", "--requests", "2", "--max-new", "3", "--prompt-len", "6",
                  "--prefix-len", "4", "--hidden", "16", "--heads", "2", "--kv-heads", "1", "--layers", "1",
                  "--vocab", "32"]
         return [sys.executable, *[a for a in rest if a != "--quick"], *small], env, None
     if prog in ("python", "python3") and rest[:1] == ["bench/decode_loop_gpu.py"]:
         small = ["--device", "cpu", "--batch", "2", "--steps", "2", "--iters", "1", "--no-graph", "--hidden", "64",
-                 "--layers", "1", "--dtype", "float32", "--modes", "host", "burst"]
+                 "--layers", "1", "--dtype", "float32", "--modes", "host", "window", "--warmup", "1"]
         return [sys.executable, *rest, *small], env, None
     if prog in ("python", "python3") and rest[:1] == ["bench/fallback_mix.py"]:
         return [sys.executable, *_set(_set(rest, "--batch", "4"), "--steps", "2")], env, None
