@@ -63,6 +63,7 @@ HEAVY_QUICK = (
     "pool/test_batched_input_checks.py::test_fuzz[release_copied]",
     "pool/test_batched_input_checks.py::test_fuzz[get_computed_blocks]",
     "pool/test_batched_input_checks.py::test_fuzz[decode_step]",
+    "pool/test_batched_input_checks.py::test_fuzz[decode_window]",
     "replay/test_cli.py::test_stdout_on_a_full_disk_is_a_one_line_error[extra1]",
     "pool/test_validate.py::test_validate_sees_a_leaked_reference[full+full-device]",
     "manager/test_decode_step.py::test_pending_copy_survives_a_failed_step[full+full]",
