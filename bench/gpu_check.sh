@@ -123,7 +123,7 @@ if (( ! CUDA )); then
 fi
 # Sizes: the full check, or (GPU_CHECK_TINY=1) a few seconds a stage, to check the script itself.
 # the decode window's cases (window_*, admit) compile a kernel per variant that takes long: measured on request
-MEASURE_ARGS=(--reps 50 --sizes 64,1024 --cases decode_step,decode_multi,decode_kernel,reserve,alloc,free_4096,lookup_10000,touch_4096,replay,vllm_flush,vllm_per_call)
+MEASURE_ARGS=(--reps 50 --sizes 64,1024 --cases decode_step,decode_multi,reserve,alloc,free_4096,lookup_10000,touch_4096,replay,vllm_flush,vllm_per_call)
 REPLAY_ARGS=()
 BENCH_ARGS=()
 DECODE_ARGS=(--iters 5 --compile-jobs 8)  # the window's pool step compiles once per K and D: 8 processes at once

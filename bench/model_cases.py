@@ -31,9 +31,7 @@ Cases:
   ``DecodeStep(steps=K).run()``: a burst of K steps (each running request decodes K tokens; one
   crossing a block boundary at step k gets a block there; blocks that fill are keyed where the hash
   is known, as in ``decode_step``). Compare with K x ``decode_step`` of the same B.
-* ``decode_kernel`` (B = ``--sizes``): the same state and inputs, ONE ``KVCacheManager.decode_step``:
-  the decode step's one-launch kernel (``kernels/requests/decode.py``) and the copies' release, the
-  decode step before the decode window (``DecodeStep`` is now a window's capture wrapper).
+
 * ``window_begin``, ``window_step``, ``window_end`` (B = ``--sizes``): one launch of a decode window
   (``DecodeWindow(views=False)``, D = 0) on the same state with the device's hashing (every request
   added with its tail tokens and its prefill's token appended; the kinds' residues shifted so that B
@@ -117,7 +115,7 @@ BLOCK_SIZE = 16
 MAX_BLOCKS_PER_REQ = 168
 SEED = 20240611
 WARM_CHUNK = 16_384
-CASES = ("decode_step", "decode_multi", "decode_kernel", "window_begin", "window_step", "window_end", "admit", "reserve",
+CASES = ("decode_step", "decode_multi", "window_begin", "window_step", "window_end", "admit", "reserve",
          "alloc_4096x1", "alloc_64x64", "free_4096", "lookup_10000", "touch_4096",
          "replay", "vllm_flush", "vllm_per_call")
 COUNT_KINDS = ("ld", "at", "red", "scan", "bar", "br", "it")
@@ -462,32 +460,6 @@ def case_decode_step(gp, gc, B: int, args, steps: int = 1) -> dict:
     return summarize(gc, rec, name, params, build_s, record_s, extra)
 
 
-def case_decode_kernel(gp, gc, B: int, args) -> dict:
-    """``decode_kernel``: the decode step's one-launch kernel (``kernels/requests/decode.py`` through
-    ``KVCacheManager.decode_step``, with the copies' release) on ``decode_step``'s state and inputs: the
-    decode step before the window, to compare ``window_step`` with."""
-    import torch
-
-    m, kinds, prompt, held, fill_hash, free_before, t_warm, t_prefill, t0 = decode_state(B, args)
-    run = [r for r in range(B) if kinds[r] != "finish"]
-    fin = [r for r in range(B) if kinds[r] == "finish"]
-    tokens = i32([prompt[r] + 1 for r in run] + [0] * (B - len(run)))
-    batch = m.batch(i32(run + [0] * (B - len(run))), tokens, tokens, lookup=torch.zeros(B, dtype=torch.int8),
-                    num_reqs=i32([len(run)]))
-    finished, num_finished = i32(fin + [0] * (B - len(fin))), i32([len(fin)])
-    slot_mapping = torch.zeros(B, dtype=torch.int64, device=DEVICE)
-    build_s = time.perf_counter() - t0
-    name = f"decode_kernel B={B}"
-    rec, _, record_s = record(gc, lambda: m.decode_step(batch, finished, num_finished, slot_mapping, []),
-                              args.report, name, state=(m.pool.state, m.state, batch, (finished, slot_mapping)))
-    m.pool.check()
-    assert int(batch.admitted[:len(run)].sum()) == len(run), "a decoding request was not admitted"
-    freed = sum(-(-prompt[r] // BLOCK_SIZE) for r in fin)
-    assert m.pool.get_num_free_blocks() == free_before + freed - B // 16
-    hit = m.pool.lookup_batched(*lookup_all(m.pool, list(fill_hash.values()))).tolist()
-    assert min(hit, default=0) >= 0, "a block filled by the step was not keyed"
-    params = {"B": B, "running": len(run), "cross": B // 16, "fill": B // 16, "finished": len(fin)}
-    return summarize(gc, rec, name, params, build_s, record_s, {"warm_s": round(t_warm, 2), "prefill_s": round(t_prefill, 2)})
 
 
 def case_window(gp, gc, B: int, args, what: str, K: int = 1, stops: bool = False) -> dict:
@@ -838,8 +810,6 @@ def main(argv=None) -> int:
         elif c == "decode_multi":
             jobs += [(f"decode_multi K={args.steps} B={B}", lambda B=B: case_decode_step(gp, gc, B, args, args.steps))
                      for B in sizes]
-        elif c == "decode_kernel":
-            jobs += [(f"decode_kernel B={B}", lambda B=B: case_decode_kernel(gp, gc, B, args)) for B in sizes]
         elif c == "window_begin":
             jobs += [(f"window_begin B={B}", lambda B=B: case_window(gp, gc, B, args, "begin")) for B in sizes]
         elif c == "window_step":

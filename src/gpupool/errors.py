@@ -112,7 +112,7 @@ class InvalidCountError(PoolError, ValueError):
         "allocate_batched": "demand {value} is negative",
         "allocate_slots": _TOKENS,
         "reserve": "token count {value} is negative or takes its request past max_blocks_per_req * block_size",
-        "decode_step": _TOKENS, "window_begin": _TOKENS, "window_step": _TOKENS, "window_end": _TOKENS,
+        "window_begin": _TOKENS, "window_step": _TOKENS, "window_end": _TOKENS,
         "admit": _TOKENS, "append_tokens": "a token count outside its request's row, or an accepted count outside "
                                            "1 .. D + 1 ({value})",
     }
@@ -171,7 +171,7 @@ class InvalidArgumentError(PoolError, ValueError):
     device_message_by_op = {
         "cache_full_blocks": "block {value} is listed twice",
         "allocate_slots": _SLOTS, "free": _SLOTS, "reserve": _SLOTS, "release_reservation": _SLOTS,
-        "decode_step": _SLOTS, "window_begin": _SLOTS, "window_step": _SLOTS, "admit": _SLOTS, "append_tokens": _SLOTS,
+        "window_begin": _SLOTS, "window_step": _SLOTS, "admit": _SLOTS, "append_tokens": _SLOTS,
         "slot_mapping": ("slot or position {value}: a slot out of range or not in use, or a position outside its "
                          "slot's row; or the count, {value}, is past the arrays"),
     }

@@ -57,7 +57,6 @@ from .kernels.block_hash import scratch_words  # noqa: E402
 from .kernels.sha256 import round_constant_table  # noqa: E402
 from .kernels.requests import admit as k_admit  # noqa: E402
 from .kernels.requests import copies as k_copies
-from .kernels.requests import decode as k_decode
 from .kernels.requests import exact as k_exact
 from .kernels.requests import free as k_free
 from .kernels.requests import parallel as k_parallel
@@ -682,24 +681,6 @@ class KVCacheManager:
             s.reserved[r] -= take
             s.num_reserved.sub_(take)
 
-    def _check_batch(self, op: str, batch) -> None:
-        """A batch from :meth:`batch`, unchanged: every tensor of the dtype it made, on the device,
-        contiguous, of matching lengths (the kernels trust these; a hand-built one could write past
-        ``admitted``)."""
-        if not isinstance(batch, AllocateBatch):
-            raise ArgumentTypeError(op, f"batch must be an AllocateBatch from KVCacheManager.batch(), got "
-                                        f"{type(batch).__name__}")
-        for name, dtype in (("slots", torch.int32), ("num_tokens", torch.int32), ("target", torch.int32),
-                            ("lookup", torch.int8), ("num_reqs", torch.int32), ("admitted", torch.int32)):
-            t = getattr(batch, name)
-            if not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.device == self.device and t.is_contiguous()):
-                raise InvalidArgumentError(op, f"batch.{name} must be a contiguous {dtype} tensor on {self.device} "
-                                               f"(build the batch with KVCacheManager.batch())")
-        b = batch.slots.numel()
-        if not (batch.num_tokens.numel() == batch.target.numel() == batch.lookup.numel() == b
-                and batch.admitted.numel() >= b and batch.num_reqs.numel() >= 1):
-            raise InvalidArgumentError(op, "the batch's tensors differ in length (build it with KVCacheManager.batch())")
-
     def check_kv_caches(self, op: str, kv_caches) -> None:
         """Raises ArgumentTypeError / InvalidArgumentError (naming ``op``) unless ``kv_caches`` are as
         ``copy_blocks`` takes them, on this device, each holding every block of the pool (a copy past a
@@ -714,45 +695,6 @@ class KVCacheManager:
             if t.shape[0] < self.pool.num_blocks:
                 raise InvalidArgumentError(op, f"kv_caches[{j}] holds {t.shape[0]} blocks, the pool "
                                                f"{self.pool.num_blocks}", t.shape[0])
-
-    @locked
-    def decode_step(self, batch: AllocateBatch, finished: torch.Tensor, num_finished: torch.Tensor,
-                    slot_mapping: torch.Tensor, kv_caches: list[torch.Tensor]) -> None:
-        """One decode step as two launches and the copies, with no host sync (gpupool/graph.py has
-        the order and the rules): in one launch (``kernels/requests/decode.py``) every input checked, then
-        ``free(finished[:num_finished])``, ``allocate_slots`` of ``batch`` (``stop_on_failure=False``)
-        and the slot of each request's newest token into ``slot_mapping: int64[B]``; then the pending
-        copies of ``kv_caches`` and their release. A bad input sets the status word (op
-        ``decode_step``) and changes nothing. ``batch``: from :meth:`batch` (else ArgumentTypeError or
-        InvalidArgumentError); ``kv_caches`` are checked before anything runs.
-        :class:`gpupool.graph.DecodeStep` owns the fixed buffers and calls this."""
-        op = "decode_step"
-        self._check_batch(op, batch)
-        self.check_kv_caches(op, kv_caches)
-        finished = self._i32(op, finished, "finished")
-        num_finished = self._count(op, num_finished, finished.numel())
-        slot_mapping = self._out(op, slot_mapping, torch.int64, batch.slots.numel(), "slot_mapping")
-        self._disjoint(op, [(slot_mapping, "slot_mapping"), (batch.admitted, "batch.admitted")]
-                       + [(t, f"kv_caches[{j}]") for j, t in enumerate(kv_caches)],
-                       [(getattr(batch, f), f"batch.{f}") for f in ("slots", "num_tokens", "target", "lookup", "num_reqs")]
-                       + [(finished, "finished"), (num_finished, "num_finished")])
-        k_decode.launch_decode_step(self._pool.state, self._pool.config, self.state, self.config, batch, finished,
-                                  num_finished, slot_mapping, force_exact=not self.parallel)
-        self._copy_and_release(kv_caches)
-
-    @locked
-    def decode_burst_step(self, src: AllocateBatch, src_orig: torch.Tensor, dst: AllocateBatch, dst_orig: torch.Tensor,
-                          dst_map: torch.Tensor, out_admitted: torch.Tensor, out_map: torch.Tensor, *,
-                          src_is_step0: bool) -> None:
-        """Step k >= 1 of a burst (``kernels/requests/decode.py`` decode_burst_kernel; gpupool/graph.py): the
-        batch ``dst`` built on the device from the requests ``src`` admitted, one token more, then
-        allocated and mapped; row k of the burst's outputs ``out_admitted: int32[B]``,
-        ``out_map: int64[B]`` (0 / -1 on every lane that takes no part, the padded ones included).
-        The buffers are :class:`gpupool.graph.DecodeStep`'s, checked when it built them (``batch``,
-        nothing checked again here); no host sync."""
-        k_decode.launch_decode_burst(self._pool.state, self._pool.config, self.state, self.config, src, src_orig,
-                                   dst, dst_orig, dst_map, out_admitted, out_map,
-                                   src_is_step0=src_is_step0, force_exact=not self.parallel)
 
     @locked
     def slot_mapping(self, slots: torch.Tensor, positions: torch.Tensor, group: int = 0,

@@ -23,7 +23,7 @@ from .kernels.layout import Cause
 #: The name of each op's device count, as its keyword argument (``num_reqs``, ``slot_mapping``'s ``num``).
 COUNT_NAMES = {"slot_mapping": "num"}
 #: Ops whose token counts start at 1 (the newest token sits at ``num_tokens - 1``).
-STEP_OPS = ("decode_step", "window_begin", "window_step", "window_end", "admit", "append_tokens")
+STEP_OPS = ("window_begin", "window_step", "window_end", "admit", "append_tokens")
 
 
 def recorded_error(shape: ManagerShape, read: Callable[[str, int], int], code: int, op: str, value: int,

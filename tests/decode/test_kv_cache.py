@@ -1,6 +1,6 @@
 """The KV consumer contract (gpupool.kv_cache, docs/kv_cache.md): ``store_kv`` against a plain torch
 scatter (negative and out-of-range slots write nothing), the attention views against the host
-rows of the reference manager (one step and a burst, random states), the reference paged attention
+rows of the reference manager (one step and a burst against the reference window, random states), the reference paged attention
 in both formats against attention over contiguous KV, and the typed errors of each entry point."""
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from gpupool.graph import DecodeStep
 from gpupool.kv_cache import (AttentionViews, PagedKVCache, attention, paged_attention, paged_attention_flashinfer,
                               store_kv)
 from gpupool.manager import KVCacheManager
+from gpupool.reference.window import ReferenceDecodeWindow
+from harness.compare import assert_managers_agree
 from harness.keys import hashes
 from gpupool.instrument import Meter
 from harness.ops import fail_a_batched_op, fill_step
@@ -79,12 +81,15 @@ def test_paged_kv_cache_shapes_and_errors():
 
 
 # ---- attention views ------------------------------------------------------------------------------------
-def host_views(ref, slots, lens, K=1, admitted=None):
-    """The views from the reference manager's rows, built on the host (the oracle)."""
-    rows = ref.block_table(0)
-    table = [(rows[r] + [0] * M)[:M] if admitted is None or admitted[0][i] else [0] * M for i, r in enumerate(slots)]
+def host_views(rows_at, slots, lens, K=1, admitted=None):
+    """The views from the reference manager's rows, built on the host (the oracle): ``rows_at[k]``, the
+    reference's group-0 rows after step k (row k of the views; the block table is the last step's)."""
+    rows = rows_at[K - 1]
+    table = [(rows[r] + [0] * M)[:M] if admitted is None or admitted[K - 1][i] else [0] * M
+             for i, r in enumerate(slots)]
     seq, indptr, indices, last = [], [], [], []
     for k in range(K):
+        rows = rows_at[k]
         s = [(n + k) if (admitted is None or admitted[k][i]) else 0 for i, n in enumerate(lens)]
         pages = [-(-x // BS) for x in s]
         ptr = [0]
@@ -126,7 +131,7 @@ def test_attention_views_equal_the_host_rows(data):
     live_lens = [n for n in lens if n]
     v = dev.attention_views(live, live_lens)
     dev.pool.check()
-    assert_views(v, host_views(ref, live, live_lens), len(live))
+    assert_views(v, host_views([ref.block_table(0)], live, live_lens), len(live))
     # one page past a row is an error: length 0 there, InvalidArgumentError at check()
     if live:
         over = [n + (BS if i == 0 else 0) for i, n in enumerate(live_lens)]
@@ -139,26 +144,33 @@ def test_attention_views_equal_the_host_rows(data):
 
 @pytest.mark.parametrize("K", [1, 3])
 def test_decode_step_views_follow_the_burst(K):
+    """A DecodeStep's views (``views=True``): row k is built at step k from the rows after step k's
+    allocation, the block table is the last step's; the reference window driven step by step (one
+    token a step) gives the same admitted flags and rows. The pool is small: the last lane is
+    preempted at step 0 and reads 0 everywhere."""
     ref, dev = small_manager_twin(n=7)  # small: the last request does not fit
     lens = [4, 8, 4]
     for r, n in enumerate(lens):
         for m in (ref, dev):
             m.add_request(r, hashes([(r, i) for i in range(n // BS)]))
         assert ref.allocate_slots([r], [n], [n])[0] and dev.allocate_slots([r], [n], [n])[0]
+    ntok = [n + 1 for n in lens]
+    rw = ReferenceDecodeWindow(ref, R, K)
+    rw.begin([0, 1, 2], ntok)
+    want_adm, rows_at = [], []
+    for k in range(K):
+        want_adm.append([int(a) for a in rw.step(k).admitted])
+        rows_at.append(ref.block_table(0))
     step = DecodeStep(dev, R, steps=K, views=True)
-    fill_step(step, [0, 1, 2], [n + 1 for n in lens])
+    fill_step(step, [0, 1, 2], ntok)
     with Meter() as c:
         step.run()
     assert c.syncs == 0
     dev.pool.check()
     adm = step.admitted_steps[:, :3].tolist()
-    assert any(0 in row for row in adm)  # the pool ran out during the step(s)
-    for k in range(K):  # the reference driven step by step gives the same rows
-        live = [i for i in range(3) if adm[k][i]]
-        got = ref.allocate_slots(live, [lens[i] + 1 + k for i in live], [lens[i] + 1 + k for i in live],
-                                 stop_on_failure=False)
-        assert all(got)
-    assert_views(step.views, host_views(ref, [0, 1, 2], [n + 1 for n in lens], K, adm), 3)
+    assert adm == want_adm and rw.preempt_step == [-1, -1, 0]  # the pool ran out at step 0
+    assert_views(step.views, host_views(rows_at, [0, 1, 2], ntok, K, adm), 3)
+    assert_managers_agree(ref, dev)
 
 
 def test_attention_views_argument_errors():

@@ -15,7 +15,7 @@ from gpupool.graph import DecodeStep
 from harness.compare import assert_managers_agree
 from harness.device import DEVICE, i32
 from harness.keys import h
-from harness.ops import call_both, fill_step
+from harness.ops import call_both, fill_step, reference_decode_step
 from harness.state import ints, manager_state
 from harness.strategies import draw_batch, note, rare
 from harness.twins import manager_twin
@@ -123,7 +123,7 @@ def event(desc: str, err, val=None) -> None:
     """Count which ops ran and how they ended (``--hypothesis-show-statistics``)."""
     if currently_in_test_context():
         how = type(err).__name__ if err is not None else "ok"
-        if err is None and desc.startswith(("allocate_slots", "decode step")):
+        if err is None and desc.startswith(("allocate_slots", "decode step", "DecodeStep")):
             how = "admitted " + "".join("1" if x else "0" for x in admitted_norm(val))
         _event(f"{desc.split('(')[0]}: {how}")
 
@@ -250,10 +250,11 @@ def op_decode_steps(data, p: ManagerPair) -> None:
 
 def op_decode_step(data, p: ManagerPair) -> None:
     """One :class:`DecodeStep` (gpupool/graph.py), the device's batch without lookups: some running
-    requests finish, the others whose tokens are all computed decode one token. The reference frees,
-    allocates (``stop_on_failure=False``) and releases the pending copies; the device's step does the
-    same and runs the copies on its KV caches (the data checked); admitted flags and slot mappings
-    must agree."""
+    requests finish, the others whose tokens are all computed decode one token. The reference is the
+    same step of a reference window (harness.ops.reference_decode_step: the finished freed, the pending
+    copies released, then vLLM's preemption of the last lanes); the device's step runs the copies on
+    its KV caches too (the data checked); admitted flags and slot mappings of every lane must agree,
+    and the preempted requests are gone on both sides."""
     run = [r for r in p.active() if p.row_len(r) and p.ref.num_computed[r] >= p.known[r] and p.known[r] < p.max_tokens]
     pend = copies_norm(p.ref.pending_copies)
     if not run or not runnable(pend):
@@ -271,24 +272,22 @@ def op_decode_step(data, p: ManagerPair) -> None:
     p.ops.append(f"DecodeStep(decode {dec}, nt={nts}, finished {fin}, copies {pend})")
     note(p.ops[-1])
     before = [c.clone() for c in p.caches] if p.caches is not None else []
-    p.ref.free(fin)
-    ref_adm = [bool(x) for x in p.ref.allocate_slots(dec, nts, nts, stop_on_failure=False)]
-    p.ref.release_copied(p.ref.take_pending_copies())
+    want = reference_decode_step(p.ref, dec, nts, fin)
+    assert want.error is None, f"{want.error}; {p.where()}"
     step.run()
     p.dev.pool.check()
-    assert admitted_norm(step.admitted[: len(dec)]) == ref_adm, f"admitted differ; {p.where()}"
-    want_map = [p.ref.slot_mapping([r], [nt - 1])[0] for r, nt, ok in zip(dec, nts, ref_adm) if ok]
-    got_map = [x for x, ok in zip(ints(step.slot_mapping[: len(dec)]), ref_adm) if ok]
-    assert got_map == want_map, f"slot mapping differs; {p.where()}"
+    pad = p.R - len(dec)
+    assert ints(step.admitted) == want.admitted[0] + [0] * pad, f"admitted differ; {p.where()}"
+    assert ints(step.slot_mapping) == want.slot_mapping[0] + [-1] * pad, f"slot mapping differs; {p.where()}"
     for c, old in zip(p.caches or [], before):
-        want = old.clone()
+        want_c = old.clone()
         for src, dst, _ in pend:
-            want[dst] = old[src]
-        assert torch.equal(c, want), f"the step's copies are not src -> dst ({c.dtype}); {p.where()}"
-    for r in fin:
+            want_c[dst] = old[src]
+        assert torch.equal(c, want_c), f"the step's copies are not src -> dst ({c.dtype}); {p.where()}"
+    for r in fin + [r for r, k in zip(dec, want.preempt_step) if k >= 0]:
         p.chain[r] = None
         p.known[r] = 0
-    event("DecodeStep", None)
+    event("DecodeStep", None, want.admitted[0])
     p.compare()
 
 

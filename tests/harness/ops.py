@@ -1,13 +1,15 @@
 """Running ops: on a reference and a device side by side, expected to fail, a whole request's
-admission (docs/semantics.md section 5), one decode step's inputs, several threads."""
+admission (docs/semantics.md section 5), one decode step's inputs and its reference, several threads."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import pytest
 import torch
 
 from gpupool.errors import PoolError
+from gpupool.reference.window import ReferenceDecodeWindow
 from harness.keys import request_hashes
 from harness.sizes import BLOCK_SIZE
 from harness.state import ints, lookup, state_digest
@@ -104,6 +106,36 @@ def fill_step(step, decoding, ntok, finished=()) -> None:
     step.num_reqs.fill_(k)
     step.finished[: len(finished)] = torch.tensor(list(finished), dtype=torch.int32)
     step.num_finished.fill_(len(finished))
+
+
+class ReferenceSteps(NamedTuple):
+    """:func:`reference_decode_step`'s outcome over the ``B`` lanes: ``admitted[k][i]`` (0 / 1),
+    ``slot_mapping[k][i]`` (group 0's slot of lane i's newest token, -1 where not admitted),
+    ``preempt_step[i]`` (the step that preempted lane i, else -1), ``error`` (the PoolError of the op
+    that failed, its step's row and the later ones 0 / -1, or None)."""
+
+    admitted: list[list[int]]
+    slot_mapping: list[list[int]]
+    preempt_step: list[int]
+    error: PoolError | None
+
+
+def reference_decode_step(ref, decoding, ntok, finished=(), steps: int = 1) -> ReferenceSteps:
+    """What ``DecodeStep(steps=K)`` does (docs/semantics.md section 7), on the reference manager ``ref``:
+    a :class:`ReferenceDecodeWindow` begun with the lanes ``decoding`` (token counts ``ntok``) and the
+    ``finished`` slots, then K steps in which every live lane gains one token (accepted 1, none stopped,
+    the tokens unknown), no ``end()``. Preempted lanes are freed by it (the host frees them no more)."""
+    B, K = len(decoding), steps
+    adm, sm = [[0] * B for _ in range(K)], [[-1] * B for _ in range(K)]
+    w = ReferenceDecodeWindow(ref, max(1, B, len(finished)), K)
+    try:
+        w.begin(decoding, ntok, finished)
+        for k in range(K):
+            out = w.step(k)
+            adm[k], sm[k] = [int(a) for a in out.admitted], list(out.slot_mapping[0])
+    except PoolError as e:
+        return ReferenceSteps(adm, sm, list(w.preempt_step) or [-1] * B, e)
+    return ReferenceSteps(adm, sm, list(w.preempt_step), None)
 
 
 def fail_a_batched_op(m) -> None:

@@ -114,9 +114,16 @@ def drive_manager_groups(groups, **kw):
     m.reserve(s, torch.tensor([4, 8], dtype=i32), num_reqs=torch.tensor([1], dtype=i32))  # a device count
     m.release_reservation(s, num_reqs=torch.tensor([2], dtype=i32))
     from gpupool.graph import DecodeStep
+    from gpupool.window import DecodeWindow
 
-    DecodeStep(m, 2).run()  # the step's variants: free with its input check, allocate without
-    DecodeStep(m, 2, steps=3, views=True).run()  # a burst: decode_burst_kernel after step 0 and a burst step
+    DecodeStep(m, 2).run()  # window_begin_kernel, window_step_kernel allocating (no advance), tokens unknown
+    DecodeStep(m, 2, steps=3, views=True).run()  # a burst: steps >= 1 advance then allocate; each step's views
+    w = DecodeWindow(m, 2, steps=2, num_lookahead_tokens=1)  # the model's window: tokens hashed, Q = 2
+    w.run()  # its steps, and its end (window_step_kernel advancing alone)
+    ws = torch.tensor([2, 3], dtype=i32)
+    m.admit(ws, [[], []], [4, 4], [[1], None])  # admit_kernel without a blocked flag, one request hashing
+    m.admit(ws, [[], []], [4, 4], blocked=w.flags[:1])  # and with the window's flag
+    m.append_tokens(s, torch.tensor([1, 0], dtype=i32), torch.zeros((2, 1), dtype=torch.int64))
     m.attention_views(s, torch.tensor([20, 30], dtype=i32))  # one step, no admitted flags
     m.free(s)
     m.run_pending_copies([])

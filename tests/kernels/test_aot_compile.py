@@ -24,7 +24,8 @@ def test_every_kernel_is_launched_by_the_compile_drivers():
                          timeout=scaled(300))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     launched = set(out.stdout.split("kernels launched by the drivers:")[1].split("\n")[0].split())
-    assert {"alloc_kernel", "decode_step_kernel", "decode_burst_kernel", "replay_loop_kernel"} <= launched
+    assert {"alloc_kernel", "window_begin_kernel", "window_step_kernel", "admit_kernel", "append_tokens_kernel",
+            "replay_loop_kernel"} <= launched
 
 
 @pytest.mark.slow  # 2 to 3 minutes a target on a cold Triton cache (seconds on a warm one)

@@ -1,13 +1,15 @@
-"""The decode step (gpupool/graph.py, docs/semantics.md section 6): eagerly on any device it equals the
-reference manager's sequence of ops (the whole state after every step); on CUDA, a captured graph
-replayed 1,000 times with changing inputs equals the eager path, makes no host synchronisation, and
-an error inside a replay changes nothing; its launches do not depend on the batch size.
+"""The decode step (gpupool/graph.py, docs/semantics.md section 7): eagerly on any device it equals the
+reference window's step (a ``ReferenceDecodeWindow`` of one step: the finished requests freed, the
+copies released, vLLM's preemption of the last lanes; the whole state after every step); on CUDA, a
+captured graph replayed 1,000 times with changing inputs equals the eager path, makes no host
+synchronisation, and an error inside a replay changes nothing; its launches do not depend on the
+batch size.
 
 Bad input: entries past ``num_reqs`` / ``num_finished`` are never read; a bad slot, token count or
 count, or a step whose free would succeed but whose allocation would fail, changes every device
-tensor and the host state not at all, names the first bad slot and admits nobody; bad KV-cache
-tensors and hand-built batches are refused on the host before any launch; a pending copy survives a
-failed step."""
+tensor and the host state not at all, names the first bad slot as the reference window does (op
+``window_begin``) and admits nobody; bad KV-cache tensors are refused on the host before any launch;
+a pending copy survives a failed step."""
 from __future__ import annotations
 
 import random
@@ -22,10 +24,10 @@ from harness.compare import assert_managers_agree
 from harness.keys import h
 from gpupool.instrument import Meter
 from harness.device import cpu_i32
-from harness.ops import fail_a_batched_op, fill_step as fill
+from harness.ops import fail_a_batched_op, fill_step as fill, reference_decode_step
 from harness.sizes import sized
 from harness.state import manager_snapshot, pool_state, raw_state, same_raw_state
-from harness.twins import SMALL_BS, SMALL_GROUP_IDS, SMALL_GROUPS, SW, manager_twin, small_manager
+from harness.twins import SMALL_BS, SMALL_GROUP_IDS, SMALL_GROUPS, SW, manager_twin, small_manager, small_manager_twin
 
 BS = 4
 
@@ -44,11 +46,15 @@ def twin(groups=("full",), n=48, **kw):
 
 def drive(step_fn, ref, dev, steps, seed, dev_manager):
     """Random decode traffic: requests join (prefill through allocate_slots), decode one token per
-    step through the DecodeStep, and finish; after each step the two managers must agree on the
-    whole state (harness.compare.assert_managers_agree: tables, counters, pool, KV events, validate). Returns the number of KV events seen."""
+    step through the DecodeStep, and finish; the reference is the same step on the reference manager
+    (harness.ops.reference_decode_step: a reference window of one step, vLLM's preemption of the last
+    lanes). After each step the admitted flags and slot mapping of every lane (those past ``num_reqs``
+    read 0 / -1) and the two managers' whole state must agree (harness.compare.assert_managers_agree:
+    tables, counters, pool, KV events, validate). Returns the number of KV events seen and of lanes
+    preempted."""
     rng = random.Random(seed)
     tokens: dict[int, int] = {}
-    num_events = 0
+    num_events = num_preempted = 0
     for step in range(steps):
         # joins (host ops + a prefill allocation on both, outside the decode step)
         free_slots = [r for r in range(6) if r not in tokens]
@@ -74,27 +80,22 @@ def drive(step_fn, ref, dev, steps, seed, dev_manager):
             if tokens[r] % BS == 0:  # a block filled: its hash is known now
                 for m in (ref, dev_manager):
                     m.append_block_hashes(r, [h(1000 + step * 10 + r)])
-        # reference: free finished, then allocate the decode batch
-        ref.free(finished)
-        ref_adm = ref.allocate_slots(decoding, [tokens[r] for r in decoding], [tokens[r] for r in decoding],
-                                     stop_on_failure=False)
-        step_fn(decoding, [tokens[r] for r in decoding], finished)
-        dev_adm = dev.admitted[: len(decoding)].tolist()
-        assert [int(x) for x in ref_adm] == dev_adm, step
+        ntok = [tokens[r] for r in decoding]
+        want = reference_decode_step(ref, decoding, ntok, finished)
+        assert want.error is None, want.error
+        step_fn(decoding, ntok, finished)
+        pad = dev.max_batch - len(decoding)
+        assert dev.admitted.tolist() == want.admitted[0] + [0] * pad, step
+        assert dev.slot_mapping.tolist() == want.slot_mapping[0] + [-1] * pad, step
         for r in finished:
             del tokens[r]
-        for r, ok in zip(decoding, ref_adm):
-            if not ok:  # preempted: the scheduler frees it
-                ref.free([r])
-                dev_manager.free([r])
+        for r, p in zip(decoding, want.preempt_step):
+            if p >= 0:  # preempted (freed by the step): the scheduler re-queues it
                 del tokens[r]
-        expect = [ref.slot_mapping([r], [tokens_r - 1])[0] for r, tokens_r, ok in
-                  zip(decoding, [tokens.get(r, 1) for r in decoding], ref_adm) if ok]
-        got = [s for s, ok in zip(dev.slot_mapping[: len(decoding)].tolist(), ref_adm) if ok]
-        assert got == expect, step
+                num_preempted += 1
         ev = assert_managers_agree(ref, dev_manager, where=f"step {step}")  # events: [] with events off
         num_events += len(ev)
-    return num_events
+    return num_events, num_preempted
 
 
 @pytest.mark.parametrize("events", [False, True], ids=["no-events", "events"])
@@ -104,15 +105,16 @@ def test_eager_decode_step_equals_reference(groups, events):
     """Full groups only (``ManagerConfig.SW`` off: no window passes) and with a window; KV events
     off (no event layout) and on (every event row compared)."""
     kw = {"enable_kv_cache_events": events}
-    ref, dev_m = twin(groups, **kw)
+    ref, dev_m = twin(groups, n=16, **kw)  # 15 usable blocks for 6 requests of up to 16: lanes are preempted
     step = DecodeStep(dev_m, max_batch=6)
 
     def run(decoding, ntok, finished):
         fill(step, decoding, ntok, finished)
         step.run()
 
-    num_events = drive(run, ref, step, steps=sized(40, 12), seed=5, dev_manager=dev_m)
+    num_events, num_preempted = drive(run, ref, step, steps=sized(40, 12), seed=24, dev_manager=dev_m)
     assert (num_events > 0) == events
+    assert num_preempted > 0  # the pool is small enough that lanes are preempted
 
 
 def test_decode_step_error_changes_nothing_and_is_raised_at_check():
@@ -161,7 +163,7 @@ def test_captured_decode_step_replays_like_the_reference_for_1000_steps():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts interpreter launches")
 def test_decode_step_launches_and_syncs_do_not_depend_on_batch_size():
     """A decode step is the same fixed sequence of launches with no host sync, for 1 or 24 requests
-    (the request-parallel kernel, the exact path that returns at once, ...): nothing loops over
+    (the request-parallel path, the exact path that returns at once, ...): nothing loops over
     requests on the host."""
     counts = []
     for batch in (1, 24):
@@ -178,8 +180,8 @@ def test_decode_step_launches_and_syncs_do_not_depend_on_batch_size():
         assert m.pool.statistics()["alloc_fallback"] == 0
         counts.append((c.launches, c.syncs))
     assert counts[0] == counts[1], counts
-    # the step kernel (check, free, allocate, slot mapping), the copy release
-    assert counts[0] == (2, 0), counts
+    # the window's begin (check, free), its step (allocate with preemption, slot mapping), the copy release
+    assert counts[0] == (3, 0), counts
 
 
 # =================================================================================================
@@ -275,18 +277,23 @@ def test_decode_step_is_all_or_nothing(finished, slots, ntok):
 ], ids=["across-lists", "finished-twice", "idle-and-repeated", "repeat-before-idle"])
 def test_decode_step_names_the_first_bad_slot(finished, slots, bad):
     """The step's one-pass slot check (kernels/requests/checks.py mark_tile) reports the slot of the earliest
-    bad entry, a repeat at its first occurrence, as the separate checks did."""
-    m = small_manager()
-    for r in (0, 1, 2):
-        m.add_request(r, [h(r)])
-    m.allocate_slots([0, 1, 2], [5, 5, 5], [5, 5, 5], [1, 1, 1])
+    bad entry, a repeat at its first occurrence, as the separate checks did, in the reference window's
+    words (op ``window_begin``)."""
+    ref, m = small_manager_twin()
+    for x in (ref, m):
+        for r in (0, 1, 2):
+            x.add_request(r, [h(r)])
+        x.allocate_slots([0, 1, 2], [5, 5, 5], [5, 5, 5], [1, 1, 1])
     m.pool.check()
+    want = reference_decode_step(ref, slots, [6] * len(slots), finished).error
     step = DecodeStep(m, max_batch=4)
     fill(step, slots, [6] * len(slots), finished)
     step.run()
     with pytest.raises(InvalidArgumentError) as e:
         m.pool.check()
-    assert e.value.op == "decode_step" and e.value.value == bad
+    assert e.value.op == "window_begin" and e.value.value == bad
+    assert (type(e.value), e.value.op, e.value.value, str(e.value)) == (type(want), want.op, want.value, str(want))
+    assert_managers_agree(ref, m)
 
 
 def _decoding_manager():
@@ -308,33 +315,13 @@ def test_bad_kv_caches_fail_before_the_step_runs(kv, exc, needle):
     m = _decoding_manager()
     with pytest.raises(exc, match=needle):
         DecodeStep(m, 2, kv_caches=kv(m.pool.num_blocks))
-    step = DecodeStep(m, 2)
-    fill(step, [0], [6], [1])
-    batch = m.batch(step.slots, step.num_tokens, step.num_tokens, None, step.num_reqs, step.admitted)
     before, raw = manager_snapshot(m), raw_state(m.pool, m)
     with pytest.raises(exc, match=needle):
-        m.decode_step(batch, step.finished, step.num_finished, step.slot_mapping, kv(m.pool.num_blocks))
+        m.window(2, kv_caches=kv(m.pool.num_blocks))
     with pytest.raises(exc, match=needle):
         m.copy_and_release(kv(m.pool.num_blocks))
     m.pool.check()
     assert same_raw_state(raw, raw_state(m.pool, m)) == [] and manager_snapshot(m) == before
-
-
-def test_hand_built_batch_is_checked_on_the_host():
-    """A batch whose ``admitted`` is shorter than its slots (the kernel would write past it) or whose
-    slots are int64 is refused before any launch."""
-    m = _decoding_manager()
-    good = m.batch([0], [6], [6])
-    before = manager_snapshot(m)
-    fin, nf, out = cpu_i32([0]), torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
-    for bad in (good._replace(admitted=torch.zeros(0, dtype=torch.int32)),
-                good._replace(slots=good.slots.to(torch.int64))):
-        with pytest.raises(InvalidArgumentError, match="batch"):
-            m.decode_step(bad, fin, nf, out, [])
-    with pytest.raises(ArgumentTypeError, match="AllocateBatch"):
-        m.decode_step(tuple(good), fin, nf, out, [])
-    m.pool.check()
-    assert manager_snapshot(m) == before
 
 
 def test_failed_step_admits_nobody():

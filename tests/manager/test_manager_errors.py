@@ -3,8 +3,9 @@ word"): for each batched op and each cause its kernels detect (``kernels/layout.
 manager raises, at ``pool.check()``, the reference manager's error class with the same value and the
 same text, and neither manager changed anything (whole state compared, the device's raw tensors too).
 
-Causes only the device can have (a device count past its arrays, a decode step's inputs, an attention
-view's length) are checked against their documented wording.
+Causes only the device can have (a device count past its arrays, an attention view's length) are
+checked against their documented wording; a decode step's inputs against the reference window's error
+and the documented wording.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from gpupool.graph import DecodeStep
 from gpupool.kernels.layout import Cause, Status
 from harness.compare import assert_managers_agree
 from harness.device import i32
-from harness.ops import call_both, fill_step
+from harness.ops import call_both, fill_step, reference_decode_step
 from harness.state import manager_state, raw_state, same_raw_state
 from harness.twins import SMALL_TOKENS, SW, small_manager_twin
 
@@ -67,15 +68,17 @@ def expect_same_error(twin, exc: type, cause: Cause, ref_fn, dev_fn) -> PoolErro
     return d_err
 
 
-def expect_device_error(dev, exc: type, cause: Cause, text: str, fn) -> None:
-    """A device-only error: ``fn`` records ``cause`` and ``check()`` raises ``exc`` saying ``text``;
-    nothing changed."""
+def expect_device_error(dev, exc: type, cause: Cause, text: str, fn, like: PoolError | None = None) -> None:
+    """A device-only error: ``fn`` records ``cause`` and ``check()`` raises ``exc`` saying ``text``
+    (with the op and value of ``like``, the reference's error, when given); nothing changed."""
     raw = raw_state(dev.pool, dev)
     fn()
     assert recorded(dev)[:2] == (exc.code, cause)
     with pytest.raises(exc) as e:
         dev.pool.check()
     assert type(e.value) is exc and str(e.value) == text, str(e.value)
+    if like is not None:
+        assert (e.value.op, e.value.value) == (like.op, like.value), (e.value, like)
     assert same_raw_state(raw, raw_state(dev.pool, dev)) == []
 
 
@@ -213,10 +216,15 @@ def test_attention_views_name_the_lane_and_its_slot(twin, slots, base_len, cause
     ([], [0, 6], [13, 6], A, Cause.SLOT_OUT_OF_RANGE, "slot 6 out of range 0..3"),
 ], ids=["ntok-0", "ntok-past-row", "finished-and-running", "finished-idle", "running-range"])
 def test_decode_step_names_the_bad_input(twin, finished, slots, ntok, exc, cause, text):
+    """The step's inputs are the window's (op ``window_begin``): the error the reference window's
+    ``begin`` raises (class, op, value; its token count's text names the slot too), nothing changed."""
     ref, dev = twin
+    before = manager_state(ref)
+    want = reference_decode_step(ref, slots, ntok, finished).error
+    assert type(want) is exc and manager_state(ref) == before
     step = DecodeStep(dev, max_batch=2)
     fill_step(step, slots, ntok, finished)
-    expect_device_error(dev, exc, cause, f"decode_step: {text}", step.run)
+    expect_device_error(dev, exc, cause, f"window_begin: {text}", step.run, want)
     assert_managers_agree(ref, dev)
 
 
@@ -229,7 +237,7 @@ def test_decode_step_names_the_count_past_its_arrays(twin, field, value, cause, 
     step = DecodeStep(dev, max_batch=2)
     fill_step(step, [0], [13])
     getattr(step, field).fill_(value)
-    expect_device_error(dev, A, cause, f"decode_step: {text}", step.run)
+    expect_device_error(dev, A, cause, f"window_begin: {text}", step.run)
 
 
 def test_a_record_without_a_cause_keeps_the_catch_all(twin):

@@ -21,7 +21,7 @@ from gpupool.errors import InvalidArgumentError, InvalidCountError, OutOfBlocksE
 from gpupool.events import BlockRemoved
 from gpupool.graph import DecodeStep
 from harness.device import i32
-from harness.ops import call_both, fill_step
+from harness.ops import call_both, fill_step, reference_decode_step
 from harness.state import pool_state
 from harness.strategies import draw_batch, note, rare
 from harness.manager_pair import (
@@ -371,51 +371,65 @@ def _burst_setup(p: ManagerPair, reserve_first: bool, K: int) -> None:
     assert p.ref.pool.get_num_free_blocks() == 2
 
 
-def _reference_burst(ref, dec, ntok, K):
+def _run_burst(p: ManagerPair, dec, ntok, K: int, fin=()):
+    """A burst of K steps over the lanes ``dec`` (token counts ``ntok``) on both managers: the device's
+    DecodeStep and the reference window (harness.ops.reference_decode_step); each step's admitted flags
+    and slot mapping agree. Returns the reference's outcome."""
+    want = reference_decode_step(p.ref, dec, ntok, fin, K)
+    assert want.error is None, f"{want.error}; {p.where()}"
+    steps = p.__dict__.setdefault("bursts", {})
+    if K not in steps:
+        steps[K] = DecodeStep(p.dev, max_batch=p.R, steps=K)
+    burst = steps[K]
+    fill_step(burst, dec, ntok, fin)
+    burst.run()
+    p.dev.pool.check()
     B = len(dec)
-    adm = [[0] * B for _ in range(K)]
-    sm = [[-1] * B for _ in range(K)]
-    live = list(range(B))
-    for k in range(K):
-        slots = [dec[i] for i in live]
-        counts = [ntok[i] + k for i in live]
-        a = ref.allocate_slots(slots, counts, counts, stop_on_failure=False)
-        if k == 0:
-            ref.release_copied(ref.take_pending_copies())
-        nxt = []
-        for i, ok, c in zip(live, a, counts):
-            if ok:
-                adm[k][i], sm[k][i] = 1, ref.slot_mapping([dec[i]], [c - 1])[0]
-                nxt.append(i)
-        live = nxt
-    return adm, sm
+    assert burst.admitted_steps[:, :B].tolist() == want.admitted, p.where()
+    assert burst.slot_mapping_steps[:, :B].tolist() == want.slot_mapping, p.where()
+    for r in list(fin) + [r for r, k in zip(dec, want.preempt_step) if k >= 0]:  # freed by the burst
+        p.chain[r] = None
+        p.known[r] = 0
+    return want
 
 
 @pytest.mark.parametrize("reserved", [True, False], ids=["reserved", "unreserved"])
 def test_burst_within_a_reservation_never_fails(reserved):
-    """A burst of 8 steps over requests [1, 0] (request 1 first: unreserved, it would take the free
-    block before request 0). With request 0's reservation of 8 tokens it is admitted at all 8 steps
-    (crossing 2 block boundaries) and request 1 at none; without it, request 1 takes a block at step
-    0 and request 0 fails mid-burst. Device burst, reference and the whole state agree."""
+    """A burst of 8 steps over requests [0, 1] (the booked request first, as the engine orders its
+    running requests), 2 free blocks. With request 0's reservation of 8 tokens it is admitted at all 8
+    steps (crossing 2 block boundaries, both blocks from its reservation) and request 1 can take
+    neither block: it preempts itself at step 0. Without it, request 1 takes a block at step 0 and is
+    preempted at step 4, when request 0 needs the block it would have reserved. Device burst,
+    reference window and the whole state agree."""
     K = 8
     p = pair(num_blocks=12)
     _burst_setup(p, reserved, K)
-    burst = DecodeStep(p.dev, max_batch=4, steps=K)
-    dec, ntok = [1, 0], [5, 5]
-    want_adm, want_sm = _reference_burst(p.ref, dec, ntok, K)
-    fill_step(burst, dec, ntok, [])
-    burst.run()
-    p.dev.pool.check()
-    assert burst.admitted_steps[:, :2].tolist() == want_adm
-    assert burst.slot_mapping_steps[:, :2].tolist() == want_sm
-    got = [row[1] for row in want_adm]
+    want = _run_burst(p, [0, 1], [5, 5], K)
+    assert [row[0] for row in want.admitted] == [1] * K
     if reserved:
-        assert got == [1] * K
-        assert [row[0] for row in want_adm] == [0] * K
+        assert [row[1] for row in want.admitted] == [0] * K and want.preempt_step == [-1, 0]
         assert reservations(p) == ([0, 0, 0, 0], 0)
     else:
-        assert got == [1, 1, 1, 1, 0, 0, 0, 0]  # tokens 5..8 in its second block, no third
-        assert [row[0] for row in want_adm] == [1] * 4 + [0] * 4
+        assert [row[1] for row in want.admitted] == [1] * 4 + [0] * 4  # tokens 5..8 in its second block
+        assert want.preempt_step == [-1, 4]
+    p.compare()
+    validate(p)
+
+
+@pytest.mark.parametrize("reserved", [True, False], ids=["reserved", "unreserved"])
+def test_a_reservation_does_not_stop_an_earlier_lane_preempting(reserved):
+    """The same burst over requests [1, 0] (the booked request last): request 1 may not take request
+    0's reserved blocks, so at step 0 it does not fit and preempts the last lane, request 0, whose
+    blocks and reservation go back (vLLM's preemption, docs/semantics.md section 9); without the
+    reservation both share the free blocks until step 4, when request 1 preempts request 0."""
+    K = 8
+    p = pair(num_blocks=12)
+    _burst_setup(p, reserved, K)
+    want = _run_burst(p, [1, 0], [5, 5], K)
+    assert [row[0] for row in want.admitted] == [1] * K
+    pre = 0 if reserved else 4
+    assert [row[1] for row in want.admitted] == [1] * pre + [0] * (K - pre) and want.preempt_step == [-1, pre]
+    assert reservations(p) == ([0, 0, 0, 0], 0)
     p.compare()
     validate(p)
 
@@ -432,12 +446,10 @@ def test_decode_step_frees_the_finished_requests_reservations():
     assert alloc(p, [1], [5], [5]) == [False]
     step = DecodeStep(p.dev, max_batch=4)
     fill_step(step, [1], [5], [0])
-    p.ref.free([0])
-    want = p.ref.allocate_slots([1], [5], [5], stop_on_failure=False)
-    p.ref.release_copied(p.ref.take_pending_copies())
+    want = reference_decode_step(p.ref, [1], [5], [0])
     step.run()
     p.dev.pool.check()
-    assert want == [True] and step.admitted[:1].tolist() == [1]
+    assert want.admitted == [[1]] and want.error is None and step.admitted[:1].tolist() == [1]
     p.chain[0] = None
     assert reservations(p) == ([0, 0, 0, 0], 0)
     p.compare()
@@ -498,10 +510,13 @@ def op_reserve_error(data, p: ManagerPair) -> None:
         reserve(p, slots, nts, tensors)
 
 
-def op_burst(data, p: ManagerPair, K: int | None = None) -> None:
+def op_burst(data, p: ManagerPair, K: int | None = None, first=()) -> None:
     """A burst of K decode steps (DecodeStep(steps=K)) over the running requests whose tokens are all
-    computed; some finish at step 0. The reference: free, K allocations (the pending copies released
-    after step 0, as the device's step 0 does), each step over the requests the previous one admitted."""
+    computed (``first`` leading, then the others in slot order); some finish at step 0. The reference:
+    the same burst on a reference window (:func:`_run_burst`). A request whose reservation covers the
+    burst always fits: it is admitted at every step unless an earlier lane that did not fit preempted
+    it (vLLM preempts the last lane), so the booked requests that lead the lane order are admitted at
+    every step."""
     if K is None:
         K = data.draw(st.sampled_from([2, 3, 5]), label="K")
     run = [r for r in p.active() if p.row_len(r) and p.ref.num_computed[r] >= p.known[r]]
@@ -509,36 +524,27 @@ def op_burst(data, p: ManagerPair, K: int | None = None) -> None:
         return
     fin = data.draw(st.lists(st.sampled_from(run), unique=True, max_size=max(1, len(run) // 2)), label="finished")
     dec = [r for r in run if r not in fin and p.known[r] + K <= p.max_tokens]
+    dec = [r for r in first if r in dec] + [r for r in dec if r not in first]
     if not dec and not fin:
         return
     ntok = [p.known[r] + 1 for r in dec]
     for r, n in zip(dec, ntok):
         append_hashes(p, r, (n + K - 1) // p.hbs)
-    steps = p.__dict__.setdefault("bursts", {})
-    if K not in steps:
-        steps[K] = DecodeStep(p.dev, max_batch=p.R, steps=K)
-    burst = steps[K]
     p.ops.append(f"burst K={K} (decode {dec}, nt={ntok}, finished {fin})")
     note(p.ops[-1])
     held = [p.ref.reserved[r] for r in dec]
     # blocks for ntok - 1 + K tokens (the burst's last count) beyond the row: within its reservation
     covered = [h >= p.G * max(0, -(-(n - 1 + K) // p.bs) - p.row_len(r)) for h, n, r in zip(held, ntok, dec)]
-    p.ref.free(fin)
-    want_adm, want_sm = _reference_burst(p.ref, dec, ntok, K)
-    fill_step(burst, dec, ntok, fin)
-    burst.run()
-    p.dev.pool.check()
-    B = len(dec)
-    assert burst.admitted_steps[:, :B].tolist() == want_adm, p.where()
-    assert burst.slot_mapping_steps[:, :B].tolist() == want_sm, p.where()
-    for r in fin:
-        p.chain[r] = None
-        p.known[r] = 0
+    want = _run_burst(p, dec, ntok, K, fin)
+    pre = want.preempt_step
     for i, r in enumerate(dec):
-        last = max((k for k in range(K) if want_adm[k][i]), default=-1)
-        if last >= 0:
+        last = max((k for k in range(K) if want.admitted[k][i]), default=-1)
+        if last >= 0 and pre[i] < 0:
             p.known[r] = ntok[i] + last
-        if covered[i]:  # a request never fails a burst step within what it reserved
+        if covered[i] and pre[i] >= 0:  # only an earlier lane, live at that step and not covered, preempts it
+            assert any(not covered[j] and (pre[j] < 0 or pre[j] >= pre[i]) for j in range(i)), (
+                f"slot {r} reserved {held[i]} blocks but was preempted at step {pre[i]}; {p.where()}")
+        if covered[i] and all(covered[:i]):
             assert last == K - 1, f"slot {r} reserved {held[i]} blocks but failed at step {last + 1}; {p.where()}"
     if currently_in_test_context():
         _event(f"burst: {sum(c and h > 0 for c, h in zip(covered, held))} covered by a reservation")
@@ -547,15 +553,17 @@ def op_burst(data, p: ManagerPair, K: int | None = None) -> None:
 
 def op_reserved_burst(data, p: ManagerPair) -> None:
     """The engine's pattern: reserve K tokens for some running requests (in a drawn order), then a
-    burst of K steps; the booked ones must be admitted at every step (checked in :func:`op_burst`)."""
+    burst of K steps whose lanes they lead; the booked ones must be admitted at every step (checked in
+    :func:`op_burst`)."""
     K = data.draw(st.sampled_from([2, 3, 5, 8]), label="K")
     run = [r for r in p.active() if p.row_len(r) and p.ref.num_computed[r] >= p.known[r]
            and p.known[r] + K <= p.max_tokens]
+    slots = []
     if run:
         slots = data.draw(st.permutations(run), label="order")[: data.draw(st.integers(1, len(run)), label="n")]
         # the burst's last count is known + K: K tokens beyond num_computed (= known here)
         reserve(p, slots, [p.known[r] + K - p.ref.num_computed[r] for r in slots])
-    op_burst(data, p, K)
+    op_burst(data, p, K, first=slots)
 
 
 def op_join(data, p: ManagerPair) -> None:

@@ -3,10 +3,13 @@
 Each batched op of :class:`gpupool.BlockPool` (``allocate_batched``, ``free_batched``,
 ``touch_batched``, ``lookup_batched``, ``longest_prefix_batched``) and of
 :class:`gpupool.manager.KVCacheManager` (``allocate_slots``, ``free``, ``slot_mapping``,
-``get_computed_blocks``, ``release_copied``) and the :class:`gpupool.graph.DecodeStep` gets device
-tensors whose entries are drawn from plausible values (ids, slots, counts in range) mixed with
-garbage: negative values, values just past their array, huge values, int32 / int64 extremes, in
-the counted entries, the counts, the offsets and the entries past the counts.
+``get_computed_blocks``, ``release_copied``, ``admit``, ``append_tokens``), the
+:class:`gpupool.graph.DecodeStep` and the :class:`gpupool.window.DecodeWindow` (begin, each step and
+its end, with garbage in what a forward pass writes too) gets device tensors whose entries are
+drawn from plausible values (ids, slots, counts in range) mixed with garbage: negative values,
+values just past their array, huge values, int32 / int64 extremes, in the counted entries, the
+counts, the offsets and the entries past the counts. The window's host arguments get junk too
+(wrong types and shapes, values past int64, another manager's objects).
 
 Whatever it gets, an op must not crash (no out-of-bounds access: in the interpreter a stray read or
 write aborts the process or raises), and then either
@@ -25,7 +28,7 @@ the large one.
 Hand-written cases at the end: a chain length past its array and group ids out of range read on the
 device (``longest_prefix_batched``), empty count tensors, output buffers shorter than the batch, ids
 or flags that a dtype would narrow, bad ``slot_mapping`` slots and positions: each a typed error
-(raised on the host, or at ``check()``) that changes nothing.
+(raised on the host, or at ``check()``) that changes nothing; a window too large for memory.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ from gpupool.errors import InvalidArgumentError, PoolError
 from gpupool.graph import DecodeStep
 from gpupool.keys import device_key
 from gpupool.manager import KVCacheManager
+from gpupool.window import DecodeWindow
 from harness.compare import assert_consistent
 from harness.device import cpu_i32
 from harness.keys import h
@@ -106,9 +110,10 @@ def make_pool() -> BlockPool:
     return p
 
 
-def make_manager() -> KVCacheManager:
+def make_manager(hashing: bool = False) -> KVCacheManager:
     """R = 4 slots of two groups (full + sliding window): slot 0 and 1 running, slot 2 added (no
-    blocks), slot 3 free; one pending copy-on-write copy; KV events on."""
+    blocks), slot 3 free (``hashing``: admitted with a tail, so it hashes the tokens it gains); one
+    pending copy-on-write copy; KV events on."""
     m = KVCacheManager(24, block_size=BS, max_num_reqs=R, max_blocks_per_req=M, groups=("full", ("sliding_window", 8)),
                        enable_kv_cache_events=True, device=DEV)
     m.add_request(0, [h(1), h(2)])
@@ -116,6 +121,8 @@ def make_manager() -> KVCacheManager:
     m.allocate_slots([0, 1], [9, 6], [9, 6], [1, 1])
     m.add_request(2, [h(1)])
     m.cow_append(2, [m.rows(0)[0][0], m.rows(1)[0][0]])
+    if hashing:
+        m.admit([3], [[h(1)]], [6], [[9, 10]])
     m.pool.check()
     m.pool.take_events()
     m.validate()
@@ -279,22 +286,207 @@ def op_release_copied(data):
     checked(m.pool, lambda: m.release_copied(t32(ids)), must_fail=any(not 0 <= b < 24 for b in ids))
 
 
+def garbage_inputs(data, w) -> bool:
+    """Garbage into the input buffers of a DecodeStep or DecodeWindow ``w`` of 3 lanes: slots, token
+    counts, finished slots and both counts. Returns whether the counts are within their arrays."""
+    w.slots.copy_(t32(vec32(data, R, 3, 3, "slots")))
+    w.num_tokens.copy_(t32(vec32(data, M * BS + 1, 3, 3, "num_tokens")))
+    w.finished.copy_(t32(vec32(data, R, 3, 3, "finished")))
+    nr = data.draw(st.one_of(st.integers(0, 3), garbage32(4)), label="num_reqs")
+    nf = data.draw(st.one_of(st.integers(0, 1), garbage32(4)), label="num_finished")
+    w.num_reqs.fill_(nr)
+    w.num_finished.fill_(nf)
+    return 0 <= nr <= 3 and 0 <= nf <= 3
+
+
 def op_decode_step(data):
     m = make_manager()
     step = DecodeStep(m, max_batch=3)
-    step.slots.copy_(t32(vec32(data, R, 3, 3, "slots")))
-    step.num_tokens.copy_(t32(vec32(data, M * BS + 1, 3, 3, "num_tokens")))
-    step.finished.copy_(t32(vec32(data, R, 3, 3, "finished")))
-    nr = data.draw(st.one_of(st.integers(0, 3), garbage32(4)), label="num_reqs")
-    nf = data.draw(st.one_of(st.integers(0, 1), garbage32(4)), label="num_finished")
-    step.num_reqs.fill_(nr)
-    step.num_finished.fill_(nf)
-    checked(m.pool, step.run, manager=m, must_fail=not (0 <= nr <= 3 and 0 <= nf <= 3))
+    checked(m.pool, step.run, manager=m, must_fail=not garbage_inputs(data, step))
+
+
+def mostly(data, valid, garbage, label: str):
+    """A value from ``valid`` three times in four, else from ``garbage`` (strategies)."""
+    return data.draw(st.one_of(valid, valid, valid, garbage), label=label)
+
+
+def op_decode_window(data):
+    """A decode window (gpupool/window.py): its inputs valid (lanes of the slots in use, the request
+    that hashes its tokens among them) or garbage, then before every step and its end what a forward
+    pass writes, valid or with one garbage entry (a stop flag, an accepted count, a token id of any
+    size); begin, each step and the end checked one by one (an op that fails changes nothing, and the
+    window stops there)."""
+    m = make_manager(hashing=True)
+    K = data.draw(st.integers(1, 3), label="K")
+    D = data.draw(st.integers(0, 2), label="D")
+    Q = D + 1
+    w = DecodeWindow(m, 3, K, D)
+    if data.draw(st.booleans(), label="valid inputs"):
+        order = data.draw(st.permutations([0, 1, 2]), label="order")
+        n = data.draw(st.integers(0, 2), label="other lanes")
+        lanes = order[:n] + [3]
+        fin = order[n:n + data.draw(st.integers(0, 1), label="finished")]
+        w.set_inputs(lanes, [data.draw(st.integers(1, M * BS - D), label="tokens") for _ in lanes], fin)
+        must_fail = False
+    else:
+        must_fail = not garbage_inputs(data, w)
+    if checked(m.pool, w.begin, manager=m, must_fail=must_fail):
+        return
+    for k in range(K + 1):
+        if k:
+            stopped = [data.draw(st.sampled_from([0, 0, 0, 1]), label="stop") for _ in range(3)]
+            acc = [data.draw(st.integers(1, Q), label="accepted") for _ in range(3)]
+            toks = [data.draw(st.integers(0, 99), label="token") for _ in range(3 * Q)]
+            wrong = data.draw(st.sampled_from(["nothing", "stop", "accepted", "token"]), label="wrong")
+            i = data.draw(st.integers(0, 2), label="lane at fault")
+            if wrong == "stop":
+                stopped[i] = data.draw(st.sampled_from([-1, I32_MIN, 2]), label="stop")
+            elif wrong == "accepted":
+                acc[i] = data.draw(garbage32(Q + 1), label="accepted")
+            elif wrong == "token":
+                toks[i * Q + data.draw(st.integers(0, Q - 1), label="query")] = data.draw(garbage64(), label="token")
+            w.stopped.copy_(t32(stopped))
+            w.accepted.copy_(t32(acc))
+            w.tokens.copy_(t64(toks).view(3, Q))
+        if checked(m.pool, (lambda k=k: w.step(k)) if k < K else w.end, manager=m):
+            return
+
+
+def op_admit(data):
+    """``admit`` of requests (slots 1 and 3 free; some hash their tokens) with something wrong or odd
+    drawn: the slots (in use, out of range, repeated: checked on the device), a token count, the
+    hashes (too many, short, not bytes), a tail (a token past int32, a whole hash block), the resumed
+    flags, the blocked flag (any value, another manager's window flags, a wrong dtype or size) or an
+    output buffer (short, another dtype)."""
+    m = make_manager()
+    m.free([1])
+    m.pool.check()
+    m.pool.take_events()
+    b = data.draw(st.integers(1, 3), label="B")
+    slots = [mostly(data, st.sampled_from([1, 3]), garbage32(R), "slot") for _ in range(b)]
+    nts, hs, tails = [], [], []
+    for _ in range(b):
+        n = data.draw(st.integers(1, M * BS), label="tokens")
+        nts.append(n)
+        hs.append([h(data.draw(st.integers(0, 4), label="hash")) for _ in range(n // BS)])
+        tails.append(list(range(n % BS)) if data.draw(st.booleans(), label="hashing") else None)
+    resumed, blocked, bufs = None, None, (None, None)
+    j = data.draw(st.integers(0, b - 1), label="request at fault")
+    wrong = data.draw(st.sampled_from(["nothing", "count", "hashes", "tail", "resumed", "blocked", "buffer"]),
+                      label="wrong")
+    if wrong == "count":
+        nts[j] = data.draw(st.sampled_from([0, -1, M * BS + 1, 2**31, 2**40]), label="count")
+    elif wrong == "hashes":
+        hs[j] = data.draw(st.sampled_from([[h(0)] * (M + 1), [b"x" * 31], [7], "ab"]), label="hashes")
+    elif wrong == "tail":
+        tails[j] = data.draw(st.sampled_from([[2**31], [-(2**31) - 1], list(range(BS)), [0.5]]), label="tail")
+    elif wrong == "resumed":
+        resumed = data.draw(st.sampled_from([[2] * b, [-1] * b, [1] * (b + 1), ["x"] * b]), label="resumed")
+    elif wrong == "blocked":
+        blocked = data.draw(st.sampled_from([[0], [1], [-1], [I32_MAX], "other window", "int64", "empty", "2d"]),
+                            label="blocked")
+        if blocked == "other window":  # another manager's window flags: a device flag like any other
+            blocked = DecodeWindow(KVCacheManager(8, block_size=BS, max_num_reqs=2, max_blocks_per_req=2,
+                                                  device=DEV), 1).flags[:1]
+        elif isinstance(blocked, str):
+            blocked = {"int64": t64([0]), "empty": t32([]),
+                       "2d": torch.zeros((1, 1), dtype=torch.int32, device=DEV)}[blocked]
+        else:
+            blocked = t32(blocked)
+    elif wrong == "buffer":
+        bufs = data.draw(st.sampled_from([(t32([7] * (b - 1)), None), (None, t64([7] * b)), (t32([7] * b), t32([7] * b))]),
+                         label="buffers")
+    bad = any(not 0 <= s < R for s in slots) or any(s in (0, 2) for s in slots) or len(set(slots)) < b
+    checked(m.pool, lambda: m.admit(slots, hs, nts, tails, resumed, blocked=blocked, admitted=bufs[0],
+                                    hit_tokens=bufs[1]), manager=m, must_fail=bad)
+
+
+def op_append_tokens(data):
+    """``append_tokens`` to requests in use, slot 3 (which hashes its tokens) among them, with something
+    wrong drawn for another request: its slot (garbage: checked on the device), its count (past the
+    tokens' width, negative), a token id (any int64); or the count of requests, token rows fewer or
+    more than the slots, another dtype. A failed call must not have appended slot 3's tokens."""
+    m = make_manager(hashing=True)
+    b = data.draw(st.integers(2, 3), label="B")
+    slots = data.draw(st.lists(st.sampled_from([0, 1, 2]), min_size=b - 1, max_size=b - 1, unique=True), label="others")
+    lane = data.draw(st.integers(0, b - 1), label="hashing lane")
+    slots.insert(lane, 3)
+    T = data.draw(st.integers(1, 3), label="T")
+    counts = [data.draw(st.integers(1, T), label="count") for _ in range(b)]
+    vals = [data.draw(st.integers(0, 99), label="token") for _ in range(b * T)]
+    rows, dtype, c = b, torch.int64, None
+    wrong = data.draw(st.sampled_from(["slot", "count", "token", "num_reqs", "rows", "dtype", "nothing"]), label="wrong")
+    j = data.draw(st.sampled_from([i for i in range(b) if i != lane]), label="request at fault")
+    if wrong == "slot":
+        slots[j] = data.draw(garbage32(R), label="slot")
+    elif wrong == "count":
+        counts[j] = data.draw(garbage32(T + 1), label="count")
+    elif wrong == "num_reqs":
+        c = data.draw(garbage32(b + 1), label="num_reqs")
+    elif wrong == "token":
+        vals[j * T] = data.draw(garbage64(), label="token")
+    elif wrong == "rows":
+        rows = data.draw(st.sampled_from([b - 1, b + 1]), label="rows")
+        vals = (vals + [0] * T)[: rows * T]
+    elif wrong == "dtype":
+        dtype = data.draw(st.sampled_from([torch.float32, torch.int32, torch.int16]), label="dtype")
+    tokens = torch.tensor(vals, dtype=torch.int64).view(rows, T).to(dtype).to(DEV)
+    n = b if c is None else c
+    bad = bad_count(c, b) or any(not 0 <= s < R for s in slots[: max(0, min(n, b))]) \
+        or len(set(slots[: max(0, min(n, b))])) < min(max(n, 0), b)
+    checked(m.pool, lambda: m.append_tokens(t32(slots), t32(counts), tokens, None if c is None else t32([c])),
+            manager=m, must_fail=bad)
+
+
+JUNK = ("none", "bool", "float", "nan", "str", "bytes", "int64 max", "past int64", "list", "list of floats",
+        "list of str", "nested list", "list past int32", "dict", "generator", "tensor f32", "tensor i64 past int32",
+        "tensor 2d", "tensor meta", "tensor empty", "other manager", "other state", "other window")
+
+
+def junk(data, label: str, other: KVCacheManager):
+    """A value of the wrong type, shape or range for any argument (``other``: a second manager, whose
+    objects are junk to this one's ops)."""
+    kind = data.draw(st.sampled_from(JUNK), label=label)
+    values = {
+        "none": lambda: None, "bool": lambda: True, "float": lambda: 1.5, "nan": lambda: float("nan"),
+        "str": lambda: "0", "bytes": lambda: b"\0" * 32, "int64 max": lambda: I64_MAX, "past int64": lambda: 2**70,
+        "list": lambda: [0, 1], "list of floats": lambda: [0.5], "list of str": lambda: ["a"],
+        "nested list": lambda: [[0]], "list past int32": lambda: [2**40], "dict": lambda: {0: 1},
+        "generator": lambda: (x for x in [0]), "tensor f32": lambda: torch.zeros(2, device=DEV),
+        "tensor i64 past int32": lambda: t64([2**40]), "tensor 2d": lambda: torch.zeros((2, 2), dtype=torch.int32,
+                                                                                              device=DEV),
+        "tensor meta": lambda: torch.zeros(2, dtype=torch.int32, device="meta"), "tensor empty": lambda: t32([]),
+        "other manager": lambda: other, "other state": lambda: other.state.active,
+        "other window": lambda: DecodeWindow(other, 1)}
+    return values[kind]()
+
+
+def op_window_host_args(data):
+    """The host-side arguments of the window's entry points (``DecodeWindow(...)``, ``set_inputs``,
+    ``step``, ``admit``, ``append_tokens``), each argument valid or junk (:func:`junk`): the call
+    succeeds (the pool validates) or raises a PoolError subclass at once or at ``check()`` with nothing
+    changed. Sizes past int64 and huge window sizes are left to test_window_sizes_past_memory."""
+    m = make_manager(hashing=True)
+    other = KVCacheManager(8, block_size=BS, max_num_reqs=2, max_blocks_per_req=2, device=DEV)
+    w = DecodeWindow(m, 3, 2)
+    entry = data.draw(st.sampled_from(["window", "set_inputs", "step", "admit", "append_tokens"]), label="entry")
+    good = {"window": [3, 2, 1, [], True, True], "set_inputs": [[0, 1], [10, 7], [2]], "step": [0],
+            "admit": [[], [], [], None, None, None],
+            "append_tokens": [t32([0, 3]), t32([1, 1]), t64([[5], [6]]), None]}[entry]
+    args = [junk(data, f"argument {i}", other) if data.draw(st.booleans(), label=f"junk {i}") else a
+            for i, a in enumerate(good)]
+    if entry == "window":
+        args[:2] = [a if not isinstance(a, int) or isinstance(a, bool) or a <= 8 else 3 for a in args[:2]]
+    fn = {"window": lambda: DecodeWindow(m, *args), "set_inputs": lambda: w.set_inputs(*args),
+          "step": lambda: w.step(*args), "admit": lambda: m.admit(*args),
+          "append_tokens": lambda: m.append_tokens(*args)}[entry]
+    checked(m.pool, fn, manager=m)
 
 
 OPS = {f.__name__.removeprefix("op_"): f for f in (
     op_allocate_batched, op_free_batched, op_touch_batched, op_lookup_batched, op_longest_prefix_batched,
-    op_allocate_slots, op_free, op_slot_mapping, op_get_computed_blocks, op_release_copied, op_decode_step)}
+    op_allocate_slots, op_free, op_slot_mapping, op_get_computed_blocks, op_release_copied, op_decode_step,
+    op_decode_window, op_admit, op_append_tokens, op_window_host_args)}
 
 HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 
@@ -302,7 +494,7 @@ HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_t
 @pytest.mark.parametrize("op", list(OPS))
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=HEALTH)
 @given(data=st.data())
-@pytest.mark.heavy("allocate_slots", "release_copied", "get_computed_blocks", "decode_step")
+@pytest.mark.heavy("allocate_slots", "release_copied", "get_computed_blocks", "decode_step", "decode_window")
 def test_fuzz(op, data):
     OPS[op](data)
 
@@ -519,3 +711,17 @@ def test_manager_device_errors_say_what_the_op_checks():
         with pytest.raises(exc) as e:
             m.pool.check()
         assert str(e.value).startswith(says) and "a block or slot listed twice" not in str(e.value), str(e.value)
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="DecodeWindow sizes its buffers from max_batch and steps unchecked: a size past memory "
+                          "raises torch's RuntimeError, not a PoolError")
+@pytest.mark.parametrize("make", [lambda m: DecodeWindow(m, 2**40, 1), lambda m: DecodeWindow(m, 1, 2**40),
+                                  lambda m: DecodeStep(m, 2**40)], ids=["window-lanes", "window-steps", "step-lanes"])
+def test_window_sizes_past_memory_are_a_typed_error(make):
+    """A window of more lanes or steps than memory holds is refused with a PoolError, nothing changed."""
+    m = make_manager()
+    before = manager_snapshot(m)
+    with pytest.raises(PoolError):
+        make(m)
+    assert manager_snapshot(m) == before

@@ -18,7 +18,7 @@ from gpupool.kernels.layout import Ctrl
 from harness.compare import assert_consistent, assert_managers_agree
 from harness.device import cpu_i32
 from harness.keys import h
-from harness.ops import fill_step as fill
+from harness.ops import fill_step as fill, reference_decode_step
 from harness.state import manager_snapshot, pool_state
 from harness.twins import POOL_IDS, POOLS, SMALL_BS, SMALL_TOKENS, SW, small_manager, small_manager_twin
 
@@ -110,7 +110,8 @@ def test_decode_step_events_past_int32_key_sequence(groups, mode):
             if ntok[r] % SMALL_BS == 0:
                 for m in (ref, dev):
                     m.append_block_hashes(r, [h(100 * r + i)])
-        ref.allocate_slots([0, 1], [ntok[0], ntok[1]], [ntok[0], ntok[1]], stop_on_failure=False)
+        want = reference_decode_step(ref, [0, 1], [ntok[0], ntok[1]])
+        assert want.error is None and want.admitted == [[1, 1]], i  # room for both: nobody preempted
         fill(step, [0, 1], [ntok[0], ntok[1]])
         run()
         dev.pool.check()
@@ -132,15 +133,15 @@ def test_decode_step_events_past_int32_key_sequence(groups, mode):
 def test_event_buffer_too_small_is_buffer_full_and_changes_nothing(how):
     """A batch whose caching could write more event rows than the buffer holds records
     BufferFullError (value: the rows) in its input check and changes nothing: allocate_slots, the
-    decode step, and a 2-step burst (refused by its step 0; a later step's own check is not isolated
-    here)."""
+    decode step, and a 2-step burst (refused by the window's begin, which checks step 0's rows, op
+    ``window_begin``; a later step's own check, op ``window_step``, is not isolated here)."""
     import hashlib
     m = small_manager(enable_caching=True, enable_kv_cache_events=True, event_capacity=2)
     hashes = [hashlib.sha256(bytes([i])).digest() for i in range(6)]
     m.add_request(0, hashes)
     m.pool.take_events()
     before = manager_snapshot(m)
-    with pytest.raises(BufferFullError):
+    with pytest.raises(BufferFullError) as e:
         if how == "allocate_slots":
             m.allocate_slots(cpu_i32([0]), cpu_i32([0]), cpu_i32([6 * SMALL_BS]))
         else:
@@ -151,4 +152,5 @@ def test_event_buffer_too_small_is_buffer_full_and_changes_nothing(how):
             step.run()
         m.pool.check()
     assert manager_snapshot(m) == before
+    assert e.value.op == ("allocate_slots" if how == "allocate_slots" else "window_begin")
 

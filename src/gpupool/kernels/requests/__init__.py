@@ -1,6 +1,6 @@
 """Request-level kernels of the KV cache manager, one concern a module:
 
-* ``checks``: input checks (slot lists, an ``allocate_slots`` batch, a decode step's inputs);
+* ``checks``: input checks (slot lists, an ``allocate_slots`` batch, a decode window's inputs);
 * ``steps``: vLLM's per-request admission steps, written once, each returning a NamedTuple
   (``remove_skipped_blocks``, ``find_longest_cache_hit``, ``get_num_blocks_to_allocate``, ``admit``,
   ``allocate_blocks``, ``cache_blocks``); the exact path and the trace replay's loop run them;
@@ -9,12 +9,13 @@
   request (the exact path continues from there);
 * ``free``: ``free`` of many requests as one batched free;
 * ``slot_mapping``, ``copies`` (the copy-on-write queue's release), ``reserve`` (reservations);
-* ``decode``: a whole decode step, and a burst of them, in one launch each;
+* ``window``: a decode window's begin, its pool steps and its end, one launch each; ``admit``:
+  admission of waiting requests in one launch;
 * ``rows``: addressing (a slot's block-table row and its keys).
 
-An op a decode step runs after its own checks comes in two parts: the plain op, which checks its
+An op a decode window runs after its own checks comes in two parts: the plain op, which checks its
 count and inputs and then runs, and ``*_checked``, which takes the already checked values
-(``allocate_slots_exact_checked``, ``free_requests_checked``, ``slot_mapping_checked``).
+(``allocate_slots_exact_checked``, ``free_requests_checked``).
 
 Manager state ``ms`` (``gpupool/manager.py`` ManagerState) and sizes ``mc`` (ManagerConfig: G groups,
 R request slots, M blocks per row, K hash blocks per block, BS block size, BLOCK lanes): block table

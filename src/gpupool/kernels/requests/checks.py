@@ -7,7 +7,7 @@ from ..common import checked_count, keep_first, keep_first_why, no_error, no_err
     status_clear, tile_of
 from ..layout import (
     BIG, C_COUNT_PAST_ARRAYS, C_FINISHED_PAST_ARRAYS, C_SLOT_LISTED_TWICE, C_SLOT_NOT_IN_USE, C_SLOT_OUT_OF_RANGE,
-    C_SLOT_IN_USE, C_TOKEN_COUNT, EV_COUNT, E_BUFFER_FULL, E_INVALID_ARG, E_INVALID_COUNT, OP_ALLOCATE_SLOTS, OP_DECODE_STEP,
+    C_SLOT_IN_USE, C_TOKEN_COUNT, EV_COUNT, E_BUFFER_FULL, E_INVALID_ARG, E_INVALID_COUNT, OP_ALLOCATE_SLOTS,
 )
 
 
@@ -170,10 +170,9 @@ def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished,
     of ``fcap``); every slot of ``finished[:num_finished]`` and ``batch.slots[:num_reqs]`` in range, in
     use and listed once across both lists; and the allocation batch as ``allocate_slots`` checks it,
     with token counts from 1 (the new token's position is ``num_tokens - 1``) and its event rows.
-    The first bad input sets the status word (op DECODE_STEP); nothing else is written but
-    ``admitted`` (all ``cap`` entries zeroed, but the admitted ones later: the lanes past the count
-    always, every lane on an error or with the status word already set) and idle scratch. Run first by
-    ``decode_step_kernel`` (``kernels/requests/decode.py``). Returns (whether the step may go on: the status word
+    The first bad input sets the status word (op ``OP``: WINDOW_BEGIN); nothing else is written but
+    ``admitted`` (all ``cap`` entries zeroed on an error) and idle scratch. Run first by
+    ``window_begin_kernel`` (``kernels/requests/window.py``). Returns (whether the step may go on: the status word
     was clear and every input is good, requests, finished requests), a count 0 when it is bad."""
     nb, nb_ok = checked_count(batch.num_reqs, cap)
     nf, nf_ok = checked_count(num_finished, fcap)

@@ -58,25 +58,6 @@ def slot_mapping(ps, ms, mc: tl.constexpr, slots, positions, num, cap, out, grou
         set_status_why(ps.status, code=err, op=OP_SLOT_MAPPING, value=err_val, cause=why, extra=extra)
 
 
-@triton.jit
-def slot_mapping_checked(ms, mc: tl.constexpr, slots, positions, num, cap, out, group, offset, admitted):
-    """:func:`slot_mapping` of a decode step's admitted requests, already checked: ``num`` (a value)
-    the step's checked count, and each entry with ``admitted[t] != 0`` has its slot in use and its
-    position inside its row, as the step checked and allocated them, so neither is read again;
-    the others give -1, and so do the entries ``num .. cap - 1`` (as :func:`slot_mapping` leaves
-    them: a captured step's padded lanes keep no slot of an earlier step)."""
-    offs = tl.arange(0, mc.BLOCK)
-    i = 0
-    while i < cap:
-        idx = i + offs
-        inb = idx < num
-        ok = inb & (tl.load(admitted + idx, mask=inb, other=0) != 0)
-        r = tl.load(slots + idx, mask=inb, other=0)  # not masked by ``admitted``: one wait, not two
-        p = tl.load(positions + idx, mask=inb, other=0).to(tl.int64) + offset
-        tl.store(out + idx, slot_of(ms, mc, group=group, r=r, p=p, ok=ok), mask=idx < cap)
-        i += mc.BLOCK
-
-
 def launch_slot_mapping(ps, ms, mc, slots, positions, num, out, group: int, offset: int, admitted):
     slot_mapping_kernel[(1,)](ps, ms, mc, slots, positions, num, slots.numel(), out, group, offset,
                               slots if admitted is None else admitted, HAS_ADMITTED=admitted is not None,
