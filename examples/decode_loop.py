@@ -548,6 +548,8 @@ class Engine:
                 self._settle(lanes, res, toks, accs, running, waiting, out)
                 blocked = res.any_preempted
                 if admitting is not None:
+                    if not (adm[0] or lanes or finished):  # refused with nothing else holding blocks
+                        raise RuntimeError(f"request {admitting[0][0].req.rid} does not fit the pool even alone")
                     for s, slot, a, h in zip(admitting[0], admitting[1], adm, hits):
                         if not a:
                             break
@@ -586,6 +588,9 @@ class Engine:
                     self.stats.passes += 1
                     if res.stop_step[i] == k:
                         break
+            if s.generated > s.req.max_new:  # the pool missed a stop: a lane would decode forever
+                raise RuntimeError(f"request {s.req.rid} decoded {s.generated} tokens past its budget of "
+                                   f"{s.req.max_new}: its stop never reached the pool")
             if res.stop_step[i] >= 0:
                 self.stats.stops_inside += res.stop_step[i] < K - 1
                 running.remove(s)

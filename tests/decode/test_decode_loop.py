@@ -146,7 +146,7 @@ def test_a_wrong_decision_changes_the_tokens_or_fails(model, small, engine, mode
     reqs, want = small
     try:
         got, _ = run(model, reqs, mode, K, D, num_blocks=40, engine=engine)
-    except Exception:  # noqa: BLE001 - a count past the row is one way the fault shows
+    except Exception:  # noqa: BLE001 - a count past the row, or the engine seeing a budget overrun, is how the fault shows
         return
     assert got != want
 
@@ -170,7 +170,7 @@ def test_a_window_reads_the_device_once(model):
     _, eng = run(model, reqs, "window", 8, num_blocks=8)
     assert eng.stats.windows == 3  # admission's, then 16 tokens in two windows past the prefill's
     m = eng.stats.meter
-    assert m["syncs"] == eng.stats.windows + 1  # + the closing event drain
+    assert m["syncs"] == eng.stats.windows  # the events are drained after the run
     _, eng = run(model, reqs, "host", num_blocks=8)
     assert eng.stats.meter["syncs"] >= 16
 
