@@ -41,6 +41,10 @@ class DecodeStep:
     ``admitted`` and ``slot_mapping`` are the same tensors, or for ``steps=1`` their row 0; ``window``
     (the underlying :class:`~gpupool.window.DecodeWindow`: every group's slot mapping, views, the
     lanes' preemptions); ``views`` (group 0's attention views, row k built at step k) with ``views=True``.
+    ``block_table`` is shared by the steps and holds the last step's rows: a lane preempted at step k
+    has no row after the burst, and its blocks may be another lane's (read step k's views between
+    steps, as a :class:`~gpupool.window.DecodeWindow`'s forward pass does, or only for lanes admitted at
+    the burst's last step).
     InvalidArgumentError: ``max_batch`` or ``steps`` below 1.
     """
 

@@ -3,7 +3,8 @@ host-to-device copies, inside ``with Meter() as m: ...``.
 
 - ``syncs``: reads of a tensor's values on the host (``item``, ``tolist``, ``cpu``, ``numpy``,
   ``bool(t)``, ``int(t)``, ``float(t)``, ``operator.index(t)``): on a GPU each one waits for the
-  device; on a CPU run, the reads a GPU run would wait for.
+  device; on a CPU run, the reads a GPU run would wait for (a CPU-only check reads inside
+  :func:`reads_not_synced`).
 - ``launches``: Triton kernel launches (``kernel[grid](...)``, compiled or in the interpreter).
 - ``torch_ops``: torch operations outside a Triton launch, views excepted (on a GPU each is about one
   kernel launch).
@@ -28,6 +29,7 @@ Rules (docs/testing.md, "Counting launches and syncs"):
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -119,6 +121,18 @@ def _uninstall() -> None:
             delattr(cls, name)
         else:
             setattr(cls, name, own)
+
+
+@contextlib.contextmanager
+def reads_not_synced():
+    """Reads of tensor values inside the block are not counted as ``syncs``: for a check that only a
+    CPU run makes (a GPU run skips it: on a GPU it would be a sync), so a CPU run counts the reads a
+    GPU run waits for, no more."""
+    _thread.in_read += 1
+    try:
+        yield
+    finally:
+        _thread.in_read -= 1
 
 
 class _TorchOps(TorchDispatchMode):
@@ -220,4 +234,4 @@ def _release() -> None:
             _uninstall()
 
 
-__all__ = ["Meter", "SYNC_METHODS"]
+__all__ = ["Meter", "SYNC_METHODS", "reads_not_synced"]

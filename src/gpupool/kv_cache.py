@@ -28,6 +28,7 @@ from . import _backend
 
 _backend.select()  # the kernels' backend, before the kernels below are defined
 from .kernels.kv_store import launch_store_kv
+from .instrument import reads_not_synced
 from .memory import allocate_checked
 from .tensors import check_disjoint
 
@@ -243,8 +244,11 @@ def _check_read(op: str, q, bad: torch.Tensor, what: str) -> None:
     """On a CPU, where reading the views costs no sync, InvalidArgumentError when any of ``bad``
     holds (a page id or a length the real kernels would read out of bounds); on a GPU the values are
     not read (no host sync: the caller's to keep in range, as with the real kernels)."""
-    if q.device.type == "cpu" and bool(bad.any()):
-        raise InvalidArgumentError(op, what)
+    if q.device.type == "cpu":
+        with reads_not_synced():
+            found = bool(bad.any())
+        if found:
+            raise InvalidArgumentError(op, what)
 
 
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -285,8 +289,9 @@ def flashinfer_pages(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_
     ``kv_last_page_len: int[B]``, ``kv_indices: int[n]``): ``(pages:
     int64[B, max_pages], lengths: int64[B], read: bool[B, max_pages], index: int64[B, max_pages])``,
     lane b's pages ``kv_indices[kv_indptr[b] + j]`` (0 past its pages), its length as FlashInfer's
-    ``get_seq_lens`` reads it (``max(pages - 1, 0) * page_size + kv_last_page_len``: an empty lane
-    needs ``kv_last_page_len`` 0), which entries are pages and where in ``kv_indices`` they are. An
+    ``paged_kv_t::get_length`` reads it (``(pages - 1) * page_size + kv_last_page_len``, 0 for a lane
+    without pages whatever its ``kv_last_page_len``), which entries are pages and where in ``kv_indices``
+    they are. An
     empty ``kv_indices`` (no lane has a page) reads nothing. Arguments checked by the caller."""
     B = kv_last_page_len.shape[0]  # kv_indptr: [B + 1]
     start = kv_indptr[:B].long()
@@ -297,7 +302,7 @@ def flashinfer_pages(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_
     index = torch.where(read, start[:, None] + j, n)  # n: the padding entry below
     padded = torch.cat([kv_indices.long(), kv_indices.new_zeros(1, dtype=torch.int64)])
     pages = padded[index.clamp(0, n)]
-    lengths = npages.sub(1).clamp(min=0) * page_size + kv_last_page_len[:B].long()
+    lengths = torch.where(npages > 0, (npages - 1) * page_size + kv_last_page_len[:B].long(), 0)
     return pages, lengths, read, index
 
 
@@ -307,7 +312,7 @@ def paged_attention_flashinfer(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """FlashInfer's paged decode (``BatchDecodeWithPagedKVCacheWrapper``, NHD layout) in plain torch:
     ``q: [B, Hq, D]`` (one query per lane, the newest token), ``kv_indptr: int32[B + 1]``,
     ``kv_indices: int32[>= kv_indptr[B]]`` (empty when no lane has a page), ``kv_last_page_len:
-    int32[B]`` (0 for an empty lane, which gives zeros); ``max_pages`` bounds the pages of a lane
+    int32[B]`` (``1..page_size``; not read for a lane without pages, which gives zeros); ``max_pages`` bounds the pages of a lane
     (fixed shapes: the block table's width). Returns ``[B, Hq, D]``. Raises InvalidArgumentError /
     ArgumentTypeError (``gpupool.kv_args``) for wrong types, shapes, dtypes, devices, scale, a
     ``max_pages`` below 0 or temporaries past the free memory, and on a CPU for a page or
@@ -326,8 +331,8 @@ def paged_attention_flashinfer(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     npages = kv_indptr[1:B + 1].long() - kv_indptr[:B].long()
     last = kv_last_page_len[:B]
     _check_read(op, q, npages > max_pages, f"a lane has more than max_pages = {max_pages} pages")
-    _check_read(op, q, torch.where(npages > 0, (last < 1) | (last > bs), last != 0),
-                f"kv_last_page_len must be in 1..{bs} for a lane with pages and 0 for one without")
+    _check_read(op, q, (npages > 0) & ((last < 1) | (last > bs)),
+                f"kv_last_page_len must be in 1..{bs} for a lane with pages")
     _check_read(op, q, read & ((index < 0) | (index >= kv_indices.shape[0])),
                 f"kv_indptr points outside kv_indices' {kv_indices.shape[0]} entries")
     _check_read(op, q, read & ((pages < 0) | (pages >= k_cache.shape[0])),

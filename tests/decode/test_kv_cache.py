@@ -99,7 +99,7 @@ def host_views(rows_at, slots, lens, K=1, admitted=None):
         seq.append(s)
         indptr.append(ptr)
         indices.append(idx)
-        last.append([(x - 1) % BS + 1 if x else 0 for x in s])
+        last.append([(x - 1) % BS + 1 if x else 1 for x in s])
     return table, seq, indptr, indices, last
 
 

@@ -189,13 +189,16 @@ def test_flashinfer_reference_with_no_page_gives_zeros(max_pages):
 
 
 def test_flashinfer_reference_reads_a_length_as_flashinfer_does():
-    """``max(pages - 1, 0) * page_size + kv_last_page_len`` (FlashInfer's ``get_seq_lens``): an empty
-    lane's length is its ``kv_last_page_len``, so only 0 is right there; on a CPU the reference
-    refuses anything else, and a last page outside 1..page_size."""
-    for last in ([1, 3], [0, 0], [5, 3]):  # lane 0 empty with 1; a lane with pages and 0; past the page
-        ptr = torch.tensor([0, 0, 1], dtype=i32) if last[0] == 1 else ip
+    """``(pages - 1) * page_size + kv_last_page_len``, and 0 for a lane without pages whatever its
+    ``kv_last_page_len`` (FlashInfer's ``paged_kv_t::get_length``): an empty lane gives zeros with 1
+    (the views' value, vLLM's for a padded lane) or 0 alike; on a CPU the reference refuses a lane with
+    pages whose last page is outside 1..page_size."""
+    ptr = torch.tensor([0, 0, 1], dtype=i32)
+    outs = [paged_attention_flashinfer(q1, kc, kc, ptr, ix, torch.tensor([e, 3], dtype=i32), 2) for e in (1, 0, BS)]
+    assert all(o[0].abs().sum() == 0 for o in outs) and all(torch.equal(o, outs[0]) for o in outs)
+    for last in ([0, 3], [5, 3], [2, 0]):  # a lane with pages and 0; past the page
         with pytest.raises(InvalidArgumentError, match="kv_last_page_len"):
-            paged_attention_flashinfer(q1, kc, kc, ptr, ix, torch.tensor(last, dtype=i32), 2)
+            paged_attention_flashinfer(q1, kc, kc, ip, ix, torch.tensor(last, dtype=i32), 2)
 
 
 # ---- typed errors, nothing changed --------------------------------------------------------------------

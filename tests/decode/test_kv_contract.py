@@ -1,5 +1,6 @@
 """The KV consumer contract as a whole (docs/kv_cache.md): random decode traffic through a
-``KVCacheManager`` and a ``DecodeStep`` with views (batches that shrink and grow in a new order each
+``KVCacheManager`` and a ``DecodeStep``'s window with views, driven a step at a time as a model
+drives it (batches that shrink and grow in a new order each
 step, finished requests, requests a step could not admit and the host preempts, bursts of K steps,
 reservations made with ``manager.reserve``), written and read back the way a model does it.
 
@@ -103,13 +104,17 @@ class World:
             m.reserve(booked, [K] * len(booked))
         ntok = [self.live[r][1] + 1 for r in decoding]
         step.set_inputs(decoding, ntok, finished)
-        step.run()
-        m.pool.check()
         for r in finished:
             del self.live[r]
-        adm = step.admitted_steps.tolist()
         n = len(decoding)
+        # the step's window, driven as a model drives it: step k's K/V stored and read before step k + 1
+        # (which may preempt a lane and hand its blocks, and its block-table row, to another)
+        step.window.begin()
+        adm = []
         for k in range(K):
+            step.window.step(k)
+            m.pool.check()
+            adm.append(step.admitted_steps[k].tolist())
             where = f"round {rnd} step {k}"
             # the model's step k: its new K/V over the whole padded width, then attention reads
             key, value = self.garbage(R), self.garbage(R)
@@ -134,15 +139,11 @@ class World:
             self.check_rows(paused, where + " paused")
         # the contract on the padded lanes, read directly (the values above fail first on a stale slot)
         assert step.admitted_steps[:, n:].eq(0).all() and step.slot_mapping_steps[:, n:].eq(-1).all()
-        preempted = []
-        for i, r in enumerate(decoding):  # host: the admitted grew, the others are preempted
+        for i, r in enumerate(decoding):  # host: the admitted grew, the others were preempted (freed by the step)
             if adm[K - 1][i]:
                 self.live[r][1] = ntok[i] + K - 1
             else:
-                preempted.append(r)
                 del self.live[r]
-        if preempted:
-            m.free(preempted)
         if booked:
             m.release_reservation([r for r in booked if r in self.live])
         m.pool.check()

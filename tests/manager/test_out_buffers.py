@@ -63,23 +63,13 @@ def buffer_calls():
         buf = torch.tensor([0, 2, 0], dtype=i32)
         m.allocate_slots([0, 1], [6, 7], [6, 7], num_reqs=buf[1:2], admitted=buf[:2])
 
-    def decode_step_outputs_overlap(m):
-        raw = torch.zeros(32, dtype=torch.uint8)  # admitted's third entry is slot_mapping's first half
-        batch = m.batch([0, 1], [6, 7], [6, 7], admitted=raw[:12].view(i32))
-        m.decode_step(batch, torch.zeros(0, dtype=i32), torch.zeros(1, dtype=i32), raw[8:24].view(i64), [])
-
-    def decode_step_slot_mapping_is_the_pool_status(m):
-        batch = m.batch([0, 1], [6, 7], [6, 7])
-        m.decode_step(batch, torch.zeros(0, dtype=i32), torch.zeros(1, dtype=i32), m.pool.state.status[:2], [])
-
     def views_out_is_admitted(m):
         out = AttentionViews.empty(2, 8, 2)
         m.attention_views([0, 1], [5, 6], admitted=out.kv_last_page_len, out=out)
 
     return [(f.__name__, f) for f in (slot_mapping_out_is_positions, slot_mapping_out_is_state, reserve_out_is_slots,
                                       reserve_out_is_num_reserved, allocate_admitted_is_num_tokens,
-                                      allocate_admitted_is_the_count, decode_step_outputs_overlap,
-                                      decode_step_slot_mapping_is_the_pool_status, views_out_is_admitted)]
+                                      allocate_admitted_is_the_count, views_out_is_admitted)]
 
 
 @pytest.mark.parametrize("name,call", buffer_calls(), ids=[n for n, _ in buffer_calls()])

@@ -8,7 +8,7 @@ of a burst, the paged-KV inputs that real attention kernels take, built on the d
 * FlashInfer's paged layout (``BatchDecodeWithPagedKVCacheWrapper.plan``): ``kv_indptr:
   int32[K, B + 1]`` (exclusive prefix sum of the pages), ``kv_indices: int32[K, B * M]`` (the pages of
   lane 0, then lane 1, ...; the tail past ``kv_indptr[k, B]`` is left as it was) and
-  ``kv_last_page_len: int32[K, B]`` (``(seq - 1) % block_size + 1``, 0 for an empty lane).
+  ``kv_last_page_len: int32[K, B]`` (``(seq - 1) % block_size + 1``; 1 for an empty lane, FlashInfer's documented range).
 
 Step k's length of lane i is ``base_len[i] + k`` where ``admitted[k, i] != 0`` (every lane ``< num``
 without ``admitted``), else 0. Programs over (step, tile of lanes), each writing its lanes' rows at
@@ -83,7 +83,7 @@ def attention_views_kernel(ps, ms, mc: tl.constexpr, slots, base_len, admitted, 
     start = carry + tl.cumsum(pages, axis=0) - pages
     tl.store(views.seqused_k + k * cap + idx, seq, mask=inb)
     tl.store(views.kv_indptr + k * (cap + 1) + idx, start, mask=inb)
-    tl.store(views.kv_last_page_len + k * cap + idx, tl.where(seq > 0, (seq - 1) % mc.BS + 1, 0), mask=inb)
+    tl.store(views.kv_last_page_len + k * cap + idx, tl.where(seq > 0, (seq - 1) % mc.BS + 1, 1), mask=inb)
     if (t + 1) * RB >= cap:  # the last tile closes the prefix sum
         tl.store(views.kv_indptr + k * (cap + 1) + cap, carry + tl.sum(pages, axis=0))
     row = (group * mc.R + lane.slot).to(tl.int64) * mc.M
