@@ -123,13 +123,15 @@ class DecodeWindow:
             if views else None
         self._next = 0  # the next pool step this eager run may take (begin() resets it)
         self.graph = None
+        self.host_inputs: tuple[list[int], list[int], list[int]] | None = None  # set_inputs' lists, as given
 
     # ---- inputs -----------------------------------------------------------------------------------
     def set_inputs(self, slots: Sequence[int], num_tokens: Sequence[int], finished: Sequence[int] = ()) -> None:
         """Write the window's inputs from host lists in ONE host-to-device copy (no sync): the running
         requests ``slots`` (the lanes, in the scheduler's order) with their token counts
         ``num_tokens`` (each request's tokens; the last is step 0's input) and the ``finished`` slots to
-        free at :meth:`begin`. Resets ``stopped`` to 0 and ``accepted`` to 1. Raises ArgumentTypeError
+        free at :meth:`begin`; keeps the lists as ``host_inputs`` (what a host-side planner such as
+        :class:`gpupool.flashinfer.WindowDecodePlan` reads). Resets ``stopped`` to 0 and ``accepted`` to 1. Raises ArgumentTypeError
         (a value that is not an int), InvalidArgumentError (lists longer than ``max_batch`` or of
         different lengths, a value outside int32); the values themselves are checked on the device."""
         op = "DecodeWindow.set_inputs"
@@ -146,6 +148,7 @@ class DecodeWindow:
         host = torch.tensor((s + pad)[:B] + (n + pad)[:B] + (f + pad)[:B] + [len(s), len(f)], dtype=torch.int32,
                             pin_memory=self._inputs.is_cuda)
         self._inputs.copy_(host, non_blocking=True)
+        self.host_inputs = (s, n, f)
         self.stopped.zero_()
         self.accepted.fill_(1)
 

@@ -1,0 +1,187 @@
+"""FlashInfer's decode planned from a decode window (gpupool/flashinfer.py, docs/kv_cache.md section 5),
+against a stand-in wrapper that does what FlashInfer 0.5's ``BatchDecodeWithPagedKVCacheWrapper`` does
+in CUDA-graph mode (fixed buffers; ``plan`` copies the host indptr and last-page lengths into them and
+schedules from the host copies) and runs the reference FlashInfer attention on its buffers: the plan
+reads nothing from the device, each step's kernel reads the rows the window wrote at that step, the
+planned lengths bound the true ones, and the attention equals FlashAttention's route."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gpupool.errors import ArgumentTypeError, InvalidArgumentError
+from gpupool.flashinfer import WindowDecodePlan, length_bounds, paged_layout
+from gpupool.instrument import Meter, reads_not_synced
+from gpupool.keys import hash_request_tokens
+from gpupool.kv_cache import paged_attention, paged_attention_flashinfer
+from gpupool.manager import KVCacheManager
+from gpupool.window import DecodeWindow
+
+BS, M, HQ, HKV, HD = 4, 8, 2, 1, 8
+
+
+class StandInDecodeWrapper:
+    """FlashInfer 0.5's decode wrapper in CUDA-graph mode, as far as the plan goes (decode.py ``plan``)."""
+
+    def __init__(self, workspace, kv_layout, use_cuda_graph=False, paged_kv_indptr_buffer=None,
+                 paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
+        assert kv_layout == "NHD" and use_cuda_graph
+        self.indptr_buf, self.indices_buf = paged_kv_indptr_buffer, paged_kv_indices_buffer
+        self.last_buf = paged_kv_last_page_len_buffer
+        self.batch = len(paged_kv_last_page_len_buffer)
+        self.planned = None
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, **kw):
+        for t in (indptr, indices, last_page_len):
+            assert t.dtype == torch.int32
+        assert len(last_page_len) == self.batch and len(indices) <= len(self.indices_buf)
+        assert indptr.device.type == "cpu" and last_page_len.device.type == "cpu"  # no read of the device
+        with reads_not_synced():  # FlashInfer reads these host tensors on the host: no device sync
+            assert ((last_page_len >= 1) & (last_page_len <= page_size)).all()  # FlashInfer's documented range
+            pages = indptr[1:] - indptr[:-1]
+            lens = torch.where(pages > 0, (pages - 1) * page_size + last_page_len, 0).tolist()  # get_length
+        self.indptr_buf.copy_(indptr)
+        self.last_buf.copy_(last_page_len)
+        self.indices_buf[:len(indices)].copy_(indices)
+        self.planned = (lens, (num_qo_heads, num_kv_heads, head_dim, page_size), kw)
+
+    def run(self, q, kv_cache):
+        k_cache, v_cache = kv_cache
+        return paged_attention_flashinfer(q, k_cache, v_cache, self.indptr_buf, self.indices_buf, self.last_buf, M)
+
+
+def setup(num_requests=3, num_blocks=24, steps=3, views=True, D=0):
+    m = KVCacheManager(num_blocks, block_size=BS, max_num_reqs=4, max_blocks_per_req=M, device="cpu")
+    ntok = []
+    for r in range(num_requests):
+        p = list(range(10 * r + 1, 10 * r + 6 + 2 * r))
+        m.admit([r], [hash_request_tokens(p, BS)], [len(p)], [p[len(p) // BS * BS:]])
+        m.append_tokens([r], [1], torch.tensor([[100 + r]]))
+        ntok.append(len(p) + 1)
+    w = DecodeWindow(m, 4, steps=steps, num_lookahead_tokens=D, views=views)
+    return m, w, ntok
+
+
+def workspace():
+    return torch.zeros(1024, dtype=torch.uint8)
+
+
+def test_the_plan_reads_nothing_and_each_step_reads_the_rows_the_window_wrote():
+    """Three lanes, K = 3, lane 1 stopping at pass 0: the wrappers' buffers are the window's rows; the
+    plan makes no host read; at each pass the true lengths are at most the planned ones (0 for the
+    stopped lane), and FlashInfer's attention over the rows equals FlashAttention's over the table."""
+    m, w, ntok = setup()
+    plan = WindowDecodePlan(w, workspace(), wrapper_class=StandInDecodeWrapper)
+    v = w.views[0]
+    for k, fw in enumerate(plan.wrappers):
+        assert fw.indptr_buf.data_ptr() == v.kv_indptr[k].data_ptr()
+        assert fw.indices_buf.data_ptr() == v.kv_indices[k].data_ptr()
+        assert fw.last_buf.data_ptr() == v.kv_last_page_len[k].data_ptr()
+    w.set_inputs([0, 1, 2], ntok)
+    with Meter() as meter:
+        plan.plan(HQ, HKV, HD, q_data_type=torch.float32)
+    assert meter.syncs == 0
+    assert all(fw.planned[2]["disable_split_kv"] is True for fw in plan.wrappers)
+    g = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(24, BS, HKV, HD, generator=g, dtype=torch.float64)
+    v_cache = torch.randn(24, BS, HKV, HD, generator=g, dtype=torch.float64)
+    seen = []
+
+    def forward(win, k):
+        planned = plan.wrappers[k].planned[0]
+        true = win.views[0].seqused_k[k].tolist()
+        assert all(t <= p for t, p in zip(true, planned)), (k, true, planned)
+        q = torch.randn(4, HQ, HD, generator=g, dtype=torch.float64)
+        out = plan.wrappers[k].run(q, (k_cache, v_cache))
+        ref = paged_attention(q[:, None], k_cache, v_cache, win.views[0].block_table, win.views[0].seqused_k[k])[:, 0]
+        torch.testing.assert_close(out, ref)
+        seen.append(true)
+        win.stopped[:3] = torch.tensor([0, 1 if k == 0 else 0, 0], dtype=torch.int32)
+        win.tokens[:3, 0] = torch.tensor([7, 8, 9])
+
+    w.run(forward)
+    assert seen[0][:3] == ntok and seen[1][1] == 0 and seen[1][0] == ntok[0] + 1
+    assert w.read().stop_step == [-1, 0, -1]
+
+
+def test_bounds_cover_every_advance():
+    """``length_bounds`` at step k is num_tokens + k * Q + D: what k passes accepting every token give."""
+    assert length_bounds([5, 9], 0, 1, 32) == [5, 9]
+    assert length_bounds([5, 9], 2, 3, 32) == [5 + 6 + 2, 9 + 6 + 2]
+    assert length_bounds([30], 3, 1, 32) == [32]  # at most a row
+
+
+def test_paged_layout_gives_empty_lanes_a_last_page_of_one_as_the_views_do():
+    """FlashInfer's layout on the host for lengths 0, 1, 4, 5 and a padded lane: empty lanes 1 (as the
+    views kernel writes them), the others ``(n - 1) % page + 1``; indptr the pages' prefix sum."""
+    indptr, last = paged_layout([0, 1, 4, 5], 5, 4)
+    assert indptr.tolist() == [0, 0, 1, 2, 4, 4] and last.tolist() == [1, 1, 4, 1, 1]
+    m, w, ntok = setup(num_requests=2, steps=1)
+    w.set_inputs([0, 1], ntok)
+    w.run()
+    v = w.views[0]
+    indptr, last = paged_layout(v.seqused_k[0].tolist(), 4, BS)
+    assert v.kv_indptr[0].tolist() == indptr.tolist() and v.kv_last_page_len[0].tolist() == last.tolist()
+
+
+@pytest.mark.parametrize("case", ["drafts", "no views", "group", "group type", "workspace dtype", "workspace type",
+                                  "before set_inputs", "split-kv"])
+def test_refusals(case):
+    """Each misuse is a typed error naming what is wrong."""
+    m, w, ntok = setup(D=1 if case == "drafts" else 0, views=case != "no views")
+    kw = dict(wrapper_class=StandInDecodeWrapper)
+    ws = workspace()
+    if case in ("drafts", "no views"):
+        with pytest.raises(InvalidArgumentError, match="draft|views"):
+            WindowDecodePlan(w, ws, **kw)
+    elif case == "group":
+        with pytest.raises(InvalidArgumentError, match="group 1"):
+            WindowDecodePlan(w, ws, 1, **kw)
+    elif case == "group type":
+        with pytest.raises(ArgumentTypeError):
+            WindowDecodePlan(w, ws, "0", **kw)
+    elif case == "workspace dtype":
+        with pytest.raises(InvalidArgumentError, match="uint8"):
+            WindowDecodePlan(w, torch.zeros(8), **kw)
+    elif case == "workspace type":
+        with pytest.raises(ArgumentTypeError):
+            WindowDecodePlan(w, b"1234", **kw)
+    elif case == "before set_inputs":
+        with pytest.raises(InvalidArgumentError, match="set_inputs"):
+            WindowDecodePlan(w, ws, **kw).plan(HQ, HKV, HD)
+    else:
+        plan = WindowDecodePlan(w, ws, **kw)
+        w.set_inputs([0], ntok[:1])
+        with pytest.raises(InvalidArgumentError, match="split-KV"):
+            plan.plan(HQ, HKV, HD, disable_split_kv=False)
+
+
+def test_without_flashinfer_the_plan_says_how_to_install_it():
+    try:
+        import flashinfer  # noqa: F401
+        pytest.skip("flashinfer is installed")
+    except ImportError:
+        pass
+    m, w, ntok = setup()
+    with pytest.raises(InvalidArgumentError, match="pip install flashinfer-python"):
+        WindowDecodePlan(w, workspace())
+
+
+def test_a_random_window_stays_inside_its_bounds():
+    """Random stops over K = 4 with 4 lanes: every step's true lengths stay at or under the plan."""
+    rng = random.Random(1)
+    m, w, ntok = setup(num_requests=4, num_blocks=40, steps=4)
+    plan = WindowDecodePlan(w, workspace(), wrapper_class=StandInDecodeWrapper)
+    w.set_inputs([0, 1, 2, 3], ntok)
+    plan.plan(HQ, HKV, HD)
+
+    def forward(win, k):
+        true = win.views[0].seqused_k[k].tolist()
+        assert all(t <= p for t, p in zip(true, plan.wrappers[k].planned[0]))
+        win.stopped.copy_(torch.tensor([int(rng.random() < 0.3) for _ in range(4)], dtype=torch.int32))
+        win.tokens[:, 0] = torch.tensor([rng.randrange(50) for _ in range(4)])
+
+    w.run(forward)
+    m.pool.check()
