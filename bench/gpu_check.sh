@@ -6,7 +6,7 @@
 #   2. `gpupool replay --pool both` on the whole bundled trace (the device replay loop and the
 #      reference must agree; the device's wall time is the whole-trace benchmark),
 #   3. the modelled cases of bench/model_cases.py MEASURED with CUDA events (decode step as DecodeStep
-#      and as the one-launch decode kernel, K = 8 steps of DecodeStep(steps=8), reserve, at B = 64 and
+#      (a window of one step), K = 8 steps of DecodeStep(steps=8), reserve, at B = 64 and
 #      1,024, allocate / free / touch of 4,096 blocks, 10,000 lookups; eager and as CUDA-graph replays;
 #      the replay loop on the first 1,000 requests, wall clock; the decode window's own cases, whose
 #      variants take long to compile, only on request: --cases window_begin,window_step,window_end,admit),
