@@ -36,10 +36,10 @@ from ..args import MAX_GROUP_ID, MAX_TOKENS, as_groups, as_host_list, as_int, ch
 from ..errors import (
     ArgumentTypeError, DoubleFreeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError, PoolError,
 )
-from ..pool import BlockPool as DevicePool
 from . import kv_events as _gp_kv_events
 from .backends import PoolBackend, make_backend
 from .compat import event_kwargs, supports_lookahead
+from .device_access import SharedDevicePool
 from .host_events import HostEvents, metrics_pop, metrics_touch
 from .host_mirror import HostMirror, get_block_hash, get_group_id, vllm_key
 
@@ -338,7 +338,7 @@ def _hashes_at(block_hashes, hash_block_size: int, block_size: int, upto: int) -
 _ON_STREAM = ("get_new_blocks", "free_blocks", "touch", "cache_full_blocks", "cache_partial_block",
               "move_block_hashes", "get_cached_block", "evict_blocks", "reset_prefix_cache", "unpin_blocks",
               "_insert_key", "_maybe_evict_cached_block", "_set_ref_cnt", "_refresh", "_free_queue", "end_step",
-              "sync", "_flush", "_read_window")
+              "sync", "_flush", "_read_window", "_other_user_reads", "_other_user_changes")
 
 
 def _on_stream(fn):
@@ -874,12 +874,37 @@ class BlockPool:
         return self._dev.free_queue()
 
     @property
-    def device_pool(self) -> DevicePool:
-        """The gpupool device pool behind this adapter (its batched ops, ``validate``, inspection).
-        Its calls run on the current stream: on CUDA, make them under ``torch.cuda.stream(self.stream)``.
-        The fast path (``DeferredBlockPool``) launches its ops every few steps: call its ``sync()`` first
-        to inspect a pool that has run them all."""
-        return self._dev
+    def device_pool(self) -> SharedDevicePool:
+        """The gpupool pool behind this adapter (``gpupool.BlockPool``; the reference pool with
+        ``backend="reference"``) for other users: its batched ops, lookups, ``validate``, inspection.
+        Every call goes through the adapter (:class:`gpupool.vllm.device_access.SharedDevicePool`): a
+        read sees every op the adapter answered; a change waits, raises its error at the call and
+        leaves the adapter's answers the device's (docs/vllm.md, "Other users of the device pool").
+        Calls run on the pool's stream (``self.stream``) on CUDA."""
+        return SharedDevicePool(self)
+
+    def _other_user_reads(self, fn, args, kwargs):
+        """``fn`` (a read of the pool) after every op this adapter answered has run on the device."""
+        self._need_device("device_pool")
+        return fn(*args, **kwargs)
+
+    def _other_user_changes(self, name: str, fn, args, kwargs):
+        """``fn`` (a change of the pool by another user): after every op this adapter answered, waited
+        for (its recorded error raised at once), then the whole mirror read again."""
+        self._need_device("device_pool")
+        out = fn(*args, **kwargs)
+        check = getattr(self._dev, "check", None)
+        if check is not None:
+            check()  # a batched op's recorded error raised to its caller, not to a later launch of ours
+        self._after_other_user(name)
+        return out
+
+    def _after_other_user(self, name: str) -> None:
+        """Another user changed the pool (``name``): the whole mirror from the device; its KV events are
+        not vLLM's (they describe no call of vLLM's), so they are dropped."""
+        if self._dev.enable_kv_cache_events:
+            self._dev.take_events()
+        self._refresh(range(self.num_gpu_blocks))
 
 
 _run_on_pool_stream(BlockPool)

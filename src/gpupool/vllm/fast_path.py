@@ -90,6 +90,7 @@ class DeferredBlockPool(BlockPool):
         self._touched: set[int] = set()  # blocks the ops since the last synchronisation changed
         self.queue_copy = FreeQueueCopy()  # the free queue's first ids, exactly
         self._watched = False  # unpin_blocks was called: pops run per call from then on
+        self._reread = False  # a pop re-reading the pool after it disagreed with the copy
         self.queue_copy.fill(self._read_window())
 
     @property
@@ -110,6 +111,12 @@ class DeferredBlockPool(BlockPool):
     def _need_device(self, why: str) -> None:
         if self._pending or self._touched:
             self.sync(why)
+
+    def _after_other_user(self, name: str) -> None:
+        super()._after_other_user(name)
+        self.queue_copy.forget()  # refilled from the device at the next pop or end_step
+        if name == "unpin_blocks":
+            self._watched = True  # its reuse watchers fire at a pop: pops run per call from then on
 
     def _block(self, slot: int) -> KVCacheBlock:
         n = self.num_gpu_blocks
@@ -182,12 +189,8 @@ class DeferredBlockPool(BlockPool):
 
     def _pop_known(self, num_blocks: int) -> list[KVCacheBlock]:
         ids = self.queue_copy.take(num_blocks)
-        got = self._backend.pop_known(num_blocks, ids)  # None: queued, checked at the next sync
-        if got is not None and got != ids:  # the pool's answer stands: its blocks' rows are read at the next sync
-            self._dirty = True
-            self.queue_copy.forget()
-            self._touched.update(got)
-            raise PoolError("DeferredBlockPool.get_new_blocks", f"the host predicted the pop of {ids}, the pool took {got}")
+        if self._backend.pop_known(num_blocks, ids) is not None:
+            return self._pop_after_change(num_blocks)
         if self.host_events is not None:  # the keys the pop evicts, before they leave the mirror
             self.host_events.popped(ids)
             self._drain_events()
@@ -203,6 +206,21 @@ class DeferredBlockPool(BlockPool):
         if self.metrics_collector:
             metrics_pop(self.metrics_collector, out, self.enable_caching)
         return out
+
+    def _pop_after_change(self, num_blocks: int) -> list[KVCacheBlock]:
+        """The reference pool's first free blocks are not the copy's (it was changed past the adapter),
+        nothing taken: the whole mirror and the copy read again, then the pop answered from them, as
+        the per-call pool answers it (a second disagreement raises PoolError)."""
+        self._num_free += num_blocks
+        self._refresh(range(self.num_gpu_blocks))
+        self.queue_copy.fill(self._read_window())
+        if self._reread:
+            raise PoolError("DeferredBlockPool.get_new_blocks", "the pool's free queue is not the one it reads back")
+        self._reread = True
+        try:
+            return self.get_new_blocks(num_blocks)
+        finally:
+            self._reread = False
 
     def _pop_pending(self, num_blocks: int) -> list[KVCacheBlock]:
         k0 = len(self._pending)
