@@ -40,6 +40,7 @@ from gpupool.vllm.fast_path import DeferredBlockPool, PendingBlock  # noqa: E402
 sys.path.insert(0, str(CONFORMANCE))
 import driver  # noqa: E402
 from harness.vllm_ops import DRIVER_OPS as OPS  # noqa: E402
+from harness.vllm_ops import D2H as _D2H  # noqa: E402
 
 N = 10
 BS = driver.BLOCK_SIZE
@@ -102,24 +103,6 @@ def test_deferred_equals_per_call_small_window(ops, caching, window):
     from gpupool.vllm import fast_path
     with mock.patch.object(fast_path, "FREE_WINDOW", window):
         _check_same(ops, caching, "reference")
-
-
-class _D2H:
-    """Counts reads of tensor values into Python outside Triton / torch (as sched_driver.D2HCounter)."""
-
-    NAMES = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
-
-    def __init__(self, monkeypatch):
-        self.n = 0
-        for name in self.NAMES:
-            orig = getattr(torch.Tensor, name)
-
-            def f(t, *a, _o=orig, **k):
-                mod = sys._getframe(1).f_globals.get("__name__", "")
-                if not (mod.startswith("triton") or mod.startswith("torch")):
-                    self.n += 1
-                return _o(t, *a, **k)
-            monkeypatch.setattr(torch.Tensor, name, f)
 
 
 def test_no_transfer_per_batch(monkeypatch):
