@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import torch
 from hypothesis import strategies as st
 
 from .paths import CONFORMANCE
@@ -145,3 +146,22 @@ def scheduler_runs(root, backends: str, tmp_path) -> dict:
     out = tmp_path / "sched.json"
     run_in_vllm_tree(root, "sched_driver.py", out, env)
     return json.loads(out.read_text())
+
+
+class D2H:
+    """Counts reads of tensor values into Python outside Triton / torch (``n``), with ``monkeypatch``
+    (as sched_driver.D2HCounter)."""
+
+    NAMES = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        for name in self.NAMES:
+            orig = getattr(torch.Tensor, name)
+
+            def f(t, *a, _o=orig, **k):
+                mod = sys._getframe(1).f_globals.get("__name__", "")
+                if not (mod.startswith("triton") or mod.startswith("torch")):
+                    self.n += 1
+                return _o(t, *a, **k)
+            monkeypatch.setattr(torch.Tensor, name, f)

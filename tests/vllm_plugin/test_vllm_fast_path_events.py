@@ -117,7 +117,7 @@ def test_decode_step_reads_no_more_with_events(monkeypatch):
     """A steady decode (32 requests, one block each crossed per step, cachings of the full ones, one
     request finishing per step) makes the same device reads per step with events and metrics on as
     with them off (sched_driver's counter: every way a tensor's values reach Python)."""
-    from test_vllm_fast_path import _D2H
+    from harness.vllm_ops import D2H as _D2H
 
     def steps(observed):
         kw = dict(enable_kv_cache_events=True, metrics_collector=driver.MetricsLog()) if observed else {}

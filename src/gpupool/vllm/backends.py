@@ -88,8 +88,9 @@ class PoolBackend:
         raise NotImplementedError
 
     def pop_known(self, n: int, ids: list[int]) -> list[int] | None:
-        """A ``get_new_blocks(n)`` the host predicts takes ``ids``: the ids the pool took, or None where
-        the pop is queued (checked at :meth:`read`)."""
+        """A ``get_new_blocks(n)`` the host predicts takes ``ids``: None when taken or queued (checked
+        at :meth:`read`); else the pool's first ids, which differ, and nothing taken (the reference
+        pool, changed past the adapter)."""
         raise NotImplementedError
 
     def pop_pending(self, n: int) -> None:
@@ -410,9 +411,18 @@ class ReferenceBackend(PoolBackend):
     def window(self, n: int) -> list[int]:
         return list(self.pool.free_queue())[:n]
 
-    def pop_known(self, n: int, ids: list[int]) -> list[int]:
-        got = self.pool.get_new_blocks(n)
-        return got.tolist() if isinstance(got, torch.Tensor) else list(got)
+    def pop_known(self, n: int, ids: list[int]) -> list[int] | None:
+        """Pops only when the pool's first ``n`` free blocks are ``ids`` (else returns those, nothing
+        taken: the pool was changed past the adapter)."""
+        q, head = self.pool.free_block_queue, []
+        b = q.head
+        while len(head) < n and b >= 0:
+            head.append(b)
+            b = q.next[b]
+        if head != ids:
+            return head
+        self.pool.get_new_blocks(n)
+        return None
 
     def pop_pending(self, n: int) -> None:
         ids = self.pool.get_new_blocks(n)

@@ -32,14 +32,17 @@ from typing import Any
 import torch
 
 from .. import events as gp_events
-from ..args import MAX_GROUP_ID, MAX_TOKENS, as_groups, as_host_list, as_int, check_hash, partial_block_args
-from ..errors import (
-    ArgumentTypeError, DoubleFreeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError, PoolError,
+from ..args import (
+    MAX_GROUP_ID, MAX_TOKENS, as_groups, as_host_list, as_int, cache_full_args, check_hash, partial_block_args,
 )
-from ..pool import BlockPool as DevicePool
+from ..errors import (
+    ArgumentTypeError, DoubleFreeError, HashConflictError, InvalidArgumentError, InvalidCountError, NullBlockError,
+    OutOfBlocksError, PoolError,
+)
 from . import kv_events as _gp_kv_events
 from .backends import PoolBackend, make_backend
 from .compat import event_kwargs, supports_lookahead
+from .device_access import SharedDevicePool
 from .host_events import HostEvents, metrics_pop, metrics_touch
 from .host_mirror import HostMirror, get_block_hash, get_group_id, vllm_key
 
@@ -338,7 +341,7 @@ def _hashes_at(block_hashes, hash_block_size: int, block_size: int, upto: int) -
 _ON_STREAM = ("get_new_blocks", "free_blocks", "touch", "cache_full_blocks", "cache_partial_block",
               "move_block_hashes", "get_cached_block", "evict_blocks", "reset_prefix_cache", "unpin_blocks",
               "_insert_key", "_maybe_evict_cached_block", "_set_ref_cnt", "_refresh", "_free_queue", "end_step",
-              "sync", "_flush", "_read_window")
+              "sync", "_flush", "_read_window", "_other_user_reads", "_other_user_changes")
 
 
 def _on_stream(fn):
@@ -495,7 +498,15 @@ class BlockPool:
         return out
 
     def _set_ref_cnt(self, blk: KVCacheBlock, value: int) -> None:
-        cur = self._ref[blk.block_id]
+        k = self._ref_raise(blk, value)
+        if k:
+            self._dev.touch([blk.block_id] * k)
+            self._refresh([blk.block_id])
+
+    def _ref_raise(self, blk: KVCacheBlock, value: int) -> int:
+        """How many references a write ``blk.ref_cnt = value`` adds, checked on the host: a raise of a
+        held non-null block by at most ``MAX_REF_RAISE`` (else InvalidArgumentError and AssertionError)."""
+        cur = self._ref[blk._s]
         if isinstance(value, int) and not isinstance(value, bool) and value - cur > MAX_REF_RAISE:
             raise _as_assertion(InvalidArgumentError(
                 "KVCacheBlock.ref_cnt", f"block {blk.block_id}: ref_cnt raised by {value - cur}, more than "
@@ -504,9 +515,7 @@ class BlockPool:
             raise _as_assertion(InvalidArgumentError(
                 "KVCacheBlock.ref_cnt", f"block {blk.block_id}: ref_cnt of a gpupool block may only be raised on "
                 f"a held block (from {cur} to {value!r}); release references with free_blocks", blk.block_id))
-        if value > cur:
-            self._dev.touch([blk.block_id] * (value - cur))
-            self._refresh([blk.block_id])
+        return value - cur
 
     def _drain_events(self, stored: Callable[[Any], Any] | None = None) -> None:
         """Move the device pool's events into ``kv_event_queue`` as vLLM's events."""
@@ -597,13 +606,34 @@ class BlockPool:
             # only blocks[nc:nf] are read (vLLM's own tests pass placeholders before nc): id 0 stands in
             ids = [0] * nc + self._ids(blocks[nc:nf])
             hashes = _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf)
-            self._dev.cache_full_blocks(ids, hashes, nc, nf, block_size, kv_cache_group_id,
-                                        None if block_mask is None else list(block_mask))
+            mask = None if block_mask is None else list(block_mask)
+            self._cache_conflicts(ids, hashes, nc, nf, block_size, kv_cache_group_id, mask)
+            self._dev.cache_full_blocks(ids, hashes, nc, nf, block_size, kv_cache_group_id, mask)
         if self.host_events is not None:
             self.host_events.cached_full(ids, hashes, nc, nf, block_size, kv_cache_group_id, block_mask)
         self._refresh(ids[nc:nf])
         if self.enable_kv_cache_events:
             self._drain_events(self._full_stored(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask))
+
+    def _cache_conflicts(self, ids, hashes, nc: int, nf: int, block_size: int, group: int, mask) -> None:
+        """``cache_full_blocks``' checks that read the blocks' keys, made on the host from the mirror
+        (exact for held blocks) after the pool's argument checks, so that both backends word them
+        alike: a block listed twice (InvalidArgumentError), a keyed block covering at least as many
+        tokens as the new key (HashConflictError; docs/semantics.md section 2)."""
+        op = "cache_full_blocks"
+        if not cache_full_args(op, self.num_gpu_blocks, self.enable_caching, ids, hashes, nc, nf, block_size,
+                               group, mask).noop:
+            seen = set()
+            for i in range(nc, nf):
+                b = ids[i]
+                if b == 0 or (mask is not None and not mask[i - nc]):
+                    continue
+                if b in seen:
+                    raise InvalidArgumentError(op, f"block {b} is listed twice", b)
+                seen.add(b)
+                cur, ntok = self._ntok[b], (i + 1) * block_size
+                if self._keys[b] and cur is not None and cur >= ntok:
+                    raise HashConflictError(op, f"block {b} is already cached covering {cur} tokens (>= {ntok})", b)
 
     def _full_stored(self, request, blocks, nc: int, nf: int, block_size: int, group: int, block_mask):
         """gpupool's BlockStored of a ``cache_full_blocks`` call -> vLLM's, with the request's tokens,
@@ -702,6 +732,8 @@ class BlockPool:
         """Copy-on-write: ``src_block``'s keys move to ``dst_block`` (no events)."""
         s, d = self._ids([src_block, dst_block])
         with _asserts:
+            if d == 0:  # checked here: both backends' words
+                raise NullBlockError("move_block_hashes", "cannot move hashes onto the null block", d)
             self._dev.move_block_hashes(s, d)
         self._refresh([s, d])
         self._drain_events()
@@ -727,12 +759,21 @@ class BlockPool:
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Callable[[KVCacheBlock], None]) -> None:
         """Release one reference of each block; ``on_reuse(block)`` fires when the pool hands it out
         again (or the cache is reset)."""
-        ids = self._ids(blocks)
-        if not callable(on_reuse):
-            raise ArgumentTypeError("unpin_blocks", "on_reuse must be callable")
+        ids = self._unpin_args(blocks, on_reuse)
         with _asserts:
             self._dev.unpin_blocks(ids, lambda b: on_reuse(self.blocks[b]))
         self._refresh(ids)
+
+    def _unpin_args(self, blocks, on_reuse) -> list[int]:
+        """``unpin_blocks``' ids, checked on the host with both backends' words: blocks of this pool
+        (ArgumentTypeError), ``on_reuse`` callable (ArgumentTypeError), no null block (NullBlockError and
+        AssertionError); a release below 0 is the pool's to find."""
+        ids = self._ids(blocks)
+        if not callable(on_reuse):
+            raise ArgumentTypeError("unpin_blocks", "on_reuse must be callable")
+        if 0 in ids:
+            raise _as_assertion(NullBlockError("unpin_blocks", "cannot unpin the null block", 0))
+        return ids
 
     def _insert_key(self, key: bytes, block: KVCacheBlock) -> None:
         """Register ``key`` (vLLM's key bytes) on ``block``: gpupool's ``cache_full_blocks`` of one
@@ -874,12 +915,37 @@ class BlockPool:
         return self._dev.free_queue()
 
     @property
-    def device_pool(self) -> DevicePool:
-        """The gpupool device pool behind this adapter (its batched ops, ``validate``, inspection).
-        Its calls run on the current stream: on CUDA, make them under ``torch.cuda.stream(self.stream)``.
-        The fast path (``DeferredBlockPool``) launches its ops every few steps: call its ``sync()`` first
-        to inspect a pool that has run them all."""
-        return self._dev
+    def device_pool(self) -> SharedDevicePool:
+        """The gpupool pool behind this adapter (``gpupool.BlockPool``; the reference pool with
+        ``backend="reference"``) for other users: its batched ops, lookups, ``validate``, inspection.
+        Every call goes through the adapter (:class:`gpupool.vllm.device_access.SharedDevicePool`): a
+        read sees every op the adapter answered; a change waits, raises its error at the call and
+        leaves the adapter's answers the device's (docs/vllm.md, "Other users of the device pool").
+        Calls run on the pool's stream (``self.stream``) on CUDA."""
+        return SharedDevicePool(self)
+
+    def _other_user_reads(self, fn, args, kwargs):
+        """``fn`` (a read of the pool) after every op this adapter answered has run on the device."""
+        self._need_device("device_pool")
+        return fn(*args, **kwargs)
+
+    def _other_user_changes(self, name: str, fn, args, kwargs):
+        """``fn`` (a change of the pool by another user): after every op this adapter answered, waited
+        for (its recorded error raised at once), then the whole mirror read again."""
+        self._need_device("device_pool")
+        out = fn(*args, **kwargs)
+        check = getattr(self._dev, "check", None)
+        if check is not None:
+            check()  # a batched op's recorded error raised to its caller, not to a later launch of ours
+        self._after_other_user(name)
+        return out
+
+    def _after_other_user(self, name: str) -> None:
+        """Another user changed the pool (``name``): the whole mirror from the device; its KV events are
+        not vLLM's (they describe no call of vLLM's), so they are dropped."""
+        if self._dev.enable_kv_cache_events:
+            self._dev.take_events()
+        self._refresh(range(self.num_gpu_blocks))
 
 
 _run_on_pool_stream(BlockPool)

@@ -90,6 +90,7 @@ class DeferredBlockPool(BlockPool):
         self._touched: set[int] = set()  # blocks the ops since the last synchronisation changed
         self.queue_copy = FreeQueueCopy()  # the free queue's first ids, exactly
         self._watched = False  # unpin_blocks was called: pops run per call from then on
+        self._reread = False  # a pop re-reading the pool after it disagreed with the copy
         self.queue_copy.fill(self._read_window())
 
     @property
@@ -110,6 +111,12 @@ class DeferredBlockPool(BlockPool):
     def _need_device(self, why: str) -> None:
         if self._pending or self._touched:
             self.sync(why)
+
+    def _after_other_user(self, name: str) -> None:
+        super()._after_other_user(name)
+        self.queue_copy.forget()  # refilled from the device at the next pop or end_step
+        if name == "unpin_blocks":
+            self._watched = True  # its reuse watchers fire at a pop: pops run per call from then on
 
     def _block(self, slot: int) -> KVCacheBlock:
         n = self.num_gpu_blocks
@@ -182,12 +189,8 @@ class DeferredBlockPool(BlockPool):
 
     def _pop_known(self, num_blocks: int) -> list[KVCacheBlock]:
         ids = self.queue_copy.take(num_blocks)
-        got = self._backend.pop_known(num_blocks, ids)  # None: queued, checked at the next sync
-        if got is not None and got != ids:  # the pool's answer stands: its blocks' rows are read at the next sync
-            self._dirty = True
-            self.queue_copy.forget()
-            self._touched.update(got)
-            raise PoolError("DeferredBlockPool.get_new_blocks", f"the host predicted the pop of {ids}, the pool took {got}")
+        if self._backend.pop_known(num_blocks, ids) is not None:
+            return self._pop_after_change(num_blocks)
         if self.host_events is not None:  # the keys the pop evicts, before they leave the mirror
             self.host_events.popped(ids)
             self._drain_events()
@@ -203,6 +206,21 @@ class DeferredBlockPool(BlockPool):
         if self.metrics_collector:
             metrics_pop(self.metrics_collector, out, self.enable_caching)
         return out
+
+    def _pop_after_change(self, num_blocks: int) -> list[KVCacheBlock]:
+        """The reference pool's first free blocks are not the copy's (it was changed past the adapter),
+        nothing taken: the whole mirror and the copy read again, then the pop answered from them, as
+        the per-call pool answers it (a second disagreement raises PoolError)."""
+        self._num_free += num_blocks
+        self._refresh(range(self.num_gpu_blocks))
+        self.queue_copy.fill(self._read_window())
+        if self._reread:
+            raise PoolError("DeferredBlockPool.get_new_blocks", "the pool's free queue is not the one it reads back")
+        self._reread = True
+        try:
+            return self.get_new_blocks(num_blocks)
+        finally:
+            self._reread = False
 
     def _pop_pending(self, num_blocks: int) -> list[KVCacheBlock]:
         k0 = len(self._pending)
@@ -233,15 +251,19 @@ class DeferredBlockPool(BlockPool):
             self.sync("touch")  # a ref-0 block may have been taken by a pop since: read it
             ref = self._ref
             slots = [s for s in self._slots(blocks) if s != 0]  # placeholders bound: their ids now
-        unlink = self.queue_copy.unlink
+        self._touch(slots)
+        if self.metrics_collector:
+            metrics_touch(self.metrics_collector, blocks)
+
+    def _touch(self, slots: list[int]) -> None:
+        """A touch of ``slots`` (non-null, exact on the host) answered on the host and queued."""
+        ref, unlink = self._ref, self.queue_copy.unlink
         for s in slots:
             if ref[s] == 0:
                 self._num_free -= 1
                 unlink(s)
             ref[s] += 1
         self._queue("touch", slots, False)
-        if self.metrics_collector:
-            metrics_touch(self.metrics_collector, blocks)
 
     def free_blocks(self, ordered_blocks) -> None:
         """Release one reference per block, a segment of the batch's free part (the blocks that reach
@@ -489,11 +511,10 @@ class DeferredBlockPool(BlockPool):
     def _slow(name, moves_queue=False):  # noqa: N805 - a decorator factory used in the class body
         def wrap(self, *a, **k):
             self.sync("op:" + name)
-            try:
-                return getattr(BlockPool, name)(self, *a, **k)
-            finally:
-                if moves_queue:
-                    self.queue_copy.forget()  # refilled at the next pop or end_step
+            out = getattr(BlockPool, name)(self, *a, **k)
+            if moves_queue:  # a refused call changed nothing: the copy stays
+                self.queue_copy.forget()  # refilled at the next pop or end_step
+            return out
         wrap.__name__ = name
         wrap.__doc__ = f"Synchronise, then :meth:`gpupool.vllm.BlockPool.{name}` (one op, one mirror transfer)."
         return wrap
@@ -502,19 +523,37 @@ class DeferredBlockPool(BlockPool):
     cache_partial_block = _slow("cache_partial_block")
     move_block_hashes = _slow("move_block_hashes")
     evict_blocks = _slow("evict_blocks")
-    reset_prefix_cache = _slow("reset_prefix_cache")
+    _reset_prefix_cache = _slow("reset_prefix_cache")
     _insert_key = _slow("_insert_key")
     _maybe_evict_cached_block = _slow("_maybe_evict_cached_block")
-    # these move blocks in the queue
+    # this one moves blocks in the queue
     _unpin_blocks = _slow("unpin_blocks", moves_queue=True)
-    _set_ref_cnt = _slow("_set_ref_cnt", moves_queue=True)
     del _slow
+
+    def reset_prefix_cache(self) -> bool:
+        """False at once while a block is held (the host's free count is exact); else synchronise and
+        reset as the per-call pool."""
+        if self._num_free != self.num_gpu_blocks - 1:
+            return False
+        return self._reset_prefix_cache()
 
     def unpin_blocks(self, blocks, on_reuse) -> None:
         """Synchronise, then the per-call ``unpin_blocks``; later pops run per call (their reuse
-        callbacks fire at the call, as vLLM's)."""
+        callbacks fire at the call, as vLLM's). A refused call changes nothing: its arguments are
+        checked on the host first (a block at ref 0 on the host while the mirror is dirty is the
+        device's to check)."""
+        self._unpin_args(blocks, on_reuse)
+        self._unpin_blocks(blocks, on_reuse)
         self._watched = True
-        return self._unpin_blocks(blocks, on_reuse)
+
+    def _set_ref_cnt(self, blk: KVCacheBlock, value: int) -> None:
+        """``blk.ref_cnt = value``, a raise of a held block checked on the host: that many touches,
+        answered on the host and queued as :meth:`touch` (a held block is in no queue)."""
+        if not isinstance(blk, PendingBlock) and self._dirty and self._ref[blk._s] == 0:
+            self.sync("ref_cnt")  # a ref-0 block may have been taken by a placeholder's pop since
+        k = self._ref_raise(blk, value)
+        if k:
+            self._touch(self._slots([blk]) * k)  # no metrics call: vLLM's write makes none
 
     def get_cached_block(self, block_hash, kv_cache_group_ids):
         """From the mirror (a hit on a free block while dirty synchronises first, in the key map's
