@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("msgspec", reason="gpupool[vllm] needs msgspec (pip install 'gpupool[vllm]')")
+pytest.importorskip("msgspec", reason="gpupool.vllm needs msgspec (pip install -e '.[vllm]')")
 
 sys.path.insert(0, str(CONFORMANCE))
 import driver  # noqa: E402

@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-pytest.importorskip("msgspec", reason="gpupool[vllm] needs msgspec (pip install 'gpupool[vllm]')")
+pytest.importorskip("msgspec", reason="gpupool.vllm needs msgspec (pip install -e '.[vllm]')")
 
 sys.path.insert(0, str(CONFORMANCE))
 import driver  # noqa: E402
