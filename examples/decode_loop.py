@@ -38,6 +38,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama import Llama, LlamaConfig  # noqa: E402
+# a device module before any kernel module: it picks the kernels' backend (the interpreter without CUDA)
+import gpupool.kv_cache  # noqa: E402,F401
 from gpupool.instrument import Meter  # noqa: E402
 
 from gpupool.args import device_arg  # noqa: E402

@@ -257,3 +257,21 @@ def test_an_exactly_full_pool_makes_progress(model, mode, K):
     got, eng = run(model, reqs, mode, K, num_blocks=13, max_num_reqs=6)  # 12 usable blocks: exactly full
     assert got == want
     assert eng.stats.preemptions > 0
+
+
+def test_the_example_picks_the_interpreter_itself_without_cuda():
+    """Run as a newcomer runs it: no TRITON_INTERPRET in the environment (the tests set it), no CUDA.
+    Importing a kernel module before a device module once left Triton without a driver."""
+    import os
+    import subprocess
+
+    from harness.paths import SRC
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(SRC)
+    r = subprocess.run([sys.executable, str(EXAMPLES / "decode_loop.py"), "--modes", "window", "--steps", "2",
+                        "--requests", "1", "--max-new", "2", "--prompt-len", "5", "--prefix-len", "0", "--no-fork",
+                        "--no-turns", "--hidden", "16", "--heads", "2", "--kv-heads", "1", "--layers", "1",
+                        "--vocab", "32"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert " yes " in r.stdout
