@@ -432,7 +432,7 @@ class Engine:
     def _window_host(self, lanes: list[Seq], finished: list[int], extra: list[torch.Tensor]):
         """The host pool's step: the reference window's step, what the pass needs uploaded in one copy,
         the pass, one read of its tokens, then the reference window's end."""
-        win, B, bs, Q = self.win, len(lanes), self.bs, self.Q
+        win, B, Q = self.win, len(lanes), self.Q
         copies = win.begin([s.slot for s in lanes], [len(s.tokens) for s in lanes], finished)
         assert not copies  # the fork's copies ran at its admission
         out = win.step(0)

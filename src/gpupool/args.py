@@ -152,6 +152,20 @@ def as_flag_list(op: str, values) -> list[bool]:
     return out
 
 
+def admit_lists(op: str, slots, block_hashes, num_tokens, tail_tokens, resumed) -> tuple[list, list, list, list, list]:
+    """``admit``'s arguments as host lists ``(slots, block_hashes, num_tokens, tail_tokens, resumed)``
+    (``tail_tokens`` None: a None a request; ``resumed`` None: all False); ArgumentTypeError for a
+    wrong type, InvalidArgumentError for lists of different lengths (docs/semantics.md section 9)."""
+    rs = as_id_list(op, slots, "slots")
+    hls = as_host_list(op, block_hashes, "block_hashes")
+    nts = as_id_list(op, num_tokens, "num_tokens")
+    tls = [None] * len(rs) if tail_tokens is None else as_host_list(op, tail_tokens, "tail_tokens")
+    rsm = as_flag_list(op, resumed) if resumed is not None else [False] * len(rs)
+    if not len(hls) == len(nts) == len(tls) == len(rsm) == len(rs):
+        raise InvalidArgumentError(op, "slots, block_hashes, num_tokens, tail_tokens and resumed differ in length")
+    return rs, hls, nts, tls, rsm
+
+
 def check_block_id(op: str, b: int, num_blocks: int) -> int:
     if not 0 <= b < num_blocks:
         raise InvalidBlockIdError(op, f"block id {b} out of range 0..{num_blocks - 1}", b)

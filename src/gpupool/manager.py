@@ -44,7 +44,7 @@ import torch
 from . import tensors
 from .keys import NONE_HASH_WORDS, digest_words, words_digest
 from .args import (
-    NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_host_list, as_id_list, as_int, as_token_list,
+    NULL_BLOCK, ManagerShape, admit_lists, as_flag_list, as_hash_bytes_list, as_id_list, as_int, as_token_list,
     check_slot, check_slot_list, check_tail, own_hashing_message,
 )
 from .errors import (
@@ -368,13 +368,7 @@ class KVCacheManager:
         once (InvalidArgumentError, InvalidCountError, ArgumentTypeError); the device checks that each
         slot is in range, free and listed once (op ``admit``, raised at ``check()``)."""
         op = "admit"
-        rs = as_id_list(op, slots, "slots")
-        hls = as_host_list(op, block_hashes, "block_hashes")
-        nts = as_id_list(op, num_tokens, "num_tokens")
-        tls = [None] * len(rs) if tail_tokens is None else as_host_list(op, tail_tokens, "tail_tokens")
-        rsm = as_flag_list(op, resumed) if resumed is not None else [False] * len(rs)
-        if not len(hls) == len(nts) == len(tls) == len(rsm) == len(rs):
-            raise InvalidArgumentError(op, "slots, block_hashes, num_tokens, tail_tokens and resumed differ in length")
+        rs, hls, nts, tls, rsm = admit_lists(op, slots, block_hashes, num_tokens, tail_tokens, resumed)
         check_int32(op, rs, "slots")
         cap, K, hbs = self.shape.max_tokens, self.hashes_per_block, self.hash_block_size
         for r, t in zip(rs, nts):

@@ -146,7 +146,7 @@ def test_a_wrong_decision_changes_the_tokens_or_fails(model, small, engine, mode
     reqs, want = small
     try:
         got, _ = run(model, reqs, mode, K, D, num_blocks=40, engine=engine)
-    except Exception:  # noqa: BLE001 - a count past the row, or the engine seeing a budget overrun, is how the fault shows
+    except Exception:  # noqa: BLE001 - a count past the row, or a budget overrun, shows the fault
         return
     assert got != want
 

@@ -165,3 +165,18 @@ class D2H:
                     self.n += 1
                 return _o(t, *a, **k)
             monkeypatch.setattr(torch.Tensor, name, f)
+
+
+def mirror_is_device(p) -> None:
+    """A fast-path pool's mirror as its device pool has it: every block's ref count and keys, the free
+    count and every key's lookup."""
+    from gpupool.vllm.host_mirror import get_block_hash, get_group_id
+
+    dp = p.device_pool
+    dp.validate()
+    assert p._ref == dp.ref_counts()
+    assert p.get_num_free_blocks() == dp.get_num_free_blocks()
+    for b in range(1, p.num_gpu_blocks):
+        assert [tuple(k) for k in dp.block_keys(b)] == [(get_block_hash(k), get_group_id(k)) for k in p._keys[b]], b
+    for key in p.mirror.holders:
+        assert dp.get_cached_block(get_block_hash(key), [get_group_id(key)]) == [p.mirror.earliest(key)], key

@@ -31,7 +31,6 @@ from harness import vllm_ops as O  # noqa: E402
 from gpupool.vllm import BlockPool, fast_path  # noqa: E402
 from gpupool.errors import PoolError  # noqa: E402
 from gpupool.vllm.fast_path import DeferredBlockPool, PendingBlock  # noqa: E402
-from gpupool.vllm.host_mirror import get_block_hash, get_group_id  # noqa: E402
 
 BS = driver.BLOCK_SIZE
 BACKENDS = ["reference", "device"]
@@ -66,18 +65,6 @@ def test_free_of_a_block_a_placeholder_took(monkeypatch, backend, with_null):
     assert out[0] == out[1]
 
 
-def mirror_is_device(p: DeferredBlockPool) -> None:
-    """Every block's ref count and keys, and every key's lookup, as on the device pool."""
-    dp = p.device_pool
-    dp.validate()
-    assert p._ref == dp.ref_counts()
-    assert p.get_num_free_blocks() == dp.get_num_free_blocks()
-    for b in range(1, p.num_gpu_blocks):
-        assert [tuple(k) for k in dp.block_keys(b)] == [(get_block_hash(k), get_group_id(k)) for k in p._keys[b]], b
-    for key in p.mirror.holders:
-        assert dp.get_cached_block(get_block_hash(key), [get_group_id(key)]) == [p.mirror.earliest(key)], key
-
-
 @pytest.mark.parametrize("launch_every", [1, 4])
 def test_another_user_keys_a_held_block(monkeypatch, launch_every):
     """Another user caches a key on a held block the adapter did not change since its last
@@ -94,7 +81,7 @@ def test_another_user_keys_a_held_block(monkeypatch, launch_every):
     p.cache_full_blocks(r, b, 0, 2, BS, 0)
     p.end_step()
     p.sync()
-    mirror_is_device(p)
+    O.mirror_is_device(p)
     assert p.get_cached_block(r.block_hashes[0], [0]) == [a[0]]
 
 
@@ -115,13 +102,13 @@ def test_another_user_pops_and_keys(monkeypatch, launch_every):
     p.cache_full_blocks(r, a, 0, 1, BS, 0)
     p.end_step()
     p.sync()
-    mirror_is_device(p)
+    O.mirror_is_device(p)
     assert p.get_cached_block(r.block_hashes[0], [0]) == [p.blocks[theirs[0]]]
     c = p.get_new_blocks(3)
     p.free_blocks(a)
     p.end_step()
     p.sync()
-    mirror_is_device(p)
+    O.mirror_is_device(p)
     assert theirs[0] not in [x.block_id for x in c]
 
 
@@ -149,7 +136,7 @@ def test_recorded_error_beside_a_disagreement_is_raised():
     assert isinstance(got.value.__cause__, InvalidBlockIdError)
     p.sync()
     dp.check()  # taken from the status word, raised once
-    mirror_is_device(p)
+    O.mirror_is_device(p)
 
 
 def test_recorded_error_before_a_relaunch_that_fails_is_raised():
@@ -172,7 +159,7 @@ def test_recorded_error_before_a_relaunch_that_fails_is_raised():
     assert isinstance(got.value.__cause__, InvalidBlockIdError)
     dp.check()
     p.sync()
-    mirror_is_device(p)
+    O.mirror_is_device(p)
 
 
 def _gen(xs):
@@ -258,7 +245,7 @@ def test_inputs_as_the_per_call_pool_device(case):
     for p in pools(8, "device"):
         got.append(run_input(p, type(p)(4, True, BS, device="cpu"), case))
         if isinstance(p, DeferredBlockPool):
-            mirror_is_device(p)
+            O.mirror_is_device(p)
     assert got[0] == got[1]
 
 
@@ -318,4 +305,4 @@ def test_other_users_leave_the_mirror_the_devices(ops, n, window, launch):
                 break
             except PoolError:
                 pass
-        mirror_is_device(p)
+        O.mirror_is_device(p)

@@ -30,7 +30,6 @@ from harness import vllm_ops as O  # noqa: E402
 from gpupool.errors import InvalidArgumentError, InvalidBlockIdError, PoolError  # noqa: E402
 from gpupool.vllm import BlockPool, fast_path  # noqa: E402
 from gpupool.vllm.fast_path import DeferredBlockPool  # noqa: E402
-from gpupool.vllm.host_mirror import get_block_hash, get_group_id  # noqa: E402
 
 BS = driver.BLOCK_SIZE
 BACKENDS = ["reference", "device"]
@@ -44,18 +43,6 @@ def make(cls, n, backend, **kw):
 
 def ids(x) -> list[int]:
     return x.tolist() if isinstance(x, torch.Tensor) else list(x)
-
-
-def mirror_is_pool(p) -> None:
-    """Every block's ref count and keys, the free count and every key's lookup as the pool has them."""
-    dp = p.device_pool
-    dp.validate()
-    assert p._ref == dp.ref_counts()
-    assert p.get_num_free_blocks() == dp.get_num_free_blocks()
-    for b in range(1, p.num_gpu_blocks):
-        assert [tuple(k) for k in dp.block_keys(b)] == [(get_block_hash(k), get_group_id(k)) for k in p._keys[b]], b
-    for key in p.mirror.holders:
-        assert dp.get_cached_block(get_block_hash(key), [get_group_id(key)]) == [p.mirror.earliest(key)], key
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -74,7 +61,7 @@ def test_another_users_pop_is_not_handed_out_again(cls, backend):
     if isinstance(p, DeferredBlockPool):
         p.sync()
     assert p.get_num_free_blocks() == p.device_pool.get_num_free_blocks() == 7
-    mirror_is_pool(p)
+    O.mirror_is_device(p)
 
 
 def test_a_read_sees_every_op_answered():
@@ -105,7 +92,7 @@ def test_a_batched_error_is_raised_at_its_call():
     b = p.get_new_blocks(1)
     p.sync()  # raises nothing: the launch ran
     assert p.device_pool.ref_counts()[b[0].block_id] == 1 and p.syncs.get("op:get_new_blocks", 0) == 0
-    mirror_is_pool(p)
+    O.mirror_is_device(p)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -182,7 +169,7 @@ def soak(p, ops) -> list:
     seen = [[b.block_id for b in s] if isinstance(s, list) and s and hasattr(s[0], "block_id") else s for s in seen]
     if isinstance(p, DeferredBlockPool):
         p.sync()
-    mirror_is_pool(p)
+    O.mirror_is_device(p)
     return [seen, theirs, driver.snapshot(p)]
 
 

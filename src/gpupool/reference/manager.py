@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..args import (
-    NULL_BLOCK, ManagerShape, as_flag_list, as_hash_bytes_list, as_host_list, as_id_list, as_int, as_token_list,
+    NULL_BLOCK, ManagerShape, admit_lists, as_flag_list, as_hash_bytes_list, as_host_list, as_id_list, as_int, as_token_list,
     check_slot, check_slot_list, check_tail, own_hashing_message,
 )
 from ..errors import (
@@ -300,13 +300,7 @@ class ReferenceKVCacheManager(Locked):
         twice; hashes or tails as ``add_request`` checks them; lengths), InvalidCountError (a token
         count outside ``1 .. max_blocks_per_req * block_size``), nothing changed."""
         op = "admit"
-        rs = as_id_list(op, slots, "slots")
-        hls = as_host_list(op, block_hashes, "block_hashes")
-        nts = as_id_list(op, num_tokens, "num_tokens")
-        tls = [None] * len(rs) if tail_tokens is None else as_host_list(op, tail_tokens, "tail_tokens")
-        rsm = as_flag_list(op, resumed) if resumed is not None else [False] * len(rs)
-        if not len(hls) == len(nts) == len(tls) == len(rsm) == len(rs):
-            raise InvalidArgumentError(op, "slots, block_hashes, num_tokens, tail_tokens and resumed differ in length")
+        rs, hls, nts, tls, rsm = admit_lists(op, slots, block_hashes, num_tokens, tail_tokens, resumed)
         check_slot_list(op, rs, self.max_num_reqs, self.active.__getitem__, active=False)
         reqs = [self._request_args(op, hs, tl) for hs, tl in zip(hls, tls)]
         cap = self.max_blocks_per_req * self.block_size
