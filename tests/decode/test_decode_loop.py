@@ -69,7 +69,11 @@ def test_every_mode(model, mode, K, D):
     got, eng = run(model, reqs, mode, K, D, num_blocks=14)
     assert got == want
     st = eng.stats
-    assert st.preemptions > 0 and st.hit_tokens > 0 and st.forks == 1 and st.generated_hit_tokens > 0
+    assert st.preemptions > 0 and st.hit_tokens > 0 and st.generated_hit_tokens > 0
+    # a fork joins its parent while the parent runs; a parent that can take its 8 tokens past the
+    # prefill's in its first window (K * (D + 1) >= 8) may end before the fork's turn, and the fork
+    # then runs as a request of its own
+    assert st.forks == 1 if K * (D + 1) < 8 else st.forks <= 1
 
 
 @pytest.mark.slow
