@@ -270,12 +270,13 @@ def test_the_example_picks_the_interpreter_itself_without_cuda():
     import subprocess
 
     from harness.paths import SRC
+    from harness.timeouts import scaled
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(SRC)
     r = subprocess.run([sys.executable, str(EXAMPLES / "decode_loop.py"), "--modes", "window", "--steps", "2",
                         "--requests", "1", "--max-new", "2", "--prompt-len", "5", "--prefix-len", "0", "--no-fork",
                         "--no-turns", "--hidden", "16", "--heads", "2", "--kv-heads", "1", "--layers", "1",
-                        "--vocab", "32"], env=env, capture_output=True, text=True, timeout=300)
+                        "--vocab", "32"], env=env, capture_output=True, text=True, timeout=scaled(300))
     assert r.returncode == 0, r.stderr[-2000:]
     assert " yes " in r.stdout
