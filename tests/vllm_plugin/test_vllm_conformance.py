@@ -101,6 +101,9 @@ def run_vllm_tests(files=FILES, modes=("stock", "reference"), device_files=(), t
                GPUPOOL_VLLM_DEVICE_FILES=",".join(device_files), GPUPOOL_VLLM_RESULTS=str(out),
                PYTHONPATH=os.pathsep.join(paths))
     env.setdefault("TRITON_INTERPRET", "1")
+    # a vLLM test that builds a model config asks the Hugging Face hub; offline it fails at once in every
+    # mode alike (the modes are compared), where without a network it retried with backoff past the limit
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     # vLLM's tree (and pytest's assertion-rewritten test modules) is byte-compiled in place on the first
     # run, as an installed package would be, so later runs skip ~12 s of compiling even where
     # PYTHONDONTWRITEBYTECODE is set
