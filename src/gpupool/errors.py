@@ -89,6 +89,11 @@ def token_count_message(n: int, low: int, high: int, slot: int | None = None) ->
     return f"token count {n} outside {low}..{high}" + ("" if slot is None else f" for slot {slot}")
 
 
+def pending_copy_message(block: int) -> str:
+    """Both managers' words for a copy-on-write source that still waits for its own copy."""
+    return f"block {block} still waits for a pending copy; run the pending copies first"
+
+
 def position_message(position: int, slot: int) -> str:
     """Both managers' words for a ``slot_mapping`` position outside its slot's row."""
     return f"position {position} of slot {slot} has no block"

@@ -48,7 +48,8 @@ from .args import (
     check_slot, check_slot_list, check_tail, own_hashing_message,
 )
 from .errors import (
-    ArgumentTypeError, InvalidArgumentError, InvalidCountError, InvariantError, OutOfBlocksError, token_count_message,
+    ArgumentTypeError, InvalidArgumentError, InvalidCountError, InvariantError, OutOfBlocksError, pending_copy_message,
+    token_count_message,
 )
 from . import _backend
 
@@ -863,7 +864,7 @@ class KVCacheManager:
         pending = set(self.state.copy_dst[: self._pending()].tolist())
         for x in srcs:
             if x in pending:
-                raise InvalidArgumentError(op, f"block {x} still waits for a pending copy; run_pending_copies first", x)
+                raise InvalidArgumentError(op, pending_copy_message(x), x)
 
     @locked
     def take_pending_copies(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -301,11 +301,10 @@ def test_copy_from_a_block_still_waiting_for_its_copy_is_refused():
     (d,) = p.do("cow_move(0, 0)", lambda: p.ref.cow_move(0, 0), lambda: p.dev.cow_move(0, 0), ints)
     src = p.ref.pool.get_cached_block(HASH[0], [0])
     assert src == [d]
-    before = manager_state(p.dev)
-    for m in (p.ref, p.dev):
-        with pytest.raises(InvalidArgumentError, match="pending copy"):
-            m.cow_append(1, src)
-    assert manager_state(p.dev) == before
+    # p.do: both refuse in the same words (the two once differed) and change nothing
+    assert p.do(f"cow_append(1, {src})", lambda: p.ref.cow_append(1, src), lambda: p.dev.cow_append(1, src)) is None
+    with pytest.raises(InvalidArgumentError, match="pending copy"):
+        p.dev.cow_append(1, src)
     old = [c.clone() for c in p.caches]
     assert p.dev.run_pending_copies(p.caches) == 1
     for c, o in zip(p.caches, old):
@@ -314,6 +313,25 @@ def test_copy_from_a_block_still_waiting_for_its_copy_is_refused():
     p.compare()
     p.do(f"cow_append(1, {src})", lambda: p.ref.cow_append(1, src), lambda: p.dev.cow_append(1, src), ints)
     p.compare()
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["exact", "parallel"])
+def test_a_lookup_on_a_row_holding_blocks_is_not_counted(parallel):
+    """vLLM counts a new request's lookup only (``get_computed_blocks`` of an empty row): a row that
+    holds only null entries (``cow_append`` of null sources) holds blocks, so a lookup flag on it
+    finds nothing and records nothing in the prefix-cache statistics, beside a new request's that
+    does (the device once counted both)."""
+    p = small_pair(("full", "full"), num_blocks=32)
+    add(p, 0, [0, 1, 2, 3], 16)
+    alloc(p, [0], [16], [16], [True])
+    p.dev.parallel = parallel
+    add(p, 1, [0, 1, 2], 12)
+    add(p, 2, [0, 1, 2, 3, 4], 20)
+    for m in (p.ref, p.dev):
+        m.cow_append(2, [0, 0])
+    p.compare()
+    assert alloc(p, [1, 2], [12, 20], [12, 20], [True, True]) == [True, True]
+    assert manager_state(p.ref)["stats"][:3] == [2, 12 + 16, 8 + 0]  # requests, queried, hit tokens
 
 
 def test_get_computed_blocks_slot_out_of_range():

@@ -10,7 +10,7 @@ from ..args import (
 )
 from ..errors import (
     ArgumentTypeError, InvalidArgumentError, InvalidCountError, InvariantError, OutOfBlocksError, position_message,
-    token_count_message,
+    pending_copy_message, token_count_message,
 )
 from ..keys import hash_block_tokens
 from ..reservations import check_reservations
@@ -564,7 +564,7 @@ class ReferenceKVCacheManager(Locked):
         pending = {c[1] for c in self.pending_copies}
         for s in srcs:
             if s in pending:
-                raise InvalidArgumentError(op, f"block {s} still waits for a pending copy; run the copies first", s)
+                raise InvalidArgumentError(op, pending_copy_message(s), s)
 
     @locked
     def take_pending_copies(self) -> list[tuple[int, int, int]]:
