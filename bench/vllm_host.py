@@ -315,6 +315,26 @@ def counted_copies(count: Counter):
         tensors.to_device, tensors.to_device_packed = saved
 
 
+def torch_op_time(stub):
+    """A torch dispatch mode that adds up the CPU seconds of the torch ops run inside it (``seconds``),
+    not those of the stub's own launch. Entered before a ``Meter`` (below it on the mode stack), it
+    times the ops themselves, not the meter's counting."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class TorchOpTime(TorchDispatchMode):
+        seconds = 0.0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if stub.active:
+                return func(*args, **(kwargs or {}))
+            t0 = time.process_time()
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                self.seconds += time.process_time() - t0
+    return TorchOpTime()
+
+
 def stub_main(a) -> int:
     """The headline (module docstring, ``--device stub``): per workload, stock and gpupool timed in
     interleaved repetitions, a third loop counting the same steps' syncs, launches and copies."""
@@ -322,12 +342,13 @@ def stub_main(a) -> int:
     from harness.flush_stub import stubbed_flush
     from gpupool.instrument import Meter
 
-    model = dict(sync=a.sync_us, launch=a.launch_us, copy=a.copy_us)
-    print(f"device work: stub (left out); GPU model per step: {a.sync_us:g} us per device-to-host read "
-          f"(--sync-us), {a.launch_us:g} us per kernel launch (--launch-us), {a.copy_us:g} us per host-to-device "
-          f"copy (--copy-us); {a.reps} repetitions x {a.steps} steps per variant, interleaved; "
+    model = dict(sync=a.sync_us, launch=a.launch_us, copy=a.copy_us, op=a.torch_op_us)
+    print(f"device work: the kernel as a stub and the torch ops' CPU time left out; GPU model per step: "
+          f"{a.sync_us:g} us per device-to-host read (--sync-us), {a.launch_us:g} us per kernel launch "
+          f"(--launch-us), {a.copy_us:g} us per host-to-device copy (--copy-us), {a.torch_op_us:g} us per torch op "
+          f"(--torch-op-us); {a.reps} repetitions x {a.steps} steps per variant, interleaved; "
           f"median (min-max) over the repetitions")
-    print(f"{'workload':<12} {'stock us':>9} {'gpupool us':>11} {'+GPU us':>8} {'total us':>9} "
+    print(f"{'workload':<12} {'stock us':>9} {'gpupool us':>11} {'torch-CPU':>9} {'+GPU us':>8} {'total us':>9} "
           f"{'ratio median (min-max)':>24}  per step: syncs launches copies torch-ops")
     for name in a.workloads.split(","):
         wl = WORKLOADS[name]
@@ -336,30 +357,36 @@ def stub_main(a) -> int:
                      "gpupool": SchedulerLoop("gpupool", wl, [0.0], lambda: stub.seconds),
                      "count": SchedulerLoop("gpupool", wl, [0.0], lambda: stub.seconds)}
             pools = {v: loops[v].sched.kv_cache_manager.block_pool for v in ("gpupool", "count")}
-            per = {"stock": [], "gpupool": [], "gpu": [], "total": [], "ratio": []}
+            per = {"stock": [], "gpupool": [], "torch": [], "gpu": [], "total": [], "ratio": []}
             counts = Counter()
             for _ in range(a.reps):
                 st = loops["stock"].steps(a.steps) / a.steps
                 gp = loops["gpupool"].steps(a.steps) / a.steps
-                h2d = Counter()
-                with Meter() as m, counted_copies(h2d):
+                h2d, ops = Counter(), torch_op_time(stub)
+                with ops, Meter() as m, counted_copies(h2d):
                     launches0 = stub.launches
                     loops["count"].steps(a.steps)
                 m.copies = h2d["copies"]  # Meter's count misses them on CPU (counted_copies)
+                # the torch ops' CPU time (the same steps' ops, timed in the counting loop) is the device's
+                # work on a GPU: left out, each op counted as a launch instead (--torch-op-us)
+                torch_cpu = ops.seconds / a.steps
+                gp -= torch_cpu
                 real = m.launches - (stub.launches - launches0)
                 if real:
                     raise SystemExit(f"{name}: {real} Triton launches besides the stub's ran on the stubbed pool")
                 if (pools["gpupool"].syncs, pools["gpupool"].flushes) != (pools["count"].syncs, pools["count"].flushes):
                     raise SystemExit(f"{name}: the counting loop's steps are not the timed loop's")
-                gpu = (m.syncs * model["sync"] + m.launches * model["launch"] + m.copies * model["copy"]) / a.steps * 1e-6
+                gpu = (m.syncs * model["sync"] + m.launches * model["launch"] + m.copies * model["copy"]
+                       + m.torch_ops * model["op"]) / a.steps * 1e-6
                 counts.update(m.as_dict())
-                for k, v in (("stock", st), ("gpupool", gp), ("gpu", gpu), ("total", gp + gpu),
+                for k, v in (("stock", st), ("gpupool", gp), ("torch", torch_cpu), ("gpu", gpu), ("total", gp + gpu),
                              ("ratio", (gp + gpu) / st)):
                     per[k].append(v)
         med = {k: statistics.median(v) for k, v in per.items()}
         r, lo, hi = _spread(per["ratio"])
         n = a.reps * a.steps
-        print(f"{name:<12} {med['stock'] * 1e6:>9,.0f} {med['gpupool'] * 1e6:>11,.0f} {med['gpu'] * 1e6:>8,.0f} "
+        print(f"{name:<12} {med['stock'] * 1e6:>9,.0f} {med['gpupool'] * 1e6:>11,.0f} {med['torch'] * 1e6:>9,.0f} "
+              f"{med['gpu'] * 1e6:>8,.0f} "
               f"{med['total'] * 1e6:>9,.0f} {r:>10.3f}x ({lo:.3f}-{hi:.3f})  {counts['syncs'] / n:.3f} "
               f"{counts['launches'] / n:.3f} {counts['copies'] / n:.3f} {counts['torch_ops'] / n:.1f}"
               f"   (syncs by reason {dict(pools['gpupool'].syncs)})", flush=True)
@@ -414,14 +441,17 @@ def main(argv=None) -> int:
                     help="with --device stub: host microseconds of Triton's launcher per kernel launch (default 30)")
     ap.add_argument("--copy-us", type=float, default=10.0,
                     help="with --device stub: host microseconds per host-to-device copy (default 10)")
+    ap.add_argument("--torch-op-us", type=float, default=10.0,
+                    help="with --device stub: host microseconds per torch op on the pool's tensors, a kernel "
+                         "launch on a GPU (default 10); their CPU time is left out")
     ap.add_argument("--no-equal-kernel", dest="equal_kernel", action="store_false",
                     help="with --device interpreted: stock runs no interpreted kernel per step (module docstring)")
     ap.add_argument("--launch-every", type=int, default=None,
                     help="the fast path's DeferredBlockPool.launch_every (default: its own, 4)")
     a = ap.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    if min(a.sync_us, a.launch_us, a.copy_us) < 0:
-        ap.error("--sync-us, --launch-us and --copy-us must be >= 0")
+    if min(a.sync_us, a.launch_us, a.copy_us, a.torch_op_us) < 0:
+        ap.error("--sync-us, --launch-us, --copy-us and --torch-op-us must be >= 0")
     if a.launch_every is not None:
         from gpupool.vllm.fast_path import DeferredBlockPool
         if a.launch_every < 1:

@@ -73,10 +73,12 @@ class StubFlushKernel(KernelInterface):
         self.check = check
         self.launches = 0
         self.seconds = 0.0
+        self.active = False  # inside a launch (a caller timing torch ops leaves the stub's own out)
         self._twins: dict[int, tuple] = {}  # id(ps.ctrl) -> (a weak reference to it, _Twin)
 
     def run(self, ps, pc, fr, touch_ids, pop, ca, rounds, n_rounds, *, grid, warmup, **_launch_options):
         t0 = time.process_time()
+        self.active = True
         try:
             self.launches += 1
             ref, twin = self._twins.get(id(ps.ctrl), (None, None))
@@ -87,6 +89,7 @@ class StubFlushKernel(KernelInterface):
             if self.check:
                 check_ring(twin, ps)
         finally:
+            self.active = False
             self.seconds += time.process_time() - t0
 
 
@@ -174,8 +177,6 @@ class _Launch:
         offsets, o = {d0 + r: 0}, 0
         for k, d in enumerate(self.demands[d0: d0 + nd]):
             got = self._ref_op(t.pool.get_new_blocks, d)
-            if got and bool(self.ps.watched[torch.tensor(got)].any()):
-                raise StubLimitError("flush stub", "a pop of a block with a reuse watcher is not modelled")
             for b in got:
                 pos = t.head + ((t.qslot[b] - t.head) & (t.cap - 1))
                 self._unlink(b)
@@ -236,6 +237,8 @@ class _Launch:
 
     def _write(self, out_offsets: dict[int, int]) -> None:
         ps, t, p = self.ps, self.t, self.t.pool
+        if self.popped and bool(ps.watched[torch.tensor(self.popped)].any()):
+            raise StubLimitError("flush stub", "a pop of a block with a reuse watcher is not modelled")
         if self.popped:
             self.pop.blocks[: len(self.popped)] = torch.tensor(self.popped, dtype=self.pop.blocks.dtype)
         if out_offsets:
