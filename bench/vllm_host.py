@@ -348,7 +348,9 @@ def stub_main(a) -> int:
           f"(--launch-us), {a.copy_us:g} us per host-to-device copy (--copy-us), {a.torch_op_us:g} us per torch op "
           f"(--torch-op-us); {a.reps} repetitions x {a.steps} steps per variant, interleaved; "
           f"median (min-max) over the repetitions")
-    print(f"{'workload':<12} {'stock us':>9} {'gpupool us':>11} {'torch-CPU':>9} {'+GPU us':>8} {'total us':>9} "
+    print("columns, us per step: stock vLLM; gpupool's host time (the stub's and the torch ops' CPU time, left "
+          "out of it, in their own columns); the GPU model's addition; gpupool's total")
+    print(f"{'workload':<12} {'stock':>9} {'gpupool':>9} {'(stub)':>8} {'(torch)':>8} {'+GPU':>6} {'total':>9} "
           f"{'ratio median (min-max)':>24}  per step: syncs launches copies torch-ops")
     for name in a.workloads.split(","):
         wl = WORKLOADS[name]
@@ -357,11 +359,13 @@ def stub_main(a) -> int:
                      "gpupool": SchedulerLoop("gpupool", wl, [0.0], lambda: stub.seconds),
                      "count": SchedulerLoop("gpupool", wl, [0.0], lambda: stub.seconds)}
             pools = {v: loops[v].sched.kv_cache_manager.block_pool for v in ("gpupool", "count")}
-            per = {"stock": [], "gpupool": [], "torch": [], "gpu": [], "total": [], "ratio": []}
+            per = {"stock": [], "gpupool": [], "torch": [], "stub": [], "gpu": [], "total": [], "ratio": []}
             counts = Counter()
             for _ in range(a.reps):
                 st = loops["stock"].steps(a.steps) / a.steps
+                s0 = stub.seconds
                 gp = loops["gpupool"].steps(a.steps) / a.steps
+                stub_cpu = (stub.seconds - s0) / a.steps
                 h2d, ops = Counter(), torch_op_time(stub)
                 with ops, Meter() as m, counted_copies(h2d):
                     launches0 = stub.launches
@@ -379,14 +383,15 @@ def stub_main(a) -> int:
                 gpu = (m.syncs * model["sync"] + m.launches * model["launch"] + m.copies * model["copy"]
                        + m.torch_ops * model["op"]) / a.steps * 1e-6
                 counts.update(m.as_dict())
-                for k, v in (("stock", st), ("gpupool", gp), ("torch", torch_cpu), ("gpu", gpu), ("total", gp + gpu),
+                for k, v in (("stock", st), ("gpupool", gp), ("torch", torch_cpu), ("stub", stub_cpu), ("gpu", gpu),
+                             ("total", gp + gpu),
                              ("ratio", (gp + gpu) / st)):
                     per[k].append(v)
         med = {k: statistics.median(v) for k, v in per.items()}
         r, lo, hi = _spread(per["ratio"])
         n = a.reps * a.steps
-        print(f"{name:<12} {med['stock'] * 1e6:>9,.0f} {med['gpupool'] * 1e6:>11,.0f} {med['torch'] * 1e6:>9,.0f} "
-              f"{med['gpu'] * 1e6:>8,.0f} "
+        print(f"{name:<12} {med['stock'] * 1e6:>9,.0f} {med['gpupool'] * 1e6:>9,.0f} {med['stub'] * 1e6:>8,.0f} "
+              f"{med['torch'] * 1e6:>8,.0f} {med['gpu'] * 1e6:>6,.0f} "
               f"{med['total'] * 1e6:>9,.0f} {r:>10.3f}x ({lo:.3f}-{hi:.3f})  {counts['syncs'] / n:.3f} "
               f"{counts['launches'] / n:.3f} {counts['copies'] / n:.3f} {counts['torch_ops'] / n:.1f}"
               f"   (syncs by reason {dict(pools['gpupool'].syncs)})", flush=True)
