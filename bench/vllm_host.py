@@ -22,10 +22,11 @@ only gpupool's figure is printed.
 drives it), with vLLM's ``BlockPool`` (stock) and with ``GpuPoolScheduler``'s fast path, on the
 workloads of :data:`WORKLOADS`: B requests in decode (B = 256, 1,024, 4,096), a prefix-hit mix and a
 preemption mix. The figure is the process CPU time of a whole scheduler step (``time.process_time``,
-the garbage collector off for every variant); the variants' repetitions are interleaved (A, B, A, B,
-...) so that a slower period of a shared machine weighs on both. Prints, per workload, the median
-over the repetitions of each variant's time per step and of the ratio gpupool / stock (each
-repetition's ratio from its own pair), with the ratios' spread.
+the garbage collector off for every variant); the variants are interleaved (A, B, A, B, ...: with
+``--device stub`` step by step, each first every other step; with ``--device interpreted`` repetition
+by repetition) so that a slower period of a shared machine weighs on both. Prints, per workload, the
+median over the repetitions of each variant's time per step and of the ratio gpupool / stock (each
+repetition's ratio from its own pair of ``--steps`` steps), with the ratios' spread.
 
 ``--device stub`` (the default with ``--scheduler``): the fast path's device work is what a GPU does
 asynchronously. Its one kernel, the batch's launch, is replaced by a stub that applies the batch to
@@ -265,6 +266,12 @@ class SchedulerLoop:
                            pooler_output=[])
             self.sched.update_from_output(prev, mro)
 
+    def step_time(self) -> float:
+        """One step's CPU seconds, less the device work's (the garbage collector left to the caller)."""
+        k0, t0 = self.left_out(), time.process_time()
+        self._step()
+        return time.process_time() - t0 - (self.left_out() - k0)
+
     def steps(self, n: int) -> float:
         gc.collect()
         gc.disable()
@@ -362,10 +369,20 @@ def stub_main(a) -> int:
             per = {"stock": [], "gpupool": [], "torch": [], "stub": [], "gpu": [], "total": [], "ratio": []}
             counts = Counter()
             for _ in range(a.reps):
-                st = loops["stock"].steps(a.steps) / a.steps
-                s0 = stub.seconds
-                gp = loops["gpupool"].steps(a.steps) / a.steps
-                stub_cpu = (stub.seconds - s0) / a.steps
+                st, gp, s0 = 0.0, 0.0, stub.seconds
+                gc.collect()
+                gc.disable()
+                try:  # interleaved step by step, each variant first every other step
+                    for k in range(a.steps):
+                        for v in (("stock", "gpupool") if k % 2 == 0 else ("gpupool", "stock")):
+                            t = loops[v].step_time()
+                            if v == "stock":
+                                st += t
+                            else:
+                                gp += t
+                finally:
+                    gc.enable()
+                st, gp, stub_cpu = st / a.steps, gp / a.steps, (stub.seconds - s0) / a.steps
                 h2d, ops = Counter(), torch_op_time(stub)
                 with ops, Meter() as m, counted_copies(h2d):
                     launches0 = stub.launches

@@ -7,6 +7,7 @@ ring is the reference's free queue after every launch. No Triton launch but the 
 stubbed pool (its key table is not kept).
 """
 from harness.paths import CONFORMANCE
+import os
 import sys
 
 import pytest
@@ -112,3 +113,67 @@ def test_stub_refuses_what_it_does_not_model():
         pool.get_new_blocks(1)
         with pytest.raises(StubLimitError):
             pool.sync()
+
+
+SCHEDULER_RUN = r'''
+import contextlib, json, os, sys
+sys.path[:0] = [sys.argv[1] + "/bench", sys.argv[1] + "/tests"]
+import vllm_host as vh
+if vh.vllm_pool() is None:
+    print(json.dumps(None))
+    raise SystemExit(0)
+from harness.flush_stub import stubbed_flush
+from harness.state import pool_state
+from gpupool.instrument import Meter
+
+
+def run(stubbed):
+    with (stubbed_flush(check=True) if stubbed else contextlib.nullcontext()) as stub, Meter() as m:
+        # bench/vllm_host.py's scheduler loop: arrivals with a shared prefix (hits) and a pool short
+        # enough to preempt
+        lp = vh.SchedulerLoop("gpupool", dict(running=24, prompt=17, arrivals=2, blocks=2.5), [0.0])
+        outs, schedule = [], lp.sched.schedule
+
+        def recorded(*a, **k):
+            out = schedule(*a, **k)
+            outs.append([[(n.req_id, [list(b) for b in n.block_ids]) for n in out.scheduled_new_reqs],
+                         [(r, None if nb is None else [list(b) for b in nb]) for r, nb in
+                          zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.new_block_ids)],
+                         sorted(out.num_scheduled_tokens.items()), sorted(out.preempted_req_ids or ())])
+            return out
+        lp.sched.schedule = recorded
+        lp.steps(int(sys.argv[2]))
+        pool = lp.sched.kv_cache_manager.block_pool
+        pool.sync("test", window=True)
+        state = [pool_state(pool._dev), pool._ref, [[k.hex() for k in ks] for ks in pool._keys], pool._ntok,
+                 dict(pool.syncs), pool.flushes]
+    if stubbed and m.launches != stub.launches:
+        raise SystemExit("a real kernel ran on a stubbed pool")
+    return outs, state, pool.flushes
+
+
+want, got = run(False), run(True)
+print(json.dumps({"equal": want[:2] == got[:2], "flushes": want[2], "preempted": sum(len(o[3]) for o in want[0])}))
+'''
+
+
+@pytest.mark.slow
+def test_stub_equals_kernel_in_vllms_scheduler(tmp_path):
+    """vLLM 0.33's scheduler over the fast path, stubbed and interpreted, on bench/vllm_host.py's loop
+    with prefix hits and preemptions: every step's SchedulerOutput (new requests' blocks, running
+    requests' new blocks, tokens, preemptions) and the whole state at the end are equal."""
+    import json
+    import subprocess
+
+    from harness.timeouts import scaled
+
+    root = CONFORMANCE.parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src"))
+    proc = subprocess.run([sys.executable, "-c", SCHEDULER_RUN, str(root), "24"], capture_output=True, text=True,
+                          env=env, timeout=scaled(900), cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if out is None:
+        pytest.skip("vLLM 0.33's source is not available (GPUPOOL_VLLM_SRC or the tests' cache)")
+    assert out["equal"]
+    assert out["flushes"] >= 4 and out["preempted"] > 0, out
