@@ -131,7 +131,7 @@ def run(stubbed):
     with (stubbed_flush(check=True) if stubbed else contextlib.nullcontext()) as stub, Meter() as m:
         # bench/vllm_host.py's scheduler loop: arrivals with a shared prefix (hits) and a pool short
         # enough to preempt
-        lp = vh.SchedulerLoop("gpupool", dict(running=24, prompt=17, arrivals=2, blocks=2.5), [0.0])
+        lp = vh.SchedulerLoop("gpupool", dict(running=40, prompt=17, arrivals=1, blocks=1.2), [0.0])
         outs, schedule = [], lp.sched.schedule
 
         def recorded(*a, **k):
@@ -145,7 +145,8 @@ def run(stubbed):
         lp.steps(int(sys.argv[2]))
         pool = lp.sched.kv_cache_manager.block_pool
         pool.sync("test", window=True)
-        state = [pool_state(pool._dev), pool._ref, [[k.hex() for k in ks] for ks in pool._keys], pool._ntok,
+        state = [pool_state(pool._dev), int(pool._dev.counters()[2]), pool._ref,
+                 [[k.hex() for k in ks] for ks in pool._keys], pool._ntok, sorted((k.hex(), sorted(v.items())) for k, v in pool.mirror.holders.items()),
                  dict(pool.syncs), pool.flushes]
     if stubbed and m.launches != stub.launches:
         raise SystemExit("a real kernel ran on a stubbed pool")
