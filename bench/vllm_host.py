@@ -51,7 +51,7 @@ steps, or sooner when the blocks popped since name ``launch_ops`` ids: in these 
 block is also cached, two ids). ``--no-equal-kernel`` leaves it out (then the ratio also holds that
 cost).
 
-    TRITON_INTERPRET=1 python bench/vllm_host.py --scheduler [--workloads decode256,prefix] [--reps 5] [--sync-us 20] [--launch-us 30] [--copy-us 10]
+    TRITON_INTERPRET=1 python bench/vllm_host.py --scheduler --reps 8 [--workloads decode256,prefix] [--sync-us 20] [--launch-us 30] [--copy-us 10] [--torch-op-us 10]
     TRITON_INTERPRET=1 python bench/vllm_host.py --scheduler --device interpreted [--reps 5]
 """
 from __future__ import annotations

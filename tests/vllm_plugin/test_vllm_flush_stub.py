@@ -81,6 +81,7 @@ def test_stub_equals_kernel_many(ops, n):
     _both(ops, n)
 
 
+@pytest.mark.slow  # the interpreted kernel on a pool of 6,000 blocks: about 10 s
 def test_stub_decode_workload():
     """bench/vllm_host.py's pool-level step (pops, frees, a prefix hit, cachings), long enough for
     refills of the host's copy of the free queue."""
