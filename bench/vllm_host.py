@@ -22,11 +22,26 @@ only gpupool's figure is printed.
 drives it), with vLLM's ``BlockPool`` (stock) and with ``GpuPoolScheduler``'s fast path, on the
 workloads of :data:`WORKLOADS`: B requests in decode (B = 256, 1,024, 4,096), a prefix-hit mix and a
 preemption mix. The figure is the process CPU time of a whole scheduler step (``time.process_time``,
-the garbage collector off for every variant), less the time inside gpupool's kernel launch (the
-interpreted kernel; on a GPU the launch is asynchronous); the variants' repetitions are interleaved
-(A, B, A, B, ...) so that a slower period of a shared machine weighs on both. Prints the ratio
-gpupool / stock per workload.
+the garbage collector off for every variant); the variants are interleaved (A, B, A, B, ...: with
+``--device stub`` step by step, each first every other step; with ``--device interpreted`` repetition
+by repetition) so that a slower period of a shared machine weighs on both. Prints, per workload, the
+median over the repetitions of each variant's time per step and of the ratio gpupool / stock (each
+repetition's ratio from its own pair of ``--steps`` steps), with the ratios' spread.
 
+``--device stub`` (the default with ``--scheduler``): the fast path's device work is what a GPU does
+asynchronously. Its one kernel, the batch's launch, is replaced by a stub that applies the batch to
+a reference pool and writes the result into the device pool's tensors
+(tests/harness/flush_stub.py; its results are the interpreted kernel's, checked by
+tests/vllm_plugin/test_vllm_flush_stub.py), its time left out. Everything else of the fast path runs
+as it is: the host's answers, the batch, the launch's arguments and host-to-device copy, each
+synchronisation's reads (torch ops on CPU tensors, whose CPU time stands for their host cost on a
+GPU). What a GPU adds that a CPU run does not show is then added per step as a model, from the
+counts of a third loop that runs the same steps under :class:`gpupool.instrument.Meter`: each
+device-to-host read (``--sync-us``), each kernel launch's host side in Triton's launcher
+(``--launch-us``) and each host-to-device copy (``--copy-us``). Stock vLLM's step does no device
+work: nothing is added to it.
+
+``--device interpreted``: the launch runs the kernel under Triton's interpreter, its time left out.
 The interpreted kernel also leaves the CPU's caches full of the interpreter's data, which slows the
 host code that runs after it (about 2 ms of a 26 ms step at B = 1,024); a GPU kernel does not. So that
 this weighs on both variants alike, the stock variant runs the same interpreted kernel too, on a pool
@@ -36,17 +51,21 @@ steps, or sooner when the blocks popped since name ``launch_ops`` ids: in these 
 block is also cached, two ids). ``--no-equal-kernel`` leaves it out (then the ratio also holds that
 cost).
 
-    TRITON_INTERPRET=1 python bench/vllm_host.py --scheduler [--workloads decode256,prefix] [--reps 5]
+    TRITON_INTERPRET=1 python bench/vllm_host.py --scheduler --reps 8 [--workloads decode256,prefix] [--sync-us 20] [--launch-us 30] [--copy-us 10] [--torch-op-us 10]
+    TRITON_INTERPRET=1 python bench/vllm_host.py --scheduler --device interpreted [--reps 5]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
 import os
+import statistics
 import sys
 import time
 import types
+from collections import Counter
 from pathlib import Path
 
 BS = 16
@@ -161,9 +180,10 @@ WORKLOADS = {
 
 class SchedulerLoop:
     """One scheduler (stock or gpupool) on one workload, stepped ``schedule()`` + ``update_from_output()``
-    with one batch in flight; :meth:`steps` returns the CPU seconds of n steps."""
+    with one batch in flight; :meth:`steps` returns the CPU seconds of n steps, less what ``left_out()``
+    (cumulative seconds: the device work's) grew by meanwhile."""
 
-    def __init__(self, variant: str, wl: dict, kernel: list):
+    def __init__(self, variant: str, wl: dict, kernel: list, left_out=None):
         import sched_driver as sd  # vLLM's source, the stubs, make_scheduler
         from vllm.sampling_params import SamplingParams
         from vllm.utils.hashing import sha256
@@ -187,6 +207,7 @@ class SchedulerLoop:
         self.sched = sd.make_scheduler(cls, nblk, max_model_len=8192, max_num_batched_tokens=max(8192, 2 * b),
                                        max_num_seqs=b + 64)
         self.wl, self.kernel, self.n, self.inflight = wl, kernel, 0, None
+        self.left_out = left_out or (lambda: kernel[0])
         self.shared = [7 + (i % 991) for i in range(16 * sd.BLOCK)]
         for j in range(b):  # prompts of 17..32 tokens: 1 in 16 requests crosses into a new block each step
             self._add([1 + (self.n * 131 + i) % 30000 for i in range(wl["prompt"] + j % sd.BLOCK)], 10 ** 6)
@@ -245,14 +266,20 @@ class SchedulerLoop:
                            pooler_output=[])
             self.sched.update_from_output(prev, mro)
 
+    def step_time(self) -> float:
+        """One step's CPU seconds, less the device work's (the garbage collector left to the caller)."""
+        k0, t0 = self.left_out(), time.process_time()
+        self._step()
+        return time.process_time() - t0 - (self.left_out() - k0)
+
     def steps(self, n: int) -> float:
         gc.collect()
         gc.disable()
         try:
-            k0, t0 = self.kernel[0], time.process_time()
+            k0, t0 = self.left_out(), time.process_time()
             for _ in range(n):
                 self._step()
-            return time.process_time() - t0 - (self.kernel[0] - k0)
+            return time.process_time() - t0 - (self.left_out() - k0)
         finally:
             gc.enable()
 
@@ -262,6 +289,134 @@ def scheduler_main(a) -> int:
     if vllm_pool() is None:
         print("vLLM 0.33's source is not available (GPUPOOL_VLLM_SRC or the tests' cache): nothing to compare")
         return 1
+    return (stub_main if a.device == "stub" else interpreted_main)(a)
+
+
+def _spread(xs: list[float]) -> tuple[float, float, float]:
+    """(median, min, max)."""
+    return statistics.median(xs), min(xs), max(xs)
+
+
+@contextlib.contextmanager
+def counted_copies(count: Counter):
+    """``count["copies"]``: the host-to-device copies the pool makes inside (``gpupool.tensors.to_device``
+    and ``to_device_packed``, the outermost call of each: on CUDA one copy each, through a pinned buffer;
+    on CPU no copy, which ``Meter`` then does not count)."""
+    from gpupool import tensors
+    saved, depth = (tensors.to_device, tensors.to_device_packed), [0]
+
+    def counted(fn):
+        def wrap(*args, **kwargs):
+            if not depth[0]:
+                count["copies"] += 1
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return wrap
+    tensors.to_device, tensors.to_device_packed = map(counted, saved)
+    try:
+        yield count
+    finally:
+        tensors.to_device, tensors.to_device_packed = saved
+
+
+def torch_op_time(stub):
+    """A torch dispatch mode that adds up the CPU seconds of the torch ops run inside it (``seconds``),
+    not those of the stub's own launch. Entered before a ``Meter`` (below it on the mode stack), it
+    times the ops themselves, not the meter's counting."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class TorchOpTime(TorchDispatchMode):
+        seconds = 0.0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if stub.active:
+                return func(*args, **(kwargs or {}))
+            t0 = time.process_time()
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                self.seconds += time.process_time() - t0
+    return TorchOpTime()
+
+
+def stub_main(a) -> int:
+    """The headline (module docstring, ``--device stub``): per workload, stock and gpupool timed in
+    interleaved repetitions, a third loop counting the same steps' syncs, launches and copies."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from harness.flush_stub import stubbed_flush
+    from gpupool.instrument import Meter
+
+    model = dict(sync=a.sync_us, launch=a.launch_us, copy=a.copy_us, op=a.torch_op_us)
+    print(f"device work: the kernel as a stub and the torch ops' CPU time left out; GPU model per step: "
+          f"{a.sync_us:g} us per device-to-host read (--sync-us), {a.launch_us:g} us per kernel launch "
+          f"(--launch-us), {a.copy_us:g} us per host-to-device copy (--copy-us), {a.torch_op_us:g} us per torch op "
+          f"(--torch-op-us); {a.reps} repetitions x {a.steps} steps per variant, interleaved; "
+          f"median (min-max) over the repetitions")
+    print("columns, us per step: stock vLLM; gpupool's host time (the stub's and the torch ops' CPU time, left "
+          "out of it, in their own columns); the GPU model's addition; gpupool's total")
+    print(f"{'workload':<12} {'stock':>9} {'gpupool':>9} {'(stub)':>8} {'(torch)':>8} {'+GPU':>6} {'total':>9} "
+          f"{'ratio median (min-max)':>24}  per step: syncs launches copies torch-ops")
+    for name in a.workloads.split(","):
+        wl = WORKLOADS[name]
+        with stubbed_flush() as stub:
+            loops = {"stock": SchedulerLoop("stock", wl, [0.0]),
+                     "gpupool": SchedulerLoop("gpupool", wl, [0.0], lambda: stub.seconds),
+                     "count": SchedulerLoop("gpupool", wl, [0.0], lambda: stub.seconds)}
+            pools = {v: loops[v].sched.kv_cache_manager.block_pool for v in ("gpupool", "count")}
+            per = {"stock": [], "gpupool": [], "torch": [], "stub": [], "gpu": [], "total": [], "ratio": []}
+            counts = Counter()
+            for _ in range(a.reps):
+                st, gp, s0 = 0.0, 0.0, stub.seconds
+                gc.collect()
+                gc.disable()
+                try:  # interleaved step by step, each variant first every other step
+                    for k in range(a.steps):
+                        for v in (("stock", "gpupool") if k % 2 == 0 else ("gpupool", "stock")):
+                            t = loops[v].step_time()
+                            if v == "stock":
+                                st += t
+                            else:
+                                gp += t
+                finally:
+                    gc.enable()
+                st, gp, stub_cpu = st / a.steps, gp / a.steps, (stub.seconds - s0) / a.steps
+                h2d, ops = Counter(), torch_op_time(stub)
+                with ops, Meter() as m, counted_copies(h2d):
+                    launches0 = stub.launches
+                    loops["count"].steps(a.steps)
+                m.copies = h2d["copies"]  # Meter's count misses them on CPU (counted_copies)
+                # the torch ops' CPU time (the same steps' ops, timed in the counting loop) is the device's
+                # work on a GPU: left out, each op counted as a launch instead (--torch-op-us)
+                torch_cpu = ops.seconds / a.steps
+                gp -= torch_cpu
+                real = m.launches - (stub.launches - launches0)
+                if real:
+                    raise SystemExit(f"{name}: {real} Triton launches besides the stub's ran on the stubbed pool")
+                if (pools["gpupool"].syncs, pools["gpupool"].flushes) != (pools["count"].syncs, pools["count"].flushes):
+                    raise SystemExit(f"{name}: the counting loop's steps are not the timed loop's")
+                gpu = (m.syncs * model["sync"] + m.launches * model["launch"] + m.copies * model["copy"]
+                       + m.torch_ops * model["op"]) / a.steps * 1e-6
+                counts.update(m.as_dict())
+                for k, v in (("stock", st), ("gpupool", gp), ("torch", torch_cpu), ("stub", stub_cpu), ("gpu", gpu),
+                             ("total", gp + gpu),
+                             ("ratio", (gp + gpu) / st)):
+                    per[k].append(v)
+        med = {k: statistics.median(v) for k, v in per.items()}
+        r, lo, hi = _spread(per["ratio"])
+        n = a.reps * a.steps
+        print(f"{name:<12} {med['stock'] * 1e6:>9,.0f} {med['gpupool'] * 1e6:>9,.0f} {med['stub'] * 1e6:>8,.0f} "
+              f"{med['torch'] * 1e6:>8,.0f} {med['gpu'] * 1e6:>6,.0f} "
+              f"{med['total'] * 1e6:>9,.0f} {r:>10.3f}x ({lo:.3f}-{hi:.3f})  {counts['syncs'] / n:.3f} "
+              f"{counts['launches'] / n:.3f} {counts['copies'] / n:.3f} {counts['torch_ops'] / n:.1f}"
+              f"   (syncs by reason {dict(pools['gpupool'].syncs)})", flush=True)
+    return 0
+
+
+def interpreted_main(a) -> int:
+    """``--device interpreted`` (module docstring)."""
     from gpupool.kernels import flush as k_flush
     launch, kernel = k_flush.launch_flush, [0.0]
 
@@ -274,20 +429,21 @@ def scheduler_main(a) -> int:
     k_flush.launch_flush = timed
     print(f"{'workload':<12} {'stock us/step':>14} {'gpupool us/step':>16} {'ratio':>7}   (CPU time, {a.reps} x "
           f"{a.steps} steps each, interleaved; stock runs an equal interpreted kernel as often: "
-          f"{'yes' if a.equal_kernel else 'no'})")
+          f"{'yes' if a.equal_kernel else 'no'}; medians, the ratio's min-max)")
     for name in a.workloads.split(","):
         wl = WORKLOADS[name]
         loops = {v: SchedulerLoop(v, wl, kernel) for v in ("stock", "gpupool")}
         if a.equal_kernel:
             loops["stock"].equal_kernel()
-        tot = {v: 0.0 for v in loops}
+        per = {v: [] for v in loops}
         for _ in range(a.reps):
             for v, lp in loops.items():
-                tot[v] += lp.steps(a.steps)
-        n = a.reps * a.steps
+                per[v].append(lp.steps(a.steps) / a.steps)
+        r, lo, hi = _spread([g / s for g, s in zip(per["gpupool"], per["stock"])])
         pool = loops["gpupool"].sched.kv_cache_manager.block_pool
-        print(f"{name:<12} {tot['stock'] / n * 1e6:>14,.0f} {tot['gpupool'] / n * 1e6:>16,.0f} "
-              f"{tot['gpupool'] / tot['stock']:>6.2f}x   ({type(pool).__name__}, syncs {dict(pool.syncs)})", flush=True)
+        print(f"{name:<12} {statistics.median(per['stock']) * 1e6:>14,.0f} "
+              f"{statistics.median(per['gpupool']) * 1e6:>16,.0f} {r:>6.2f}x ({lo:.2f}-{hi:.2f})   "
+              f"({type(pool).__name__}, syncs {dict(pool.syncs)})", flush=True)
     return 0
 
 
@@ -298,12 +454,26 @@ def main(argv=None) -> int:
     ap.add_argument("--scheduler", action="store_true", help="vLLM's scheduler loop, stock against gpupool")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device", choices=("stub", "interpreted"), default="stub",
+                    help="with --scheduler: the fast path's kernel as a stub, its GPU costs modelled (the "
+                         "default), or run under Triton's interpreter (module docstring)")
+    ap.add_argument("--sync-us", type=float, default=20.0,
+                    help="with --device stub: host microseconds a GPU adds per device-to-host read (default 20)")
+    ap.add_argument("--launch-us", type=float, default=30.0,
+                    help="with --device stub: host microseconds of Triton's launcher per kernel launch (default 30)")
+    ap.add_argument("--copy-us", type=float, default=10.0,
+                    help="with --device stub: host microseconds per host-to-device copy (default 10)")
+    ap.add_argument("--torch-op-us", type=float, default=10.0,
+                    help="with --device stub: host microseconds per torch op on the pool's tensors, a kernel "
+                         "launch on a GPU (default 10); their CPU time is left out")
     ap.add_argument("--no-equal-kernel", dest="equal_kernel", action="store_false",
-                    help="with --scheduler: stock runs no interpreted kernel per step (module docstring)")
+                    help="with --device interpreted: stock runs no interpreted kernel per step (module docstring)")
     ap.add_argument("--launch-every", type=int, default=None,
                     help="the fast path's DeferredBlockPool.launch_every (default: its own, 4)")
     a = ap.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if min(a.sync_us, a.launch_us, a.copy_us, a.torch_op_us) < 0:
+        ap.error("--sync-us, --launch-us, --copy-us and --torch-op-us must be >= 0")
     if a.launch_every is not None:
         from gpupool.vllm.fast_path import DeferredBlockPool
         if a.launch_every < 1:
