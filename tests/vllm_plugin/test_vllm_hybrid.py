@@ -6,7 +6,8 @@ groups (docs/vllm.md, "Hybrid models"; slow).
   group, block size 16, so vLLM's ``HybridKVCacheCoordinator``), prefix caching on, KV events and the
   KV cache metrics collector on, conversations over shared system prefixes whose next turns extend
   the previous turn's tokens, a 20-block pool (preemptions). vLLM's ``AsyncScheduler`` and
-  ``GpuPoolScheduler`` over gpupool's reference and device pool: every step's scheduled requests and
+  ``GpuPoolScheduler`` over gpupool's reference and device pool, and over the reference pool with three
+  sliding-window groups looked up together (60 blocks): every step's scheduled requests and
   token counts, each new or resumed request's block ids in both groups and its prefix-hit tokens,
   every running request's block table in both groups, preemptions, finished ids, prefix-cache stats,
   sampled outputs, the KV event batches (msgpack bytes), the metrics collector's calls and the free
@@ -45,7 +46,7 @@ def test_hybrid_scheduler_loop_equals_stock(tmp_path):
     out = tmp_path / "hybrid.json"
     run_in_vllm_tree(vllm_tree(), "hybrid_driver.py", out,
                      {"TRITON_INTERPRET": "1", "SEED": "2", "NREQ": "14", "NUM_BLOCKS": "20",
-                      "MODES": "reference,device"})
+                      "MODES": "reference,device,reference_g3"})
     r = json.loads(out.read_text())
     assert r["stock_is"] == ["AsyncScheduler", "BlockPool", None, "HybridKVCacheCoordinator", MANAGERS]
     stock = r["stock"]
@@ -60,13 +61,21 @@ def test_hybrid_scheduler_loop_equals_stock(tmp_path):
     assert sum(h[2] for s in stock for h in s.get("prefix_cache_stats", [])) > 0
     events = _events(stock)
     assert all(events[(t, g)] > 0 for t in ("BlockStored", "BlockRemoved") for g in (0, 1)), events
-    for mode in ("reference", "device"):
+    # three sliding-window groups of one spec (vLLM splits a Gemma 3's many sliding-window layers so),
+    # looked up together: get_cached_block over several groups at once
+    managers3 = ["SlidingWindowManager"] * 3 + ["FullAttentionManager"]
+    assert r["stock_g3_is"] == ["AsyncScheduler", "BlockPool", None, "HybridKVCacheCoordinator", managers3]
+    assert sum(len(s["preempted"]) for s in r["stock_g3"]) >= 1
+    assert any(n[2] > 0 and n[1][0][0] == 0 for s in r["stock_g3"] for n in s["new"])
+    for mode, base, managers in (("reference", "stock", MANAGERS), ("device", "stock", MANAGERS),
+                                 ("reference_g3", "stock_g3", managers3)):
         # a per-call pool: the fast path serves one full-attention group only
-        assert r[mode + "_is"] == ["GpuPoolScheduler", "BlockPool", mode, "HybridKVCacheCoordinator", MANAGERS]
+        assert r[mode + "_is"] == ["GpuPoolScheduler", "BlockPool", mode.split("_")[0], "HybridKVCacheCoordinator",
+                                   managers]
         ours = r[mode]
-        for a, b in zip(stock, ours):
+        for a, b in zip(r[base], ours):
             assert a == b, (mode, a["step"])
-        assert len(ours) == len(stock), mode
+        assert len(ours) == len(r[base]), mode
     print(f"\n{len(stock)} steps, {len(new)} admissions, {sum(len(s['preempted']) for s in stock)} preemptions, "
           f"{sum(n[2] for n in hits)} prefix-hit tokens, events {dict(events)}; time stock {r['stock_s']:.2f} s, "
           f"reference {r['reference_s']:.2f} s, device (interpreter) {r['device_s']:.2f} s")

@@ -10,9 +10,11 @@ and output) plus a new message, so prefix hits span both groups; the pool is sma
 Recorded per step besides ``run``'s record: every running request's block ids in each group after
 ``schedule()`` (the sliding-window group's freed blocks are the null block there).
 
-Environment: ``MODES`` (comma-separated gpupool backends: ``reference``, ``device``), ``SEED``,
-``NREQ`` (first turns), ``NUM_BLOCKS``. Stock vLLM's ``AsyncScheduler`` runs first, then
-``GpuPoolScheduler`` once per mode (the synchronous scheduler: the live engine test).
+Environment: ``MODES`` (comma-separated gpupool backends: ``reference``, ``device``; ``<backend>_g<N>``
+with N sliding-window groups of one spec, as vLLM splits a Gemma 3's many sliding-window layers, looked
+up together, and N times the blocks), ``SEED``, ``NREQ`` (first turns), ``NUM_BLOCKS``. Stock vLLM's
+``AsyncScheduler`` runs first for each group count (``stock``, ``stock_g<N>``), then ``GpuPoolScheduler``
+once per mode (the synchronous scheduler: the live engine test).
 """
 import json
 import os
@@ -65,8 +67,8 @@ def record_tables(sched) -> None:
     sched.schedule = schedule
 
 
-def build(cls, num_blocks: int):
-    s = make_scheduler(cls, num_blocks, observed=True, sliding_window=WINDOW)
+def build(cls, num_blocks: int, sliding_groups: int = 1):
+    s = make_scheduler(cls, num_blocks, observed=True, sliding_window=WINDOW, sliding_groups=sliding_groups)
     record_tables(s)
     return s
 
@@ -84,10 +86,14 @@ def main():
     stream = make_conversations(int(os.environ.get("SEED", "0")), int(os.environ.get("NREQ", "10")))
     num_blocks = int(os.environ.get("NUM_BLOCKS", "20"))
     res = {}
-    for mode in ["stock"] + os.environ.get("MODES", "reference").split(","):
-        os.environ["GPUPOOL_VLLM_BACKEND"] = mode
+    modes = os.environ.get("MODES", "reference").split(",")
+    stocks = sorted({"stock" + m[len(m.split("_")[0]):] for m in modes})
+    for mode in stocks + modes:  # "<backend>_g<N>": N sliding-window groups, against "stock_g<N>"
+        backend, _, groups = mode.partition("_g")
+        os.environ["GPUPOOL_VLLM_BACKEND"] = backend
         t = time.perf_counter()
-        s = build(AsyncScheduler if mode == "stock" else GpuPoolScheduler, num_blocks)
+        s = build(AsyncScheduler if backend == "stock" else GpuPoolScheduler, num_blocks * int(groups or 1),
+                  int(groups or 1))
         res[mode] = run(s, stream)
         res[mode + "_s"], res[mode + "_is"] = time.perf_counter() - t, describe(s)
     with open(out_path, "w") as f:

@@ -46,10 +46,11 @@ MODEL_CONFIG = dict(uses_mrope=False, is_encoder_decoder=False, runner_type="gen
 
 
 def make_scheduler(cls, num_blocks, max_model_len=1024, max_num_batched_tokens=192, max_num_seqs=6,
-                   async_scheduling=True, observed=False, sliding_window=None):
+                   async_scheduling=True, observed=False, sliding_window=None, sliding_groups=1):
     """vLLM's scheduler ``cls`` over ``num_blocks`` blocks: one full-attention KV cache group, or with
-    ``sliding_window`` (tokens) a Gemma 3-style hybrid, a sliding-window group (0) and a full-attention
-    group (1), vLLM's order for such a model (so vLLM builds its HybridKVCacheCoordinator)."""
+    ``sliding_window`` (tokens) a Gemma 3-style hybrid, ``sliding_groups`` sliding-window groups (0, 1, ...)
+    then a full-attention group, vLLM's order for such a model (so vLLM builds its
+    HybridKVCacheCoordinator; groups of one spec are looked up together)."""
     sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len, enable_chunked_prefill=True, async_scheduling=async_scheduling,
                          is_encoder_decoder=False, watermark=0.0, policy="fcfs")
@@ -66,7 +67,7 @@ def make_scheduler(cls, num_blocks, max_model_len=1024, max_num_batched_tokens=1
     if sliding_window:
         swa = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32,
                                 sliding_window=sliding_window)
-        groups = [KVCacheGroupSpec(["swa"], swa), KVCacheGroupSpec(["full"], spec)]
+        groups = [KVCacheGroupSpec([f"swa{i}"], swa) for i in range(sliding_groups)] + [KVCacheGroupSpec(["full"], spec)]
     kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     cc.num_gpu_blocks = num_blocks
     register_all_kvcache_specs(vc)
