@@ -1,5 +1,5 @@
-"""gpupool's scheduler plug-in on a hybrid model: sliding-window and full-attention layers, two KV cache
-groups (docs/vllm.md, "Hybrid models"; slow).
+"""gpupool's scheduler plug-in on a hybrid model: sliding-window and full-attention layers, a KV cache
+group per kind (docs/vllm.md, "Hybrid models"; slow).
 
 * The scheduler loop (tests/vllm_plugin/conformance/hybrid_driver.py, a subprocess with vLLM 0.33's
   source): a Gemma 3-style KV cache config (a sliding-window group of 32 tokens and a full-attention

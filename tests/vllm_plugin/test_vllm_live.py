@@ -11,7 +11,7 @@ download).
   ``Scheduler`` and with ``gpupool.vllm.GpuPoolSyncScheduler`` over the reference and the device backend
   (the CPU platform turns async scheduling off): generated tokens, prefix-hit tokens, every step's
   scheduled requests, block ids, computed tokens, preemptions, finished requests and KV events are equal.
-  The same on a tiny Gemma 3 (sliding-window and full-attention layers, two KV cache groups) over the
+  The same on a tiny Gemma 3 (sliding-window and full-attention layers, four KV cache groups) over the
   reference backend (``test_hybrid_offline_equals_stock``).
   The same process also runs :func:`gpupool.vllm.compat.drift` on vLLM 0.32 (tests/vllm_plugin/test_vllm_drift.py).
 * Served (tests/vllm_plugin/live/serve.py): the OpenAI server on 127.0.0.1 with ZMQ KV events (over an ipc
@@ -102,18 +102,19 @@ def _equal_to_stock(r: dict, modes, pool: str) -> None:
 
 
 def test_hybrid_offline_equals_stock(engine_env, tmp_path):
-    """A tiny Gemma 3 (sliding-window and full-attention layers: two KV cache groups, vLLM's
-    HybridKVCacheCoordinator) with a 16-block pool: gpupool's per-call pool over the reference backend
-    (the fast path serves one full-attention group only; the device backend's per-call pool in this
-    scheduler loop is tests/vllm_plugin/test_vllm_hybrid.py's) equals stock, KV events included."""
+    """A tiny Gemma 3 (three sliding-window layers and one full-attention layer: vLLM makes a KV cache
+    group of each, HybridKVCacheCoordinator, the three sliding-window groups looked up together) with a
+    32-block pool: gpupool's per-call pool over the reference backend (the fast path serves one
+    full-attention group only; the device backend's per-call pool in this scheduler loop is
+    tests/vllm_plugin/test_vllm_hybrid.py's) equals stock, KV events included."""
     py, _ = engine_env
     model = ensure_model(py, "gemma3")
     out = tmp_path / "hybrid.json"
-    _wait(_start(py, "offline.py", model, "stock,reference", out, 16), timeout=600)
+    _wait(_start(py, "offline.py", model, "stock,reference", out, 32), timeout=600)
     r = json.loads(out.read_text())
     r.pop("drift")
     stock = r["stock"]
-    assert stock["groups"] == ["SlidingWindowSpec", "FullAttentionSpec"], stock["groups"]
+    assert stock["groups"] == ["SlidingWindowSpec"] * 3 + ["FullAttentionSpec"], stock["groups"]
     steps = stock["steps"]
     # not vacuous: preemptions, prefix hits that skip the sliding-window group's first block (the null
     # block there), KV events of both groups
@@ -121,7 +122,7 @@ def test_hybrid_offline_equals_stock(engine_env, tmp_path):
     assert sum(o["cached_tokens"] for o in stock["outputs"]) > 0
     assert any(n[2] > 0 and n[1][0][0] == 0 for s in steps for n in s["new"])
     kinds = {(e["type"], e["group_idx"]) for s in steps for e in s["events"]}
-    assert kinds == {(t, g) for t in ("BlockStored", "BlockRemoved") for g in (0, 1)}, kinds
+    assert kinds == {(t, g) for t in ("BlockStored", "BlockRemoved") for g in range(4)}, kinds
     _equal_to_stock(r, ("reference",), "BlockPool")
 
 

@@ -2,8 +2,9 @@
 
 KIND ``llama`` (the default): transformers' ``LlamaConfig`` with 2 layers, hidden size 128, 2 heads of
 64 (a head size vLLM's CPU attention supports). KIND ``gemma3``: a Gemma 3-style hybrid,
-``Gemma3TextConfig`` with 4 layers alternating sliding-window (a window of ``SLIDING_WINDOW`` tokens)
-and full attention, the same sizes, so vLLM builds two KV cache groups. Random weights from a fixed
+``Gemma3TextConfig`` with 3 sliding-window layers (a window of ``SLIDING_WINDOW`` tokens) then a
+full-attention layer (Gemma 3 repeats 5 and 1), the same sizes, so vLLM builds four KV cache groups,
+three sliding-window and one full-attention. Random weights from a fixed
 seed, float32. The tokenizer: byte-level BPE with no merges (one token per byte, 256 + 2 special
 tokens), saved as a ``PreTrainedTokenizerFast``.
 """
@@ -31,7 +32,7 @@ def make(out: str, kind: str = "llama") -> None:
     if kind == "gemma3":
         cfg = Gemma3TextConfig(**sizes, num_hidden_layers=4, head_dim=64, query_pre_attn_scalar=64,
                                sliding_window=SLIDING_WINDOW, pad_token_id=vocab["</s>"],
-                               layer_types=["sliding_attention", "full_attention"] * 2)
+                               layer_types=["sliding_attention"] * 3 + ["full_attention"])
         model_cls = Gemma3ForCausalLM
     else:
         cfg = LlamaConfig(**sizes, num_hidden_layers=2, tie_word_embeddings=False)
