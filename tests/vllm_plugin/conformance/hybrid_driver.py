@@ -87,13 +87,14 @@ def main():
     num_blocks = int(os.environ.get("NUM_BLOCKS", "20"))
     res = {}
     modes = os.environ.get("MODES", "reference").split(",")
-    stocks = sorted({"stock" + m[len(m.split("_")[0]):] for m in modes})
-    for mode in stocks + modes:  # "<backend>_g<N>": N sliding-window groups, against "stock_g<N>"
+    # "<backend>_g<N>": N sliding-window groups, compared with "stock_g<N>"
+    stocks = sorted({"stock" + m[len(m.partition("_g")[0]):] for m in modes})
+    for mode in stocks + modes:
         backend, _, groups = mode.partition("_g")
+        groups = int(groups or 1)
         os.environ["GPUPOOL_VLLM_BACKEND"] = backend
         t = time.perf_counter()
-        s = build(AsyncScheduler if backend == "stock" else GpuPoolScheduler, num_blocks * int(groups or 1),
-                  int(groups or 1))
+        s = build(AsyncScheduler if backend == "stock" else GpuPoolScheduler, num_blocks * groups, groups)
         res[mode] = run(s, stream)
         res[mode + "_s"], res[mode + "_is"] = time.perf_counter() - t, describe(s)
     with open(out_path, "w") as f:
