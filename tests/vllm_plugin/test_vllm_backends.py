@@ -12,6 +12,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gpupool.errors import InvalidArgumentError, InvalidBlockIdError
+from gpupool.kernels.layout import MirrorKey, mirror_key_col
 from gpupool.reference import ReferenceBlockPool
 from gpupool.vllm.backends import DeviceBackend, ReferenceBackend, make_backend
 from gpupool.vllm.host_mirror import HostMirror, vllm_key
@@ -197,7 +198,7 @@ def test_exact_sync_takes_the_pools_seqs(kind):
     got = [m.holders[vllm_key(x, 0)][s] for s, x in zip(ids, hashes)]
     assert got == seqs == sorted(got)
     if kind == "device":  # the device's own seqs, as the host predicted them
-        assert [row[5] for row in b.pool.mirror_rows(torch.tensor(ids)).tolist()] == seqs
+        assert [row[mirror_key_col(0, MirrorKey.SEQ)] for row in b.pool.mirror_rows(torch.tensor(ids)).tolist()] == seqs
     b.queue("free", ids[::-1], False)
     b.flush()
     r = b.read(ids, 0, 0, True)

@@ -16,9 +16,9 @@ from .alloc import alloc_batch, fill_head_minus_one
 from .cache import cache_blocks_batch
 from .common import batch_config, status_clear, warps_for
 from .layout import (
-    OP_ALLOCATE_BATCHED, OP_CACHE_BLOCKS_BATCHED, OP_FREE_BATCHED, OP_TOUCH_BATCHED, RF_CACHE_START, RF_CACHINGS,
-    RF_DEMANDS, RF_DEMANDS_START, RF_FREE_CALLS, RF_FREE_IDS, RF_FREE_OFFSETS_START, RF_FREE_START, RF_POPPED,
-    RF_POPPED_START, RF_TOUCH_START, RF_TOUCHES, RW, RoundField,
+    CF_AFTER, CF_BEFORE, CONFIRM_WIDTH, OP_ALLOCATE_BATCHED, OP_CACHE_BLOCKS_BATCHED, OP_FREE_BATCHED,
+    OP_TOUCH_BATCHED, RF_CACHE_START, RF_CACHINGS, RF_DEMANDS, RF_DEMANDS_START, RF_FREE_CALLS, RF_FREE_IDS,
+    RF_FREE_OFFSETS_START, RF_FREE_START, RF_POPPED, RF_POPPED_START, RF_TOUCH_START, RF_TOUCHES, RW, RoundField,
 )
 from .release import release_batch, touch_batch
 
@@ -35,11 +35,7 @@ class PopPart(NamedTuple):
     demands: object  # int32[>= n_demands]
     blocks: object  # int32[>= total + 1] out: the popped blocks
     offsets: object  # int32[n_demands + 1] out
-    confirm: object  # int32[CONFIRM_WIDTH] out: the status code before the launch, then after it
-
-
-# the launch's confirmation: the status code before it and after it (BlockPool.apply_predicted)
-CONFIRM_WIDTH = 2
+    confirm: object  # int32[CONFIRM_WIDTH] out: the launch's confirmation words (layout.Confirm)
 
 
 class CachePart(NamedTuple):
@@ -93,9 +89,9 @@ def flush_kernel(ps, pc: tl.constexpr, fr, touch_ids, pop, ca, rounds, n_rounds)
     ``cache_blocks_batched`` of its cachings, in that order (module docstring). ``pop.blocks`` holds
     every round's pops one after another, -1 for a round whose pops fail or are skipped (as
     ``allocate_batched``); ``pop.offsets``: round r's offsets at ``demands start + r``;
-    ``pop.confirm``: the status code before the rounds and after them."""
+    ``pop.confirm``: the status code before the rounds and after them (layout.Confirm)."""
     # strict: benign, every thread stores the one value it read before any store of this launch
-    tl.store(pop.confirm, tl.load(ps.status))
+    tl.store(pop.confirm + CF_BEFORE, tl.load(ps.status))
     r = 0
     while r < n_rounds:
         m = rounds + r * RW
@@ -126,7 +122,7 @@ def flush_kernel(ps, pc: tl.constexpr, fr, touch_ids, pop, ca, rounds, n_rounds)
                            ca.ntok + c0, n_cache, OP_CACHE_BLOCKS_BATCHED)
         tl.debug_barrier()
         r += 1
-    tl.store(pop.confirm + 1, tl.load(ps.status))
+    tl.store(pop.confirm + CF_AFTER, tl.load(ps.status))
 
 
 def launch_flush(ps, pc, free_ids, seg_off, touch_ids, demands, rounds, cache_ids, key_hi, key_lo, key_group, ntok,

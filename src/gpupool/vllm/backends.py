@@ -19,6 +19,7 @@ from operator import itemgetter
 import torch
 
 from ..errors import InvalidArgumentError, PoolError
+from ..kernels.layout import CONFIRM_WIDTH, Confirm, Counter, MirrorCol, mirror_row_width
 from ..pool import BlockPool as DevicePool
 from ..pool import PredictedBatch
 from ..reference import ReferenceBlockPool
@@ -166,11 +167,16 @@ class DeviceBackend(PoolBackend):
         """One transfer: the free count, the key insertion counter and ``mirror_rows`` of ``ids``."""
         dev = self.pool
         idx = dev.host_tensor(ids, torch.int64)
-        flat = torch.cat([dev.counters()[1:3], dev.mirror_rows(idx).reshape(-1)]).tolist()  # one transfer
-        w = 3 + 3 * self._mk
-        mirror.apply_rows(ids, [flat[2 + i * w: 2 + (i + 1) * w] for i in range(len(ids))], dev.key_name)
-        self.next_seq = flat[1]
-        return flat[0]
+        flat = torch.cat([dev.counters(), dev.mirror_rows(idx).reshape(-1)]).tolist()  # one transfer
+        counts = flat[:len(Counter)]
+        mirror.apply_rows(ids, self._rows(flat, len(Counter), len(ids)), dev.key_name)
+        self.next_seq = counts[Counter.KEY_SEQ]
+        return counts[Counter.NUM_FREE]
+
+    def _rows(self, flat: list[int], o: int, n: int) -> list[list[int]]:
+        """``n`` whole ``mirror_rows`` rows from ``flat[o:]``."""
+        w = mirror_row_width(self._mk)
+        return [flat[o + i * w: o + (i + 1) * w] for i in range(n)]
 
     # ---- slots -> device ids -------------------------------------------------------------------------
     def _h2d(self, values, dtype) -> torch.Tensor:
@@ -287,11 +293,12 @@ class DeviceBackend(PoolBackend):
         recorded = None
         while True:
             flat, nw = self._read_device(known, npend, window, narrow=exact)
-            status, num_free, key_seq, evc, reuse = flat[:5]
-            conf, nbad, o = [], 0, 5
-            for b, _, _, blocks in self.flights:  # (status before, after), then its pops if it predicted
-                conf.append((flat[o], flat[o + 1]))
-                o += 2
+            counts = flat[:len(Counter)]
+            conf, nbad, o = [], 0, len(Counter)
+            for b, _, _, blocks in self.flights:  # its confirmation words, then its pops if it predicted
+                words = flat[o: o + CONFIRM_WIDTH]
+                conf.append((words[Confirm.BEFORE], words[Confirm.AFTER]))
+                o += CONFIRM_WIDTH
                 if blocks is not None:
                     got, pred = flat[o: o + len(b.pred)], b.pred
                     if got != pred:
@@ -314,24 +321,27 @@ class DeviceBackend(PoolBackend):
         if window:
             win, o = flat[o: o + nw], o + nw
         nk = len(known)
-        if exact:  # the claims only, column by column (mirror_rows' first 3, transposed)
-            rows, cols = None, (flat[o: o + nk], flat[o + nk: o + 2 * nk], flat[o + 2 * nk: o + 3 * nk])
+        claimed = (MirrorCol.REF_CNT, MirrorCol.NUM_KEYS, MirrorCol.HASH_NTOK)
+        if exact:  # the claims only, column by column (mirror_rows without key slots, transposed)
+            rows, cols = None, {c: flat[o + c * nk: o + (c + 1) * nk] for c in claimed}
         else:
-            w = 3 + 3 * self._mk
-            rows = [flat[o + i * w: o + (i + 1) * w] for i in range(nk + npend)]
-            cols = tuple([r[c] for r in rows[:nk]] for c in range(3))
-        claims = (cols[0], cols[1], [None if t < 0 else t for t in cols[2]])
+            rows = self._rows(flat, o, nk + npend)
+            cols = {c: [r[c] for r in rows[:nk]] for c in claimed}
+        claims = (cols[MirrorCol.REF_CNT], cols[MirrorCol.NUM_KEYS],
+                  [None if t < 0 else t for t in cols[MirrorCol.HASH_NTOK]])
+        key_seq = counts[Counter.KEY_SEQ]
         seqs_ok, self.next_seq = key_seq == self.next_seq, key_seq
-        if status or reuse or (evc and self.pool.enable_kv_cache_events):
+        if counts[Counter.ERROR_CODE] or counts[Counter.REUSE_COUNT] or (
+                counts[Counter.EV_COUNT] and self.pool.enable_kv_cache_events):
             # fires reuse watchers (more reads, counted by callers); an error here is another user's
             recorded = self._take_recorded() or recorded
-        return SyncRead(ids, num_free, nbad, win, claims, rows, seqs_ok, recorded)
+        return SyncRead(ids, counts[Counter.NUM_FREE], nbad, win, claims, rows, seqs_ok, recorded)
 
     def _read_device(self, known: list[int], npend: int, window: int, narrow: bool) -> tuple[list[int], int]:
         """ONE device-to-host transfer: the pool's counters, each launch's confirmation (and its pops
         when it predicted some), the placeholders' ids, (``window``) the queue window and the mirror
-        rows of ``known`` and the placeholders' blocks (``narrow``: no placeholders; only the first 3
-        columns of ``known``'s, column after column). Returns (the values flat, the window's length)."""
+        rows of ``known`` and the placeholders' blocks (``narrow``: no placeholders; ``known``'s rows
+        without key slots, column after column). Returns (the values flat, the window's length)."""
         dev = self.pool
         pend = self.pend[:npend].long() if npend else torch.zeros(0, dtype=torch.int64, device=dev.device)
         idx = torch.cat([self._h2d(known, torch.int64), pend])

@@ -2,6 +2,8 @@
 callers read thousands of times per step, kept on the host so that a read never touches the device."""
 from __future__ import annotations
 
+from ..kernels.layout import MIRROR_KEY_WIDTH, MirrorCol, MirrorKey, mirror_key_col
+
 
 def vllm_key(block_hash: bytes, group_id: int) -> bytes:
     """vLLM's ``BlockHashWithGroupId``: the hash bytes, then the group id as 4 bytes big-endian."""
@@ -54,16 +56,18 @@ class HostMirror:
         self.holders.setdefault(key, {})[slot] = seq
 
     def apply_rows(self, ids: list[int], rows: list[list[int]], key_name) -> None:
-        """Set ``ids`` from ``gpupool.BlockPool.mirror_rows``' rows (``key_name``: device key -> (hash,
-        group)); the key map from the difference."""
+        """Set ``ids`` from ``gpupool.BlockPool.mirror_rows``' rows (``kernels/layout.py``'s MirrorCol;
+        ``key_name``: device key -> (hash, group)); the key map from the difference."""
         holders = self.holders
+        hi, lo, sq = (mirror_key_col(0, c) for c in (MirrorKey.HI, MirrorKey.LO, MirrorKey.SEQ))
         for b, row in zip(ids, rows):
-            self.ref[b] = row[0]
-            self.ntok[b] = None if row[2] < 0 else row[2]
+            self.ref[b] = row[MirrorCol.REF_CNT]
+            nt = row[MirrorCol.HASH_NTOK]
+            self.ntok[b] = None if nt < 0 else nt
             new, seqs = [], []
-            for j in range(row[1]):
-                new.append(vllm_key(*key_name((row[3 + 3 * j], row[4 + 3 * j]))))
-                seqs.append(row[5 + 3 * j])
+            for o in range(0, MIRROR_KEY_WIDTH * row[MirrorCol.NUM_KEYS], MIRROR_KEY_WIDTH):
+                new.append(vllm_key(*key_name((row[hi + o], row[lo + o]))))
+                seqs.append(row[sq + o])
             new_t = tuple(new)
             if self.keys[b] == new_t and all(holders[k].get(b) == q for k, q in zip(new_t, seqs)):
                 continue
