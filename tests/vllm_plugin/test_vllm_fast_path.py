@@ -129,7 +129,7 @@ def test_no_transfer_per_batch(monkeypatch):
             ids = [blk.block_id for blk in a + b + c]
             # three rounds (_cut): the hit touches a block popped in the first, then a is freed while
             # touched in the second; nothing launched yet
-            assert d2h.n == 0 and pool.syncs == {} and pool.flushes == 0 and len(pool._batch.rounds) == 3
+            assert d2h.n == 0 and pool.syncs == {} and pool.flushes == 0 and pool._batch.rounds == 3
             assert all(pool.blocks[i] is blk for i, blk in zip(ids, a + b + c)) and hit[0] is a[0]
             assert pool.get_num_free_blocks() == 16 - 1 - 3 and a[1].ref_cnt == 0 and a[0].block_hash is not None
             pool.end_step()  # a small batch: launched at the launch_every-th step
@@ -285,7 +285,7 @@ def test_batch_rounds_where_the_order_requires():
         flushes = []
 
         def mark():  # rounds so far
-            flushes.append(len([r for r in p._batch.rounds if r]) - 1 if isinstance(p, DeferredBlockPool) else 0)
+            flushes.append(p._batch.rounds - p._batch.round_empty() - 1 if isinstance(p, DeferredBlockPool) else 0)
         a = p.get_new_blocks(2)
         p.cache_full_blocks(ra, a, 0, 2, BS, 0)
         b = p.get_new_blocks(2)

@@ -259,7 +259,8 @@ CHUNK = tl.constexpr(CHUNK_SLOTS)
 
 class RoundField(IntEnum):
     """One round's entries in the flush kernel's round table ``rounds: int32[n_rounds * ROUND_WIDTH]``
-    (kernels/flush.py ``round_table``): where each part starts in its flattened array, and its count."""
+    (kernels/flush.py ``FlushBatch.table``): where each part starts in its flattened array, and its
+    count."""
 
     FREE_START = 0  # free ids
     FREE_OFFSETS_START = 1  # the round's own free offsets (from 0)

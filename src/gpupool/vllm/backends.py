@@ -21,7 +21,6 @@ import torch
 from ..errors import InvalidArgumentError, PoolError
 from ..kernels.layout import CONFIRM_WIDTH, Confirm, Counter, MirrorCol, mirror_row_width
 from ..pool import BlockPool as DevicePool
-from ..pool import PredictedBatch
 from ..reference import ReferenceBlockPool
 from .host_mirror import HostMirror
 from .op_batch import OpBatch
@@ -216,10 +215,12 @@ class DeviceBackend(PoolBackend):
 
     def pop_pending(self, n: int) -> None:
         self.batch.add_pop(n, None)
+        self.batch.placeholders = True
 
     def queue(self, kind: str, slots: list[int], front: bool) -> None:
         """Into the batch, in a new round or after a launch where ``OpBatch.placement`` says so."""
-        launched = self.num_blocks + (0 if self.pend is None else self.pend.numel())
+        n = self.num_blocks
+        launched = n + (0 if self.pend is None else self.pend.numel())
         where = self.batch.placement(kind, slots, front, launched)
         if where == "launch":
             if self.stream is None:
@@ -229,15 +230,21 @@ class DeviceBackend(PoolBackend):
                     self.flush()
         elif where == "round":
             self.batch.cut()
+        b = self.batch
         if kind == "touch":
-            self.batch.add_touch(slots)
+            b.add_touch(slots)
         else:
-            self.batch.add_free(slots)
+            b.add_free(slots)
+        if max(slots) >= n:
+            b.placeholders = True
 
     def cache(self, mirror, slots, hashes, group, ntok, nc, nf, block_size, full) -> range:
         """Into the batch; the keys take the insertion seqs the device will give them (the kernel
         numbers a launch's keys in item order from its counter), checked at the next synchronisation."""
-        self.batch.add_cache(slots, [(h, group) for h in hashes], ntok)
+        b = self.batch
+        b.add_cache(slots, [(h, group) for h in hashes], ntok)
+        if max(slots) >= self.num_blocks:
+            b.placeholders = True
         q = self.next_seq
         self.next_seq = q + len(slots)
         return range(q, q + len(slots))
@@ -255,30 +262,26 @@ class DeviceBackend(PoolBackend):
         self._launch(b)
 
     def _launch(self, b: OpBatch) -> None:
-        """Launch ``b`` as ONE ``gpupool.BlockPool.apply_predicted`` (its rounds; in each, free: every
-        call a segment; touch; pop: every call a demand; cache), not waiting; the placeholders get their
-        ids from its output, and a caching names them as ``num_blocks + k``. The launch's confirmation
-        and its pops (compared with the host's predictions) are read at the next :meth:`read`."""
+        """Launch ``b`` as ONE ``gpupool.BlockPool.apply_predicted``, not waiting; the placeholders get
+        their ids from its output. Where ``b`` names placeholders its id parts are given as device ids
+        (a copy of ``b``; ``b`` is kept in slots for a relaunch): a launched pop's from the earlier
+        launches' outputs, this launch's k-th placeholder as ``num_blocks + npred + k`` in a caching
+        (its place among the launch's pops). The launch's confirmation and its pops (compared with the
+        host's predictions) are read at the next :meth:`read`."""
         k0 = 0 if self.pend is None else self.pend.numel()
-        p = b.parts()
-        free, touch, demands, cache_slots, seg = p["free"], p["touch"], p["demands"], p["cache_slots"], p["seg"]
-        items = p["cache_items"]
-        cache_calls = items[2]
-        nf, nt, npred = len(free), len(touch), len(b.pred)
-        n = self.num_blocks
-        if k0 and any(n <= s < n + k0 for s in free + touch + cache_slots):
-            # a launched placeholder's id is on the device only: the id parts gathered there
-            ids = self._device_ids(free + touch) if nf or nt else None
-            free_ids, touch_ids = (ids[:nf] if nf else None), (ids[nf:] if nt else None)
-            seg_ids = self._h2d(seg, torch.int32) if nf else None
-            cache_ids = self._cache_ids(cache_slots, k0, npred) if cache_calls else None
-        else:  # host ints: apply_predicted copies them with the demands, in one transfer
-            free_ids, touch_ids, seg_ids = free or None, touch or None, seg if nf else None
-            # this flush's k-th placeholder is its (npred + k)-th pop, num_blocks + npred + k
-            cache_ids = [s if s < n else s - k0 + npred for s in cache_slots] if cache_calls else None
-        blocks, confirm = self.pool.apply_predicted(PredictedBatch(
-            free_ids=free_ids, free_offsets=seg_ids, touch_ids=touch_ids, demands=demands, cache_ids=cache_ids,
-            cache_items=items, rounds=p["rounds"]))
+        npred = len(b.pred)
+        batch = b
+        if b.placeholders:
+            n = self.num_blocks
+            free, touch, cache = b.free_ids, b.touch_ids, b.cache_ids
+            if k0 and any(n <= s < n + k0 for s in free + touch + cache):
+                # a launched placeholder's id is on the device only: the id parts gathered there
+                ids = self._device_ids(free + touch) if free or touch else None
+                batch = b.with_ids(ids[:len(free)] if free else [], ids[len(free):] if touch else [],
+                                   self._cache_ids(cache, k0, npred) if cache else [])
+            else:  # host ints: this launch's k-th placeholder is its (npred + k)-th pop
+                batch = b.with_ids(free, touch, [s if s < n else s - k0 + npred for s in cache])
+        blocks, confirm = self.pool.apply_predicted(batch)
         added = blocks.numel() - npred
         if added > 0:
             rest = blocks[npred:]
