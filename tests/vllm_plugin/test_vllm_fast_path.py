@@ -69,7 +69,7 @@ def _check_same(ops, caching, backend):
     assert deferred.deferred
     assert lazy_run(per_call, ops) == lazy_run(deferred, ops)
     deferred.sync()
-    assert not deferred._pending and not any(isinstance(b, PendingBlock) and b._s >= N for b in deferred.blocks)
+    assert not deferred._engine.pending and not any(isinstance(b, PendingBlock) and b._s >= N for b in deferred.blocks)
     assert driver.snapshot(per_call) == driver.snapshot(deferred)  # ref counts, keys, queue order, key map
     assert deferred._ref == per_call._ref and deferred._keys == per_call._keys and deferred._ntok == per_call._ntok
     assert all(b.block_id == i for i, b in enumerate(deferred.blocks))
@@ -129,7 +129,7 @@ def test_no_transfer_per_batch(monkeypatch):
             ids = [blk.block_id for blk in a + b + c]
             # three rounds (_cut): the hit touches a block popped in the first, then a is freed while
             # touched in the second; nothing launched yet
-            assert d2h.n == 0 and pool.syncs == {} and pool.flushes == 0 and pool._batch.rounds == 3
+            assert d2h.n == 0 and pool.syncs == {} and pool.flushes == 0 and pool._backend.batch.rounds == 3
             assert all(pool.blocks[i] is blk for i, blk in zip(ids, a + b + c)) and hit[0] is a[0]
             assert pool.get_num_free_blocks() == 16 - 1 - 3 and a[1].ref_cnt == 0 and a[0].block_hash is not None
             pool.end_step()  # a small batch: launched at the launch_every-th step
@@ -182,11 +182,11 @@ def test_dirty_mirror_syncs_only_for_free_blocks(monkeypatch):
     assert len(pool.queue_copy.ids) == 2
     pool.syncs.clear()
     pool.get_new_blocks(3)  # 2 un-keyed + the first keyed one (a[3], freed first): past the copy, dirty
-    assert pool._dirty and dict(pool.syncs) == {"free_queue": 1}
+    assert pool._engine.dirty and dict(pool.syncs) == {"free_queue": 1}
     assert pool.get_cached_block(b"\x00" * 32, [0]) is None and dict(pool.syncs) == {"free_queue": 1}  # a miss
     assert held[0].ref_cnt == 1 and dict(pool.syncs) == {"free_queue": 1}  # a held block: exact
     assert pool.get_cached_block(r.block_hashes[3], [0]) is None  # a[3] was evicted by the pop
-    assert dict(pool.syncs) == {"free_queue": 1, "get_one_block": 1} and not pool._dirty
+    assert dict(pool.syncs) == {"free_queue": 1, "get_one_block": 1} and not pool._engine.dirty
 
 
 def test_end_step_refills_and_verifies(monkeypatch):
@@ -285,7 +285,7 @@ def test_batch_rounds_where_the_order_requires():
         flushes = []
 
         def mark():  # rounds so far
-            flushes.append(p._batch.rounds - p._batch.round_empty() - 1 if isinstance(p, DeferredBlockPool) else 0)
+            flushes.append(p._backend.batch.rounds - p._backend.batch.round_empty() - 1 if isinstance(p, DeferredBlockPool) else 0)
         a = p.get_new_blocks(2)
         p.cache_full_blocks(ra, a, 0, 2, BS, 0)
         b = p.get_new_blocks(2)
@@ -393,9 +393,9 @@ def test_the_free_queue_copy_is_a_window():
     pool, ref = DeferredBlockPool(n, True, BS, device="cpu"), BlockPool(n, True, BS, device="cpu")
     assert list(pool.queue_copy.ids) == list(range(1, FREE_WINDOW + 1))
     a = pool.get_new_blocks(FREE_WINDOW - 1)
-    assert pool.syncs == {} and not pool._dirty
+    assert pool.syncs == {} and not pool._engine.dirty
     b = pool.get_new_blocks(2)
-    assert dict(pool.syncs) == {"free_queue": 1} and not pool._dirty
+    assert dict(pool.syncs) == {"free_queue": 1} and not pool._engine.dirty
     want = ref.get_new_blocks(FREE_WINDOW - 1) + ref.get_new_blocks(2)
     assert [x.block_id for x in a + b] == [x.block_id for x in want]
     assert len(pool.queue_copy.ids) == pool.get_num_free_blocks() == n - 1 - (FREE_WINDOW + 1)
@@ -424,7 +424,7 @@ def test_device_work_runs_on_the_pool_stream(monkeypatch, cls):
             depth[0] -= 1
     monkeypatch.setattr(torch.cuda, "stream", stream)
     pool = cls(N, True, BS, device="cpu")
-    pool.stream = object()
+    pool._backend.stream = object()  # the engine's and the adapter's stream: the backend's
 
     class Watch:
         def __init__(self, dev):
@@ -441,7 +441,7 @@ def test_device_work_runs_on_the_pool_stream(monkeypatch, cls):
             if depth[0] == 0 and name == "state":
                 outside.append(name)
             return v
-    pool._dev = Watch(pool._dev)
+    pool._engine.backend.pool = Watch(pool._dev)
     ops = [("alloc", 3, 1, 2), ("alloc", 2, 2, 0), ("hit", 1), ("cow", 1), ("free", 0), ("alloc", 4, 1, 4),
            ("free", 1), ("hit", 1), ("evict", 3, 4), ("free", 0), ("reset",)]
     reqs = []
@@ -498,7 +498,7 @@ def test_end_step_launches_every_few_steps_or_a_big_batch(monkeypatch):
     assert launched == [0, 0, 1, 1, 1, 2, 2] and d2h.n == 0
     pool.get_new_blocks(8)  # 9 ids queued: past launch_ops
     pool.end_step()
-    assert pool.flushes == 3 and pool._batch.size == 0
+    assert pool.flushes == 3 and pool._backend.batch.size == 0
     pool.get_new_blocks(2)
     pool.sync()  # launches the 2 pops first: the device agrees with the host
     assert pool.flushes == 4 and d2h.n == 1 and pool.get_num_free_blocks() == 63 - 7 - 8 - 2

@@ -209,10 +209,10 @@ INPUTS = {
 def host_state(p) -> dict:
     """What an error must leave unchanged on the host (the fast path's queue copy and placeholders too;
     a synchronisation on the error's path may check the blocks changed since the last one)."""
-    out = dict(ref=list(p._ref), keys=list(p._keys), ntok=list(p._ntok), num_free=p._num_free,
+    out = dict(ref=list(p._ref), keys=list(p._keys), ntok=list(p._ntok), num_free=p._engine.num_free,
                holders={k: dict(v) for k, v in p.mirror.holders.items()})
     if isinstance(p, DeferredBlockPool):
-        out.update(queue=None if p.queue_copy.ids is None else list(p.queue_copy.ids), pending=len(p._pending))
+        out.update(queue=None if p.queue_copy.ids is None else list(p.queue_copy.ids), pending=len(p._engine.pending))
     return out
 
 

@@ -56,7 +56,7 @@ def _pools(caching, backend):
 
 def _check_same(ops, caching, backend):
     per_call, deferred = _pools(caching, backend)
-    assert deferred.deferred and deferred.host_events is not None and not deferred.device_pool.enable_kv_cache_events
+    assert deferred.deferred and isinstance(deferred._engine.events, HostEvents) and not deferred.device_pool.enable_kv_cache_events
     got, want = observed_run(deferred, ops), observed_run(per_call, ops)
     assert got == want, "the events or metrics calls differ"
     deferred.sync()

@@ -110,11 +110,14 @@ def test_mirror_follows_the_reference_pool_and_binds_placeholders():
     assert [m.ref[b] for b in a] == [1, 1, 1] and m.keys[a[0]] == (vllm_key(h(0), 0),)
     assert m.ntok[a[1]] == 8 and m.earliest(vllm_key(h(1), 0)) == a[1]
     # a placeholder keyed on the host, then bound to block 7, whose old key it evicts
-    m.add_key(7, vllm_key(h(9), 0), 100)
+    m.add_keys([7], [vllm_key(h(9), 0)], [100], [4])
     m.add_placeholder()
-    m.add_key(N, vllm_key(h(5), 0), 101)
+    m.add_keys([N], [vllm_key(h(5), 0)], [101], [8])
     m.bind(N, [7])
-    assert len(m.ref) == N and m.keys[7] == (vllm_key(h(5), 0),) and m.ref[7] == 1
+    assert len(m.ref) == N and m.keys[7] == (vllm_key(h(5), 0),) and m.ref[7] == 1 and m.ntok[7] == 8
     assert m.earliest(vllm_key(h(9), 0)) is None and m.holders[vllm_key(h(5), 0)] == {7: 101}
-    m.drop_keys(7)
-    assert m.earliest(vllm_key(h(5), 0)) is None
+    m.pop([7])  # a pop evicts its keys
+    assert m.earliest(vllm_key(h(5), 0)) is None and m.keys[7] == () and m.ref[7] == 1
+    # the rules of touch and release: the blocks that were free, and those reaching 0 (front: no key)
+    assert m.touch([7, 9, 9]) == [9] and m.ref[9] == 2
+    assert m.release([a[0], 9, 9, 7, 7]) == ([9, 7], [a[0]]) and m.ref[a[0]] == 0

@@ -3,13 +3,12 @@
 kernels; the fast path's ops gathered in an ``OpBatch`` and launched as one
 ``gpupool.BlockPool.apply_predicted``); :class:`ReferenceBackend` on the CPU oracle
 :class:`gpupool.reference.ReferenceBlockPool` (every op run at once). :func:`make_backend` picks one
-by name; the adapters (:class:`gpupool.vllm.BlockPool`, :class:`gpupool.vllm.DeferredBlockPool`)
-keep what is common to both.
+by name; the engines (:mod:`gpupool.vllm.engine`, :mod:`gpupool.vllm.fast_path`) drive them.
 
 Blocks are named by the host mirror's *slots*: block ids, and ``num_blocks + k`` for the fast path's
 k-th placeholder (a pop whose id is not known on the host yet). The device pool is read through its
 read API only (``counters``, ``mirror_rows``, ``free_window``, ``key_name``, ``host_tensor``,
-``apply_predicted``, ``check``, ``sweep_key_names``).
+``apply_predicted``, ``check``, ``sweep_key_names``), its rows as ``gpupool.kernels.layout`` names them.
 """
 from __future__ import annotations
 
@@ -62,10 +61,10 @@ class PoolBackend:
     """The interface both backends share (slots as in the module docstring).
 
     Attributes: ``name`` (``"device"`` / ``"reference"``, the adapter's ``backend``), ``pool`` (the
-    pool; the adapter's ``_dev`` aliases it), ``num_blocks``, ``stream`` (the pool's own CUDA stream,
+    pool), ``num_blocks``, ``stream`` (the pool's own CUDA stream,
     None off CUDA), ``flushes`` (launches of a batch).
 
-    The per-call adapter: :meth:`read_rows`. The fast path: :meth:`window`, :meth:`pop_known`,
+    The per-call engine: :meth:`read_rows`. The fast path: :meth:`window`, :meth:`pop_known`,
     :meth:`pop_pending`, :meth:`queue`, :meth:`cache`, :meth:`flush`, :meth:`read`, :meth:`apply`,
     :meth:`bound`.
     """
@@ -135,7 +134,7 @@ class PoolBackend:
 
 class DeviceBackend(PoolBackend):
     """:class:`gpupool.BlockPool`: the fast path's ops gathered in an :class:`OpBatch` (``batch``) and
-    launched as ONE ``apply_predicted`` (:meth:`flush`); the per-call adapter's mirror read in one
+    launched as ONE ``apply_predicted`` (:meth:`flush`); the per-call engine's mirror read in one
     transfer. Args as :class:`gpupool.BlockPool`'s; on CUDA the backend makes its own ``stream``."""
 
     name = "device"
@@ -161,7 +160,7 @@ class DeviceBackend(PoolBackend):
         self.flights: list[tuple[OpBatch, torch.Tensor, int, torch.Tensor | None]] = []
         self.flushes = 0
 
-    # ---- the per-call adapter ---------------------------------------------------------------------
+    # ---- the per-call engine ----------------------------------------------------------------------
     def read_rows(self, ids: list[int], mirror: HostMirror) -> int:
         """One transfer: the free count, the key insertion counter and ``mirror_rows`` of ``ids``."""
         dev = self.pool
@@ -449,9 +448,7 @@ class ReferenceBackend(PoolBackend):
 
     def cache(self, mirror, slots, hashes, group, ntok, nc, nf, block_size, full) -> range:
         self.pool.cache_full_blocks([0] * nc + self._ids(slots), full(), nc, nf, block_size, group)
-        q = mirror.seq
-        mirror.seq = q + len(slots)
-        return range(q + 1, q + 1 + len(slots))
+        return mirror.next_seqs(len(slots))
 
     def read(self, known: list[int], npend: int, window: int, exact: bool) -> SyncRead:
         p = self.pool
