@@ -460,18 +460,9 @@ class BlockPool:
             out.append(blk.block_id)
         return out
 
-    def _slots(self, blocks: list) -> list[int]:
-        """The mirror slots of ``blocks`` (a list), else ArgumentTypeError; one pass over canonical blocks."""
-        out = []
-        for blk in blocks:
-            if blk.__class__ is not KVCacheBlock or blk._pool is not self:
-                if not isinstance(blk, KVCacheBlock) or blk._pool is not self:
-                    self._ids([blk])  # raises the ArgumentTypeError
-            out.append(blk._s)
-        return out
-
     def _live_slots(self, blocks: list) -> list[int]:
-        """:meth:`_slots` without the null block."""
+        """The mirror slots of ``blocks`` (a list) but the null block, else ArgumentTypeError; one pass
+        over canonical blocks."""
         out = []
         for blk in blocks:
             if blk.__class__ is not KVCacheBlock or blk._pool is not self:

@@ -76,18 +76,6 @@ def test_a_bad_caching_raises_at_the_call():
     assert errors[0] == errors[1] and states[0] == states[1]
 
 
-def pools(n, backend, caching=True, **kw):
-    """(per-call, deferred) over ``backend``."""
-    kw.update(device="cpu") if backend == "device" else kw.update(backend="reference")
-    return BlockPool(n, caching, BS, **kw), DeferredBlockPool(n, caching, BS, **kw)
-
-
-def state(p) -> dict:
-    """The whole state vLLM's callers read, after a synchronisation."""
-    if isinstance(p, DeferredBlockPool):
-        p.sync()
-    return driver.snapshot(p)
-
 
 def _gen(xs):
     yield from xs
@@ -155,13 +143,13 @@ def run_input(p, other, case):
     except (PoolError, AssertionError) as e:
         outcome = type(e).__name__
         assert host_state(p) == before
-    return outcome, state(p), other.blocks[o[0].block_id].ref_cnt
+    return outcome, O.synced_snapshot(p), other.blocks[o[0].block_id].ref_cnt
 
 
 @pytest.mark.parametrize("case", sorted(INPUTS))
 def test_inputs_as_the_per_call_pool(case):
     """Over the reference backend (each case's device launches are those of the cases above)."""
-    got = [run_input(p, type(p)(4, True, BS, backend="reference"), case) for p in pools(8, "reference")]
+    got = [run_input(p, type(p)(4, True, BS, backend="reference"), case) for p in O.adapter_pair(8, "reference")]
     assert got[0] == got[1]
 
 
@@ -169,7 +157,7 @@ def test_inputs_as_the_per_call_pool(case):
 @pytest.mark.parametrize("case", sorted(INPUTS))
 def test_inputs_as_the_per_call_pool_device(case):
     got = []
-    for p in pools(8, "device"):
+    for p in O.adapter_pair(8, "device"):
         got.append(run_input(p, type(p)(4, True, BS, device="cpu"), case))
         if isinstance(p, DeferredBlockPool):
             O.mirror_is_device(p)
@@ -280,19 +268,7 @@ KINDS = (BlockPool, DeferredBlockPool)
 
 
 def make(cls, backend, caching=True):
-    kw = dict(device="cpu") if backend == "device" else dict(backend="reference")
-    return cls(EDGE_N, caching, BS, enable_kv_cache_events=True, metrics_collector=driver.MetricsLog(), **kw)
-
-
-def drain(*pools) -> list:
-    """Each pool's events (vLLM's fields) and metrics calls since the last drain."""
-    return [([driver._event(e) for e in p.take_events()], p.metrics_collector.take()) for p in pools]
-
-
-def synced_snapshot(pool) -> dict:
-    if isinstance(pool, DeferredBlockPool):
-        pool.sync()
-    return driver.snapshot(pool)
+    return O.observed_pool(cls, EDGE_N, backend, caching)
 
 
 def _two_pools(kind, other_kind, backend):
@@ -301,7 +277,7 @@ def _two_pools(kind, other_kind, backend):
     mine, theirs = p.get_new_blocks(2), o.get_new_blocks(2)
     p.cache_full_blocks(driver.request(driver.tokens_of(1)[: 2 * BS]), mine, 0, 2, BS, 0)
     o.cache_full_blocks(driver.request(driver.tokens_of(2)[: 2 * BS]), theirs, 0, 2, BS, 0)
-    drain(p, o)
+    O.drain(p, o)
     return p, mine, o, theirs
 
 
@@ -324,13 +300,13 @@ def test_refused_op_over_two_pools_changes_and_emits_nothing(case, kind, other_k
     p, mine, o, theirs = _two_pools(kind, other_kind, "reference")
     if other_frees_first:
         o.free_blocks(theirs[:1])
-        drain(o)
-    before = synced_snapshot(p), synced_snapshot(o)
+        O.drain(o)
+    before = O.synced_snapshot(p), O.synced_snapshot(o)
     with pytest.raises(PoolError) as e:
         f(p, mine, theirs)
     assert type(e.value).__name__ == error
-    assert drain(p, o) == [([], []), ([], [])]
-    assert (synced_snapshot(p), synced_snapshot(o)) == before
+    assert O.drain(p, o) == [([], []), ([], [])]
+    assert (O.synced_snapshot(p), O.synced_snapshot(o)) == before
 
 
 @pytest.mark.parametrize("kind,other_kind", list(itertools.product(KINDS, KINDS)),
@@ -342,5 +318,5 @@ def test_free_over_two_pools_equals_two_frees(kind, other_kind):
     p.free_blocks(list(reversed(mine)) + list(reversed(theirs)))
     q.free_blocks(list(reversed(mine_q)))
     r.free_blocks(list(reversed(theirs_r)))
-    assert drain(p, o) == drain(q, r)
-    assert (synced_snapshot(p), synced_snapshot(o)) == (synced_snapshot(q), synced_snapshot(r))
+    assert O.drain(p, o) == O.drain(q, r)
+    assert (O.synced_snapshot(p), O.synced_snapshot(o)) == (O.synced_snapshot(q), O.synced_snapshot(r))

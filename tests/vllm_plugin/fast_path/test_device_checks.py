@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 pytest.importorskip("msgspec", reason="gpupool.vllm needs msgspec (pip install -e '.[vllm]')")
 
-from gpupool.errors import DoubleFreeError, InvalidBlockIdError, PoolError  # noqa: E402
+from gpupool.errors import InvalidBlockIdError, PoolError  # noqa: E402
 from gpupool.vllm.fast_path import DeferredBlockPool, PendingBlock  # noqa: E402
 from gpupool.vllm import BlockPool, fast_path  # noqa: E402
 
@@ -75,18 +75,6 @@ def test_reuse_watchers_fire_at_the_pop(backend):
 BACKENDS = ["reference", "device"]
 
 
-def pools(n, backend, caching=True, **kw):
-    """(per-call, deferred) over ``backend``."""
-    kw.update(device="cpu") if backend == "device" else kw.update(backend="reference")
-    return BlockPool(n, caching, BS, **kw), DeferredBlockPool(n, caching, BS, **kw)
-
-
-def state(p) -> dict:
-    """The whole state vLLM's callers read, after a synchronisation."""
-    if isinstance(p, DeferredBlockPool):
-        p.sync()
-    return driver.snapshot(p)
-
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("with_null", [False, True])
@@ -95,12 +83,12 @@ def test_free_of_a_block_a_placeholder_took(monkeypatch, backend, with_null):
     has at ref 0 that the pop took (a stale reference), beside a placeholder or the null block."""
     monkeypatch.setattr(fast_path, "FREE_WINDOW", 1)
     out = []
-    for p in pools(6, backend):
+    for p in O.adapter_pair(6, backend):
         got = p.get_new_blocks(3)
         assert isinstance(got[0], PendingBlock) == isinstance(p, DeferredBlockPool)
         first = p.null_block if with_null else got[0]
         p.free_blocks([first, p.blocks[2]])
-        out.append(([b.block_id for b in got], state(p)))
+        out.append(([b.block_id for b in got], O.synced_snapshot(p)))
     assert out[0] == out[1]
 
 
@@ -239,19 +227,9 @@ def test_other_users_leave_the_mirror_the_devices(ops, n, window, launch):
         mp.setattr(DeferredBlockPool, "launch_every", launch[0])
         mp.setattr(DeferredBlockPool, "launch_ops", launch[1])
         p = DeferredBlockPool(n, True, BS, device="cpu")
-        reqs, seen, theirs = [], [], []
-        for op in ops:
-            try:
-                if op[0] == "end_step":
-                    p.end_step()
-                elif op[0] == "sync":
-                    p.sync()
-                elif op[0].startswith("o_"):
-                    other_user(p, op, reqs, theirs)
-                else:
-                    O.apply_op(p, op, reqs, seen)
-            except PoolError:  # what a synchronisation found (another user's doing), or a refused op
-                pass
+        # a PoolError raised (what a synchronisation found, another user's doing, or a refused op) is kept
+        # as an answer and the ops go on
+        O.run_mixed(p, ops, other_user, [], [], [])
         for _ in range(2):  # the first may raise what it finds
             try:
                 p.sync("final", window=True)

@@ -26,6 +26,7 @@ from gpupool.errors import PoolError  # noqa: E402
 
 sys.path.insert(0, str(CONFORMANCE))
 import driver  # noqa: E402
+from harness import vllm_ops as O  # noqa: E402
 from harness.vllm_ops import DRIVER_OPS as OPS, prefix_hit  # noqa: E402
 
 N = 10
@@ -100,19 +101,7 @@ KINDS = (BlockPool, DeferredBlockPool)
 
 
 def make(cls, backend, caching=True):
-    kw = dict(device="cpu") if backend == "device" else dict(backend="reference")
-    return cls(EDGE_N, caching, BS, enable_kv_cache_events=True, metrics_collector=driver.MetricsLog(), **kw)
-
-
-def drain(*pools) -> list:
-    """Each pool's events (vLLM's fields) and metrics calls since the last drain."""
-    return [([driver._event(e) for e in p.take_events()], p.metrics_collector.take()) for p in pools]
-
-
-def synced_snapshot(pool) -> dict:
-    if isinstance(pool, DeferredBlockPool):
-        pool.sync()
-    return driver.snapshot(pool)
+    return O.observed_pool(cls, EDGE_N, backend, caching)
 
 
 def outcome(f, pool, held):
@@ -192,10 +181,10 @@ def run_sequence(backend, ops):
     per_call, deferred = (make(cls, backend) for cls in KINDS)
     held = {per_call: [], deferred: []}
     for i, f in enumerate(ops):
-        want = (outcome(f, per_call, held[per_call]), drain(per_call))
-        got = (outcome(f, deferred, held[deferred]), drain(deferred))
+        want = (outcome(f, per_call, held[per_call]), O.drain(per_call))
+        got = (outcome(f, deferred, held[deferred]), O.drain(deferred))
         assert got == want, f"op {i}"
-    assert synced_snapshot(deferred) == synced_snapshot(per_call)
+    assert O.synced_snapshot(deferred) == O.synced_snapshot(per_call)
 
 
 @pytest.mark.parametrize("name", list(SEQUENCES))
