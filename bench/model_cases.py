@@ -669,13 +669,17 @@ def case_vllm(gp, gc, B: int, args, flush: bool) -> dict:
     free0 = pool.get_num_free_blocks()
     build_s += time.perf_counter() - t0
 
-    from gpupool.pool import PredictedBatch
-    items = ([(hs[1], g) for hs, _, _, _, g in calls], [2 * BLOCK_SIZE] * n_fill, [1] * n_fill)
+    from gpupool.kernels.flush import FlushBatch
 
     def fused():  # as the fast path launches it: host ints, one copy with the demands and the keys
-        return pool.apply_predicted(PredictedBatch(
-            free_ids=[b for f in fin for b in f], free_offsets=list(range(0, n_fin * per + 1, per)),
-            demands=[1] * n_cross, cache_ids=fill, cache_items=items))
+        b = FlushBatch()
+        for f in fin:
+            b.add_free(f)
+        for _ in range(n_cross):
+            b.add_pop(1)
+        for blk, (hs, _, _, _, g) in zip(fill, calls):
+            b.add_cache([blk], [(hs[1], g)], [2 * BLOCK_SIZE])
+        return pool.apply_predicted(b)
 
     def per_call():
         for ids in fin_ids:

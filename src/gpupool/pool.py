@@ -38,27 +38,16 @@ from .kernels import cache as k_cache
 from .kernels import flush as k_flush
 from .kernels import lookup as k_lookup
 from .kernels import release as k_release
-from .kernels.layout import (CHUNK_SLOTS, KEY_WIDTH, MIRROR_KEY_WIDTH, Ctrl, Event, Fallback, KeyCol, MirrorCol, Op,
-                             Status, op_name)
+from .kernels.flush import FlushBatch
+from .kernels.layout import (
+    CHUNK_SLOTS, KEY_WIDTH, MIRROR_KEY_WIDTH, ROUND_WIDTH, Ctrl, Event, Fallback, KeyCol, MirrorCol, Op, RoundField,
+    Status, op_name,
+)
 from .locking import locked, new_lock
 from .memory import allocate_checked
 from .registry import KeyRegistry
 from .state import PoolConfig, PoolState, allocate_state, make_config, metadata_bytes
 
-
-@dataclass
-class PredictedBatch:
-    """The parts of :meth:`BlockPool.apply_predicted` (each as ``apply_batched``'s argument of that
-    name): ``cache_items`` is ``(keys, ntok, per_call)``, per cached block its ``(hash, group)`` and
-    covered tokens and the number of blocks of each caching call."""
-
-    free_ids: object = None
-    free_offsets: object = None
-    touch_ids: object = None
-    demands: list = ()
-    cache_ids: object = None
-    cache_items: tuple = ((), (), ())
-    rounds: list | None = None
 
 
 @dataclass(frozen=True)
@@ -547,46 +536,7 @@ class BlockPool:
             raise InvalidArgumentError(op, "a pool with KV events runs the ops one by one")
         _, n_cids = self._i32_part(op, cache_ids, "cache_ids")
         keys, ntok, per_call = self._cache_items(op, cache_calls, n_cids, "cache_ids")
-        blocks, offsets, _ = self._launch_batch(op, free_ids, free_offsets, touch_ids, demands, cache_ids,
-                                                (keys, ntok, per_call), rounds)
-        return blocks, offsets
-
-    @locked
-    def apply_predicted(self, batch: PredictedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`apply_batched` for a caller that predicts its pops and checked its cachings itself (the
-        vLLM fast path, docs/algorithms.md section 8): ``batch``'s parts as ``apply_batched``'s, its
-        cachings as ``cache_items`` (per cached block its ``(hash, group)`` and covered tokens, checked by
-        the caller with ``gpupool.args.cache_full_args``). Not waiting.
-
-        Returns ``(blocks: int32[sum(demands)], confirm: int32[2])`` on the device: the pops as
-        ``apply_batched``'s (-1 where a round's pops failed or were skipped), which the caller compares
-        with its predictions when it next synchronises, and the launch's confirmation, read then too:
-        the status code before the launch (not 0: a recorded error made the launch do nothing) and the
-        status code after it (not 0 with the first 0: this launch failed), both written by the kernel
-        (no device op besides the one launch and its one host-to-device copy). Raises at once what
-        ``apply_batched`` raises for bad host values, and InvalidArgumentError for cache items that do
-        not match ``cache_ids``."""
-        op = "apply_predicted"
-        if self.enable_kv_cache_events:
-            raise InvalidArgumentError(op, "a pool with KV events runs the ops one by one")
-        keys, ntok, per_call = batch.cache_items
-        n_cids = 0 if batch.cache_ids is None else len(batch.cache_ids)
-        if not (len(keys) == len(ntok) == sum(per_call) == (n_cids if self.enable_caching else 0)):
-            raise InvalidArgumentError(op, f"cache_items: {len(keys)} keys, {len(ntok)} token counts, "
-                                           f"{sum(per_call)} blocks in the calls, {n_cids} cache_ids")
-        blocks, _, confirm = self._launch_batch(op, batch.free_ids, batch.free_offsets, batch.touch_ids,
-                                                batch.demands, batch.cache_ids, batch.cache_items, batch.rounds)
-        return blocks, confirm
-
-    def _launch_batch(self, op, free_ids, free_offsets, touch_ids, demands, cache_ids, cache_items, rounds):
-        """The launch behind :meth:`apply_batched` and :meth:`apply_predicted`: (blocks, offsets, confirm)."""
-        if type(demands) is list and all(type(d) is int for d in demands):  # plain ints (the fast path's)
-            dem = demands
-        else:
-            dem = [as_int(op, d, "demand") for d in as_host_list(op, demands, "demands")]
-        if dem and min(dem) < 0:
-            bad = next(d for d in dem if d < 0)
-            raise InvalidCountError(op, f"a demand must be >= 0, got {bad}", bad)
+        dem = self._demands(op, demands)
         fids, n_free = self._i32_part(op, free_ids, "free_ids")
         seg, n_seg = None, None
         if free_ids is not None:
@@ -597,15 +547,67 @@ class BlockPool:
                 raise InvalidArgumentError(op, "free_offsets needs at least one entry (0)")
         tids, n_touch = self._i32_part(op, touch_ids, "touch_ids")
         cids, _ = self._i32_part(op, cache_ids, "cache_ids")
-        keys, ntok, per_call = cache_items
         parts = self._rounds(op, rounds, n_free, n_seg, n_touch, dem, per_call)
-        for part in parts:
-            want = sum(part[3])
+        batch = FlushBatch.of_rounds(fids, seg, tids, dem, cids, (keys, ntok, per_call), parts)
+        blocks, offsets, _ = self._launch_batch(op, batch, rounds is not None)
+        return blocks, offsets
+
+    @locked
+    def apply_predicted(self, batch: FlushBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`apply_batched` for a caller that predicts its pops and checked its cachings itself (the
+        vLLM fast path, docs/algorithms.md section 8), its ops as a ``gpupool.kernels.flush.FlushBatch``
+        (built with its ``add_*`` methods and ``cut``: the round table kept with the parts; the id parts
+        host ints or ``int32`` device tensors, ``N + k`` in the caching naming the launch's k-th pop; its
+        cachings' keys checked by the caller with ``gpupool.args.cache_full_args``). Not waiting.
+
+        Returns ``(blocks: int32[sum(demands)], confirm: int32[CONFIRM_WIDTH])`` on the device: the pops
+        as ``apply_batched``'s (-1 where a round's pops failed or were skipped), which the caller compares
+        with its predictions when it next synchronises, and the launch's confirmation
+        (``layout.Confirm``), read then too: the status code before the launch (not 0: a recorded error
+        made the launch do nothing) and the status code after it (not 0 with the first 0: this launch
+        failed), both written by the kernel (no device op besides the one launch and its one
+        host-to-device copy). Raises at once what ``apply_batched`` raises for bad host values, and
+        InvalidArgumentError for a batch whose parts do not match its round table or its cache items."""
+        op = "apply_predicted"
+        if self.enable_kv_cache_events:
+            raise InvalidArgumentError(op, "a pool with KV events runs the ops one by one")
+        if not isinstance(batch, FlushBatch):
+            raise ArgumentTypeError(op, f"batch must be a gpupool.kernels.flush.FlushBatch, got {type(batch).__name__}")
+        n_cids = len(batch.cache_ids)
+        keys, ntok, per_call = batch.cache_keys, batch.cache_ntok, batch.cache_calls
+        if not (len(keys) == len(ntok) == sum(per_call) == (n_cids if self.enable_caching else 0)):
+            raise InvalidArgumentError(op, f"cache items: {len(keys)} keys, {len(ntok)} token counts, "
+                                           f"{sum(per_call)} blocks in the calls, {n_cids} cache_ids")
+        blocks, _, confirm = self._launch_batch(op, batch, True)
+        return blocks, confirm
+
+    @staticmethod
+    def _demands(op: str, demands) -> list[int]:
+        """Host demands as plain ints >= 0 (InvalidCountError)."""
+        if type(demands) is list and all(type(d) is int for d in demands):  # plain ints (the fast path's)
+            dem = demands
+        else:
+            dem = [as_int(op, d, "demand") for d in as_host_list(op, demands, "demands")]
+        if dem and min(dem) < 0:
+            bad = next(d for d in dem if d < 0)
+            raise InvalidCountError(op, f"a demand must be >= 0, got {bad}", bad)
+        return dem
+
+    def _launch_batch(self, op: str, b: FlushBatch, in_rounds: bool):
+        """The launch behind :meth:`apply_batched` and :meth:`apply_predicted`: (blocks, offsets,
+        confirm). ``in_rounds``: the caller gave rounds (named in an error)."""
+        fids, n_free = self._i32_part(op, b.free_ids, "free_ids")
+        seg, n_seg = self._i32_part(op, b.free_offsets, "free_offsets")
+        tids, n_touch = self._i32_part(op, b.touch_ids, "touch_ids")
+        cids, _ = self._i32_part(op, b.cache_ids, "cache_ids")
+        n_cache = len(b.cache_keys)  # the cachings that run: none with caching off, whatever ids came
+        table, dem = b.table, self._demands(op, b.demands)
+        self._check_table(op, table, n_free, n_seg, n_touch, len(dem), n_cache, seg is not None)
+        for want in b.round_pops():
             if want > self.num_blocks - 1:  # never fits (a free cannot make more blocks free); sizes the output
                 raise OutOfBlocksError(op, f"the demands' sum {want} exceeds the pool's {self.num_blocks - 1} blocks"
-                                       + (" (in a round)" if rounds is not None else ""), want)
+                                       + (" (in a round)" if in_rounds else ""), want)
         total = sum(dem)
-        table = k_flush.round_table(parts, seg is not None)
         # ONE host-to-device copy: a placeholder entry for empty parts, demands, rounds, the host parts, and
         # the caching's int64 keys; split on the device in one op
         host, sizes = [0] + dem + table, [1, len(dem), len(table)]
@@ -614,15 +616,32 @@ class BlockPool:
             if n:
                 host += v
             sizes.append(n)
-        small, key_flat = tensors.to_device_packed([(host, torch.int32), (self._key_values(keys, ntok), torch.int64)],
-                                                   self.device)
+        small, key_flat = tensors.to_device_packed(
+            [(host, torch.int32), (self._key_values(b.cache_keys, b.cache_ntok), torch.int64)], self.device)
         one, d_dem, d_table, *d_parts = small.split_with_sizes(sizes)
         d_f, d_s, d_t, d_c = (d if type(v) is list else v for v, d in zip((fids, seg, tids, cids), d_parts))
-        nd = len(dem)
         return k_flush.launch_flush(
-            self.state, self.config, d_f if n_free else one, one if seg is None else d_s, d_t if n_touch else one,
-            d_dem if dem else one, d_table, d_c if keys else one, *self._split_keys(key_flat), n_rounds=len(parts),
-            n_free=n_free, n_touch=n_touch, n_demands=nd, n_cache=len(keys), total=total)
+            self.state, self.config, d_f if n_free else one, d_s if n_seg else one, d_t if n_touch else one,
+            d_dem if dem else one, d_table, d_c if n_cache else one, *self._split_keys(key_flat),
+            n_rounds=len(table) // ROUND_WIDTH, n_free=n_free, n_touch=n_touch, n_demands=len(dem),
+            n_cache=n_cache, total=total)
+
+    @staticmethod
+    def _check_table(op: str, table: list, n_free: int, n_seg: int, n_touch: int, n_dem: int, n_cache: int,
+                     has_seg: bool) -> None:
+        """A batch's round table against its parts' lengths (InvalidArgumentError where they differ)."""
+        if not table or len(table) % ROUND_WIDTH:
+            raise InvalidArgumentError(op, f"a round table has {ROUND_WIDTH} entries per round, got {len(table)}")
+        last = len(table) - ROUND_WIDTH
+        got = (table[last + RoundField.FREE_START] + table[last + RoundField.FREE_IDS],
+               table[last + RoundField.TOUCH_START] + table[last + RoundField.TOUCHES],
+               table[last + RoundField.DEMANDS_START] + table[last + RoundField.DEMANDS],
+               table[last + RoundField.CACHE_START] + table[last + RoundField.CACHINGS])
+        if got != (n_free, n_touch, n_dem, n_cache) or (
+                has_seg and table[last + RoundField.FREE_OFFSETS_START] + table[last + RoundField.FREE_CALLS] + 1
+                != n_seg):
+            raise InvalidArgumentError(op, f"the round table adds up to (free ids, touch ids, demands, cached "
+                                           f"blocks) {got}, the parts have {(n_free, n_touch, n_dem, n_cache)}")
 
     # ---- the read API: device views for a host mirror of the pool (the vLLM adapter), no wait ------
     def mirror_rows(self, idx: torch.Tensor, key_slots: int | None = None) -> torch.Tensor:
@@ -698,7 +717,7 @@ class BlockPool:
     @staticmethod
     def _rounds(op: str, rounds, n_free: int, n_seg, n_touch: int, dem: list[int], per_call: list[int]) -> list:
         """``apply_batched``'s rounds checked against the parts' lengths (``n_seg``: None without free
-        ids), as ``round_table`` takes them (cache calls as cached blocks). Raises InvalidArgumentError
+        ids), as ``FlushBatch.of_rounds`` takes them (cache calls as cached blocks). Raises InvalidArgumentError
         where they do not add up."""
         nseg = 0 if n_seg is None else n_seg
         if rounds is None:

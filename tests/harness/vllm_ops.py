@@ -180,3 +180,51 @@ def mirror_is_device(p) -> None:
         assert [tuple(k) for k in dp.block_keys(b)] == [(get_block_hash(k), get_group_id(k)) for k in p._keys[b]], b
     for key in p.mirror.holders:
         assert dp.get_cached_block(get_block_hash(key), [get_group_id(key)]) == [p.mirror.earliest(key)], key
+
+
+def adapter_pair(n: int, backend: str, caching: bool = True, **kw):
+    """(the per-call adapter, the fast path) of ``n`` blocks over ``backend`` (``"device"``: on the CPU)."""
+    from gpupool.vllm import BlockPool
+    from gpupool.vllm.fast_path import DeferredBlockPool
+
+    kw.update(device="cpu") if backend == "device" else kw.update(backend="reference")
+    return BlockPool(n, caching, BS, **kw), DeferredBlockPool(n, caching, BS, **kw)
+
+
+def observed_pool(cls, n: int, backend: str, caching: bool = True):
+    """An adapter of class ``cls`` with KV events and a metrics log (``driver.MetricsLog``) on."""
+    kw = dict(device="cpu") if backend == "device" else dict(backend="reference")
+    return cls(n, caching, BS, enable_kv_cache_events=True, metrics_collector=driver.MetricsLog(), **kw)
+
+
+def drain(*pools) -> list:
+    """Each pool's events (vLLM's fields) and metrics calls since the last drain."""
+    return [([driver._event(e) for e in p.take_events()], p.metrics_collector.take()) for p in pools]
+
+
+def synced_snapshot(p) -> dict:
+    """The whole state vLLM's callers read (``driver.snapshot``), the fast path synchronised first."""
+    if hasattr(p, "sync"):
+        p.sync()
+    return driver.snapshot(p)
+
+
+def run_mixed(p, ops, other, reqs: list, seen: list, theirs: list) -> None:
+    """``ops`` on the adapter ``p``: vLLM's (:func:`apply_op`), ``("end_step",)``, ``("sync",)`` (the fast
+    path's) and another user's (``("o_...", ...)``: ``other(p, op, reqs, theirs)``, what it returns
+    appended to ``seen``); a PoolError raised is an answer too (its type appended)."""
+    from gpupool.errors import PoolError
+
+    for op in ops:
+        try:
+            if op[0] == "end_step":
+                p.end_step()
+            elif op[0] == "sync":
+                if hasattr(p, "sync"):
+                    p.sync()
+            elif op[0].startswith("o_"):
+                seen.append(other(p, op, reqs, theirs))
+            else:
+                apply_op(p, op, reqs, seen)
+        except PoolError as e:
+            seen.append(type(e).__name__)

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpupool import BlockPool as DevicePool
-from gpupool.pool import PredictedBatch
-from gpupool.errors import DoubleFreeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError, PoolError
+from gpupool.kernels.flush import FlushBatch
+from gpupool.errors import ArgumentTypeError, DoubleFreeError, InvalidArgumentError, InvalidCountError, OutOfBlocksError, PoolError
 
 from harness.compare import assert_pools_agree
 from harness.keys import h
@@ -173,9 +173,15 @@ def test_host_parts_and_predicted_launch():
     assert (old2, held2) == (old, held)
     calls = [([h("c0"), h("c1")], 1, 2, BS, 0)]
     kw = dict(demands=[2, 1], rounds=[(1, 1, 1, 1, 0), (0, 0, 0, 1, 1)])
-    items = ([(h("c1"), 0)], [2 * BS], [1])
-    a, confirm = dev.apply_predicted(PredictedBatch(free_ids=[held[5]], free_offsets=[0, 1, 0], touch_ids=[old[0]],
-                                                    cache_ids=[N + 2], cache_items=items, **kw))
+    batch = FlushBatch()  # the same two rounds, built op by op
+    batch.add_free([held[5]])
+    batch.add_touch([old[0]])
+    batch.add_pop(2)
+    batch.cut()
+    batch.add_pop(1)
+    batch.add_cache([N + 2], [(h("c1"), 0)], [2 * BS])
+    assert batch.free_offsets == [0, 1, 0] and batch.rounds == 2
+    a, confirm = dev.apply_predicted(batch)
     b, _ = twin.apply_batched(free_ids=cpu_i32([held[5]]), free_offsets=cpu_i32([0, 1, 0]), touch_ids=cpu_i32([old[0]]),
                               cache_ids=cpu_i32([N + 2]), cache_calls=calls, **kw)
     dev.check()
@@ -187,28 +193,50 @@ def test_host_parts_and_predicted_launch():
         with pytest.raises(PoolError):
             dev.apply_batched(**bad)
         assert pool_state(dev) == before
-    for bad in (dict(demands=[1], cache_ids=[1], cache_items=([], [], [])), dict(demands=[-1]),
-                dict(demands=[1], touch_ids=[2**31])):
+    for bad in (dict(pop=1, cache_ids=[1]), dict(pop=-1), dict(pop=1, touch=[2**31]), dict(pop=1, table=[0]),
+                dict(pop=2**40), dict(touch=["x"]), dict(free=[old[0]], table=[0] * 12), dict(free=[-2**40]),
+                dict(pop=1, table=predicted(pop=1, touch=[old[0]]).table)):
+        b = predicted(**bad)
         with pytest.raises(PoolError):
-            dev.apply_predicted(PredictedBatch(**bad))
+            dev.apply_predicted(b)
         assert pool_state(dev) == before
+    for junk in (None, {}, "batch", [1], predicted):  # not a batch: nothing read from it
+        with pytest.raises(ArgumentTypeError):
+            dev.apply_predicted(junk)
+        assert pool_state(dev) == before
+
+
+def predicted(pop=None, free=None, touch=None, cache_ids=None, table=None) -> FlushBatch:
+    """A one-round batch (``cache_ids``, ``table``: set as given, whatever the rest says)."""
+    b = FlushBatch()
+    if free is not None:
+        b.add_free(free)
+    if touch is not None:
+        b.add_touch(touch)
+    if pop is not None:
+        b.add_pop(pop)
+    if cache_ids is not None:
+        b.cache_ids = cache_ids
+    if table is not None:
+        b.table = table
+    return b
 
 
 def test_a_launch_confirms_whether_it_ran():
     """``apply_predicted``'s confirmation: (0, 0) when it ran; the status before the launch when an
     error recorded earlier made it do nothing (its pops -1); (0, code) when it failed itself."""
     _, dev, old, held = setup()
-    _, c = dev.apply_predicted(PredictedBatch(demands=[1]))
+    _, c = dev.apply_predicted(predicted(pop=1))
     assert c.tolist() == [0, 0]
     before = pool_state(dev)
     dev.free_batched(cpu_i32([old[0]]), cpu_i32([0, 1]))  # a double free: recorded, nothing changed
-    blocks, c = dev.apply_predicted(PredictedBatch(demands=[1]))
+    blocks, c = dev.apply_predicted(predicted(pop=1))
     code = c.tolist()[0]
     assert code != 0 and c.tolist() == [code, code] and blocks.tolist() == [-1]
     with pytest.raises(DoubleFreeError):
         dev.check()
     assert pool_state(dev) == before
-    _, c = dev.apply_predicted(PredictedBatch(free_ids=[old[0]], free_offsets=[0, 1]))
+    _, c = dev.apply_predicted(predicted(free=[old[0]]))
     assert c.tolist()[0] == 0 and c.tolist()[1] != 0
     with pytest.raises(DoubleFreeError):
         dev.check()
@@ -278,3 +306,19 @@ def test_demands_past_the_pool_raise_at_the_call():
             dev.apply_batched(free_ids=cpu_i32([held[0]]), free_offsets=cpu_i32([0, 1]), demands=demands)
         assert pool_state(dev) == before
     dev.check()
+
+
+def test_caching_off_runs_no_caching_part():
+    """With caching off the caching part is a no-op whatever ids it names (cache_blocks_batched's): the
+    launch pops and frees as the single calls do, and keys nothing."""
+    ref, dev = pool_twin(N, device="cpu", enable_caching=False)
+    held = [int(b) for b in ref.get_new_blocks(2)]
+    assert [int(b) for b in dev.get_new_blocks(2)] == held
+    calls = [([h("c0"), h("c1")], 0, 2, BS, 0)]
+    a, _ = dev.apply_batched(free_ids=cpu_i32(held[:1]), free_offsets=cpu_i32([0, 1]), demands=[1, 1],
+                             cache_ids=cpu_i32([N, N + 1]), cache_calls=calls)
+    dev.check()
+    ref.free_blocks(held[:1])
+    b = [int(x) for x in ref.get_new_blocks(1)] + [int(x) for x in ref.get_new_blocks(1)]
+    assert a.tolist() == b
+    assert_pools_agree(ref, dev)

@@ -12,6 +12,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gpupool.errors import InvalidArgumentError, InvalidBlockIdError
+from gpupool.kernels.layout import MirrorKey, mirror_key_col
 from gpupool.reference import ReferenceBlockPool
 from gpupool.vllm.backends import DeviceBackend, ReferenceBackend, make_backend
 from gpupool.vllm.host_mirror import HostMirror, vllm_key
@@ -186,9 +187,8 @@ def test_exact_sync_takes_the_pools_seqs(kind):
     b.pop_known(3, ids)
     hashes = [h(i) for i in range(3)]
     seqs = list(b.cache(m, ids, hashes, 0, [BS, 2 * BS, 3 * BS], 0, 3, BS, lambda: hashes))
-    for i, (s, x, q) in enumerate(zip(ids, hashes, seqs)):  # the host's predicted rows, as the fast path's
-        m.ref[s], m.ntok[s] = 1, (i + 1) * BS
-        m.add_key(s, vllm_key(x, 0), q)
+    m.pop(ids)  # the host's predicted rows, as the fast path's
+    m.add_keys(ids, [vllm_key(x, 0) for x in hashes], seqs, [BS, 2 * BS, 3 * BS])
     b.flush()
     r = b.read(ids, 0, 0, True)
     assert claim_rows(r.claims) == [(1, 1, (i + 1) * BS) for i in range(3)] and r.num_free == N - 4
@@ -197,7 +197,7 @@ def test_exact_sync_takes_the_pools_seqs(kind):
     got = [m.holders[vllm_key(x, 0)][s] for s, x in zip(ids, hashes)]
     assert got == seqs == sorted(got)
     if kind == "device":  # the device's own seqs, as the host predicted them
-        assert [row[5] for row in b.pool.mirror_rows(torch.tensor(ids)).tolist()] == seqs
+        assert [row[mirror_key_col(0, MirrorKey.SEQ)] for row in b.pool.mirror_rows(torch.tensor(ids)).tolist()] == seqs
     b.queue("free", ids[::-1], False)
     b.flush()
     r = b.read(ids, 0, 0, True)
@@ -217,9 +217,8 @@ def test_device_seqs_taken_whole_when_another_user_keyed_blocks():
     ids = b.window(N)[:2]
     b.pop_known(2, ids)
     seqs = list(b.cache(m, ids, [h(0), h(1)], 0, [BS, 2 * BS], 0, 2, BS, None))
-    for i, (s, q) in enumerate(zip(ids, seqs)):
-        m.ref[s], m.ntok[s] = 1, (i + 1) * BS
-        m.add_key(s, vllm_key(h(i), 0), q)
+    m.pop(ids)
+    m.add_keys(ids, [vllm_key(h(0), 0), vllm_key(h(1), 0)], seqs, [BS, 2 * BS])
     b.pool.cache_full_blocks([other], [h(9)], 0, 1, BS, 0)  # the other user keys it before the launch
     b.flush()
     r = b.read(ids, 0, 0, True)

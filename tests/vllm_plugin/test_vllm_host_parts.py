@@ -1,6 +1,6 @@
 """The fast path's host-side parts, each on its own: the host's copy of the free queue
 (``FreeQueueCopy``) against the reference pool's queue under random pops, frees and touches; the op
-batch's round rules (``OpBatch.placement``, ``parts``); the host mirror (``HostMirror``) against the
+batch's round rules (``OpBatch.placement``, the flush batch it launches as); the host mirror (``HostMirror``) against the
 reference pool, and the binding of placeholders."""
 import hashlib
 
@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from gpupool.reference import ReferenceBlockPool
 from gpupool.vllm.host_mirror import HostMirror, vllm_key
+from gpupool.kernels.flush import FlushBatch
 from gpupool.vllm.op_batch import OpBatch
 from gpupool.vllm.queue_copy import FreeQueueCopy
 
@@ -89,14 +90,15 @@ def test_batch_round_rules():
     b.add_touch([8])
     assert b.placement("free", [8], False, launched) == "round"  # a free of a block the round touched
     b.add_free([8, 9])
-    p = b.parts()
-    assert p["demands"] == [2] and b.pred == [5, 6] and p["touch"] == [8] and p["free"] == [8, 9]
-    assert p["seg"] == [0, 0, 2] and p["cache_slots"] == [5]
-    assert p["cache_items"] == ([(h(1), 0)], [16], [1])
-    assert p["rounds"] == [(0, 0, 0, 1, 1), (2, 1, 1, 0, 0)]
+    assert b.demands == [2] and b.pred == [5, 6] and b.touch_ids == [8] and b.free_ids == [8, 9]
+    assert b.free_offsets == [0, 0, 2] and b.cache_ids == [5]
+    assert (b.cache_keys, b.cache_ntok, b.cache_calls) == ([(h(1), 0)], [16], [1])
+    # the kernel's round table, as FlushBatch.of_rounds builds it from per-round counts
+    assert b.table == FlushBatch.of_rounds([8, 9], [0, 0, 2], [8], [2], [5], ([(h(1), 0)], [16], [1]),
+                                           [(0, 0, 0, [2], 1), (2, 1, 1, [], 0)]).table
     empty = OpBatch()
     empty.cut()
-    assert not empty and len(empty.rounds) == 1
+    assert not empty and empty.rounds == 1
 
 
 def test_mirror_follows_the_reference_pool_and_binds_placeholders():
@@ -108,11 +110,14 @@ def test_mirror_follows_the_reference_pool_and_binds_placeholders():
     assert [m.ref[b] for b in a] == [1, 1, 1] and m.keys[a[0]] == (vllm_key(h(0), 0),)
     assert m.ntok[a[1]] == 8 and m.earliest(vllm_key(h(1), 0)) == a[1]
     # a placeholder keyed on the host, then bound to block 7, whose old key it evicts
-    m.add_key(7, vllm_key(h(9), 0), 100)
+    m.add_keys([7], [vllm_key(h(9), 0)], [100], [4])
     m.add_placeholder()
-    m.add_key(N, vllm_key(h(5), 0), 101)
+    m.add_keys([N], [vllm_key(h(5), 0)], [101], [8])
     m.bind(N, [7])
-    assert len(m.ref) == N and m.keys[7] == (vllm_key(h(5), 0),) and m.ref[7] == 1
+    assert len(m.ref) == N and m.keys[7] == (vllm_key(h(5), 0),) and m.ref[7] == 1 and m.ntok[7] == 8
     assert m.earliest(vllm_key(h(9), 0)) is None and m.holders[vllm_key(h(5), 0)] == {7: 101}
-    m.drop_keys(7)
-    assert m.earliest(vllm_key(h(5), 0)) is None
+    m.pop([7])  # a pop evicts its keys
+    assert m.earliest(vllm_key(h(5), 0)) is None and m.keys[7] == () and m.ref[7] == 1
+    # the rules of touch and release: the blocks that were free, and those reaching 0 (front: no key)
+    assert m.touch([7, 9, 9]) == [9] and m.ref[9] == 2
+    assert m.release([a[0], 9, 9, 7, 7]) == ([9, 7], [a[0]]) and m.ref[a[0]] == 0

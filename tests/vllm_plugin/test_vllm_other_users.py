@@ -27,7 +27,7 @@ pytest.importorskip("msgspec", reason="gpupool.vllm needs msgspec (pip install -
 sys.path.insert(0, str(CONFORMANCE))
 import driver  # noqa: E402
 from harness import vllm_ops as O  # noqa: E402
-from gpupool.errors import InvalidArgumentError, InvalidBlockIdError, PoolError  # noqa: E402
+from gpupool.errors import InvalidArgumentError, InvalidBlockIdError  # noqa: E402
 from gpupool.vllm import BlockPool, fast_path  # noqa: E402
 from gpupool.vllm.fast_path import DeferredBlockPool  # noqa: E402
 
@@ -110,7 +110,7 @@ def test_a_request_manager_and_attribute_writes_are_refused(cls, backend):
     assert (list(p._ref), p.get_num_free_blocks()) == before and p.device_pool.num_blocks == 6
 
 
-def other_user(p, op, theirs, reqs):
+def other_user(p, op, reqs, theirs):
     """One op of another user of ``p.device_pool`` (``theirs``: the blocks it holds, oldest first);
     returns what it read."""
     kind, dp = op[0], p.device_pool
@@ -152,20 +152,8 @@ OPS = st.one_of(O.BATCH_OPS, OTHER, OTHER, st.tuples(st.just("end_step")), st.tu
 def soak(p, ops) -> list:
     """``ops`` on ``p``: every answer (PoolError types included), then the whole state and the check
     that the mirror is the pool's."""
-    reqs, seen, theirs = [], [], []
-    for op in ops:
-        try:
-            if op[0] == "end_step":
-                p.end_step()
-            elif op[0] == "sync":
-                if isinstance(p, DeferredBlockPool):
-                    p.sync()
-            elif op[0].startswith("o_"):
-                seen.append(other_user(p, op, theirs, reqs))
-            else:
-                O.apply_op(p, op, reqs, seen)
-        except PoolError as e:
-            seen.append(type(e).__name__)
+    seen, theirs = [], []
+    O.run_mixed(p, ops, other_user, [], seen, theirs)
     seen = [[b.block_id for b in s] if isinstance(s, list) and s and hasattr(s[0], "block_id") else s for s in seen]
     if isinstance(p, DeferredBlockPool):
         p.sync()

@@ -16,9 +16,10 @@ from .alloc import alloc_batch, fill_head_minus_one
 from .cache import cache_blocks_batch
 from .common import batch_config, status_clear, warps_for
 from .layout import (
-    OP_ALLOCATE_BATCHED, OP_CACHE_BLOCKS_BATCHED, OP_FREE_BATCHED, OP_TOUCH_BATCHED, RF_CACHE_START, RF_CACHINGS,
-    RF_DEMANDS, RF_DEMANDS_START, RF_FREE_CALLS, RF_FREE_IDS, RF_FREE_OFFSETS_START, RF_FREE_START, RF_POPPED,
-    RF_POPPED_START, RF_TOUCH_START, RF_TOUCHES, RW, RoundField,
+    CF_AFTER, CF_BEFORE, CONFIRM_WIDTH, OP_ALLOCATE_BATCHED, OP_CACHE_BLOCKS_BATCHED, OP_FREE_BATCHED,
+    OP_TOUCH_BATCHED, RF_CACHE_START, RF_CACHINGS, RF_DEMANDS, RF_DEMANDS_START, RF_FREE_CALLS, RF_FREE_IDS,
+    RF_FREE_OFFSETS_START, RF_FREE_START, RF_POPPED, RF_POPPED_START, RF_TOUCH_START, RF_TOUCHES, ROUND_WIDTH, RW,
+    RoundField,
 )
 from .release import release_batch, touch_batch
 
@@ -35,11 +36,7 @@ class PopPart(NamedTuple):
     demands: object  # int32[>= n_demands]
     blocks: object  # int32[>= total + 1] out: the popped blocks
     offsets: object  # int32[n_demands + 1] out
-    confirm: object  # int32[CONFIRM_WIDTH] out: the status code before the launch, then after it
-
-
-# the launch's confirmation: the status code before it and after it (BlockPool.apply_predicted)
-CONFIRM_WIDTH = 2
+    confirm: object  # int32[CONFIRM_WIDTH] out: the launch's confirmation words (layout.Confirm)
 
 
 class CachePart(NamedTuple):
@@ -66,36 +63,136 @@ def resolve_popped(pc: tl.constexpr, ids, out, n, popped, total):
         i += pc.BLOCK
 
 
-# round_table writes a row's fields in this order, which must be RoundField's
-_ROW_ORDER = ("FREE_START", "FREE_OFFSETS_START", "FREE_CALLS", "FREE_IDS", "TOUCH_START", "TOUCHES", "DEMANDS_START",
-              "DEMANDS", "POPPED_START", "POPPED", "CACHE_START", "CACHINGS")
-assert _ROW_ORDER == tuple(f.name for f in sorted(RoundField)), "round_table's order is RoundField's"
+class FlushBatch:
+    """One launch of :func:`flush_kernel` as host values (``BlockPool.apply_predicted``; the vLLM fast
+    path builds one per launch, docs/algorithms.md section 8): round after round, each round's frees
+    (call after call), touches, pops (one demand per call) and cachings, kept as the kernel reads them.
 
+    ``free_ids``, ``touch_ids``, ``cache_ids``: the id parts, every round's one after another (host
+    ints, or ``int32`` device tensors where a caller has them there); ``free_offsets``: each round's
+    own offsets into its frees, from 0 (``free calls + 1`` entries per round); ``demands``: host ints;
+    ``cache_keys`` / ``cache_ntok``: per cached block its ``(hash, group)`` and covered tokens;
+    ``cache_calls``: blocks per caching call; ``table``: the kernel's round table
+    (``layout.RoundField`` per round), kept up to date by the ``add_*`` methods and :meth:`cut`."""
 
-def round_table(rounds, has_free: bool) -> list[int]:
-    """The kernel's round table (``layout.RoundField`` per round) from per-round counts ``(free ids,
-    free calls, touches, demands as a list, cachings)``: where each part starts in its flattened array
-    (a round's free offsets are its own, from 0, ``free calls + 1`` entries; without frees every round
-    reads the one entry 0)."""
-    out, f0, s0, t0, d0, b0, c0 = [], 0, 0, 0, 0, 0, 0
-    for nfi, nfc, nt, dem, nc in rounds:
-        want = sum(dem)
-        out += (f0, s0, nfc, nfi, t0, nt, d0, len(dem), b0, want, c0, nc)  # _ROW_ORDER
-        f0, t0, d0, b0, c0 = f0 + nfi, t0 + nt, d0 + len(dem), b0 + want, c0 + nc
-        s0 += nfc + 1 if has_free else 0
-    return out
+    __slots__ = ("free_ids", "free_offsets", "touch_ids", "demands", "cache_ids", "cache_keys", "cache_ntok",
+                 "cache_calls", "table")
+
+    def __init__(self):
+        self.free_ids: list = []
+        self.free_offsets = [0]
+        self.touch_ids: list = []
+        self.demands: list[int] = []
+        self.cache_ids: list = []
+        self.cache_keys: list = []
+        self.cache_ntok: list[int] = []
+        self.cache_calls: list[int] = []
+        self.table = [0] * ROUND_WIDTH
+
+    @property
+    def rounds(self) -> int:
+        return len(self.table) // ROUND_WIDTH
+
+    def __bool__(self) -> bool:
+        return bool(self.demands or len(self.free_ids) or len(self.touch_ids) or len(self.cache_ids))
+
+    def round_empty(self) -> bool:
+        """Whether the current (last) round has no op."""
+        t, r = self.table, len(self.table) - ROUND_WIDTH
+        return not (t[r + RoundField.FREE_CALLS] or t[r + RoundField.TOUCHES] or t[r + RoundField.DEMANDS]
+                    or t[r + RoundField.CACHINGS])
+
+    def cut(self) -> None:
+        """Start a new round (none if the current one is empty)."""
+        if not self.round_empty():
+            self._next_round(len(self.free_offsets))
+            self.free_offsets.append(0)
+
+    def _next_round(self, offsets_start: int) -> None:
+        """An empty round in the table whose parts start where the current round's end (its free
+        offsets at ``offsets_start``)."""
+        t, r = self.table, len(self.table) - ROUND_WIDTH
+        row = [0] * ROUND_WIDTH
+        for start, count in ((RoundField.FREE_START, RoundField.FREE_IDS), (RoundField.TOUCH_START, RoundField.TOUCHES),
+                             (RoundField.DEMANDS_START, RoundField.DEMANDS),
+                             (RoundField.POPPED_START, RoundField.POPPED),
+                             (RoundField.CACHE_START, RoundField.CACHINGS)):
+            row[start] = t[r + start] + t[r + count]
+        row[RoundField.FREE_OFFSETS_START] = offsets_start
+        t += row
+
+    def add_free(self, ids: list[int]) -> None:
+        """A ``free_blocks`` call of ``ids`` (a segment of the round's frees)."""
+        t, r = self.table, len(self.table) - ROUND_WIDTH
+        self.free_ids += ids
+        t[r + RoundField.FREE_IDS] += len(ids)
+        t[r + RoundField.FREE_CALLS] += 1
+        self.free_offsets.append(t[r + RoundField.FREE_IDS])
+
+    def add_touch(self, ids: list[int]) -> None:
+        self.touch_ids += ids
+        self.table[len(self.table) - ROUND_WIDTH + RoundField.TOUCHES] += len(ids)
+
+    def add_pop(self, n: int) -> None:
+        """A ``get_new_blocks(n)`` (one demand)."""
+        t, r = self.table, len(self.table) - ROUND_WIDTH
+        self.demands.append(n)
+        t[r + RoundField.DEMANDS] += 1
+        t[r + RoundField.POPPED] += n
+
+    def add_cache(self, ids: list[int], keys: list, ntok: list[int]) -> None:
+        """A ``cache_full_blocks`` call of ``ids`` under ``keys`` (``(hash, group)`` each) covering
+        ``ntok`` tokens each; ``N + k`` names the launch's k-th pop."""
+        self.cache_ids += ids
+        self.cache_keys += keys
+        self.cache_ntok += ntok
+        self.cache_calls.append(len(ids))
+        self.table[len(self.table) - ROUND_WIDTH + RoundField.CACHINGS] += len(ids)
+
+    def with_ids(self, free_ids, touch_ids, cache_ids) -> "FlushBatch":
+        """The same batch with its id parts replaced (say, by device tensors), ``self`` unchanged."""
+        out = FlushBatch.__new__(FlushBatch)
+        for name in FlushBatch.__slots__:
+            setattr(out, name, getattr(self, name))
+        out.free_ids, out.touch_ids, out.cache_ids = free_ids, touch_ids, cache_ids
+        return out
+
+    @classmethod
+    def of_rounds(cls, free_ids, free_offsets, touch_ids, demands: list[int], cache_ids, cache_items,
+                  rounds) -> "FlushBatch":
+        """A batch from its parts and per-round counts ``(free ids, free calls, touches, demands as a
+        list, cached blocks)`` (``BlockPool.apply_batched``'s form; without frees every round reads the
+        one offset 0). The parts are taken as they are (host ints or device tensors)."""
+        b = cls()
+        b.free_ids, b.touch_ids, b.cache_ids = free_ids, touch_ids, cache_ids
+        b.free_offsets, b.demands = free_offsets, demands
+        b.cache_keys, b.cache_ntok, b.cache_calls = cache_items
+        s0 = 0
+        for k, (nfi, nfc, nt, dem, nc) in enumerate(rounds):
+            if k:
+                b._next_round(s0)
+            t, r = b.table, len(b.table) - ROUND_WIDTH
+            t[r + RoundField.FREE_CALLS], t[r + RoundField.FREE_IDS], t[r + RoundField.TOUCHES] = nfc, nfi, nt
+            t[r + RoundField.DEMANDS], t[r + RoundField.POPPED], t[r + RoundField.CACHINGS] = len(dem), sum(dem), nc
+            s0 += nfc + 1 if free_ids is not None else 0
+        return b
+
+    def round_pops(self) -> list[int]:
+        """Blocks each round's demands want, round after round."""
+        t = self.table
+        return [t[r + RoundField.POPPED] for r in range(0, len(t), ROUND_WIDTH)]
 
 
 @triton.jit
 def flush_kernel(ps, pc: tl.constexpr, fr, touch_ids, pop, ca, rounds, n_rounds):
-    """Round after round (``rounds``: ``round_table``'s entries): ``free_batched`` of the round's
+    """Round after round (``rounds``: ``FlushBatch.table``): ``free_batched`` of the round's
     frees (its segments), ``touch_batched`` of its touches, ``allocate_batched`` of its demands and
     ``cache_blocks_batched`` of its cachings, in that order (module docstring). ``pop.blocks`` holds
     every round's pops one after another, -1 for a round whose pops fail or are skipped (as
     ``allocate_batched``); ``pop.offsets``: round r's offsets at ``demands start + r``;
-    ``pop.confirm``: the status code before the rounds and after them."""
+    ``pop.confirm``: the status code before the rounds and after them (layout.Confirm)."""
     # strict: benign, every thread stores the one value it read before any store of this launch
-    tl.store(pop.confirm, tl.load(ps.status))
+    tl.store(pop.confirm + CF_BEFORE, tl.load(ps.status))
     r = 0
     while r < n_rounds:
         m = rounds + r * RW
@@ -126,14 +223,14 @@ def flush_kernel(ps, pc: tl.constexpr, fr, touch_ids, pop, ca, rounds, n_rounds)
                            ca.ntok + c0, n_cache, OP_CACHE_BLOCKS_BATCHED)
         tl.debug_barrier()
         r += 1
-    tl.store(pop.confirm + 1, tl.load(ps.status))
+    tl.store(pop.confirm + CF_AFTER, tl.load(ps.status))
 
 
 def launch_flush(ps, pc, free_ids, seg_off, touch_ids, demands, rounds, cache_ids, key_hi, key_lo, key_group, ntok,
                  *, n_rounds: int, n_free: int, n_touch: int, n_demands: int, n_cache: int, total: int):
     """Launch ``flush_kernel`` (one program; the pool has no KV events). Every argument is a device
     tensor with at least one entry, of which the first ``n_*`` count (``seg_off``: every round's
-    offsets; ``rounds``: ``round_table``'s ``n_rounds * ROUND_WIDTH`` entries, int32); ``total``:
+    offsets; ``rounds``: ``FlushBatch.table``, ``n_rounds * ROUND_WIDTH`` entries, int32); ``total``:
     the demands' sum, checked on the host (sizes the output). Returns ``(blocks: int32[total],
     offsets: int32[n_demands + 1], confirm: int32[CONFIRM_WIDTH])``, the offsets over all rounds'
     demands; ``blocks`` -1 where a round's pops fail or are skipped; ``confirm`` the status code

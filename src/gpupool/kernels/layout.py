@@ -1,7 +1,7 @@
 """Every number the host and the kernels must agree on, defined once: control-word slots, the status
 word and its causes, op codes, error codes, event kinds and row columns, key-row columns, the key table's chunk
-width, the fallback reasons, the flush kernel's round table, sentinels; and the columns of the pool's
-read API that the host reads from those (``BlockPool.mirror_rows``, ``BlockPool.counters``).
+width, the fallback reasons, the flush kernel's round table, sentinels; and the read layouts, what the host
+reads of those (``BlockPool.mirror_rows``' rows, ``BlockPool.counters``, a flush's confirmation words).
 
 Each group is an ``IntEnum`` for the host; kernels read the ``tl.constexpr`` mirrors below it (a
 kernel cannot read an enum member), unpacked from :func:`constexprs` into names that repeat the
@@ -219,6 +219,16 @@ class MirrorKey(IntEnum):
 MIRROR_KEY_WIDTH = len(MirrorKey)
 
 
+def mirror_row_width(key_slots: int) -> int:
+    """Columns of a ``BlockPool.mirror_rows`` row with ``key_slots`` key slots."""
+    return MirrorCol.KEYS + MIRROR_KEY_WIDTH * key_slots
+
+
+def mirror_key_col(slot: int, col: "MirrorKey") -> int:
+    """The column of key slot ``slot``'s ``col`` in a ``BlockPool.mirror_rows`` row."""
+    return MirrorCol.KEYS + MIRROR_KEY_WIDTH * slot + col
+
+
 class Counter(IntEnum):
     """Entries of ``BlockPool.counters()``: ``int64[len(Counter)]`` (the host reads them, no kernel):
     the status word's error code, then the control words from NUM_FREE to REUSE_COUNT (Ctrl)."""
@@ -229,6 +239,19 @@ class Counter(IntEnum):
     EV_COUNT = 3
     REUSE_COUNT = 4
 
+
+class Confirm(IntEnum):
+    """A flush's confirmation words ``int32[CONFIRM_WIDTH]`` (``BlockPool.apply_predicted``'s second
+    output; kernels/flush.py writes them): the status word's error code before the launch and after it."""
+
+    BEFORE = 0  # not 0: an error recorded before made the launch do nothing
+    AFTER = 1  # not 0 with BEFORE 0: the launch itself failed
+
+
+CONFIRM_WIDTH = len(Confirm)
+CF_BEFORE, CF_AFTER = constexprs(Confirm)
+
+
 #: Slots per chunk of the prefix-key table ``table: int64[NCHUNK * CHUNK_SLOTS + 1]`` (kernels/keytable.py).
 CHUNK_SLOTS = 16
 CHUNK = tl.constexpr(CHUNK_SLOTS)
@@ -236,7 +259,8 @@ CHUNK = tl.constexpr(CHUNK_SLOTS)
 
 class RoundField(IntEnum):
     """One round's entries in the flush kernel's round table ``rounds: int32[n_rounds * ROUND_WIDTH]``
-    (kernels/flush.py ``round_table``): where each part starts in its flattened array, and its count."""
+    (kernels/flush.py ``FlushBatch.table``): where each part starts in its flattened array, and its
+    count."""
 
     FREE_START = 0  # free ids
     FREE_OFFSETS_START = 1  # the round's own free offsets (from 0)

@@ -3,13 +3,12 @@
 kernels; the fast path's ops gathered in an ``OpBatch`` and launched as one
 ``gpupool.BlockPool.apply_predicted``); :class:`ReferenceBackend` on the CPU oracle
 :class:`gpupool.reference.ReferenceBlockPool` (every op run at once). :func:`make_backend` picks one
-by name; the adapters (:class:`gpupool.vllm.BlockPool`, :class:`gpupool.vllm.DeferredBlockPool`)
-keep what is common to both.
+by name; the engines (:mod:`gpupool.vllm.engine`, :mod:`gpupool.vllm.fast_path`) drive them.
 
 Blocks are named by the host mirror's *slots*: block ids, and ``num_blocks + k`` for the fast path's
 k-th placeholder (a pop whose id is not known on the host yet). The device pool is read through its
 read API only (``counters``, ``mirror_rows``, ``free_window``, ``key_name``, ``host_tensor``,
-``apply_predicted``, ``check``, ``sweep_key_names``).
+``apply_predicted``, ``check``, ``sweep_key_names``), its rows as ``gpupool.kernels.layout`` names them.
 """
 from __future__ import annotations
 
@@ -19,8 +18,8 @@ from operator import itemgetter
 import torch
 
 from ..errors import InvalidArgumentError, PoolError
+from ..kernels.layout import CONFIRM_WIDTH, Confirm, Counter, MirrorCol, mirror_row_width
 from ..pool import BlockPool as DevicePool
-from ..pool import PredictedBatch
 from ..reference import ReferenceBlockPool
 from .host_mirror import HostMirror
 from .op_batch import OpBatch
@@ -62,10 +61,10 @@ class PoolBackend:
     """The interface both backends share (slots as in the module docstring).
 
     Attributes: ``name`` (``"device"`` / ``"reference"``, the adapter's ``backend``), ``pool`` (the
-    pool; the adapter's ``_dev`` aliases it), ``num_blocks``, ``stream`` (the pool's own CUDA stream,
+    pool), ``num_blocks``, ``stream`` (the pool's own CUDA stream,
     None off CUDA), ``flushes`` (launches of a batch).
 
-    The per-call adapter: :meth:`read_rows`. The fast path: :meth:`window`, :meth:`pop_known`,
+    The per-call engine: :meth:`read_rows`. The fast path: :meth:`window`, :meth:`pop_known`,
     :meth:`pop_pending`, :meth:`queue`, :meth:`cache`, :meth:`flush`, :meth:`read`, :meth:`apply`,
     :meth:`bound`.
     """
@@ -135,7 +134,7 @@ class PoolBackend:
 
 class DeviceBackend(PoolBackend):
     """:class:`gpupool.BlockPool`: the fast path's ops gathered in an :class:`OpBatch` (``batch``) and
-    launched as ONE ``apply_predicted`` (:meth:`flush`); the per-call adapter's mirror read in one
+    launched as ONE ``apply_predicted`` (:meth:`flush`); the per-call engine's mirror read in one
     transfer. Args as :class:`gpupool.BlockPool`'s; on CUDA the backend makes its own ``stream``."""
 
     name = "device"
@@ -161,16 +160,21 @@ class DeviceBackend(PoolBackend):
         self.flights: list[tuple[OpBatch, torch.Tensor, int, torch.Tensor | None]] = []
         self.flushes = 0
 
-    # ---- the per-call adapter ---------------------------------------------------------------------
+    # ---- the per-call engine ----------------------------------------------------------------------
     def read_rows(self, ids: list[int], mirror: HostMirror) -> int:
         """One transfer: the free count, the key insertion counter and ``mirror_rows`` of ``ids``."""
         dev = self.pool
         idx = dev.host_tensor(ids, torch.int64)
-        flat = torch.cat([dev.counters()[1:3], dev.mirror_rows(idx).reshape(-1)]).tolist()  # one transfer
-        w = 3 + 3 * self._mk
-        mirror.apply_rows(ids, [flat[2 + i * w: 2 + (i + 1) * w] for i in range(len(ids))], dev.key_name)
-        self.next_seq = flat[1]
-        return flat[0]
+        flat = torch.cat([dev.counters(), dev.mirror_rows(idx).reshape(-1)]).tolist()  # one transfer
+        counts = flat[:len(Counter)]
+        mirror.apply_rows(ids, self._rows(flat, len(Counter), len(ids)), dev.key_name)
+        self.next_seq = counts[Counter.KEY_SEQ]
+        return counts[Counter.NUM_FREE]
+
+    def _rows(self, flat: list[int], o: int, n: int) -> list[list[int]]:
+        """``n`` whole ``mirror_rows`` rows from ``flat[o:]``."""
+        w = mirror_row_width(self._mk)
+        return [flat[o + i * w: o + (i + 1) * w] for i in range(n)]
 
     # ---- slots -> device ids -------------------------------------------------------------------------
     def _h2d(self, values, dtype) -> torch.Tensor:
@@ -210,10 +214,12 @@ class DeviceBackend(PoolBackend):
 
     def pop_pending(self, n: int) -> None:
         self.batch.add_pop(n, None)
+        self.batch.placeholders = True
 
     def queue(self, kind: str, slots: list[int], front: bool) -> None:
         """Into the batch, in a new round or after a launch where ``OpBatch.placement`` says so."""
-        launched = self.num_blocks + (0 if self.pend is None else self.pend.numel())
+        n = self.num_blocks
+        launched = n + (0 if self.pend is None else self.pend.numel())
         where = self.batch.placement(kind, slots, front, launched)
         if where == "launch":
             if self.stream is None:
@@ -223,15 +229,21 @@ class DeviceBackend(PoolBackend):
                     self.flush()
         elif where == "round":
             self.batch.cut()
+        b = self.batch
         if kind == "touch":
-            self.batch.add_touch(slots)
+            b.add_touch(slots)
         else:
-            self.batch.add_free(slots)
+            b.add_free(slots)
+        if max(slots) >= n:
+            b.placeholders = True
 
     def cache(self, mirror, slots, hashes, group, ntok, nc, nf, block_size, full) -> range:
         """Into the batch; the keys take the insertion seqs the device will give them (the kernel
         numbers a launch's keys in item order from its counter), checked at the next synchronisation."""
-        self.batch.add_cache(slots, [(h, group) for h in hashes], ntok)
+        b = self.batch
+        b.add_cache(slots, [(h, group) for h in hashes], ntok)
+        if max(slots) >= self.num_blocks:
+            b.placeholders = True
         q = self.next_seq
         self.next_seq = q + len(slots)
         return range(q, q + len(slots))
@@ -249,30 +261,26 @@ class DeviceBackend(PoolBackend):
         self._launch(b)
 
     def _launch(self, b: OpBatch) -> None:
-        """Launch ``b`` as ONE ``gpupool.BlockPool.apply_predicted`` (its rounds; in each, free: every
-        call a segment; touch; pop: every call a demand; cache), not waiting; the placeholders get their
-        ids from its output, and a caching names them as ``num_blocks + k``. The launch's confirmation
-        and its pops (compared with the host's predictions) are read at the next :meth:`read`."""
+        """Launch ``b`` as ONE ``gpupool.BlockPool.apply_predicted``, not waiting; the placeholders get
+        their ids from its output. Where ``b`` names placeholders its id parts are given as device ids
+        (a copy of ``b``; ``b`` is kept in slots for a relaunch): a launched pop's from the earlier
+        launches' outputs, this launch's k-th placeholder as ``num_blocks + npred + k`` in a caching
+        (its place among the launch's pops). The launch's confirmation and its pops (compared with the
+        host's predictions) are read at the next :meth:`read`."""
         k0 = 0 if self.pend is None else self.pend.numel()
-        p = b.parts()
-        free, touch, demands, cache_slots, seg = p["free"], p["touch"], p["demands"], p["cache_slots"], p["seg"]
-        items = p["cache_items"]
-        cache_calls = items[2]
-        nf, nt, npred = len(free), len(touch), len(b.pred)
-        n = self.num_blocks
-        if k0 and any(n <= s < n + k0 for s in free + touch + cache_slots):
-            # a launched placeholder's id is on the device only: the id parts gathered there
-            ids = self._device_ids(free + touch) if nf or nt else None
-            free_ids, touch_ids = (ids[:nf] if nf else None), (ids[nf:] if nt else None)
-            seg_ids = self._h2d(seg, torch.int32) if nf else None
-            cache_ids = self._cache_ids(cache_slots, k0, npred) if cache_calls else None
-        else:  # host ints: apply_predicted copies them with the demands, in one transfer
-            free_ids, touch_ids, seg_ids = free or None, touch or None, seg if nf else None
-            # this flush's k-th placeholder is its (npred + k)-th pop, num_blocks + npred + k
-            cache_ids = [s if s < n else s - k0 + npred for s in cache_slots] if cache_calls else None
-        blocks, confirm = self.pool.apply_predicted(PredictedBatch(
-            free_ids=free_ids, free_offsets=seg_ids, touch_ids=touch_ids, demands=demands, cache_ids=cache_ids,
-            cache_items=items, rounds=p["rounds"]))
+        npred = len(b.pred)
+        batch = b
+        if b.placeholders:
+            n = self.num_blocks
+            free, touch, cache = b.free_ids, b.touch_ids, b.cache_ids
+            if k0 and any(n <= s < n + k0 for s in free + touch + cache):
+                # a launched placeholder's id is on the device only: the id parts gathered there
+                ids = self._device_ids(free + touch) if free or touch else None
+                batch = b.with_ids(ids[:len(free)] if free else [], ids[len(free):] if touch else [],
+                                   self._cache_ids(cache, k0, npred) if cache else [])
+            else:  # host ints: this launch's k-th placeholder is its (npred + k)-th pop
+                batch = b.with_ids(free, touch, [s if s < n else s - k0 + npred for s in cache])
+        blocks, confirm = self.pool.apply_predicted(batch)
         added = blocks.numel() - npred
         if added > 0:
             rest = blocks[npred:]
@@ -287,11 +295,12 @@ class DeviceBackend(PoolBackend):
         recorded = None
         while True:
             flat, nw = self._read_device(known, npend, window, narrow=exact)
-            status, num_free, key_seq, evc, reuse = flat[:5]
-            conf, nbad, o = [], 0, 5
-            for b, _, _, blocks in self.flights:  # (status before, after), then its pops if it predicted
-                conf.append((flat[o], flat[o + 1]))
-                o += 2
+            counts = flat[:len(Counter)]
+            conf, nbad, o = [], 0, len(Counter)
+            for b, _, _, blocks in self.flights:  # its confirmation words, then its pops if it predicted
+                words = flat[o: o + CONFIRM_WIDTH]
+                conf.append((words[Confirm.BEFORE], words[Confirm.AFTER]))
+                o += CONFIRM_WIDTH
                 if blocks is not None:
                     got, pred = flat[o: o + len(b.pred)], b.pred
                     if got != pred:
@@ -314,24 +323,27 @@ class DeviceBackend(PoolBackend):
         if window:
             win, o = flat[o: o + nw], o + nw
         nk = len(known)
-        if exact:  # the claims only, column by column (mirror_rows' first 3, transposed)
-            rows, cols = None, (flat[o: o + nk], flat[o + nk: o + 2 * nk], flat[o + 2 * nk: o + 3 * nk])
+        claimed = (MirrorCol.REF_CNT, MirrorCol.NUM_KEYS, MirrorCol.HASH_NTOK)
+        if exact:  # the claims only, column by column (mirror_rows without key slots, transposed)
+            rows, cols = None, {c: flat[o + c * nk: o + (c + 1) * nk] for c in claimed}
         else:
-            w = 3 + 3 * self._mk
-            rows = [flat[o + i * w: o + (i + 1) * w] for i in range(nk + npend)]
-            cols = tuple([r[c] for r in rows[:nk]] for c in range(3))
-        claims = (cols[0], cols[1], [None if t < 0 else t for t in cols[2]])
+            rows = self._rows(flat, o, nk + npend)
+            cols = {c: [r[c] for r in rows[:nk]] for c in claimed}
+        claims = (cols[MirrorCol.REF_CNT], cols[MirrorCol.NUM_KEYS],
+                  [None if t < 0 else t for t in cols[MirrorCol.HASH_NTOK]])
+        key_seq = counts[Counter.KEY_SEQ]
         seqs_ok, self.next_seq = key_seq == self.next_seq, key_seq
-        if status or reuse or (evc and self.pool.enable_kv_cache_events):
+        if counts[Counter.ERROR_CODE] or counts[Counter.REUSE_COUNT] or (
+                counts[Counter.EV_COUNT] and self.pool.enable_kv_cache_events):
             # fires reuse watchers (more reads, counted by callers); an error here is another user's
             recorded = self._take_recorded() or recorded
-        return SyncRead(ids, num_free, nbad, win, claims, rows, seqs_ok, recorded)
+        return SyncRead(ids, counts[Counter.NUM_FREE], nbad, win, claims, rows, seqs_ok, recorded)
 
     def _read_device(self, known: list[int], npend: int, window: int, narrow: bool) -> tuple[list[int], int]:
         """ONE device-to-host transfer: the pool's counters, each launch's confirmation (and its pops
         when it predicted some), the placeholders' ids, (``window``) the queue window and the mirror
-        rows of ``known`` and the placeholders' blocks (``narrow``: no placeholders; only the first 3
-        columns of ``known``'s, column after column). Returns (the values flat, the window's length)."""
+        rows of ``known`` and the placeholders' blocks (``narrow``: no placeholders; ``known``'s rows
+        without key slots, column after column). Returns (the values flat, the window's length)."""
         dev = self.pool
         pend = self.pend[:npend].long() if npend else torch.zeros(0, dtype=torch.int64, device=dev.device)
         idx = torch.cat([self._h2d(known, torch.int64), pend])
@@ -436,9 +448,7 @@ class ReferenceBackend(PoolBackend):
 
     def cache(self, mirror, slots, hashes, group, ntok, nc, nf, block_size, full) -> range:
         self.pool.cache_full_blocks([0] * nc + self._ids(slots), full(), nc, nf, block_size, group)
-        q = mirror.seq
-        mirror.seq = q + len(slots)
-        return range(q + 1, q + 1 + len(slots))
+        return mirror.next_seqs(len(slots))
 
     def read(self, known: list[int], npend: int, window: int, exact: bool) -> SyncRead:
         p = self.pool

@@ -1,14 +1,17 @@
 """A drop-in for vLLM 0.33's ``vllm.v1.core.block_pool.BlockPool`` backed by gpupool's device pool
 (docs/vllm.md, "The drop-in BlockPool").
 
-Every state change is one op of :class:`gpupool.BlockPool` (Triton kernels; docs/semantics.md
-section 2), or of the CPU oracle with ``backend="reference"``: the pool and what is specific to it
-live in :mod:`gpupool.vllm.backends` (``DeviceBackend``, ``ReferenceBackend``). vLLM's callers read block fields (``block.ref_cnt``, ``block.block_hash``,
-``block.is_null``, ``block.block_hash_num_tokens``) thousands of times per step, so those reads come
-from a **host mirror**: after each mutating op the adapter gathers, in one device-to-host copy, the
-ref count, keys and covered tokens of exactly the blocks that op could change (plus the free count),
-so the mirror equals the device state after every op (tests/vllm_plugin/test_vllm_block_pool.py checks it) and a
-field read never touches the device. The op itself already waits for the device (it raises its error
+:class:`BlockPool` keeps vLLM's interface (the block proxies, the views, every argument check, the error
+re-typing, vLLM's events and metrics calls) and delegates the pool's work to an engine: the per-call
+engine here (:mod:`gpupool.vllm.engine`), the fast path's in :mod:`gpupool.vllm.fast_path`. Every state
+change is one op of :class:`gpupool.BlockPool` (Triton kernels; docs/semantics.md section 2), or of the
+CPU oracle with ``backend="reference"`` (:mod:`gpupool.vllm.backends`). vLLM's callers read block fields
+(``block.ref_cnt``, ``block.block_hash``, ``block.is_null``, ``block.block_hash_num_tokens``)
+thousands of times per step, so those reads come from the engine's **host mirror**: after each
+mutating op the engine gathers, in one device-to-host copy, the ref count, keys and covered tokens of
+exactly the blocks that op could change (plus the free count), so the mirror equals the device state
+after every op (tests/vllm_plugin/test_vllm_block_pool.py checks it) and a field read never touches
+the device. The op itself already waits for the device (it raises its error
 at once, docs/semantics.md section 3), so the mirror costs no extra synchronisation point.
 
 Blocks are canonical :class:`KVCacheBlock` proxies, one object per block id for the pool's life, so
@@ -25,7 +28,7 @@ vLLM's ``generate_block_hash_extra_keys``; without it, :mod:`gpupool.vllm.kv_eve
 """
 from __future__ import annotations
 
-import functools
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -33,17 +36,19 @@ import torch
 
 from .. import events as gp_events
 from ..args import (
-    MAX_GROUP_ID, MAX_TOKENS, as_groups, as_host_list, as_int, cache_full_args, check_hash, partial_block_args,
+    MAX_GROUP_ID, MAX_TOKENS, as_groups, as_host_list, as_int, cache_full_args, check_block_id, check_hash,
+    partial_block_args,
 )
 from ..errors import (
-    ArgumentTypeError, DoubleFreeError, HashConflictError, InvalidArgumentError, InvalidCountError, NullBlockError,
-    OutOfBlocksError, PoolError,
+    ArgumentTypeError, DoubleFreeError, HashConflictError, InvalidArgumentError, InvalidCountError, NullBlockError, OutOfBlocksError,
+    PoolError,
 )
 from . import kv_events as _gp_kv_events
 from .backends import PoolBackend, make_backend
 from .compat import event_kwargs, supports_lookahead
 from .device_access import SharedDevicePool
-from .host_events import HostEvents, metrics_pop, metrics_touch
+from .engine import PerCallEngine
+from .host_events import NoEvents, PoolEvents, metrics_pop, metrics_touch
 from .host_mirror import HostMirror, get_block_hash, get_group_id, vllm_key
 
 MEDIUM_GPU = "GPU"
@@ -141,15 +146,15 @@ class KVCacheBlock:
         """(pool, this block's mirror slot), the mirror made exact first where it may not be for this
         block (a free block of a deferred pool after a pop that may have evicted it)."""
         p = self._pool
-        if p._dirty and p._ref[self._s] == 0:
-            p._need_exact(why)
+        if p._engine.dirty and p._ref[self._s] == 0:
+            p._engine.need_exact(why)
         return p, self._s
 
     @property
     def ref_cnt(self) -> int:
         p = self._pool  # _mirror_slot, inlined: vLLM reads this on every prefix hit
-        if p._dirty and p._ref[self._s] == 0:
-            p._need_exact("ref_cnt")
+        if p._engine.dirty and p._ref[self._s] == 0:
+            p._engine.need_exact("ref_cnt")
         return p._ref[self._s]
 
     @ref_cnt.setter
@@ -222,12 +227,12 @@ class FreeBlockQueueView:
         self.fake_free_list_tail = _Sentinel(self, +1)
 
     def _snapshot(self) -> list[int]:
-        p = self._pool
-        p._need_device("free_block_queue")
-        if self._version != p._version:
-            self._order = p._free_queue()
+        e = self._pool._engine
+        e.need_device("free_block_queue")
+        if self._version != e.version:
+            self._order = e.free_queue()
             self._pos = {b: i for i, b in enumerate(self._order)}
-            self._version = p._version
+            self._version = e.version
         return self._order
 
     def _link(self, block_id: int, d: int):
@@ -250,7 +255,7 @@ class FreeBlockQueueView:
 
     @property
     def num_free_blocks(self) -> int:
-        return self._pool._num_free
+        return self._pool._engine.num_free
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         return [self._pool.blocks[b] for b in self._snapshot()]
@@ -259,7 +264,7 @@ class FreeBlockQueueView:
         return iter(self.get_all_free_blocks())
 
     def __len__(self) -> int:
-        return self._pool._num_free
+        return self._pool._engine.num_free
 
     def _read_only(self, *a, **k):
         raise InvalidArgumentError("free_block_queue", "the free queue of a gpupool pool is changed by the "
@@ -283,26 +288,26 @@ class BlockHashToBlockView:
         if not holders:
             return None  # a miss is exact even when the mirror is dirty: pops only remove keys
         s = next(iter(holders)) if len(holders) == 1 else min(holders, key=holders.__getitem__)
-        if p._dirty and p._ref[s] == 0:  # a free block: a pop since the last sync may have evicted it
-            p._need_exact("get_one_block")
+        if p._engine.dirty and p._ref[s] == 0:  # a free block: a pop since the last sync may have evicted it
+            p._engine.need_exact("get_one_block")
             return self.get_one_block(key)
         return p._block(s)
 
     def contain(self, key: bytes, block_id: int) -> bool:
-        self._pool._need_device("cached_block_hash_to_block")
+        self._pool._engine.need_device("cached_block_hash_to_block")
         return block_id in self._pool._holders.get(key, ())
 
     def __len__(self) -> int:
-        self._pool._need_device("cached_block_hash_to_block")
+        self._pool._engine.need_device("cached_block_hash_to_block")
         return len(self._pool._holders)
 
     def __contains__(self, key) -> bool:
-        self._pool._need_device("cached_block_hash_to_block")
+        self._pool._engine.need_device("cached_block_hash_to_block")
         return key in self._pool._holders
 
     @property
     def _cache(self) -> dict:
-        self._pool._need_device("cached_block_hash_to_block")
+        self._pool._engine.need_device("cached_block_hash_to_block")
         out = {}
         blocks = self._pool.blocks
         for key, holders in self._pool._holders.items():
@@ -336,38 +341,14 @@ def _hashes_at(block_hashes, hash_block_size: int, block_size: int, upto: int) -
     return [block_hashes[(i + 1) * k - 1] for i in range(n)]
 
 
-# the adapter's methods that run device work (ops, mirror copies, synchronisations): on the pool's own
-# CUDA stream (BlockPool.stream), in BlockPool and in every subclass (__init_subclass__)
-_ON_STREAM = ("get_new_blocks", "free_blocks", "touch", "cache_full_blocks", "cache_partial_block",
-              "move_block_hashes", "get_cached_block", "evict_blocks", "reset_prefix_cache", "unpin_blocks",
-              "_insert_key", "_maybe_evict_cached_block", "_set_ref_cnt", "_refresh", "_free_queue", "end_step",
-              "sync", "_flush", "_read_window", "_other_user_reads", "_other_user_changes")
-
-
-def _on_stream(fn):
-    @functools.wraps(fn)
-    def run(self, *args, **kwargs):
-        s = self.stream
-        if s is None:
-            return fn(self, *args, **kwargs)
-        with torch.cuda.stream(s):
-            return fn(self, *args, **kwargs)
-    run.on_pool_stream = True
-    return run
-
-
-def _run_on_pool_stream(cls) -> None:
-    host = getattr(cls, "_HOST_ANSWERED", ())
-    for name in _ON_STREAM:
-        if name in host:
-            continue
-        f = cls.__dict__.get(name)
-        if callable(f) and not getattr(f, "on_pool_stream", False):
-            setattr(cls, name, _on_stream(f))
-
-
 class BlockPool:
-    """vLLM 0.33's ``BlockPool`` over a gpupool device pool (docs/vllm.md, "The drop-in BlockPool").
+    """vLLM 0.33's ``BlockPool`` over a gpupool pool (docs/vllm.md, "The drop-in BlockPool").
+
+    vLLM's interface: the block proxies, the views, every argument check, the error re-typing (vLLM's
+    assertions), vLLM's KV events and metrics calls. The pool's work is its engine's (``_engine``):
+    the per-call engine here (:class:`gpupool.vllm.engine.PerCallEngine`), the fast path's in
+    :class:`gpupool.vllm.fast_path.DeferredBlockPool`; the engine owns the backend and the host mirror,
+    which this class only reads.
 
     Args (vLLM's, same order and defaults):
         num_gpu_blocks: blocks in the pool, ids ``0 .. num_gpu_blocks - 1``; block 0 is ``null_block``.
@@ -380,9 +361,9 @@ class BlockPool:
         medium: the events' ``medium``.
     gpupool's, keyword only:
         device: the device pool's device (default: CUDA when present, else CPU under Triton's
-            interpreter). On CUDA the adapter makes its own stream, ``self.stream``, and runs every
-            device op, mirror copy and synchronisation on it, so they wait for the pool's kernels
-            only, not for work on the caller's stream (vLLM's forward pass, docs/vllm.md "TP > 1").
+            interpreter). On CUDA the pool has its own stream, ``self.stream``, and every device op,
+            mirror copy and synchronisation runs on it, so they wait for the pool's kernels only, not
+            for work on the caller's stream (vLLM's forward pass, docs/vllm.md "TP > 1").
         max_keys_per_block: keys one block may hold (primary + partial entries; 1..64, default 8).
         device_lookups: answer :meth:`get_cached_block` with a device lookup (one launch and one
             synchronisation per call) instead of from the host mirror; both give the same block.
@@ -392,45 +373,6 @@ class BlockPool:
 
     Raises InvalidArgumentError (and AssertionError, as vLLM asserts) for a bad ``num_gpu_blocks``.
     """
-
-    stream = None  # the pool's own CUDA stream (None off CUDA): __init__
-    _backend: PoolBackend  # the device or reference pool and what is specific to it (gpupool.vllm.backends)
-
-    @property
-    def _dev(self):
-        """The backend's pool (:class:`gpupool.BlockPool` or the reference pool); settable (a wrapper)."""
-        return self._backend.pool
-
-    @_dev.setter
-    def _dev(self, pool) -> None:
-        self._backend.pool = pool
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        _run_on_pool_stream(cls)
-
-    # the host mirror is always exact here; gpupool.vllm.fast_path.DeferredBlockPool defers device work,
-    # and while ``_dirty`` only the fields of held blocks (ref_cnt > 0 on the host) are known exactly
-    _dirty = False
-
-    # KV events read from the device pool after each op; a pool that makes them on the host from its
-    # mirror (the fast path, gpupool.vllm.host_events) sets this, its device pool then records none
-    _events_on_host = False
-    host_events: HostEvents | None = None
-
-    def _need_exact(self, why: str) -> None:
-        """Hook: a read that needs the mirror exact (a deferred pool synchronises here)."""
-
-    def _need_device(self, why: str) -> None:
-        """Hook: a read or op that needs the device state current (a deferred pool synchronises here)."""
-
-    def _block(self, slot: int) -> KVCacheBlock:
-        """The proxy of a mirror slot (a block id here)."""
-        return self.blocks[slot]
-
-    def end_step(self) -> None:
-        """The end of a scheduler step (``GpuPoolScheduler`` calls it after each ``schedule()``); the
-        per-call pool has nothing waiting (the fast path launches its batch here, docs/vllm.md)."""
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
                  enable_kv_cache_events: bool = False, metrics_collector: Any = None,
@@ -444,52 +386,73 @@ class BlockPool:
         if hbs <= 0:
             raise _as_assertion(InvalidArgumentError("BlockPool", f"hash_block_size must be a positive int, got "
                                                                   f"{hash_block_size!r}"))
-        hash_block_size = hbs
         self.num_gpu_blocks = num_gpu_blocks
         self.medium = medium
         self.enable_caching = bool(enable_caching)
-        self.hash_block_size = hash_block_size
+        self.hash_block_size = hbs
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.enable_kv_cache_events = bool(enable_kv_cache_events)
         self.metrics_collector = metrics_collector
         self.device_lookups = device_lookups
-        dev_events = self.enable_kv_cache_events and not self._events_on_host
-        self._backend = make_backend(backend, num_gpu_blocks, enable_caching=self.enable_caching,
-                                     enable_kv_cache_events=dev_events, max_keys_per_block=max_keys_per_block,
-                                     device=device)
-        self.backend = backend
-        self.stream = self._backend.stream
-        n = num_gpu_blocks
-        # the host mirror (docs/vllm.md); its lists aliased here for the reads on vLLM's hot path
-        self.mirror = HostMirror(n)
-        m = self.mirror
-        self._ref, self._keys, self._ntok, self._holders = m.ref, m.keys, m.ntok, m.holders
-        self._num_free = 0
-        self._version = 0
-        self.blocks: list[KVCacheBlock] = [KVCacheBlock(self, i, is_null=(i == 0)) for i in range(n)]
-        self.null_block = self.blocks[0]
-        self.free_block_queue = FreeBlockQueueView(self)
-        self.cached_block_hash_to_block = BlockHashToBlockView(self)
-        self.kv_event_queue: list = []
-        if self.enable_kv_cache_events and self._events_on_host:
-            self.host_events = HostEvents(m, self.enable_caching)
         self._ev, self._ku = _vllm_side()
         if num_hash_lookahead_tokens and not supports_lookahead(self._ku):
             raise InvalidArgumentError("BlockPool", "num_hash_lookahead_tokens needs a vLLM with lookahead "
                                                     "hashing (0.33); the installed vLLM has none")
-        self._refresh(range(n))
+        self.backend = backend
+        self._engine = self._make_engine(make_backend(
+            backend, num_gpu_blocks, enable_caching=self.enable_caching,
+            enable_kv_cache_events=self.enable_kv_cache_events and self._device_events(),
+            max_keys_per_block=max_keys_per_block, device=device))
+        m = self._engine.mirror  # read here (vLLM's hot path); written by the engine's mirror only
+        self._ref, self._keys, self._ntok, self._holders = m.ref, m.keys, m.ntok, m.holders
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(self, i, is_null=(i == 0)) for i in range(num_gpu_blocks)]
+        self.null_block = self.blocks[0]
+        self.free_block_queue = FreeBlockQueueView(self)
+        self.cached_block_hash_to_block = BlockHashToBlockView(self)
+        self.kv_event_queue: list = []
 
-    # ---- the host mirror ------------------------------------------------------------------------
-    def _refresh(self, ids: Iterable[int]) -> None:
-        """Copy ref count, keys and covered tokens of ``ids`` (and the free count) from the pool (on the
-        device, one transfer: ``gpupool.vllm.backends``), and update the key -> blocks map from the
-        difference."""
-        self._version += 1
-        ids = list(dict.fromkeys(int(b) for b in ids))
-        self._num_free = self._backend.read_rows(ids, self.mirror)
+    def _make_engine(self, backend: PoolBackend) -> PerCallEngine:
+        """The engine over ``backend`` (the fast path's class builds its own)."""
+        return PerCallEngine(backend, (lambda m: PoolEvents(backend.pool)) if self.enable_kv_cache_events
+                             else (lambda m: NoEvents()))
 
+    def _device_events(self) -> bool:
+        """Whether the pool records the KV events (the per-call engine); else the engine makes them."""
+        return True
+
+    @property
+    def stream(self):
+        """The pool's own CUDA stream (None off CUDA; class docstring, ``device``)."""
+        return self._engine.stream
+
+    @property
+    def mirror(self) -> HostMirror:
+        """The engine's host mirror (read only here)."""
+        return self._engine.mirror
+
+    @property
+    def _backend(self) -> PoolBackend:
+        return self._engine.backend
+
+    @property
+    def _dev(self):
+        """The pool behind the adapter (:class:`gpupool.BlockPool` or the reference pool)."""
+        return self._engine.pool
+
+    def end_step(self) -> None:
+        """The end of a scheduler step (``GpuPoolScheduler`` calls it after each ``schedule()``): the
+        fast path launches its batch here (docs/vllm.md); the per-call engine has nothing waiting."""
+        self._engine.end_step()
+
+    def _block(self, slot: int) -> KVCacheBlock:
+        """The proxy of a mirror slot (a block id, or a placeholder's slot on the fast path)."""
+        n = self.num_gpu_blocks
+        return self.blocks[slot] if slot < n else self._engine.pending[slot - n]
+
+    # ---- blocks -> ids ----------------------------------------------------------------------------
     def _ids(self, blocks) -> list[int]:
-        """The block ids of ``blocks`` (KVCacheBlocks of this pool), else ArgumentTypeError."""
+        """The block ids of ``blocks`` (KVCacheBlocks of this pool; a placeholder's id read, which binds
+        it), else ArgumentTypeError."""
         out = []
         for blk in as_host_list("BlockPool", blocks, "blocks"):
             if not isinstance(blk, KVCacheBlock) or blk._pool is not self:
@@ -497,16 +460,126 @@ class BlockPool:
             out.append(blk.block_id)
         return out
 
-    def _set_ref_cnt(self, blk: KVCacheBlock, value: int) -> None:
-        k = self._ref_raise(blk, value)
-        if k:
-            self._dev.touch([blk.block_id] * k)
-            self._refresh([blk.block_id])
+    def _live_slots(self, blocks: list) -> list[int]:
+        """The mirror slots of ``blocks`` (a list) but the null block, else ArgumentTypeError; one pass
+        over canonical blocks."""
+        out = []
+        for blk in blocks:
+            if blk.__class__ is not KVCacheBlock or blk._pool is not self:
+                if not isinstance(blk, KVCacheBlock) or blk._pool is not self:
+                    self._ids([blk])
+            if not blk.is_null:
+                out.append(blk._s)
+        return out
 
-    def _ref_raise(self, blk: KVCacheBlock, value: int) -> int:
-        """How many references a write ``blk.ref_cnt = value`` adds, checked on the host: a raise of a
-        held non-null block by at most ``MAX_REF_RAISE`` (else InvalidArgumentError and AssertionError)."""
-        cur = self._ref[blk._s]
+    def _settled(self, blocks: list, slots: list[int], why: str) -> list[int]:
+        """``slots`` of ``blocks`` with every one at ref 0 on the host exact: while the mirror is dirty
+        the engine synchronises first (a placeholder's pop may have taken such a block), and the slots
+        are read again (placeholders bound to their ids)."""
+        e = self._engine
+        if e.dirty and any(self._ref[s] == 0 for s in slots):
+            e.need_exact(why)
+            return self._live_slots(blocks)
+        return slots
+
+    # ---- vLLM's BlockPool interface ---------------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` from the free queue's head (evicting their keys), each with ref_cnt 1.
+        Raises OutOfBlocksError (a ValueError, as vLLM's) when fewer are free, ArgumentTypeError /
+        InvalidCountError for a count that is not an int >= 0."""
+        if type(num_blocks) is not int or num_blocks < 0:
+            num_blocks = count_arg("get_new_blocks", num_blocks, "num_blocks")
+        e = self._engine
+        if num_blocks > e.num_free:
+            raise OutOfBlocksError("get_new_blocks", f"Cannot get {num_blocks} free blocks from the pool", num_blocks)
+        slots = e.get_new_blocks(num_blocks)
+        if self.enable_kv_cache_events:
+            self._drain_events()
+        if slots and slots[-1] >= self.num_gpu_blocks:
+            k0 = slots[0] - self.num_gpu_blocks
+            out = e.pending[k0: k0 + len(slots)]
+        else:
+            out = list(map(self.blocks.__getitem__, slots))
+        if self.metrics_collector:
+            metrics_pop(self.metrics_collector, out, self.enable_caching)
+        return out
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Release one reference per block in eviction order (null blocks skipped; blocks of another
+        pool forwarded to it, as vLLM does). All or nothing: every block of every pool is checked
+        first (ArgumentTypeError for one that is no block, DoubleFreeError (and AssertionError) for a
+        release below 0), then this pool's are freed, then the others'."""
+        blocks = ordered_blocks if type(ordered_blocks) is list else as_host_list(
+            "free_blocks", ordered_blocks, "ordered_blocks")
+        others = None
+        for blk in blocks:  # the common case, one pass: this pool's canonical blocks only
+            if blk.__class__ is not KVCacheBlock or blk._pool is not self:
+                blocks, others = self._split_by_pool(blocks)
+                for owner, blks in others.values():  # all or nothing: every pool's blocks checked first
+                    owner._check_release(blks)
+                break
+        slots = self._check_release(blocks)
+        if slots:
+            with _asserts:
+                self._engine.free_blocks(slots)
+        if others:
+            for owner, blks in others.values():
+                owner.free_blocks(blks)
+
+    def _split_by_pool(self, blocks) -> tuple[list, dict]:
+        """(this pool's non-null blocks, {id(pool): (pool, its blocks)} for gpupool pools' others)."""
+        mine, others = [], {}
+        for blk in blocks:
+            if getattr(blk, "is_null", False):
+                continue
+            owner = getattr(blk, "pool", None)
+            if isinstance(owner, BlockPool) and owner is not self:
+                others.setdefault(id(owner), (owner, []))[1].append(blk)
+                continue
+            mine.append(blk)
+        return mine, others
+
+    def _check_release(self, blocks: list) -> list[int]:
+        """The mirror slots of ``blocks`` but the null block, checked to be this pool's and held as often
+        as listed (exact on the host for held blocks; a block at ref 0 while the mirror is dirty is
+        read from the device first), nothing changed; raises ArgumentTypeError, DoubleFreeError (and
+        AssertionError)."""
+        slots = self._live_slots(blocks)
+        ref = self._ref
+        if len(set(slots)) == len(slots):
+            short = any(ref[s] < 1 for s in slots)
+        else:
+            short = any(ref[s] < c for s, c in Counter(slots).items())
+        if short:  # whatever waits on the fast path synchronised first: the ids after the binding
+            self._engine.need_device("op:free_blocks")
+            slots = self._live_slots(blocks)
+            counts = Counter(slots)
+            for s in slots:
+                if ref[s] < counts[s]:
+                    b = self._block(s).block_id
+                    raise _as_assertion(DoubleFreeError("free_blocks", f"block {b} freed more times than it is "
+                                                                       "referenced (double free)", b))
+        return slots
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """A prefix hit: each non-null block leaves the free queue if ref_cnt is 0, then ref_cnt += 1."""
+        if type(blocks) is not list:
+            blocks = as_host_list("touch", blocks, "blocks")
+        slots = self._live_slots(blocks)
+        if not slots:
+            return
+        slots = self._settled(blocks, slots, "touch")
+        self._engine.touch(slots)
+        if self.metrics_collector:
+            metrics_touch(self.metrics_collector, blocks)
+
+    def _set_ref_cnt(self, blk: KVCacheBlock, value: int) -> None:
+        """``blk.ref_cnt = value``: a raise of a held non-null block by at most ``MAX_REF_RAISE``
+        (touches; no metrics call, as vLLM's write makes none), else InvalidArgumentError (and
+        AssertionError), checked on the host."""
+        # a placeholder's own row is the host's: only a block a placeholder's pop may have taken is read
+        (s,) = self._settled([blk], [blk._s], "ref_cnt") if blk.__class__ is KVCacheBlock else (blk._s,)
+        cur = self._ref[s]
         if isinstance(value, int) and not isinstance(value, bool) and value - cur > MAX_REF_RAISE:
             raise _as_assertion(InvalidArgumentError(
                 "KVCacheBlock.ref_cnt", f"block {blk.block_id}: ref_cnt raised by {value - cur}, more than "
@@ -515,60 +588,28 @@ class BlockPool:
             raise _as_assertion(InvalidArgumentError(
                 "KVCacheBlock.ref_cnt", f"block {blk.block_id}: ref_cnt of a gpupool block may only be raised on "
                 f"a held block (from {cur} to {value!r}); release references with free_blocks", blk.block_id))
-        return value - cur
+        if value > cur:
+            self._engine.raise_refs(s, value - cur)
 
-    def _drain_events(self, stored: Callable[[Any], Any] | None = None) -> None:
-        """Move the device pool's events into ``kv_event_queue`` as vLLM's events."""
-        if not self.enable_kv_cache_events:
-            return
-        ev, he = self._ev, self.host_events
-        for e in (self._dev.take_events() if he is None else he.take()):
-            if isinstance(e, gp_events.BlockStored):
-                self.kv_event_queue.append(stored(e))
-            elif isinstance(e, gp_events.BlockRemoved):
-                self.kv_event_queue.append(ev.BlockRemoved(
-                    block_hashes=[self._ext(e.block_hash)], medium=self.medium, group_idx=e.group_id))
-            elif isinstance(e, gp_events.AllBlocksCleared):
-                self.kv_event_queue.append(ev.AllBlocksCleared())
+    def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Callable[[KVCacheBlock], None]) -> None:
+        """Release one reference of each block; ``on_reuse(block)`` fires when the pool hands it out
+        again (or the cache is reset). Raises ArgumentTypeError (not this pool's blocks, ``on_reuse``
+        not callable), NullBlockError, DoubleFreeError (each also an AssertionError)."""
+        ids = self._ids(blocks)
+        if not callable(on_reuse):
+            raise ArgumentTypeError("unpin_blocks", "on_reuse must be callable")
+        if 0 in ids:  # checked here: both backends' words
+            raise _as_assertion(NullBlockError("unpin_blocks", "cannot unpin the null block", 0))
+        with _asserts:
+            self._engine.unpin_blocks(ids, lambda b: on_reuse(self.blocks[b]))
 
-    def _ext(self, h: bytes):
-        if self._ku is not None:
-            return self._ku.maybe_convert_block_hash(h)
-        return _gp_kv_events.wire_block_hash(h)
-
-    def _extra_keys(self, request, start: int, end: int, mm_idx: int):
-        ku = self._ku
-        if ku is None:
-            return None, mm_idx
-        if self.num_hash_lookahead_tokens:
-            return ku.generate_lookahead_block_hash_extra_keys(request, start, end,
-                                                               end + self.num_hash_lookahead_tokens, mm_idx)
-        return ku.generate_block_hash_extra_keys(request, start, end, mm_idx)
-
-    def _event_extra_keys(self, keys):
-        if self._ku is not None:
-            return self._ku.to_event_extra_keys(keys)
-        return list(keys)
-
-    def _stored(self, request, hashes, parent, start: int, end: int, block_size: int, group: int,
-                extra_keys: list, lookahead) -> Any:
-        lora = getattr(request, "lora_request", None)
-        return self._ev.BlockStored(**event_kwargs(  # vLLM 0.32's BlockStored has no lookahead_token_ids
-            self._ev.BlockStored, block_hashes=hashes, parent_block_hash=parent,
-            token_ids=list(request.all_token_ids[start:end]), block_size=block_size,
-            lora_id=lora.adapter_id if lora else None, medium=self.medium, lora_name=lora.name if lora else None,
-            extra_keys=self._event_extra_keys(extra_keys), group_idx=group,
-            session_id=getattr(request, "session_id", None), lookahead_token_ids=lookahead))
-
-    def _lookahead(self, request, end: int) -> list[int]:
-        return list(request.all_token_ids[end: end + self.num_hash_lookahead_tokens])
-
-    # ---- vLLM's BlockPool interface ---------------------------------------------------------------
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]) -> list[KVCacheBlock] | None:
         """The earliest-inserted block under ``(block_hash, g)`` for each group, or None if any misses
         (from the mirror; ``device_lookups=True``: a device lookup). Raises ArgumentTypeError for a
         hash that is not bytes or groups that are not ints, InvalidArgumentError for a group outside
         ``0 .. 2**31 - 1`` (either way)."""
+        if self.device_lookups:
+            self._engine.before_op("get_cached_block")
         if type(block_hash) is not bytes:
             block_hash = check_hash("get_cached_block", block_hash)
         groups = kv_cache_group_ids
@@ -577,7 +618,7 @@ class BlockPool:
                 or all(type(g) is int and 0 <= g <= MAX_GROUP_ID for g in groups)):
             groups = as_groups("get_cached_block", groups)
         if self.device_lookups:
-            ids = self._dev.get_cached_block(block_hash, list(groups))
+            ids = self._engine.device_lookup(block_hash, list(groups))
             return None if ids is None else [self.blocks[b] for b in ids]
         out = []
         view = self.cached_block_hash_to_block
@@ -591,14 +632,24 @@ class BlockPool:
     def cache_full_blocks(self, request, blocks: list[KVCacheBlock], num_cached_blocks: int,
                           num_full_blocks: int, block_size: int, kv_cache_group_id: int,
                           block_mask: list[bool] | None = None) -> None:
-        """vLLM's ``cache_full_blocks``: one gpupool ``cache_full_blocks`` with ``request.block_hashes``
+        """vLLM's ``cache_full_blocks``: gpupool's ``cache_full_blocks`` with ``request.block_hashes``
         viewed at ``block_size`` (docs/semantics.md section 2). Raises ArgumentTypeError /
-        InvalidCountError / InvalidArgumentError (and AssertionError) for counts that are not ints
-        >= 0, ``num_full_blocks`` past ``blocks`` or a request without ``block_hashes``, before
-        anything is allocated."""
-        nc, nf = self._cache_counts(request, blocks, num_cached_blocks, num_full_blocks, block_size)
+        InvalidCountError / InvalidArgumentError / HashConflictError (and AssertionError) for counts
+        that are not ints >= 0, ``num_full_blocks`` past ``blocks``, a request without
+        ``block_hashes``, a block listed twice or keyed covering as many tokens, before anything is
+        allocated."""
+        nc, nf = num_cached_blocks, num_full_blocks
+        if type(nc) is not int or type(nf) is not int:  # the common case skips the full checks
+            nc, nf = self._cache_counts(request, blocks, nc, nf, block_size)
         if nc >= nf:
             return
+        g = kv_cache_group_id
+        if self._engine.cache_fast(request, blocks, nc, nf, block_size, g, block_mask, self.hash_block_size):
+            if self.enable_kv_cache_events:
+                self._drain_events(self._full_stored(request, blocks, nc, nf, block_size, g, None))
+            return
+        self._engine.before_op("cache_full_blocks")
+        nc, nf = self._cache_counts(request, blocks, nc, nf, block_size)
         with _asserts:
             if block_mask is not None and len(block_mask) != nf - nc:
                 raise InvalidArgumentError("cache_full_blocks", f"block_mask has {len(block_mask)} entries for "
@@ -607,13 +658,10 @@ class BlockPool:
             ids = [0] * nc + self._ids(blocks[nc:nf])
             hashes = _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf)
             mask = None if block_mask is None else list(block_mask)
-            self._cache_conflicts(ids, hashes, nc, nf, block_size, kv_cache_group_id, mask)
-            self._dev.cache_full_blocks(ids, hashes, nc, nf, block_size, kv_cache_group_id, mask)
-        if self.host_events is not None:
-            self.host_events.cached_full(ids, hashes, nc, nf, block_size, kv_cache_group_id, block_mask)
-        self._refresh(ids[nc:nf])
+            self._cache_conflicts(ids, hashes, nc, nf, block_size, g, mask)
+            self._engine.cache_full_blocks(ids, hashes, nc, nf, block_size, g, mask)
         if self.enable_kv_cache_events:
-            self._drain_events(self._full_stored(request, blocks, nc, nf, block_size, kv_cache_group_id, block_mask))
+            self._drain_events(self._full_stored(request, blocks, nc, nf, block_size, g, block_mask))
 
     def _cache_conflicts(self, ids, hashes, nc: int, nf: int, block_size: int, group: int, mask) -> None:
         """``cache_full_blocks``' checks that read the blocks' keys, made on the host from the mirror
@@ -693,18 +741,15 @@ class BlockPool:
                             block_size: int, replace_existing_hashes: bool = False) -> bytes | None:
         """vLLM's ``cache_partial_block``: gpupool's with ``request.block_hashes``; returns vLLM's key
         bytes, or None for the null block."""
+        self._engine.before_op("cache_partial_block")
         (b,) = self._ids([block])
         if block.is_null:
             return None
         with _asserts:
-            key = self._dev.cache_partial_block(b, request.block_hashes, num_tokens, kv_cache_group_id,
-                                                block_size, self.hash_block_size, replace_existing_hashes)
-        if key is not None and self.host_events is not None:
-            _, nt, g, hbs, h, parent = partial_block_args("cache_partial_block", self.num_gpu_blocks, b,
-                                                          request.block_hashes, num_tokens, kv_cache_group_id,
-                                                          block_size, self.hash_block_size)
-            self.host_events.cached_partial(b, h, parent, nt, g, hbs, replace_existing_hashes)
-        self._refresh([b])
+            partial_block_args("cache_partial_block", self.num_gpu_blocks, b, request.block_hashes, num_tokens,
+                               kv_cache_group_id, block_size, self.hash_block_size)
+            key = self._engine.cache_partial_block(b, request.block_hashes, num_tokens, kv_cache_group_id,
+                                                   block_size, self.hash_block_size, replace_existing_hashes)
         if key is None:
             return None
         if self.enable_kv_cache_events:
@@ -730,174 +775,83 @@ class BlockPool:
 
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
         """Copy-on-write: ``src_block``'s keys move to ``dst_block`` (no events)."""
+        self._engine.before_op("move_block_hashes")
         s, d = self._ids([src_block, dst_block])
         with _asserts:
             if d == 0:  # checked here: both backends' words
                 raise NullBlockError("move_block_hashes", "cannot move hashes onto the null block", d)
-            self._dev.move_block_hashes(s, d)
-        self._refresh([s, d])
-        self._drain_events()
-
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take ``num_blocks`` from the free queue's head (evicting their keys), each with ref_cnt 1.
-        Raises OutOfBlocksError (a ValueError, as vLLM's) when fewer are free, ArgumentTypeError /
-        InvalidCountError for a count that is not an int >= 0."""
-        num_blocks = count_arg("get_new_blocks", num_blocks, "num_blocks")
-        if num_blocks > self._num_free:
-            raise OutOfBlocksError("get_new_blocks", f"Cannot get {num_blocks} free blocks from the pool", num_blocks)
-        ids = self._dev.get_new_blocks(num_blocks)
-        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        if self.host_events is not None:
-            self.host_events.popped(ids)
-        self._refresh(ids)
-        self._drain_events()
-        ret = [self.blocks[b] for b in ids]
-        if self.metrics_collector:
-            metrics_pop(self.metrics_collector, ret, self.enable_caching)
-        return ret
-
-    def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Callable[[KVCacheBlock], None]) -> None:
-        """Release one reference of each block; ``on_reuse(block)`` fires when the pool hands it out
-        again (or the cache is reset)."""
-        ids = self._unpin_args(blocks, on_reuse)
-        with _asserts:
-            self._dev.unpin_blocks(ids, lambda b: on_reuse(self.blocks[b]))
-        self._refresh(ids)
-
-    def _unpin_args(self, blocks, on_reuse) -> list[int]:
-        """``unpin_blocks``' ids, checked on the host with both backends' words: blocks of this pool
-        (ArgumentTypeError), ``on_reuse`` callable (ArgumentTypeError), no null block (NullBlockError and
-        AssertionError); a release below 0 is the pool's to find."""
-        ids = self._ids(blocks)
-        if not callable(on_reuse):
-            raise ArgumentTypeError("unpin_blocks", "on_reuse must be callable")
-        if 0 in ids:
-            raise _as_assertion(NullBlockError("unpin_blocks", "cannot unpin the null block", 0))
-        return ids
+            self._engine.move_block_hashes(s, d)
+        if self.enable_kv_cache_events:
+            self._drain_events()
 
     def _insert_key(self, key: bytes, block: KVCacheBlock) -> None:
         """Register ``key`` (vLLM's key bytes) on ``block``: gpupool's ``cache_full_blocks`` of one
         block with block size 1 (``block_hash_num_tokens`` is then whatever the pool records for it)."""
+        self._engine.before_op("_insert_key")
         with _asserts:
             key = vllm_key_arg("cached_block_hash_to_block.insert", key)
         (b,) = self._ids([block])
         with _asserts:
-            self._dev.cache_full_blocks([b], [get_block_hash(key)], 0, 1, 1, get_group_id(key))
-        if self.host_events is not None:
-            self.host_events.cached_full([b], [get_block_hash(key)], 0, 1, 1, get_group_id(key), None)
-        self._refresh([b])
-        self._drain_events(lambda e: self._ev.BlockStored(
-            block_hashes=[self._ext(h) for h in e.block_hashes], parent_block_hash=None, token_ids=[],
-            block_size=e.block_size, lora_id=None, medium=self.medium, lora_name=None,
-            extra_keys=[None] * len(e.block_hashes), group_idx=e.group_id))
+            self._engine.cache_full_blocks([b], [get_block_hash(key)], 0, 1, 1, get_group_id(key), None)
+        if self.enable_kv_cache_events:
+            self._drain_events(lambda e: self._ev.BlockStored(
+                block_hashes=[self._ext(h) for h in e.block_hashes], parent_block_hash=None, token_ids=[],
+                block_size=e.block_size, lora_id=None, medium=self.medium, lora_name=None,
+                extra_keys=[None] * len(e.block_hashes), group_idx=e.group_id))
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
-        """Remove every key of ``block``; True if it had one."""
+        """Remove every key of ``block``; True if it had one (vLLM's metrics call first, as vLLM's)."""
+        self._engine.before_op("_maybe_evict_cached_block")
+        (b,) = self._ids([block])
         if self.metrics_collector:
             self.metrics_collector.on_block_evicted(block)
-        had = bool(self._keys[block.block_id])
-        self._dev.evict_blocks([block.block_id])
-        if self.host_events is not None:
-            self.host_events.evicted([block.block_id])
-        self._refresh([block.block_id])
-        self._drain_events()
+        had = bool(self._keys[b])
+        self._engine.evict_blocks([b])
+        if self.enable_kv_cache_events:
+            self._drain_events()
         return had
 
-    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """A prefix hit: each non-null block leaves the free queue if ref_cnt is 0, then ref_cnt += 1."""
-        blocks = as_host_list("touch", blocks, "blocks")
-        ids = self._ids(blocks)
-        live = [b for b in ids if b != 0]
-        if not live:
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Remove every key of each listed block id; ref counts and the queue unchanged. Raises
+        InvalidBlockIdError (and AssertionError, as vLLM) for an id out of range."""
+        self._engine.before_op("evict_blocks")
+        ids = as_host_list("evict_blocks", block_ids, "block_ids")
+        if not ids:
             return
-        self._dev.touch(live)
-        self._refresh(live)
+        with _asserts:
+            ids = [check_block_id("evict_blocks", as_int("evict_blocks", b, "block id"), self.num_gpu_blocks)
+                   for b in ids]
+            self._engine.evict_blocks(ids, self._metrics_evicted if self.metrics_collector else None)
+        if self.enable_kv_cache_events:
+            self._drain_events()
+
+    def _metrics_evicted(self, ids: list[int]) -> None:
+        for b in ids:
+            self.metrics_collector.on_block_evicted(self.blocks[b])
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every key if no block is held (True), else change nothing (False)."""
+        if not self._engine.reset_prefix_cache():
+            return False
         if self.metrics_collector:
-            metrics_touch(self.metrics_collector, blocks)
+            self.metrics_collector.reset()
+        if self.enable_kv_cache_events:
+            self._drain_events()
+        return True
 
     def is_block_writable(self, block: KVCacheBlock) -> bool:
         """Whether ``block`` (a block of this pool, else ArgumentTypeError) may take new tokens."""
         self._ids([block])
         return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Release one reference per block in eviction order (null blocks skipped; blocks of another
-        pool forwarded to it, as vLLM does). All or nothing: every block of every pool is checked
-        first (ArgumentTypeError for one that is no block, DoubleFreeError (and AssertionError) for a
-        release below 0), then this pool's are freed, then the others'."""
-        mine, others = self._split_by_pool(ordered_blocks)
-        for owner, blks in others.values():
-            owner._check_release(blks)
-        ids = self._check_release(mine)
-        if ids:
-            with _asserts:
-                self._dev.free_blocks(ids)
-            self._refresh(ids)
-        for owner, blks in others.values():
-            owner.free_blocks(blks)
-
-    def _split_by_pool(self, ordered_blocks) -> tuple[list, dict]:
-        """(this pool's non-null blocks, {id(pool): (pool, its blocks)} for gpupool pools' others)."""
-        mine, others = [], {}
-        for blk in as_host_list("free_blocks", ordered_blocks, "ordered_blocks"):
-            if getattr(blk, "is_null", False):
-                continue
-            owner = getattr(blk, "pool", None)
-            if isinstance(owner, BlockPool) and owner is not self:
-                others.setdefault(id(owner), (owner, []))[1].append(blk)
-                continue
-            mine.append(blk)
-        return mine, others
-
-    def _check_release(self, blocks) -> list[int]:
-        """The ids of ``blocks``, checked to be this pool's and held as often as listed (from the
-        mirror, exact for held blocks), nothing changed; raises ArgumentTypeError, DoubleFreeError."""
-        ids = self._ids(blocks)
-        counts: dict[int, int] = {}
-        for b in ids:
-            counts[b] = counts.get(b, 0) + 1
-        for b, c in counts.items():
-            if self.blocks[b].ref_cnt < c:
-                raise _as_assertion(DoubleFreeError("free_blocks", f"block {b} freed more times than it is "
-                                                                   "referenced (double free)", b))
-        return ids
-
-    def evict_blocks(self, block_ids: set[int]) -> None:
-        """Remove every key of each listed block id; ref counts and the queue unchanged. Raises
-        InvalidBlockIdError (and AssertionError, as vLLM) for an id out of range."""
-        ids = as_host_list("evict_blocks", block_ids, "block_ids")
-        if not ids:
-            return
-        with _asserts:
-            self._dev.evict_blocks(ids)
-        if self.host_events is not None:
-            self.host_events.evicted(ids)
-        if self.metrics_collector:
-            for b in ids:
-                self.metrics_collector.on_block_evicted(self.blocks[b])
-        self._refresh(ids)
-        self._drain_events()
-
-    def reset_prefix_cache(self) -> bool:
-        """Drop every key if no block is held (True), else change nothing (False)."""
-        if not self._dev.reset_prefix_cache():
-            return False
-        if self.host_events is not None:
-            self.host_events.cleared()
-        self._refresh(range(self.num_gpu_blocks))
-        if self.metrics_collector:
-            self.metrics_collector.reset()
-        self._drain_events()
-        return True
-
     def get_num_free_blocks(self) -> int:
-        return self._num_free
+        return self._engine.num_free
 
     def get_usage(self) -> float:
         total = self.num_gpu_blocks - 1
         if not total:
             return 0
-        return 1.0 - self._num_free / total
+        return 1.0 - self._engine.num_free / total
 
     def take_events(self) -> list:
         if not self.enable_kv_cache_events:
@@ -908,12 +862,56 @@ class BlockPool:
     @property
     def cached_block_hashes_by_block(self) -> dict[int, set[bytes]]:
         """vLLM's map of each block's secondary keys (every key past the primary), from the mirror."""
-        self._need_exact("cached_block_hashes_by_block")
+        self._engine.need_exact("cached_block_hashes_by_block")
         return {b: set(k[1:]) for b, k in enumerate(self._keys) if len(k) > 1}
 
-    def _free_queue(self) -> list[int]:
-        return self._dev.free_queue()
+    # ---- vLLM's events ----------------------------------------------------------------------------
+    def _drain_events(self, stored: Callable[[Any], Any] | None = None) -> None:
+        """The engine's gpupool events -> vLLM's, into ``kv_event_queue`` (``stored`` converts a
+        BlockStored with the call's request)."""
+        ev = self._ev
+        for e in self._engine.take_events():
+            if isinstance(e, gp_events.BlockStored):
+                self.kv_event_queue.append(stored(e))
+            elif isinstance(e, gp_events.BlockRemoved):
+                self.kv_event_queue.append(ev.BlockRemoved(
+                    block_hashes=[self._ext(e.block_hash)], medium=self.medium, group_idx=e.group_id))
+            elif isinstance(e, gp_events.AllBlocksCleared):
+                self.kv_event_queue.append(ev.AllBlocksCleared())
 
+    def _ext(self, h: bytes):
+        if self._ku is not None:
+            return self._ku.maybe_convert_block_hash(h)
+        return _gp_kv_events.wire_block_hash(h)
+
+    def _extra_keys(self, request, start: int, end: int, mm_idx: int):
+        ku = self._ku
+        if ku is None:
+            return None, mm_idx
+        if self.num_hash_lookahead_tokens:
+            return ku.generate_lookahead_block_hash_extra_keys(request, start, end,
+                                                               end + self.num_hash_lookahead_tokens, mm_idx)
+        return ku.generate_block_hash_extra_keys(request, start, end, mm_idx)
+
+    def _event_extra_keys(self, keys):
+        if self._ku is not None:
+            return self._ku.to_event_extra_keys(keys)
+        return list(keys)
+
+    def _stored(self, request, hashes, parent, start: int, end: int, block_size: int, group: int,
+                extra_keys: list, lookahead) -> Any:
+        lora = getattr(request, "lora_request", None)
+        return self._ev.BlockStored(**event_kwargs(  # vLLM 0.32's BlockStored has no lookahead_token_ids
+            self._ev.BlockStored, block_hashes=hashes, parent_block_hash=parent,
+            token_ids=list(request.all_token_ids[start:end]), block_size=block_size,
+            lora_id=lora.adapter_id if lora else None, medium=self.medium, lora_name=lora.name if lora else None,
+            extra_keys=self._event_extra_keys(extra_keys), group_idx=group,
+            session_id=getattr(request, "session_id", None), lookahead_token_ids=lookahead))
+
+    def _lookahead(self, request, end: int) -> list[int]:
+        return list(request.all_token_ids[end: end + self.num_hash_lookahead_tokens])
+
+    # ---- other users of the pool ------------------------------------------------------------------
     @property
     def device_pool(self) -> SharedDevicePool:
         """The gpupool pool behind this adapter (``gpupool.BlockPool``; the reference pool with
@@ -925,30 +923,11 @@ class BlockPool:
         return SharedDevicePool(self)
 
     def _other_user_reads(self, fn, args, kwargs):
-        """``fn`` (a read of the pool) after every op this adapter answered has run on the device."""
-        self._need_device("device_pool")
-        return fn(*args, **kwargs)
+        return self._engine.other_user_reads(fn, args, kwargs)
 
     def _other_user_changes(self, name: str, fn, args, kwargs):
-        """``fn`` (a change of the pool by another user): after every op this adapter answered, waited
-        for (its recorded error raised at once), then the whole mirror read again."""
-        self._need_device("device_pool")
-        out = fn(*args, **kwargs)
-        check = getattr(self._dev, "check", None)
-        if check is not None:
-            check()  # a batched op's recorded error raised to its caller, not to a later launch of ours
-        self._after_other_user(name)
-        return out
+        return self._engine.other_user_changes(name, fn, args, kwargs)
 
-    def _after_other_user(self, name: str) -> None:
-        """Another user changed the pool (``name``): the whole mirror from the device; its KV events are
-        not vLLM's (they describe no call of vLLM's), so they are dropped."""
-        if self._dev.enable_kv_cache_events:
-            self._dev.take_events()
-        self._refresh(range(self.num_gpu_blocks))
-
-
-_run_on_pool_stream(BlockPool)
 
 __all__ = ["BlockPool", "KVCacheBlock", "FreeBlockQueueView", "BlockHashToBlockView",
            "make_block_hash_with_group_id", "get_block_hash", "get_group_id"]

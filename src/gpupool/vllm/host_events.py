@@ -17,12 +17,53 @@ from ..events import AllBlocksCleared, BlockRemoved, BlockStored
 from .host_mirror import HostMirror, get_block_hash, get_group_id, vllm_key
 
 
-class HostEvents:
-    """gpupool's KV events of the ops on a host mirror, queued until :meth:`take`.
+class NoEvents:
+    """Where an engine's gpupool events come from (:mod:`gpupool.vllm.engine`): the engine calls these
+    hooks at every op, whatever the pool's events, after the op succeeded on the pool and before the
+    mirror takes its changes (the mirror then holds the keys the op removes); :meth:`take` hands over
+    what was made. This one makes none (KV events off)."""
 
-    Each method is called after the op succeeded on the pool and before the mirror takes its changes
-    (the mirror then holds the keys the op removes). ``caching``: the pool's ``enable_caching`` (a pop
-    evicts keys only with caching on)."""
+    __slots__ = ()
+
+    def take(self) -> list:
+        return []
+
+    def popped(self, slots) -> None:
+        pass
+
+    def evicted(self, slots) -> None:
+        pass
+
+    def stored(self, hashes, parent: bytes | None, block_size: int, group: int) -> None:
+        pass
+
+    def cached_full(self, ids: list[int], hashes, nc: int, nf: int, block_size: int, group: int, mask) -> None:
+        pass
+
+    def cached_partial(self, slot: int, h: bytes, parent: bytes | None, num_tokens: int, group: int,
+                       hash_block_size: int, replace_existing: bool) -> None:
+        pass
+
+    def cleared(self) -> None:
+        pass
+
+
+class PoolEvents(NoEvents):
+    """The pool records the events itself (the per-call adapter over a pool with KV events on): the
+    hooks make none, :meth:`take` drains the pool's."""
+
+    __slots__ = ("pool",)
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def take(self) -> list:
+        return self.pool.take_events()
+
+
+class HostEvents(NoEvents):
+    """gpupool's KV events of the ops on a host mirror (module docstring), queued until :meth:`take`.
+    ``caching``: the pool's ``enable_caching`` (a pop evicts keys only with caching on)."""
 
     __slots__ = ("mirror", "caching", "queue")
 
@@ -104,4 +145,4 @@ def metrics_touch(mc, blocks) -> None:
             mc.on_block_accessed(blk)
 
 
-__all__ = ["HostEvents", "metrics_pop", "metrics_touch"]
+__all__ = ["NoEvents", "PoolEvents", "HostEvents", "metrics_pop", "metrics_touch"]

@@ -1,6 +1,10 @@
-"""The host mirror of a gpupool device pool (docs/vllm.md, "The drop-in BlockPool"): the fields vLLM's
-callers read thousands of times per step, kept on the host so that a read never touches the device."""
+"""The host mirror of a gpupool pool (docs/vllm.md, "The drop-in BlockPool"; docs/algorithms.md section 8):
+the fields vLLM's callers read thousands of times per step, kept on the host so that a read never
+touches the device. An engine (:mod:`gpupool.vllm.engine`) owns it; its lists are read directly
+(``ref``, ``keys``, ``ntok``, ``holders``) and every write is one of :class:`HostMirror`'s methods."""
 from __future__ import annotations
+
+from ..kernels.layout import MIRROR_KEY_WIDTH, MirrorCol, MirrorKey, mirror_key_col
 
 
 def vllm_key(block_hash: bytes, group_id: int) -> bytes:
@@ -22,7 +26,8 @@ class HostMirror:
     """Per mirror slot (a block id; the fast path's placeholders use slots ``>= num_blocks``): ``ref``
     (ref count), ``keys`` (vLLM key bytes, primary first), ``ntok`` (tokens of the primary key, None
     without); per key ``holders``: ``{slot: insertion seq}`` (the earliest-inserted holder answers a
-    lookup). ``seq``: the host's own insertion counter (the reference backend's order)."""
+    lookup). ``seq``: the host's own insertion counter (the reference backend's order). The lists are
+    changed in place only (readers keep references to them)."""
 
     __slots__ = ("ref", "keys", "ntok", "holders", "seq")
 
@@ -38,8 +43,8 @@ class HostMirror:
         hs = self.holders.get(key)
         return min(hs, key=hs.__getitem__) if hs else None
 
-    def drop_keys(self, slot: int) -> None:
-        """Every key of ``slot`` leaves the key map (an eviction); ``keys[slot]`` is left to the caller."""
+    def _drop_keys(self, slot: int) -> None:
+        """Every key of ``slot`` leaves the key map; ``keys[slot]`` is left to the caller."""
         holders = self.holders
         for key in self.keys[slot]:
             hs = holders.get(key)
@@ -48,26 +53,69 @@ class HostMirror:
                 if not hs:
                     del holders[key]
 
-    def add_key(self, slot: int, key: bytes, seq: int) -> None:
-        """``slot`` holds ``key`` (its only key, the primary) inserted at ``seq``."""
-        self.keys[slot] = (key,)
-        self.holders.setdefault(key, {})[slot] = seq
+    def next_seqs(self, n: int) -> range:
+        """The next ``n`` insertion seqs of the host's own counter (:attr:`seq`), taken."""
+        q = self.seq
+        self.seq = q + n
+        return range(q + 1, q + 1 + n)
 
+    # ---- the fast path's rules (docs/semantics.md section 2), applied on the host ------------------
+    def pop(self, slots: list[int]) -> None:
+        """A pop took ``slots``: each is held once, its keys evicted."""
+        keys, ntok, ref = self.keys, self.ntok, self.ref
+        for s in slots:
+            if keys[s]:
+                self._drop_keys(s)
+                keys[s] = ()
+            ntok[s] = None
+            ref[s] = 1
+
+    def touch(self, slots: list[int]) -> list[int]:
+        """One more reference of each of ``slots`` (in order); returns those that were free (ref 0)."""
+        ref, was_free = self.ref, []
+        for s in slots:
+            if ref[s] == 0:
+                was_free.append(s)
+            ref[s] += 1
+        return was_free
+
+    def release(self, slots: list[int]) -> tuple[list[int], list[int]]:
+        """One reference less of each of ``slots`` (in order, each held often enough); returns the
+        blocks that reached 0, (without a key, with one): the queue's front and back."""
+        ref, keys, front, back = self.ref, self.keys, [], []
+        for s in slots:
+            ref[s] -= 1
+            if ref[s] == 0:
+                (back if keys[s] else front).append(s)
+        return front, back
+
+    def add_keys(self, slots: list[int], keys: list[bytes], seqs, ntok: list[int]) -> None:
+        """Each of ``slots`` (un-keyed) holds its key of ``keys`` (its only one, the primary), inserted
+        at its seq of ``seqs``, covering its count of ``ntok`` tokens."""
+        holders, mk, mt = self.holders, self.keys, self.ntok
+        for s, key, q, t in zip(slots, keys, seqs, ntok):
+            mk[s] = (key,)
+            holders.setdefault(key, {})[s] = q
+            mt[s] = t
+
+    # ---- from the pool ----------------------------------------------------------------------------
     def apply_rows(self, ids: list[int], rows: list[list[int]], key_name) -> None:
-        """Set ``ids`` from ``gpupool.BlockPool.mirror_rows``' rows (``key_name``: device key -> (hash,
-        group)); the key map from the difference."""
+        """Set ``ids`` from ``gpupool.BlockPool.mirror_rows``' rows (``kernels/layout.py``'s MirrorCol;
+        ``key_name``: device key -> (hash, group)); the key map from the difference."""
         holders = self.holders
+        hi, lo, sq = (mirror_key_col(0, c) for c in (MirrorKey.HI, MirrorKey.LO, MirrorKey.SEQ))
         for b, row in zip(ids, rows):
-            self.ref[b] = row[0]
-            self.ntok[b] = None if row[2] < 0 else row[2]
+            self.ref[b] = row[MirrorCol.REF_CNT]
+            nt = row[MirrorCol.HASH_NTOK]
+            self.ntok[b] = None if nt < 0 else nt
             new, seqs = [], []
-            for j in range(row[1]):
-                new.append(vllm_key(*key_name((row[3 + 3 * j], row[4 + 3 * j]))))
-                seqs.append(row[5 + 3 * j])
+            for o in range(0, MIRROR_KEY_WIDTH * row[MirrorCol.NUM_KEYS], MIRROR_KEY_WIDTH):
+                new.append(vllm_key(*key_name((row[hi + o], row[lo + o]))))
+                seqs.append(row[sq + o])
             new_t = tuple(new)
             if self.keys[b] == new_t and all(holders[k].get(b) == q for k, q in zip(new_t, seqs)):
                 continue
-            self.drop_keys(b)
+            self._drop_keys(b)
             for k, q in zip(new_t, seqs):
                 holders.setdefault(k, {})[b] = q
             self.keys[b] = new_t
@@ -95,6 +143,7 @@ class HostMirror:
                     holders.setdefault(k, {})[b] = self.seq
             self.keys[b] = new_t
 
+    # ---- placeholders (the fast path's pops whose ids are not known yet) ----------------------------
     def add_placeholder(self) -> None:
         """One more slot past the blocks: a held block (ref 1, no key) whose id is not known yet."""
         self.ref.append(1)
@@ -108,20 +157,20 @@ class HostMirror:
         holders = self.holders
         for k, b in enumerate(ids):
             s = num_blocks + k
-            self.drop_keys(b)
+            self._drop_keys(b)
             for key in self.keys[s]:
                 hs = holders[key]
                 hs[b] = hs.pop(s)
             self.keys[b] = self.keys[s]
             self.ref[b], self.ntok[b] = self.ref[s], self.ntok[s]
-        del self.ref[num_blocks:], self.keys[num_blocks:], self.ntok[num_blocks:]
+        self.drop_placeholders(num_blocks)
 
-    def forget_placeholder_keys(self, num_blocks: int) -> None:
-        """The keys predicted on placeholders leave the key map (their pops did not run)."""
+    def drop_placeholders(self, num_blocks: int) -> None:
+        """The placeholder slots leave (their keys the key map: pops that did not run)."""
         for s in range(num_blocks, len(self.ref)):
             for key in self.keys[s]:
                 hs = self.holders.get(key, {})
                 hs.pop(s, None)
                 if not hs:
                     self.holders.pop(key, None)
-            self.keys[s] = ()
+        del self.ref[num_blocks:], self.keys[num_blocks:], self.ntok[num_blocks:]

@@ -130,7 +130,8 @@ def _gp_class(mode: str):
             k.setdefault("backend", backend)
             base.__init__(self, *a, **k)
             _BUILT[_MODE[0]] = _BUILT.get(_MODE[0], 0) + 1
-            if getattr(self, "host_events", None) is not None:  # the fast path with KV events made on the host
+            if type(getattr(getattr(self, "_engine", None), "events", None)).__name__ == "HostEvents":
+                # the fast path with KV events made on the host
                 _BUILT[_MODE[0] + "+host_events"] = _BUILT.get(_MODE[0] + "+host_events", 0) + 1
 
         _GP[mode] = type("BlockPool", (base,), {"__init__": __init__, "__module__": base.__module__})

@@ -354,13 +354,14 @@ def main():
                 counts["device_check"] += 1
                 return _c()
             dev.check = check
-        pool._dev = Counting(pool._dev, counts)
-        orig = pool._refresh
+        engine = pool._engine
+        engine.backend.pool = Counting(pool._dev, counts)
+        orig = engine.refresh
 
         def refresh(ids, _o=orig):
             counts["mirror_refresh"] += 1
             return _o(ids)
-        pool._refresh = refresh
+        engine.refresh = refresh
         t = time.perf_counter()
         res[mode] = run(s, stream_, counts, d2h if backend == "device" else None)
         res[mode + "_s"] = time.perf_counter() - t

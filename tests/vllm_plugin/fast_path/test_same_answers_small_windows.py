@@ -1,10 +1,9 @@
-"""Differential hunts against ``DeferredBlockPool`` (from an adversarial review): the per-call
-``BlockPool`` and the fast path on random op lists (tests/vllm_plugin/test_vllm_fast_path_orders.py's plus
-``end_step``, ``sync``, free-queue reads, a block freed twice at ref 2, touches of arbitrary blocks,
-resets) with the host's copy of the free queue cut to a few ring slots, on tiny pools, over both
-backends; every answer read, every id and the final state equal (a PoolError raised by both counts as
-an equal answer). The review ran ~24,000 examples; here 100 over the reference backend and up to 10
-per device test."""
+"""The fast path answers as the per-call pool under hard op lists: the per-call ``BlockPool`` and
+``DeferredBlockPool`` on random op lists (test_batch_order.py's plus ``end_step``, ``sync``, free-queue
+reads, a block freed twice at ref 2, touches of arbitrary blocks, resets) with the host's copy of the
+free queue cut to a few ring slots, on tiny pools, at any launch cadence, over both backends; every
+answer read, every id and the final state equal (a PoolError raised by both counts as an equal
+answer). 100 examples over the reference backend and up to 10 per device test."""
 from harness.paths import CONFORMANCE
 import sys
 from unittest import mock
