@@ -87,6 +87,7 @@ class ManagerState(NamedTuple):
     req_hi: torch.Tensor
     req_lo: torch.Tensor
     num_hashes: torch.Tensor
+    kinds: torch.Tensor
     windows: torch.Tensor
     group_ids: torch.Tensor
     active: torch.Tensor
@@ -119,8 +120,9 @@ class ManagerConfig(NamedTuple):
     """The manager's sizes, a ``tl.constexpr`` argument: G groups, R request slots, M blocks per row,
     K hash blocks per block, BS tokens per block, Q pending-copy capacity, BLOCK lanes per request tile,
     FS entries of the request-parallel path's key filter, MAPS = G * R * M entries per item map
-    (kernels/requests/parallel.py), SW whether any group has a sliding window (else the kernels skip the
-    window's passes), HBS tokens per hash block, NLOG entries of the log of device-made hashes, HW words
+    (kernels/requests/parallel.py), SW whether any group's skip rule can release blocks (else the kernels
+    skip the windows' passes), CHUNKED whether any group's hit is windowed (chunked local attention:
+    else the kernels skip the windowed hit pass; gpupool/groups.py), HBS tokens per hash block, NLOG entries of the log of device-made hashes, HW words
     of a lane's scratch row for a block hash (kernels/block_hash.py)."""
 
     G: int
@@ -133,6 +135,7 @@ class ManagerConfig(NamedTuple):
     FS: int
     MAPS: int
     SW: bool
+    CHUNKED: bool
     HBS: int
     NLOG: int
     HW: int
@@ -164,6 +167,7 @@ def allocate_manager_state(shape: ManagerShape, q: int, device) -> ManagerState:
         req_hi=torch.zeros((R, G, M * K), dtype=i64, device=device),
         req_lo=torch.zeros((R, G, M * K), dtype=i64, device=device),
         num_hashes=torch.zeros(R, dtype=i32, device=device),
+        kinds=torch.tensor([g.spec.code for g in shape.groups], dtype=i32, device=device),
         windows=torch.tensor([w for _, w in shape.groups], dtype=i32, device=device),
         group_ids=torch.arange(G, dtype=i32, device=device),
         active=torch.zeros(R, dtype=torch.int8, device=device),
@@ -244,7 +248,8 @@ class KVCacheManager:
                                     BLOCK=request_block(sh.max_num_reqs),
                                     FS=filter_size(sh.max_num_reqs),
                                     MAPS=len(sh.groups) * sh.max_num_reqs * sh.max_blocks_per_req,
-                                    SW=any(w > 0 for _, w in sh.groups), HBS=sh.hash_block_size,
+                                    SW=any(g.spec.releases_blocks for g in sh.groups),
+                                    CHUNKED=any(g.spec.windowed_hit for g in sh.groups), HBS=sh.hash_block_size,
                                     NLOG=name_log_size(sh), HW=scratch_words(sh.hash_block_size))
         self.parallel = True  # False: every batch takes the exact sequential path (tests, debugging)
         self._copy_offsets: dict = {}  # copy_blocks' layer offset tables, read by captured steps: kept while we live
@@ -527,8 +532,9 @@ class KVCacheManager:
             cap = torch.zeros_like(cap)
         full_hi = self.state.req_hi[s][:, :, K - 1::K].contiguous()
         full_lo = self.state.req_lo[s][:, :, K - 1::K].contiguous()
+        kinds = (self.state.kinds, self.state.windows, self.block_size, self.config.CHUNKED)
         hits, blocks, _ = self.pool.longest_prefix_batched(full_hi, full_lo, self.state.group_ids,
-                                                           cap.to(torch.int32).contiguous())
+                                                           cap.to(torch.int32).contiguous(), kinds)
         return hits, blocks
 
     def batch(self, slots, num_tokens, target_tokens, lookup=None, num_reqs=None,

@@ -749,14 +749,18 @@ class BlockPool:
 
     @locked
     def longest_prefix_batched(self, key_hi: torch.Tensor, key_lo: torch.Tensor, groups: torch.Tensor,
-                               lengths: torch.Tensor):
+                               lengths: torch.Tensor, kinds=None):
         """Longest cached prefix of R hash chains, all groups hitting at each position.
 
         ``key_hi, key_lo: int64[R, G, L]`` (device keys of request r's chain in group g),
         ``groups: int32[G]``, ``lengths: int32[R]`` (positions to consider, each in ``0..L``; another
-        records InvalidArgumentError and looks nothing up for that request). Returns ``(hits:
-        int32[R], blocks: int32[R, G, L], zero_ref: int32[R])``: the hit length, the hit blocks
-        (first ``hits[r]`` valid) and how many of them have ref_cnt 0. Read-only."""
+        records InvalidArgumentError and looks nothing up for that request). ``kinds``: None (every
+        group full attention), or a manager's ``(kinds, windows, block_size, windowed)``: its groups'
+        kind codes and parameters (``ManagerState``) and whether one has a windowed hit, whose rule
+        then applies (docs/semantics.md section 6; a windowed group's blocks before its hit's start
+        come back as the null block). Returns ``(hits: int32[R], blocks: int32[R, G, L], zero_ref:
+        int32[R])``: the hit length, the hit blocks (first ``hits[r]`` valid) and how many of them
+        have ref_cnt 0. Read-only."""
         op = "longest_prefix_batched"
         self._check_tensors(op, ((key_hi, torch.int64, "key_hi"), (key_lo, torch.int64, "key_lo")), dims=3)
         self._check_tensors(op, ((groups, torch.int32, "groups"), (lengths, torch.int32, "lengths")), dims=1)
@@ -770,7 +774,7 @@ class BlockPool:
         if r and g:
             k_lookup.launch_longest_prefix(self.state, self.config, key_hi.contiguous(), key_lo.contiguous(),
                                            groups.contiguous(), lengths.contiguous(), hits, blocks, zero_ref,
-                                           op=Op.LONGEST_PREFIX_BATCHED)
+                                           op=Op.LONGEST_PREFIX_BATCHED, kinds=kinds)
         return hits, blocks, zero_ref
 
     def _check_tensors(self, op: str, specs, dims: int) -> None:

@@ -61,8 +61,10 @@ from harness.manager_pair import (  # noqa: E402
 
 
 @pytest.mark.parametrize("parallel", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["parallel", "exact"])
-# full+full in the slow run only (quick budget): full+sliding covers two groups in the quick run
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "full+full" else k for k in GROUP_KINDS])
+# full+full and chunked in the slow run only (quick budget): full+sliding covers two groups and
+# full+chunked the windowed hit in the quick run
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in ("full+full", "chunked") else k
+                                  for k in GROUP_KINDS])
 @settings(max_examples=_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                           HealthCheck.data_too_large])
 @given(data=st.data())

@@ -12,6 +12,7 @@ from enum import IntEnum
 import triton.language as tl
 
 from ..errors import ErrorCode
+from ..groups import KindCode
 
 
 def constexprs(enum: type[IntEnum]) -> tuple:
@@ -144,6 +145,9 @@ def op_name(code: int) -> str:
  OP_RELEASE_COPIES, OP_REPLAY, OP_DECODE_STEP, OP_RESERVE, OP_RELEASE_RESERVATION,
  OP_CACHE_BLOCKS_BATCHED, OP_ATTENTION_VIEWS, OP_ADMIT, OP_APPEND_TOKENS, OP_WINDOW_BEGIN, OP_WINDOW_STEP,
  OP_WINDOW_END) = constexprs(Op)
+
+# Attention kinds (gpupool.groups.KindCode: a group's word in ManagerState.kinds).
+KIND_FULL, KIND_SLIDING_WINDOW, KIND_CHUNKED_LOCAL = constexprs(KindCode)
 
 # Error codes (gpupool.errors.ErrorCode; the messages live with the error classes).
 (E_NONE, E_UNKNOWN, E_OUT_OF_BLOCKS, E_INVALID_COUNT, E_INVALID_ID, E_NULL_BLOCK, E_DOUBLE_FREE,

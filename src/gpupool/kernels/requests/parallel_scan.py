@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ..common import first_index, lanes, ld
-from ..groups import block_hit, num_skipped_blocks
+from ..groups import block_hit, num_skipped_blocks, windowed, windowed_hit
 from ..keytable import key_home, lookup_blocks
 from ..layout import BIG, HEAD, TAIL
 from ..release import to_front
@@ -93,9 +93,9 @@ def scan_tile(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, batch, k, m, LOOKU
     if mc.SW:
         ncomp = ld(ms.num_computed + r, m)
         for g in tl.static_range(mc.G):
-            w = tl.load(ms.windows + g)
             row = row_of(ms, mc, g, r)
-            nskip = tl.where(m, num_skipped_blocks(ncomp, w, mc.BS, nblk), 0)
+            nskip = tl.where(m, num_skipped_blocks(ncomp, tl.load(ms.kinds + g), tl.load(ms.windows + g), mc.BS, nblk),
+                             0)
             lead = leading_nulls(row, nskip, m, mc.M)
             tl.store(sc.grp.nskip + k * mc.G + g, nskip, mask=m)
             tl.store(sc.grp.lead + k * mc.G + g, lead, mask=m)
@@ -119,6 +119,8 @@ def scan_store(mc: tl.constexpr, sc, k, m, r, nblk, cap, rel):
     tl.store(sc.req.nblk + k, nblk, mask=m)
     tl.store(sc.req.cap + k, cap, mask=m)
     tl.store(sc.req.miss + k, tl.full([mc.BLOCK], BIG, tl.int32), mask=m)
+    if mc.CHUNKED:
+        tl.store(sc.req.cmiss + k, tl.full([mc.BLOCK], BIG, tl.int32), mask=m)
     tl.store(sc.req.zref + k, zero, mask=m)
     tl.store(sc.req.evict + k, zero, mask=m)
     tl.store(sc.req.rel + k, rel, mask=m)
@@ -178,7 +180,9 @@ def hit_item(sc, num_lookups, f):
 @triton.jit
 def find_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, nb, num_lookups):
     """``find_longest_cache_hit`` of every request at once, flattened over (request, position): hit
-    blocks into the rows, the first miss per request with ``atomic_min``."""
+    blocks into the rows, the prefix scan's first miss per request with ``atomic_min``
+    (``kernels/groups.py`` ``block_hit``); with ``mc.CHUNKED`` then the windowed scan
+    (:func:`find_windowed_hits`)."""
     i = 0
     while i < num_lookups:
         f, m = lanes(i, num_lookups, pc.BLOCK)
@@ -189,10 +193,43 @@ def find_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, nb, num_lookups):
             grp = tl.zeros_like(t) + tl.load(ms.group_ids + g)
             blk = lookup_blocks(ps, pc, ld(ms.req_hi + ka, m), ld(ms.req_lo + ka, m), grp, m)
             tl.store(row_of(ms, mc, g, r) + t, blk, mask=m)
-            ok = ok & block_hit(tl.load(ms.windows + g), blk)
+            ok = ok & block_hit(tl.load(ms.kinds + g), blk)
         tl.atomic_min(sc.req.miss + k, t, mask=m & ~ok)
         i += pc.BLOCK
     tl.debug_barrier()
+    if mc.CHUNKED:
+        find_windowed_hits(pc, ms, mc, sc, num_lookups)
+
+
+@triton.jit
+def find_windowed_hits(pc: tl.constexpr, ms, mc: tl.constexpr, sc, num_lookups):
+    """The windowed groups' scan (``kernels/groups.py`` ``windowed_hit``) of every request at once over
+    the positions its prefix scan accepted: their blocks before the hit's start become the null block
+    in the rows, and their first miss after it goes to ``cmiss`` (``atomic_min``)."""
+    i = 0
+    while i < num_lookups:
+        f, m = lanes(i, num_lookups, pc.BLOCK)
+        k, t, r = lookup_item(sc, f, m)
+        length = tl.minimum(ld(sc.req.miss + k, m), ld(sc.req.cap + k, m))
+        for g in tl.static_range(mc.G):
+            kind = tl.load(ms.kinds + g)
+            if windowed(kind):
+                row = row_of(ms, mc, g, r) + t
+                null, miss = windowed_hit(kind, tl.load(ms.windows + g), t, ld(row, m), length, mc.BS)
+                tl.store(row, tl.zeros_like(t), mask=m & null)
+                tl.atomic_min(sc.req.cmiss + k, t, mask=m & miss)
+        i += pc.BLOCK
+    tl.debug_barrier()
+
+
+@triton.jit
+def first_miss(mc: tl.constexpr, sc, k, m):
+    """Where request ``k``'s hit ends (``find_hits``): its prefix scan's first miss, or its windowed
+    scan's (BIG: none)."""
+    miss = ld(sc.req.miss + k, m)
+    if mc.CHUNKED:
+        miss = tl.minimum(miss, ld(sc.req.cmiss + k, m))
+    return miss
 
 
 @triton.jit
@@ -205,7 +242,7 @@ def count_zero_ref_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, nb, num_
     while i < nb:
         k = i + offs
         m = k < nb
-        hits = tl.minimum(ld(sc.req.miss + k, m), ld(sc.req.cap + k, m))
+        hits = tl.minimum(first_miss(mc, sc, k, m), ld(sc.req.cap + k, m))
         tl.store(sc.req.hits + k, hits, mask=m)
         any_hits += tl.sum(hits, axis=0)
         i += mc.BLOCK
@@ -218,13 +255,16 @@ def count_zero_ref_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, nb, num_
                 k, t, r, m = hit_item(sc, num_lookups, i + offs)
                 for g in tl.static_range(mc.G):
                     b = tl.load(row_of(ms, mc, g, r) + t, mask=m, other=0)
+                    mb = m
+                    if mc.CHUNKED:  # a windowed group's null blocks are no hit blocks
+                        mb = m & (b != 0)
                     if phase == 0:
-                        tl.atomic_min(ps.s_first + b, k, mask=m)
+                        tl.atomic_min(ps.s_first + b, k, mask=mb)
                     elif phase == 1:
-                        z = m & (ld(ps.ref_cnt + b, m) == 0) & (ld(ps.s_first + b, m) == k)
+                        z = mb & (ld(ps.ref_cnt + b, mb) == 0) & (ld(ps.s_first + b, mb) == k)
                         tl.atomic_add(sc.req.zref + k, 1, mask=z)
                     else:
-                        tl.store(ps.s_first + b, tl.full([pc.BLOCK], BIG, tl.int32), mask=m)
+                        tl.store(ps.s_first + b, tl.full([pc.BLOCK], BIG, tl.int32), mask=mb)
                 i += pc.BLOCK
             tl.debug_barrier()
     return any_hits > 0
@@ -413,19 +453,25 @@ def scan_cached(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, nb, num_items, u
 
 @triton.jit
 def first_cached_miss(ms, mc: tl.constexpr, sc, nb):
-    """The first request whose first lookup miss is a key an earlier request of the batch caches
-    (then its sequential lookup would hit further)."""
+    """The first request whose first lookup miss (the prefix scan's, and with ``mc.CHUNKED`` the
+    windowed scan's too) is a key an earlier request of the batch caches (then its sequential lookup
+    would hit further)."""
     first = tl.full([], BIG, tl.int32)
     i = 0
     while i < nb:
         k, m = lanes(i, nb, mc.BLOCK)
-        t = ld(sc.req.miss + k, m)
-        m = m & (t < ld(sc.req.cap + k, m))
+        cap = ld(sc.req.cap + k, m)
         r = ld(sc.req.slot + k, m)
-        for g in tl.static_range(mc.G):
-            ka = keys_of(mc, g, r) + (t + 1).to(tl.int64) * mc.K - 1
-            s = ld(ms.s_filter + key_home(ld(ms.req_lo + ka, m), tl.zeros_like(k) + g, mc.FS), m)
-            first = first_index(first, m & (s < k), k)
+        for scan in tl.static_range(1 + mc.CHUNKED):
+            if scan == 0:
+                t = ld(sc.req.miss + k, m)
+            else:
+                t = ld(sc.req.cmiss + k, m)
+            mt = m & (t < cap)
+            for g in tl.static_range(mc.G):
+                ka = keys_of(mc, g, r) + (t + 1).to(tl.int64) * mc.K - 1
+                s = ld(ms.s_filter + key_home(ld(ms.req_lo + ka, mt), tl.zeros_like(k) + g, mc.FS), mt)
+                first = first_index(first, mt & (s < k), k)
         i += mc.BLOCK
     return first
 
