@@ -78,9 +78,9 @@ class KindSpec:
         return n
 
     def hit_start(self, param: int, length: int, block_size: int) -> int:
-        """The first of ``length`` accepted blocks a windowed kind looks up; the ones before are hits on
-        the null block. ``length`` for the other kinds (the prefix scan checked their blocks)."""
-        return length
+        """The first of ``length`` accepted blocks the group looks up; the ones before are hits on the
+        null block. 0 for every kind but a windowed one."""
+        return 0
 
 
 class FullAttention(KindSpec):

@@ -62,9 +62,8 @@ def block_hit(kind, blk):
 @triton.jit
 def hit_start(kind, param, length, BS: tl.constexpr):
     """``KindSpec.hit_start``: the first of ``length`` accepted blocks the group looks up, for chunked
-    local attention the start of the chunk that holds block ``length``; ``length`` for the other kinds
-    (the prefix scan checked their blocks)."""
-    return tl.where(kind == KIND_CHUNKED_LOCAL, length * BS // tl.maximum(param, 1) * param // BS, length)
+    local attention the start of the chunk that holds block ``length``; 0 for the other kinds."""
+    return tl.where(kind == KIND_CHUNKED_LOCAL, length * BS // tl.maximum(param, 1) * param // BS, 0)
 
 
 @triton.jit
