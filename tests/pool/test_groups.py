@@ -116,7 +116,7 @@ def _kind_kernel(k_ptr, w_ptr, blk_ptr, pos_ptr, len_ptr, rel_ptr, hit_ptr, null
     null, miss = windowed_hit(kind, w, tl.load(pos_ptr + offs, mask=m, other=0), blk,
                               tl.load(len_ptr + offs, mask=m, other=0), BS)
     tl.store(rel_ptr + offs, releases_blocks(kind).to(tl.int32) + 2 * windowed(kind).to(tl.int32), mask=m)
-    tl.store(hit_ptr + offs, block_hit(kind, blk).to(tl.int32), mask=m)
+    tl.store(hit_ptr + offs, block_hit(kind, blk, True).to(tl.int32), mask=m)
     tl.store(null_ptr + offs, null.to(tl.int32), mask=m)
     tl.store(miss_ptr + offs, miss.to(tl.int32), mask=m)
 

@@ -53,10 +53,15 @@ def num_skipped_blocks(num_computed, kind, param, BS: tl.constexpr, num_blocks):
 
 
 @triton.jit
-def block_hit(kind, blk):
+def block_hit(kind, blk, WINDOWED: tl.constexpr):
     """The prefix scan's test of one block (``blk``: the lookup, -1 for a miss): a cached block lets the
-    scan go on; a windowed kind never ends it (:func:`windowed_hit` checks its blocks after)."""
-    return (blk >= 0) | windowed(tl.zeros_like(blk) + kind)  # a tile's mask (a scalar's | is not one)
+    scan go on; a windowed kind never ends it (:func:`windowed_hit` checks its blocks after).
+    ``WINDOWED``: whether the manager has a windowed kind (``ManagerConfig.CHUNKED``; else ``kind``
+    is not read)."""
+    hit = blk >= 0
+    if WINDOWED:
+        hit = hit | windowed(tl.zeros_like(blk) + kind)  # a tile's mask (a scalar's | is not one)
+    return hit
 
 
 @triton.jit

@@ -77,7 +77,7 @@ def find_longest_cache_hit(ps, pc: tl.constexpr, key_hi, key_lo, gstride, pstrid
             grp = tl.zeros([BLOCK], tl.int32) + tl.load(groups + g)
             blk = lookup_blocks(ps, pc, hi, lo, grp, inb)
             tl.store(out_blocks + g * out_stride + pos, blk, mask=inb)
-            ok = ok & block_hit(group_kind(kinds, g), blk)
+            ok = ok & block_hit(group_kind(kinds, g), blk, CHUNKED)
             g += 1
         # Positions before the first miss of this tile extend the prefix.
         miss = tl.min(tl.where(inb & (ok == 0), pos, BIG), axis=0)
