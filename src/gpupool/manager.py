@@ -120,10 +120,11 @@ class ManagerConfig(NamedTuple):
     """The manager's sizes, a ``tl.constexpr`` argument: G groups, R request slots, M blocks per row,
     K hash blocks per block, BS tokens per block, Q pending-copy capacity, BLOCK lanes per request tile,
     FS entries of the request-parallel path's key filter, MAPS = G * R * M entries per item map
-    (kernels/requests/parallel.py), SW whether any group's skip rule can release blocks (else the kernels
-    skip the windows' passes), CHUNKED whether any group's hit is windowed (chunked local attention:
-    else the kernels skip the windowed hit pass; gpupool/groups.py), HBS tokens per hash block, NLOG entries of the log of device-made hashes, HW words
-    of a lane's scratch row for a block hash (kernels/block_hash.py)."""
+    (kernels/requests/parallel.py), SW whether any group's skip rule can release blocks (else the
+    kernels skip the windows' passes), CHUNKED whether any group's hit is windowed (chunked local
+    attention; else the kernels skip the windowed hit's pass; gpupool/groups.py), HBS tokens per hash
+    block, NLOG entries of the log of device-made hashes, HW words of a lane's scratch row for a block
+    hash (kernels/block_hash.py)."""
 
     G: int
     R: int
@@ -220,13 +221,16 @@ class KVCacheManager:
         num_blocks: blocks in the shared pool (block 0 is the null block).
         block_size: tokens per block, all groups.
         max_num_reqs, max_blocks_per_req: block table shape (R, M).
-        groups: per KV-cache group "full" or ("sliding_window", tokens); group g keys with group id g.
+        groups: per KV-cache group "full", ("sliding_window", tokens) or ("chunked_local_attention",
+            tokens) (docs/semantics.md section 6); group g keys with group id g.
         hash_block_size: tokens per request hash (a divisor of block_size; default block_size).
         max_pending_copies: capacity of the copy-on-write queue.
         Other keywords go to :class:`BlockPool` (``enable_caching``, ``enable_kv_cache_events``,
         ``max_keys_per_block``, ``device``, ``event_capacity``).
 
-    Raises InvalidArgumentError for a bad shape.
+    Raises InvalidArgumentError for a bad shape or group spec (an attention chunk that is not a
+    multiple of block_size, two chunks in one manager), ArgumentTypeError for a parameter that is
+    not an int.
     """
 
     def __init__(self, num_blocks: int, *, block_size: int, max_num_reqs: int, max_blocks_per_req: int,
@@ -533,8 +537,8 @@ class KVCacheManager:
         full_hi = self.state.req_hi[s][:, :, K - 1::K].contiguous()
         full_lo = self.state.req_lo[s][:, :, K - 1::K].contiguous()
         kinds = (self.state.kinds, self.state.windows, self.block_size, self.config.CHUNKED)
-        hits, blocks, _ = self.pool.longest_prefix_batched(full_hi, full_lo, self.state.group_ids,
-                                                           cap.to(torch.int32).contiguous(), kinds)
+        hits, blocks, _ = self.pool._longest_prefix_of_kinds(full_hi, full_lo, self.state.group_ids,
+                                                            cap.to(torch.int32).contiguous(), kinds)
         return hits, blocks
 
     def batch(self, slots, num_tokens, target_tokens, lookup=None, num_reqs=None,

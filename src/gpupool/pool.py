@@ -749,18 +749,14 @@ class BlockPool:
 
     @locked
     def longest_prefix_batched(self, key_hi: torch.Tensor, key_lo: torch.Tensor, groups: torch.Tensor,
-                               lengths: torch.Tensor, kinds=None):
+                               lengths: torch.Tensor):
         """Longest cached prefix of R hash chains, all groups hitting at each position.
 
         ``key_hi, key_lo: int64[R, G, L]`` (device keys of request r's chain in group g),
         ``groups: int32[G]``, ``lengths: int32[R]`` (positions to consider, each in ``0..L``; another
-        records InvalidArgumentError and looks nothing up for that request). ``kinds``: None (every
-        group full attention), or a manager's ``(kinds, windows, block_size, windowed)``: its groups'
-        kind codes and parameters (``ManagerState``) and whether one has a windowed hit, whose rule
-        then applies (docs/semantics.md section 6; a windowed group's blocks before its hit's start
-        come back as the null block). Returns ``(hits: int32[R], blocks: int32[R, G, L], zero_ref:
-        int32[R])``: the hit length, the hit blocks (first ``hits[r]`` valid) and how many of them
-        have ref_cnt 0. Read-only."""
+        records InvalidArgumentError and looks nothing up for that request). Returns ``(hits:
+        int32[R], blocks: int32[R, G, L], zero_ref: int32[R])``: the hit length, the hit blocks
+        (first ``hits[r]`` valid) and how many of them have ref_cnt 0. Read-only."""
         op = "longest_prefix_batched"
         self._check_tensors(op, ((key_hi, torch.int64, "key_hi"), (key_lo, torch.int64, "key_lo")), dims=3)
         self._check_tensors(op, ((groups, torch.int32, "groups"), (lengths, torch.int32, "lengths")), dims=1)
@@ -768,6 +764,16 @@ class BlockPool:
         if key_lo.shape != key_hi.shape or groups.numel() != g or lengths.numel() != r:
             raise InvalidArgumentError(op, f"shapes disagree: key_hi {tuple(key_hi.shape)}, key_lo "
                                            f"{tuple(key_lo.shape)}, groups {groups.numel()}, lengths {lengths.numel()}")
+        return self._longest_prefix_of_kinds(key_hi, key_lo, groups, lengths, None)
+
+    @locked
+    def _longest_prefix_of_kinds(self, key_hi, key_lo, groups, lengths, kinds):
+        """:meth:`longest_prefix_batched` of checked tensors under a manager's group kinds: ``kinds``
+        None (full attention) or the manager's ``(kinds, windows, block_size, windowed)``: its groups'
+        kind codes and parameters (``ManagerState``) and whether one has a windowed hit, whose rule
+        then applies (docs/semantics.md section 6; a windowed group's blocks before its hit's start
+        come back as the null block). For ``KVCacheManager.get_computed_blocks``."""
+        r, g, length = key_hi.shape
         hits = torch.zeros(r, dtype=torch.int32, device=self.device)
         blocks = torch.full((r, g, length), -1, dtype=torch.int32, device=self.device)
         zero_ref = torch.zeros(r, dtype=torch.int32, device=self.device)

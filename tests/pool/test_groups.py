@@ -1,5 +1,7 @@
 """KV-cache group kinds (gpupool/groups.py, docs/semantics.md section 6): the spec parsing, each rule
 against vLLM's formula, and the device twins (kernels/groups.py) equal to the Python rules."""
+import re
+
 import pytest
 import torch
 import triton
@@ -9,6 +11,7 @@ from hypothesis import given, strategies as st
 from gpupool.errors import ArgumentTypeError, InvalidArgumentError
 from gpupool.groups import KINDS, GroupKind, longest_cache_hit
 from gpupool.kernels.groups import block_hit, num_skipped_blocks, releases_blocks, windowed, windowed_hit
+from gpupool.manager import KVCacheManager
 from gpupool.reference import ReferenceKVCacheManager
 
 CL = "chunked_local_attention"
@@ -24,7 +27,8 @@ def test_parse(spec, kind):
 
 
 @pytest.mark.parametrize("spec, err", [(("sliding_window", 0), InvalidArgumentError), ("mamba", InvalidArgumentError),
-                                       (("sliding_window", "6"), ArgumentTypeError), (("sliding_window",), InvalidArgumentError),
+                                       (("sliding_window", "6"), ArgumentTypeError),
+                                       (("sliding_window",), InvalidArgumentError),
                                        ((CL, 0), InvalidArgumentError), ((CL, -8), InvalidArgumentError),
                                        ((CL, 8.0), ArgumentTypeError), ((CL, 1 << 80), InvalidArgumentError),
                                        ((CL,), InvalidArgumentError), (CL, InvalidArgumentError)])
@@ -33,11 +37,16 @@ def test_parse_refuses(spec, err):
         GroupKind.parse("op", spec)
 
 
-@pytest.mark.parametrize("groups", [("full", (CL, 6)), ((CL, 8), (CL, 16)), ("full", (CL, 2))])
-def test_manager_refuses_chunks_it_cannot_run(groups):
-    """A chunk that is not a multiple of the block size, or two chunk sizes in one manager."""
-    with pytest.raises(InvalidArgumentError):
-        ReferenceKVCacheManager(8, block_size=4, max_num_reqs=1, max_blocks_per_req=4, groups=groups)
+@pytest.mark.parametrize("groups", [("full", (CL, 6)), ((CL, 8), (CL, 16)), ("full", (CL, 2)), ((CL, 8), (CL, "8")),
+                                    ((CL, 1 << 31),), ((CL, True),), ((CL, 8, 8),), ((CL, None),)])
+def test_managers_refuse_chunks_they_cannot_run(groups):
+    """A chunk that is not a multiple of the block size, two chunk sizes in one manager, a chunk that
+    is no int or does not fit int32, a spec of another shape: the same typed error from both."""
+    kw = dict(block_size=4, max_num_reqs=1, max_blocks_per_req=4, groups=groups)
+    with pytest.raises((InvalidArgumentError, ArgumentTypeError)) as e:
+        ReferenceKVCacheManager(8, **kw)
+    with pytest.raises(type(e.value), match=re.escape(str(e.value).split(":")[-1].strip())):
+        KVCacheManager(8, device="cpu", **kw)
 
 
 def test_skipped_blocks_are_vllms():

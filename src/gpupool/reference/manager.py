@@ -25,8 +25,8 @@ class ReferenceKVCacheManager(Locked):
     oracle of ``gpupool.manager.KVCacheManager``. Semantics are documented there, op by op.
 
     Requests live in slots ``0 .. max_num_reqs-1``; every KV-cache group (``groups``: "full",
-    ("sliding_window", tokens) or ("chunked_local_attention", tokens)) has a block table row per slot, all of one ``block_size``, sharing one
-    pool; group g's keys use group id g. Request hashes are per ``hash_block_size`` tokens (a divisor
+    ("sliding_window", tokens) or ("chunked_local_attention", tokens)) has a block table row per
+    slot, all of one ``block_size``, sharing one pool; group g's keys use group id g. Request hashes are per ``hash_block_size`` tokens (a divisor
     of ``block_size``, k = block_size / hash_block_size of them per block): full block i is keyed by
     hash ``(i + 1) * k - 1``; with k > 1 a partly written block is also keyed at its last complete
     hash-block boundary (``cache_partial_block``).
