@@ -290,19 +290,6 @@ def group_released(sc, j, m):
     return ld(sc.grp.nskip + j, m) - ld(sc.grp.lead + j, m)
 
 
-class PlanTile(NamedTuple):
-    """One tile of requests as :func:`plan_requests` reads it (each a tile of ``mc.BLOCK`` lanes)."""
-
-    slot: tl.tensor
-    num_tokens: tl.tensor
-    target: tl.tensor
-    nblk: tl.tensor  # row length
-    nhash: tl.tensor  # known hashes
-    rel: tl.tensor  # blocks the skip rules release
-    hits: tl.tensor
-    zref: tl.tensor  # zero-ref hits
-
-
 @triton.jit
 def no_plan(rels):
     """The carry of :func:`plan_requests` before its first request: nothing planned, no conflict;
@@ -314,12 +301,14 @@ def no_plan(rels):
 
 @triton.jit
 def plan_inputs(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, batch, k, m, rels, SCAN: tl.constexpr):
-    """A tile's :class:`PlanTile`: scanned here with ``SCAN`` (:func:`scan_tile`, no hits; its releases
-    folded into ``rels``), else read back from ``scan_requests``' scratch. Returns (tile, rels)."""
+    """A tile of requests ``k`` as :func:`plan_requests` reads it: scanned here with ``SCAN``
+    (:func:`scan_tile`, no hits; its releases folded into ``rels``), else read back from
+    ``scan_requests``' scratch (the scan's own fields, ``cap`` and the conflicts, left 0). Returns
+    (the :class:`TileScan`, hits, zero-ref hits, rels)."""
     if SCAN:
         ts = scan_tile(ps, pc, ms, mc, sc, batch, k, m, False)
-        tile = PlanTile(ts.slot, ts.num_tokens, ts.target, ts.nblk, ts.nhash, ts.rel, tl.zeros_like(k),
-                        tl.zeros_like(k))
+        hits = tl.zeros_like(k)
+        zref = tl.zeros_like(k)
         if mc.SW:
             rels = fold_releases(rels, ts, k)
             tl.debug_barrier()  # the windows' fields are read back below
@@ -331,8 +320,9 @@ def plan_inputs(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, batch, k, m, rel
         nblk = ld(sc.req.nblk + k, m)
         rel = ld(sc.req.rel + k, m)
         zref = ld(sc.req.zref + k, m)
-        tile = PlanTile(r, nt, tg, nblk, ld(ms.num_hashes + r, m), rel, hits, zref)
-    return tile, rels
+        no = m & False
+        ts = TileScan(r, nt, tg, nblk, ld(ms.num_hashes + r, m), tl.zeros_like(k), rel, no, no)
+    return ts, hits, zref, rels
 
 
 @triton.jit
@@ -412,25 +402,25 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, batch, nb, num
     i = 0
     while i < nb:
         k, m = lanes(i, nb, mc.BLOCK)
-        tile, rels = plan_inputs(ps, pc, ms, mc, sc, batch, k, m, plan.rels, SCAN)
+        tile, hits, zref, rels = plan_inputs(ps, pc, ms, mc, sc, batch, k, m, plan.rels, SCAN)
         r = tile.slot
         cached0 = ld(ms.num_cached + r, m)  # group 0's, read beside the others (loads before stores)
         own = tl.zeros([mc.BLOCK], tl.int32)
         if any_reserved:
             own = ld(ms.reserved + r, m)
-        alloc = get_num_blocks_to_allocate(tile.target, tile.hits, zero_ref=tile.zref, num_blocks=tile.nblk, G=mc.G,
+        alloc = get_num_blocks_to_allocate(tile.target, hits, zero_ref=zref, num_blocks=tile.nblk, G=mc.G,
                                            BS=mc.BS)
         need = tl.where(m, alloc.need, 0)
         pops = need * mc.G
         cpops = tl.cumsum(pops, axis=0)
-        fail, demand, reach = admission_check(plan, k, m, pops, cpops, tile.zref, own, tile.rel, tile.hits, num_free,
+        fail, demand, reach = admission_check(plan, k, m, pops, cpops, zref, own, tile.rel, hits, num_free,
                                               unreserved, any_reserved, SCAN and (not mc.SW))
         sw = plan.sw
         zcarry = plan.zref
         if not SCAN:
             sw = first_index(sw, m & (tile.rel > 0) & any_hits, k)
-            tl.store(sc.req.zoff + k, zcarry + tl.cumsum(tile.zref, axis=0) - tile.zref, mask=m)
-            zcarry += tl.sum(tile.zref, axis=0)
+            tl.store(sc.req.zoff + k, zcarry + tl.cumsum(zref, axis=0) - zref, mask=m)
+            zcarry += tl.sum(zref, axis=0)
         # cache_blocks: per group blocks [start, nf) get keys
         known = tl.minimum(alloc.eff, tile.num_tokens)
         nf = tl.minimum(known // mc.BS, tile.nhash // mc.K)
@@ -438,17 +428,17 @@ def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, batch, nb, num
         if pc.CACHING and (mc.K > 1):
             hbs = mc.BS // mc.K
             nh = tl.minimum(known // hbs, tile.nhash)
-            partial = first_index(partial, m & (nh * hbs > nf * mc.BS) & (nf < tile.nblk + tile.hits + need), k)
-        csize, rsize = caching_plan(pc, ms, mc, sc, k, m, r, cached0, tile.hits, nf, plan.items, plan.released)
+            partial = first_index(partial, m & (nh * hbs > nf * mc.BS) & (nf < tile.nblk + hits + need), k)
+        csize, rsize = caching_plan(pc, ms, mc, sc, k, m, r, cached0, hits, nf, plan.items, plan.released)
         if SCAN:
             scan_store(mc, sc, k, m, r, tile.nblk, tl.zeros_like(k), tile.rel)
-            tl.store(sc.req.hits + k, tile.hits, mask=m)
+            tl.store(sc.req.hits + k, hits, mask=m)
         tl.store(sc.req.need + k, need, mask=m)
         tl.store(sc.req.eff + k, alloc.eff, mask=m)
         tl.store(sc.req.popoff + k, plan.pops + cpops - pops, mask=m)
         tl.store(sc.req.nf + k, nf, mask=m)
         if any_reserved:
-            take = tl.minimum(own, pops + tile.zref)  # drawn from its own reservation first, if admitted
+            take = tl.minimum(own, pops + zref)  # drawn from its own reservation first, if admitted
             tl.store(sc.req.rleft + k, own - take, mask=m)
             tl.store(sc.req.take + k, take, mask=m)
         released = plan.released
