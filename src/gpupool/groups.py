@@ -5,7 +5,7 @@ A manager's ``groups`` are given as ``"full"``, ``("sliding_window", tokens)`` o
 kind's spec in :data:`KINDS` (vLLM's ``SingleTypeKVCacheManager`` subclasses, chosen through its spec
 registry, ``vllm/v1/core/single_type_kv_cache_manager.py``). The reference manager calls the specs;
 the device kernels call each kind's hooks in ``kernels/groups.py``, chosen by the group's
-:class:`KindCode` (``ManagerState.kinds``) with its parameter (``ManagerState.windows``). A new kind is
+code (``KindSpec.code``, ``ManagerState.kinds``) with its parameter (``ManagerState.windows``). A new kind is
 one :class:`KindSpec` subclass here, its code, and its branch in each device hook.
 
 The rules (vLLM 0.33):
@@ -29,18 +29,9 @@ The rules (vLLM 0.33):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from enum import IntEnum
 from typing import NamedTuple
 
 from .errors import InvalidArgumentError
-
-
-class KindCode(IntEnum):
-    """A kind's code on the device (``ManagerState.kinds``; ``kernels/layout.py`` mirrors it)."""
-
-    FULL = 0
-    SLIDING_WINDOW = 1
-    CHUNKED_LOCAL = 2
 
 
 class KindSpec:
@@ -48,7 +39,9 @@ class KindSpec:
     (0 where the kind has none)."""
 
     name: str
-    code: KindCode
+    #: The kind's code on the device (``ManagerState.kinds``): its member of ``kernels/layout.py``
+    #: ``KindCode`` (tests/pool/test_groups.py checks they agree).
+    code: int
     #: Whether the skip rule can release blocks (the device kernels skip the window passes of a
     #: manager whose groups all say no: ``ManagerConfig.SW``).
     releases_blocks: bool = False
@@ -85,7 +78,7 @@ class KindSpec:
 
 class FullAttention(KindSpec):
     name = "full"
-    code = KindCode.FULL
+    code = 0
     form = '"full"'
 
     def parse_param(self, op: str, spec) -> int | None:
@@ -111,7 +104,7 @@ class SlidingWindow(_Windowed):
     """A window of ``param >= 1`` tokens."""
 
     name = "sliding_window"
-    code = KindCode.SLIDING_WINDOW
+    code = 1
     form = '("sliding_window", tokens)'
     releases_blocks = True
 
@@ -124,7 +117,7 @@ class ChunkedLocalAttention(_Windowed):
     ``param >= 1`` tokens (``attention_chunk_size``), a multiple of the block size."""
 
     name = "chunked_local_attention"
-    code = KindCode.CHUNKED_LOCAL
+    code = 2
     form = '("chunked_local_attention", tokens)'
     releases_blocks = True
     windowed_hit = True

@@ -49,6 +49,14 @@ def test_managers_refuse_chunks_they_cannot_run(groups):
         KVCacheManager(8, device="cpu", **kw)
 
 
+def test_kind_codes_are_the_devices():
+    """Each spec's code is its member of the kernels' ``KindCode`` (kernels/layout.py)."""
+    from gpupool.kernels.layout import KindCode
+
+    assert {k.name: k.code for k in KINDS.values()} == {"full": KindCode.FULL, "sliding_window": KindCode.SLIDING_WINDOW,
+                                                          CL: KindCode.CHUNKED_LOCAL}
+
+
 def test_skipped_blocks_are_vllms():
     """vLLM 0.33's SlidingWindowManager: skipped tokens ``max(0, num_computed - window + 1)``;
     ChunkedLocalAttentionManager: ``num_computed // chunk * chunk`` (its docstring's examples: chunk 8,

@@ -53,14 +53,13 @@ def test_device_path_does_not_import_the_reference(rel):
 
 def _mirrors():
     from gpupool.errors import ErrorCode
-    from gpupool.groups import KindCode
     from gpupool.kernels import layout, replay, validate
 
     return [(layout, layout.Ctrl, ""), (layout, layout.Status, "ST_"), (layout, layout.Cause, "C_"),
             (layout, layout.Op, "OP_"),
             (layout, ErrorCode, "E_"), (layout, layout.Event, "EV_"), (layout, layout.EventCol, "EC_"),
             (layout, layout.KeyCol, "K_"), (layout, layout.RoundField, "RF_"),
-            (layout, layout.Fallback, "R_"), (layout, KindCode, "KIND_"), (replay, replay.LoopWord, "W_"),
+            (layout, layout.Fallback, "R_"), (layout, layout.KindCode, "KIND_"), (replay, replay.LoopWord, "W_"),
             (validate, validate.Check, "V_")]
 
 

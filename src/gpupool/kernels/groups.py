@@ -19,13 +19,13 @@ from .layout import KIND_CHUNKED_LOCAL, KIND_FULL, KIND_SLIDING_WINDOW
 
 
 @triton.jit
-def group_kind(kinds, g):
-    """Group g's kind code, ``kinds[g]``; full attention when ``kinds`` is None (a lookup of the pool,
-    which knows no kinds)."""
-    if kinds is None:
+def group_kind(gk, g):
+    """Group g's kind code, ``gk.kinds[g]`` (``lookup.GroupKinds``); full attention when ``gk`` is None
+    (a lookup of the pool, which knows no kinds)."""
+    if gk is None:
         k = tl.full([], KIND_FULL, tl.int32)
     else:
-        k = tl.load(kinds + g)
+        k = tl.load(gk.kinds + g)
     return k
 
 

@@ -12,7 +12,6 @@ from enum import IntEnum
 import triton.language as tl
 
 from ..errors import ErrorCode
-from ..groups import KindCode
 
 
 def constexprs(enum: type[IntEnum]) -> tuple:
@@ -146,7 +145,14 @@ def op_name(code: int) -> str:
  OP_CACHE_BLOCKS_BATCHED, OP_ATTENTION_VIEWS, OP_ADMIT, OP_APPEND_TOKENS, OP_WINDOW_BEGIN, OP_WINDOW_STEP,
  OP_WINDOW_END) = constexprs(Op)
 
-# Attention kinds (gpupool.groups.KindCode: a group's word in ManagerState.kinds).
+class KindCode(IntEnum):
+    """A group's attention kind in ``ManagerState.kinds`` (``gpupool.groups``' ``KindSpec.code``)."""
+
+    FULL = 0
+    SLIDING_WINDOW = 1
+    CHUNKED_LOCAL = 2
+
+
 KIND_FULL, KIND_SLIDING_WINDOW, KIND_CHUNKED_LOCAL = constexprs(KindCode)
 
 # Error codes (gpupool.errors.ErrorCode; the messages live with the error classes).

@@ -24,7 +24,7 @@ from ..alloc import pop_and_claim
 from ..cache import add_key, cache_range
 from ..groups import num_skipped_blocks, releases_blocks
 from ..layout import EV_COUNT, KEY_SEQ
-from ..lookup import find_longest_cache_hit as lookup_longest_prefix
+from ..lookup import GroupKinds, find_longest_cache_hit as lookup_longest_prefix
 from ..release import free_checked, touch_checked
 from .rows import keys_of, row_of
 
@@ -123,13 +123,13 @@ def max_cache_hit_length(num_tokens, num_hashes, BS: tl.constexpr, K: tl.constex
 
 
 @triton.jit
-def find_longest_cache_hit(ps, pc: tl.constexpr, key_hi, key_lo, gstride, pstride, groups, kinds, windows, G, length,
+def find_longest_cache_hit(ps, pc: tl.constexpr, key_hi, key_lo, gstride, pstride, groups, gk, G, length,
                            out_blocks, out_stride, BS: tl.constexpr, CHUNKED: tl.constexpr):
     """vLLM's ``find_longest_cache_hit`` (``lookup.find_longest_cache_hit``: the key and output
-    layout, the groups' kinds and parameters) as a :class:`CacheHit`."""
+    layout, the groups' kinds and parameters ``gk``) as a :class:`CacheHit`."""
     hits, zero_ref = lookup_longest_prefix(ps, pc, key_hi, key_lo, gstride=gstride, pstride=pstride, groups=groups,
-                                           kinds=kinds, windows=windows, G=G, length=length, out_blocks=out_blocks,
-                                           out_stride=out_stride, BLOCK=pc.BLOCK, BS=BS, CHUNKED=CHUNKED)
+                                           gk=gk, G=G, length=length, out_blocks=out_blocks, out_stride=out_stride,
+                                           BLOCK=pc.BLOCK, BS=BS, CHUNKED=CHUNKED)
     return CacheHit(hits=hits, zero_ref=zero_ref)
 
 
@@ -143,7 +143,7 @@ def get_computed_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, num_token
         if (lookup != 0) & (nblk == 0):
             keys = keys_of(mc, 0, r) + mc.K - 1  # full block i: hash (i + 1) * K - 1
             hit = find_longest_cache_hit(ps, pc, ms.req_hi + keys, ms.req_lo + keys, gstride=mc.M * mc.K,
-                                         pstride=mc.K, groups=ms.group_ids, kinds=ms.kinds, windows=ms.windows, G=mc.G,
+                                         pstride=mc.K, groups=ms.group_ids, gk=GroupKinds(ms.kinds, ms.windows), G=mc.G,
                                          length=max_cache_hit_length(num_tokens, tl.load(ms.num_hashes + r),
                                                                      BS=mc.BS, K=mc.K),
                                          out_blocks=row_of(ms, mc, 0, r), out_stride=mc.R * mc.M, BS=mc.BS,
