@@ -15,7 +15,7 @@ from .errors import (
     ArgumentTypeError, InvalidArgumentError, InvalidBlockIdError, slot_range_message, slot_twice_message,
     slot_use_message,
 )
-from .groups import GroupKind
+from .groups import GroupKind, check_groups
 
 NULL_BLOCK = 0
 #: Largest group id and token count either pool stores (int32 on the device).
@@ -329,7 +329,8 @@ class ManagerShape:
     ``block_size`` tokens per block in every group; request hashes per ``hash_block_size`` tokens
     (a divisor of ``block_size``; ``hashes_per_block`` = block_size / hash_block_size); block tables
     of ``max_num_reqs`` rows of ``max_blocks_per_req`` blocks; ``groups``: per KV-cache group
-    ``GroupKind("full", 0)`` or ``GroupKind("sliding_window", window_tokens)`` (gpupool/groups.py).
+    ``GroupKind(kind, tokens)`` (gpupool/groups.py: full attention, a sliding window, chunked local
+    attention).
     """
 
     block_size: int
@@ -365,4 +366,5 @@ class ManagerShape:
         gs = tuple(GroupKind.parse(op, g) for g in groups)
         if not gs:
             raise InvalidArgumentError(op, "at least one KV-cache group is needed")
+        check_groups(op, gs, bs)
         return cls(bs, hbs, r, m, gs)

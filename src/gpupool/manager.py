@@ -88,6 +88,7 @@ class ManagerState(NamedTuple):
     req_hi: torch.Tensor
     req_lo: torch.Tensor
     num_hashes: torch.Tensor
+    kinds: torch.Tensor
     windows: torch.Tensor
     group_ids: torch.Tensor
     active: torch.Tensor
@@ -120,9 +121,11 @@ class ManagerConfig(NamedTuple):
     """The manager's sizes, a ``tl.constexpr`` argument: G groups, R request slots, M blocks per row,
     K hash blocks per block, BS tokens per block, Q pending-copy capacity, BLOCK lanes per request tile,
     FS entries of the request-parallel path's key filter, MAPS = G * R * M entries per item map
-    (kernels/requests/parallel.py), SW whether any group has a sliding window (else the kernels skip the
-    window's passes), HBS tokens per hash block, NLOG entries of the log of device-made hashes, HW words
-    of a lane's scratch row for a block hash (kernels/block_hash.py)."""
+    (kernels/requests/parallel.py), SW whether any group's skip rule can release blocks (else the
+    kernels skip the windows' passes), CHUNKED whether any group's hit is windowed (chunked local
+    attention; else the kernels skip the windowed hit's pass; gpupool/groups.py), HBS tokens per hash
+    block, NLOG entries of the log of device-made hashes, HW words of a lane's scratch row for a block
+    hash (kernels/block_hash.py)."""
 
     G: int
     R: int
@@ -134,6 +137,7 @@ class ManagerConfig(NamedTuple):
     FS: int
     MAPS: int
     SW: bool
+    CHUNKED: bool
     HBS: int
     NLOG: int
     HW: int
@@ -165,6 +169,7 @@ def allocate_manager_state(shape: ManagerShape, q: int, device) -> ManagerState:
         req_hi=torch.zeros((R, G, M * K), dtype=i64, device=device),
         req_lo=torch.zeros((R, G, M * K), dtype=i64, device=device),
         num_hashes=torch.zeros(R, dtype=i32, device=device),
+        kinds=torch.tensor([g.spec.code for g in shape.groups], dtype=i32, device=device),
         windows=torch.tensor([w for _, w in shape.groups], dtype=i32, device=device),
         group_ids=torch.arange(G, dtype=i32, device=device),
         active=torch.zeros(R, dtype=torch.int8, device=device),
@@ -217,13 +222,16 @@ class KVCacheManager:
         num_blocks: blocks in the shared pool (block 0 is the null block).
         block_size: tokens per block, all groups.
         max_num_reqs, max_blocks_per_req: block table shape (R, M).
-        groups: per KV-cache group "full" or ("sliding_window", tokens); group g keys with group id g.
+        groups: per KV-cache group "full", ("sliding_window", tokens) or ("chunked_local_attention",
+            tokens) (docs/semantics.md section 6); group g keys with group id g.
         hash_block_size: tokens per request hash (a divisor of block_size; default block_size).
         max_pending_copies: capacity of the copy-on-write queue.
         Other keywords go to :class:`BlockPool` (``enable_caching``, ``enable_kv_cache_events``,
         ``max_keys_per_block``, ``device``, ``event_capacity``).
 
-    Raises InvalidArgumentError for a bad shape.
+    Raises InvalidArgumentError for a bad shape or group spec (an attention chunk that is not a
+    multiple of block_size, two chunks in one manager), ArgumentTypeError for a parameter that is
+    not an int.
     """
 
     def __init__(self, num_blocks: int, *, block_size: int, max_num_reqs: int, max_blocks_per_req: int,
@@ -245,7 +253,8 @@ class KVCacheManager:
                                     BLOCK=request_block(sh.max_num_reqs),
                                     FS=filter_size(sh.max_num_reqs),
                                     MAPS=len(sh.groups) * sh.max_num_reqs * sh.max_blocks_per_req,
-                                    SW=any(w > 0 for _, w in sh.groups), HBS=sh.hash_block_size,
+                                    SW=any(g.spec.releases_blocks for g in sh.groups),
+                                    CHUNKED=any(g.spec.windowed_hit for g in sh.groups), HBS=sh.hash_block_size,
                                     NLOG=name_log_size(sh), HW=scratch_words(sh.hash_block_size))
         self.parallel = True  # False: every batch takes the exact sequential path (tests, debugging)
         self._copy_offsets: dict = {}  # copy_blocks' layer offset tables, read by captured steps: kept while we live
@@ -528,8 +537,9 @@ class KVCacheManager:
             cap = torch.zeros_like(cap)
         full_hi = self.state.req_hi[s][:, :, K - 1::K].contiguous()
         full_lo = self.state.req_lo[s][:, :, K - 1::K].contiguous()
-        hits, blocks, _ = self.pool.longest_prefix_batched(full_hi, full_lo, self.state.group_ids,
-                                                           cap.to(torch.int32).contiguous())
+        kinds = (self.state.kinds, self.state.windows, self.block_size, self.config.CHUNKED)
+        hits, blocks, _ = self.pool._longest_prefix_of_kinds(full_hi, full_lo, self.state.group_ids,
+                                                            cap.to(torch.int32).contiguous(), kinds)
         return hits, blocks
 
     def batch(self, slots, num_tokens, target_tokens, lookup=None, num_reqs=None,

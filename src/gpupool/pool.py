@@ -783,13 +783,23 @@ class BlockPool:
         if key_lo.shape != key_hi.shape or groups.numel() != g or lengths.numel() != r:
             raise InvalidArgumentError(op, f"shapes disagree: key_hi {tuple(key_hi.shape)}, key_lo "
                                            f"{tuple(key_lo.shape)}, groups {groups.numel()}, lengths {lengths.numel()}")
+        return self._longest_prefix_of_kinds(key_hi, key_lo, groups, lengths, None)
+
+    @locked
+    def _longest_prefix_of_kinds(self, key_hi, key_lo, groups, lengths, kinds):
+        """:meth:`longest_prefix_batched` of checked tensors under a manager's group kinds: ``kinds``
+        None (full attention) or the manager's ``(kinds, windows, block_size, windowed)``: its groups'
+        kind codes and parameters (``ManagerState``) and whether one has a windowed hit, whose rule
+        then applies (docs/semantics.md section 6; a windowed group's blocks before its hit's start
+        come back as the null block). For ``KVCacheManager.get_computed_blocks``."""
+        r, g, length = key_hi.shape
         hits = torch.zeros(r, dtype=torch.int32, device=self.device)
         blocks = torch.full((r, g, length), -1, dtype=torch.int32, device=self.device)
         zero_ref = torch.zeros(r, dtype=torch.int32, device=self.device)
         if r and g:
             k_lookup.launch_longest_prefix(self.state, self.config, key_hi.contiguous(), key_lo.contiguous(),
                                            groups.contiguous(), lengths.contiguous(), hits, blocks, zero_ref,
-                                           op=Op.LONGEST_PREFIX_BATCHED)
+                                           op=Op.LONGEST_PREFIX_BATCHED, kinds=kinds)
         return hits, blocks, zero_ref
 
     def _check_tensors(self, op: str, specs, dims: int) -> None:

@@ -537,6 +537,9 @@ GROUP_KINDS = {
     "full+full": lambda data, bs: ("full", "full"),
     "full+sliding": lambda data, bs: ("full", ("sliding_window", data.draw(
         st.sampled_from([1, bs - 1, bs, bs + 1, 2 * bs, 3 * bs]), label="window"))),
+    "full+chunked": lambda data, bs: ("full", ("chunked_local_attention", data.draw(
+        st.sampled_from([bs, 2 * bs, 3 * bs]), label="chunk"))),
+    "chunked": lambda data, bs: (("chunked_local_attention", data.draw(st.sampled_from([bs, 2 * bs]), label="chunk")),),
 }
 
 # Each example takes ~0.2-3 s in the interpreter: a third of the profile's examples per group kind.

@@ -93,9 +93,10 @@ EXTRA_DRIVERS = []
 
 
 def drive_manager(**kw):
-    """The manager's batched kernels, with a full and a sliding-window group and with a full group
+    """The manager's batched kernels, with a full and a sliding-window group, with a full and a
+    chunked-local group (``ManagerConfig.CHUNKED``: the windowed hit's passes) and with a full group
     only (``ManagerConfig.SW`` leaves the windows' passes out)."""
-    for groups in (("full", ("sliding_window", 32)), ("full",)):
+    for groups in (("full", ("sliding_window", 32)), ("full", ("chunked_local_attention", 32)), ("full",)):
         drive_manager_groups(groups, **kw)
 
 

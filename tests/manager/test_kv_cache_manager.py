@@ -55,14 +55,16 @@ from harness.twins import SW, small_manager
 # Hashes and small helpers
 # =================================================================================================
 from harness.manager_pair import (  # noqa: E402
-    _EXAMPLES, add, alloc, computed_norm, copies_norm, free_both, GROUP_KINDS, has_chain, HASH,
+    _EXAMPLES, add, admitted_norm, alloc, computed_norm, copies_norm, free_both, GROUP_KINDS, has_chain, HASH,
     ManagerPair, OP_CHOICES, op_drain, OPS, preemption_and_stop_on_failure, run_copies, small_pair,
 )
 
 
 @pytest.mark.parametrize("parallel", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["parallel", "exact"])
-# full+full in the slow run only (quick budget): full+sliding covers two groups in the quick run
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "full+full" else k for k in GROUP_KINDS])
+# full+full and chunked in the slow run only (quick budget): full+sliding covers two groups and
+# full+chunked the windowed hit in the quick run
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in ("full+full", "chunked") else k
+                                  for k in GROUP_KINDS])
 @settings(max_examples=_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                           HealthCheck.data_too_large])
 @given(data=st.data())
@@ -97,6 +99,33 @@ def test_manager_matches_reference(kind, parallel, data):
 # =================================================================================================
 # Deterministic scenarios
 # =================================================================================================
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "exact"])
+def test_chunked_local_hit_nulls_and_chunk_miss(parallel):
+    """Full + chunked local attention (chunks of 2 blocks), vLLM's hit (docs/semantics.md section 6):
+    a 22-token request whose 5 blocks are cached hits all 5, the chunked group's first 4 null (not
+    touched, not counted as zero-ref: the admission fits the free blocks nobody reserved exactly);
+    with the chunked group's block 4 evicted, the hit ends there, 4 blocks, all null in that group."""
+    p = small_pair(("full", ("chunked_local_attention", 8)), num_blocks=13)
+    p.dev.parallel = parallel
+    chain = [0, 1, 2, 3, 4, 5]
+    add(p, 0, chain, 24)
+    assert alloc(p, [0], [24], [24]) == [True]  # 12 blocks, keyed in both groups
+    free_both(p, [0], False, "free 0")  # all 12 cached, ref 0
+    add(p, 2, [40], 0)
+    p.do("reserve 4", lambda: p.ref.reserve([2], [8]), lambda: p.dev.reserve([2], [8]), admitted_norm)
+    add(p, 1, chain, 24)
+    # demand: 1 new block per group + 6 zero-ref hits (5 full, 1 chunked) = 8 = 12 free - 4 reserved
+    assert alloc(p, [1], [22], [22], [True]) == [True]
+    assert p.ref.tables[1][1][:5] == [0, 0, 0, 0, p.ref.tables[1][1][4]] and p.ref.tables[1][1][4] != 0
+    b4 = p.ref.tables[1][1][4]
+    free_both(p, [1], False, "free 1")
+    p.do(f"evict {b4}", lambda: p.ref.pool.evict_blocks([b4]), lambda: p.dev.pool.evict_blocks([b4]))
+    add(p, 3, chain, 24)
+    assert alloc(p, [3], [22], [22], [True]) == [True]
+    assert p.ref.tables[1][3][:4] == [0, 0, 0, 0] and p.ref.tables[0][3][:4] != [0, 0, 0, 0]
+    assert p.ref.prefix_cache_stats.hits == 20 + 16
+
 
 # full+full in the slow run only (quick budget): full+sw covers two groups in the quick run
 @pytest.mark.parametrize("groups", [("full",), pytest.param(("full", "full"), marks=pytest.mark.slow), ("full", SW)],

@@ -59,7 +59,7 @@ def _mirrors():
             (layout, layout.Op, "OP_"),
             (layout, ErrorCode, "E_"), (layout, layout.Event, "EV_"), (layout, layout.EventCol, "EC_"),
             (layout, layout.KeyCol, "K_"), (layout, layout.RoundField, "RF_"), (layout, layout.Confirm, "CF_"),
-            (layout, layout.Fallback, "R_"), (replay, replay.LoopWord, "W_"),
+            (layout, layout.Fallback, "R_"), (layout, layout.KindCode, "KIND_"), (replay, replay.LoopWord, "W_"),
             (validate, validate.Check, "V_")]
 
 

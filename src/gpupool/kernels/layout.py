@@ -145,6 +145,16 @@ def op_name(code: int) -> str:
  OP_CACHE_BLOCKS_BATCHED, OP_ATTENTION_VIEWS, OP_ADMIT, OP_APPEND_TOKENS, OP_WINDOW_BEGIN, OP_WINDOW_STEP,
  OP_WINDOW_END) = constexprs(Op)
 
+class KindCode(IntEnum):
+    """A group's attention kind in ``ManagerState.kinds`` (``gpupool.groups``' ``KindSpec.code``)."""
+
+    FULL = 0
+    SLIDING_WINDOW = 1
+    CHUNKED_LOCAL = 2
+
+
+KIND_FULL, KIND_SLIDING_WINDOW, KIND_CHUNKED_LOCAL = constexprs(KindCode)
+
 # Error codes (gpupool.errors.ErrorCode; the messages live with the error classes).
 (E_NONE, E_UNKNOWN, E_OUT_OF_BLOCKS, E_INVALID_COUNT, E_INVALID_ID, E_NULL_BLOCK, E_DOUBLE_FREE,
  E_HASH_CONFLICT, E_KEY_CAPACITY, E_INVALID_ARG, E_INVARIANT, E_BUFFER_FULL) = constexprs(ErrorCode)

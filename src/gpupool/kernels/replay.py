@@ -226,8 +226,8 @@ def replay_loop_kernel(ps, pc: tl.constexpr, tr, lp, group_ids, bs, max_points):
                     lh += 1
                 else:  # vLLM's steps (kernels/requests/steps.py) on a new request's one row, G = 1
                     hit = find_longest_cache_hit(ps, pc, tr.chain_hi + base, tr.chain_lo + base, gstride=0, pstride=1,
-                                                 groups=group_ids, windows=None, G=1, length=hitcap, out_blocks=lp.adm,
-                                                 out_stride=0)
+                                                 groups=group_ids, gk=None, G=1, length=hitcap,
+                                                 out_blocks=lp.adm, out_stride=0, BS=1, CHUNKED=False)
                     # in blocks (BS = 1): the request's total blocks; no reservations
                     blocks = get_num_blocks_to_allocate(total, hits=hit.hits, zero_ref=hit.zero_ref, num_blocks=0,
                                                         G=1, BS=1)

@@ -12,6 +12,7 @@ from ..errors import (
     ArgumentTypeError, InvalidArgumentError, InvalidCountError, InvariantError, OutOfBlocksError, position_message,
     pending_copy_message, token_count_message,
 )
+from ..groups import longest_cache_hit
 from ..keys import hash_block_tokens
 from ..reservations import check_reservations
 from ..locking import Locked, locked
@@ -23,9 +24,9 @@ class ReferenceKVCacheManager(Locked):
     """The request layer (vLLM's KVCacheManager and its coordinator) over ``ReferenceBlockPool``: the
     oracle of ``gpupool.manager.KVCacheManager``. Semantics are documented there, op by op.
 
-    Requests live in slots ``0 .. max_num_reqs-1``; every KV-cache group (``groups``: "full" or
-    ("sliding_window", tokens)) has a block table row per slot, all of one ``block_size``, sharing one
-    pool; group g's keys use group id g. Request hashes are per ``hash_block_size`` tokens (a divisor
+    Requests live in slots ``0 .. max_num_reqs-1``; every KV-cache group (``groups``: "full",
+    ("sliding_window", tokens) or ("chunked_local_attention", tokens)) has a block table row per
+    slot, all of one ``block_size``, sharing one pool; group g's keys use group id g. Request hashes are per ``hash_block_size`` tokens (a divisor
     of ``block_size``, k = block_size / hash_block_size of them per block): full block i is keyed by
     hash ``(i + 1) * k - 1``; with k > 1 a partly written block is also keyed at its last complete
     hash-block boundary (``cache_partial_block``).
@@ -115,16 +116,17 @@ class ReferenceKVCacheManager(Locked):
         self.hashes[r].extend(hs)
 
     def _lookup_hits(self, r: int, num_tokens: int) -> list[list[int]]:
-        """Per group, the hit blocks of the longest prefix every group accepts (each kind's
-        ``hit_length``, gpupool/groups.py)."""
-        G = len(self.groups)
+        """Per group, the hit blocks of the longest prefix every group accepts (``longest_cache_hit``,
+        gpupool/groups.py); a windowed group's blocks before its hit's start are the null block."""
+        G, bs = len(self.groups), self.block_size
         if not self.enable_caching:
             return [[] for _ in range(G)]
         full = self._full_hashes(r)
-        cap = min(max(num_tokens - 1, 0) // self.block_size, len(full))
+        cap = min(max(num_tokens - 1, 0) // bs, len(full))
         found = [[self.pool.get_cached_block(full[i], [g]) for i in range(cap)] for g in range(G)]
-        n = min(kind.hit_length([b is not None for b in found[g]]) for g, kind in enumerate(self.groups))
-        return [[found[g][i][0] for i in range(n)] for g in range(G)]
+        n = longest_cache_hit(self.groups, [[b is not None for b in found[g]] for g in range(G)], bs)
+        return [[NULL_BLOCK] * (s := kind.spec.hit_start(kind.window, n, bs)) + [found[g][i][0] for i in range(s, n)]
+                for g, kind in enumerate(self.groups)]
 
     @locked
     def get_computed_blocks(self, slots, num_tokens) -> list[tuple[int, list[list[int]]]]:
@@ -159,7 +161,7 @@ class ReferenceKVCacheManager(Locked):
                        resumed=None, hit_tokens: list | None = None) -> list[bool]:
         """Give each request, in order, blocks for ``target_tokens`` tokens (all or nothing per request).
 
-        For request k (slot r): first the sliding-window blocks that left the window are freed and
+        For request k (slot r): first the blocks each group's kind skips are freed and
         replaced by the null block (by ``num_computed`` before the step; vLLM's remove_skipped_blocks).
         If ``lookup[k]``, the longest cached prefix (``get_computed_blocks`` with ``num_tokens[k]``)
         is taken as hits, computed after the earlier requests of the batch. ``eff = max(target,
@@ -208,7 +210,7 @@ class ReferenceKVCacheManager(Locked):
 
     def _allocate_one(self, r: int, nt: int, target: int, lookup: bool, resumed: bool = False) -> int | None:
         """``allocate_slots`` of one request whose arguments are checked: its prefix-hit tokens if
-        admitted, else None (nothing changed but the skipped sliding-window blocks)."""
+        admitted, else None (nothing changed but the skipped blocks)."""
         bs, G = self.block_size, len(self.groups)
         self._remove_skipped_blocks(r)
         looked = lookup and not self.tables[0][r]
@@ -216,7 +218,8 @@ class ReferenceKVCacheManager(Locked):
         nh = len(hits[0])
         eff = max(target, nh * bs)
         need = max(0, -(-eff // bs) - len(self.tables[0][r]) - nh)
-        zero_ref = sum(1 for g in range(G) for c in self.pool.ref_counts(hits[g]) if c == 0)
+        zero_ref = sum(1 for g in range(G) for b, c in zip(hits[g], self.pool.ref_counts(hits[g]))
+                       if c == 0 and b != NULL_BLOCK)
         if need * G + zero_ref > self._room(r):
             return None
         self._draw(r, need * G + zero_ref)

@@ -22,6 +22,7 @@ R request slots, M blocks per row, K hash blocks per block, BS block size, BLOCK
 ``int32[G, R, M]``, per slot ``num_blocks`` (row length, equal across groups), ``num_computed``,
 ``num_cached: int32[G, R]``, request keys ``req_hi, req_lo: int64[R, G, M * K]`` (device keys of each
 hash block's hash in group g; full block i is keyed by hash ``(i + 1) * K - 1``), ``num_hashes``,
-``windows: int32[G]`` (sliding window in tokens, 0 for full attention), ``active: int8[R]``.
+``kinds: int32[G]`` (each group's ``KindCode``) and ``windows: int32[G]`` (its parameter in tokens: the
+sliding window, the attention chunk; 0 for full attention), ``active: int8[R]``.
 The semantics are ``ReferenceKVCacheManager``'s, op for op (docs/semantics.md section 6).
 """

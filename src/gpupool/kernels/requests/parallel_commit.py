@@ -29,7 +29,10 @@ def touch_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, num_lookups):
         k, t, r, m = hit_item(sc, num_lookups, i + offs)
         for g in tl.static_range(mc.G):
             b = tl.load(row_of(ms, mc, g, r) + t, mask=m, other=0)
-            unlinked += touch_tile(ps, b, m)
+            if mc.CHUNKED:  # a windowed group's null blocks are not touched
+                unlinked += touch_tile(ps, b, m & (b != 0))
+            else:
+                unlinked += touch_tile(ps, b, m)
         i += pc.BLOCK
     tl.debug_barrier()
     return unlinked

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ..common import first_index, lanes, ld
-from ..groups import block_hit, num_skipped_blocks
+from ..groups import block_hit, num_skipped_blocks, windowed, windowed_hit
 from ..keytable import key_home, lookup_blocks
 from ..layout import BIG, HEAD, TAIL
 from ..release import to_front
@@ -41,13 +41,16 @@ class Releases(NamedTuple):
 
 
 class Plan(NamedTuple):
-    """:func:`plan_requests`' totals and first conflicts (BIG: none)."""
+    """:func:`plan_requests`' totals and first conflicts (BIG: none), over the requests planned so far
+    (its carry from tile to tile)."""
 
-    pops: tl.tensor  # blocks popped by all requests
+    pops: tl.tensor  # blocks popped by the requests
     zref: tl.tensor  # zero-ref hits
     items: tl.tensor  # blocks to key
+    demand: tl.tensor  # the admission check's demand (int64; admission_check)
+    released: tl.tensor  # blocks the skip rules release
     fail: tl.tensor  # first request that does not fit
-    sw: tl.tensor  # first sliding-window release in a batch with hits
+    sw: tl.tensor  # first release in a batch with hits
     reach: tl.tensor  # first request whose pops could reach blocks released in the batch
     partial: tl.tensor  # first partial-block key
     rels: Releases
@@ -93,9 +96,9 @@ def scan_tile(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, batch, k, m, LOOKU
     if mc.SW:
         ncomp = ld(ms.num_computed + r, m)
         for g in tl.static_range(mc.G):
-            w = tl.load(ms.windows + g)
             row = row_of(ms, mc, g, r)
-            nskip = tl.where(m, num_skipped_blocks(ncomp, w, mc.BS, nblk), 0)
+            nskip = tl.where(m, num_skipped_blocks(ncomp, tl.load(ms.kinds + g), tl.load(ms.windows + g), mc.BS, nblk),
+                             0)
             lead = leading_nulls(row, nskip, m, mc.M)
             tl.store(sc.grp.nskip + k * mc.G + g, nskip, mask=m)
             tl.store(sc.grp.lead + k * mc.G + g, lead, mask=m)
@@ -119,6 +122,8 @@ def scan_store(mc: tl.constexpr, sc, k, m, r, nblk, cap, rel):
     tl.store(sc.req.nblk + k, nblk, mask=m)
     tl.store(sc.req.cap + k, cap, mask=m)
     tl.store(sc.req.miss + k, tl.full([mc.BLOCK], BIG, tl.int32), mask=m)
+    if mc.CHUNKED:
+        tl.store(sc.req.cmiss + k, tl.full([mc.BLOCK], BIG, tl.int32), mask=m)
     tl.store(sc.req.zref + k, zero, mask=m)
     tl.store(sc.req.evict + k, zero, mask=m)
     tl.store(sc.req.rel + k, rel, mask=m)
@@ -178,7 +183,9 @@ def hit_item(sc, num_lookups, f):
 @triton.jit
 def find_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, nb, num_lookups):
     """``find_longest_cache_hit`` of every request at once, flattened over (request, position): hit
-    blocks into the rows, the first miss per request with ``atomic_min``."""
+    blocks into the rows, the prefix scan's first miss per request with ``atomic_min``
+    (``kernels/groups.py`` ``block_hit``); with ``mc.CHUNKED`` then the windowed scan
+    (:func:`find_windowed_hits`)."""
     i = 0
     while i < num_lookups:
         f, m = lanes(i, num_lookups, pc.BLOCK)
@@ -189,10 +196,43 @@ def find_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, nb, num_lookups):
             grp = tl.zeros_like(t) + tl.load(ms.group_ids + g)
             blk = lookup_blocks(ps, pc, ld(ms.req_hi + ka, m), ld(ms.req_lo + ka, m), grp, m)
             tl.store(row_of(ms, mc, g, r) + t, blk, mask=m)
-            ok = ok & block_hit(tl.load(ms.windows + g), blk)
+            ok = ok & block_hit(tl.load(ms.kinds + g), blk, mc.CHUNKED)
         tl.atomic_min(sc.req.miss + k, t, mask=m & ~ok)
         i += pc.BLOCK
     tl.debug_barrier()
+    if mc.CHUNKED:
+        find_windowed_hits(pc, ms, mc, sc, num_lookups)
+
+
+@triton.jit
+def find_windowed_hits(pc: tl.constexpr, ms, mc: tl.constexpr, sc, num_lookups):
+    """The windowed groups' scan (``kernels/groups.py`` ``windowed_hit``) of every request at once over
+    the positions its prefix scan accepted: their blocks before the hit's start become the null block
+    in the rows, and their first miss after it goes to ``cmiss`` (``atomic_min``)."""
+    i = 0
+    while i < num_lookups:
+        f, m = lanes(i, num_lookups, pc.BLOCK)
+        k, t, r = lookup_item(sc, f, m)
+        length = tl.minimum(ld(sc.req.miss + k, m), ld(sc.req.cap + k, m))
+        for g in tl.static_range(mc.G):
+            kind = tl.load(ms.kinds + g)
+            if windowed(kind):
+                row = row_of(ms, mc, g, r) + t
+                null, miss = windowed_hit(kind, tl.load(ms.windows + g), t, ld(row, m), length, mc.BS)
+                tl.store(row, tl.zeros_like(t), mask=m & null)
+                tl.atomic_min(sc.req.cmiss + k, t, mask=m & miss)
+        i += pc.BLOCK
+    tl.debug_barrier()
+
+
+@triton.jit
+def first_miss(mc: tl.constexpr, sc, k, m):
+    """Where request ``k``'s hit ends (``find_hits``): its prefix scan's first miss, or its windowed
+    scan's (BIG: none)."""
+    miss = ld(sc.req.miss + k, m)
+    if mc.CHUNKED:
+        miss = tl.minimum(miss, ld(sc.req.cmiss + k, m))
+    return miss
 
 
 @triton.jit
@@ -205,7 +245,7 @@ def count_zero_ref_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, nb, num_
     while i < nb:
         k = i + offs
         m = k < nb
-        hits = tl.minimum(ld(sc.req.miss + k, m), ld(sc.req.cap + k, m))
+        hits = tl.minimum(first_miss(mc, sc, k, m), ld(sc.req.cap + k, m))
         tl.store(sc.req.hits + k, hits, mask=m)
         any_hits += tl.sum(hits, axis=0)
         i += mc.BLOCK
@@ -218,13 +258,16 @@ def count_zero_ref_hits(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, nb, num_
                 k, t, r, m = hit_item(sc, num_lookups, i + offs)
                 for g in tl.static_range(mc.G):
                     b = tl.load(row_of(ms, mc, g, r) + t, mask=m, other=0)
+                    mb = m
+                    if mc.CHUNKED:  # a windowed group's null blocks are no hit blocks
+                        mb = m & (b != 0)
                     if phase == 0:
-                        tl.atomic_min(ps.s_first + b, k, mask=m)
+                        tl.atomic_min(ps.s_first + b, k, mask=mb)
                     elif phase == 1:
-                        z = m & (ld(ps.ref_cnt + b, m) == 0) & (ld(ps.s_first + b, m) == k)
+                        z = mb & (ld(ps.ref_cnt + b, mb) == 0) & (ld(ps.s_first + b, mb) == k)
                         tl.atomic_add(sc.req.zref + k, 1, mask=z)
                     else:
-                        tl.store(ps.s_first + b, tl.full([pc.BLOCK], BIG, tl.int32), mask=m)
+                        tl.store(ps.s_first + b, tl.full([pc.BLOCK], BIG, tl.int32), mask=mb)
                 i += pc.BLOCK
             tl.debug_barrier()
     return any_hits > 0
@@ -248,132 +291,166 @@ def group_released(sc, j, m):
 
 
 @triton.jit
+def no_plan(rels):
+    """The carry of :func:`plan_requests` before its first request: nothing planned, no conflict;
+    ``rels``: the batch's releases so far (:class:`Releases`)."""
+    zero = tl.zeros([], tl.int32)
+    none = tl.full([], BIG, tl.int32)
+    return Plan(zero, zero, zero, tl.zeros([], tl.int64), zero, none, none, none, none, rels)
+
+
+@triton.jit
+def plan_inputs(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, batch, k, m, rels, SCAN: tl.constexpr):
+    """A tile of requests ``k`` as :func:`plan_requests` reads it: scanned here with ``SCAN``
+    (:func:`scan_tile`, no hits; its releases folded into ``rels``), else read back from
+    ``scan_requests``' scratch (the scan's own fields, ``cap`` and the conflicts, left 0). Returns
+    (the :class:`TileScan`, hits, zero-ref hits, rels)."""
+    if SCAN:
+        ts = scan_tile(ps, pc, ms, mc, sc, batch, k, m, False)
+        hits = tl.zeros_like(k)
+        zref = tl.zeros_like(k)
+        if mc.SW:
+            rels = fold_releases(rels, ts, k)
+            tl.debug_barrier()  # the windows' fields are read back below
+    else:
+        r = ld(sc.req.slot + k, m)
+        nt = ld(batch.num_tokens + k, m)
+        tg = ld(batch.target + k, m)
+        hits = ld(sc.req.hits + k, m)
+        nblk = ld(sc.req.nblk + k, m)
+        rel = ld(sc.req.rel + k, m)
+        zref = ld(sc.req.zref + k, m)
+        no = m & False
+        ts = TileScan(r, nt, tg, nblk, ld(ms.num_hashes + r, m), tl.zeros_like(k), rel, no, no)
+    return ts, hits, zref, rels
+
+
+@triton.jit
+def admission_check(plan, k, m, pops, cpops, zref, own, rel, hits, num_free, unreserved, any_reserved,
+                    NO_HITS_NOR_RELEASES: tl.constexpr):
+    """The admission check of a tile, every earlier request admitted (docs/semantics.md section 8):
+    what each takes off the free queue beyond its own reservation, less its releases, summed, fits
+    the free blocks nobody reserved: ``sum(max(pops + zref - own, 0) - rel) <= unreserved``. Without
+    hits and releases the demand is the pops (and without reservations the check is on the pops'
+    sum, ``num_free`` being ``unreserved``). Returns the first request that does not fit, the demand
+    so far (int64) and the first whose pops could reach blocks released in the batch, or that hits."""
+    fail = plan.fail
+    demand = plan.demand
+    reach_first = plan.reach
+    if NO_HITS_NOR_RELEASES:
+        if any_reserved:
+            x = tl.maximum(pops - own, 0).to(tl.int64)
+            fail = first_index(fail, m & (demand + tl.cumsum(x, axis=0) > unreserved), k)
+            demand += tl.sum(x, axis=0)
+        else:  # own == 0: the same check without the reservations' pass
+            fail = first_index(fail, m & ((plan.pops + cpops).to(tl.int64) > num_free), k)
+    else:
+        d = (tl.maximum(pops + zref - own, 0) - rel).to(tl.int64)
+        fail = first_index(fail, m & (demand + tl.cumsum(d, axis=0) > unreserved), k)
+        demand += tl.sum(d, axis=0)
+        # pops never reach blocks released to the tail in this batch (a conflict only if any is)
+        reach = (plan.pops + plan.zref + tl.cumsum(pops + zref, axis=0)).to(tl.int64) > num_free
+        reach_first = first_index(reach_first, m & (reach | (hits > 0)), k)
+    return fail, demand, reach_first
+
+
+@triton.jit
+def caching_plan(pc: tl.constexpr, ms, mc: tl.constexpr, sc, k, m, r, cached0, hits, nf, items, released):
+    """Per (request, group) of a tile: the first block ``cache_blocks`` keys (``start``), and the
+    offsets of its blocks to key ``[start, nf)`` and of its released blocks into the flattened caching
+    and release, after the earlier requests' ``items`` and ``released`` (request-major, group-minor).
+    Returns the tile's blocks to key and released blocks per lane."""
+    csize = tl.zeros_like(k)
+    rsize = tl.zeros_like(k)
+    for g in tl.static_range(mc.G):
+        start = group_start(ms, mc, g, r, m, cached0, hits)
+        tl.store(sc.grp.start + k * mc.G + g, start, mask=m)
+        if pc.CACHING:
+            csize += tl.where(m, tl.maximum(nf - start, 0), 0)
+        if mc.SW:
+            rsize += group_released(sc, k * mc.G + g, m)
+    # per (request, group) offsets: earlier requests' totals, then earlier groups'
+    cbase = items + tl.cumsum(csize, axis=0) - csize
+    rbase = released
+    if mc.SW:
+        rbase += tl.cumsum(rsize, axis=0) - rsize
+    for g in tl.static_range(mc.G):
+        j = k * mc.G + g
+        tl.store(sc.grp.coff + j, cbase, mask=m)
+        tl.store(sc.grp.reloff + j, rbase, mask=m)
+        tl.store(sc.grp.rm + j, tl.zeros_like(k), mask=m)
+        tl.store(sc.grp.st + j, tl.zeros_like(k), mask=m)
+        if pc.CACHING:
+            cbase += tl.where(m, tl.maximum(nf - group_start(ms, mc, g, r, m, cached0, hits), 0), 0)
+        if mc.SW:
+            rbase += group_released(sc, j, m)
+    return csize, rsize
+
+
+@triton.jit
 def plan_requests(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, batch, nb, num_free, unreserved, any_hits,
                   rels, SCAN: tl.constexpr):
     """Per request: tokens and new blocks (``get_num_blocks_to_allocate``), pop and zero-ref offsets,
     the blocks ``cache_blocks`` keys per group (offsets of the flattened caching), and the first
-    request of each conflict kind. ``SCAN`` (a batch without lookups: no hits): each tile is scanned
-    here (:func:`scan_tile`) instead of read back from ``scan_requests``' scratch, one pass fewer,
-    and its releases folded into ``rels`` (:class:`Releases`: ``scan_requests``' without ``SCAN``).
-    ``unreserved``: ``num_free`` less the reserved total (the admission check's room). Returns a
-    :class:`Plan`."""
-    pcarry = tl.zeros([], tl.int32)
-    zcarry = tl.zeros([], tl.int32)
-    dcarry = tl.zeros([], tl.int64)
-    xcarry = tl.zeros([], tl.int64)
+    request of each conflict kind, tile by tile with the :class:`Plan` so far as the carry. ``SCAN`` (a
+    batch without lookups: no hits): each tile is scanned here (:func:`plan_inputs`) instead of read
+    back from ``scan_requests``' scratch, one pass fewer, and its releases folded into ``rels``
+    (:class:`Releases`: ``scan_requests``' without ``SCAN``). ``unreserved``: ``num_free`` less the
+    reserved total (the admission check's room). Returns the :class:`Plan` of all ``nb``."""
     any_reserved = unreserved < num_free  # some reservation held (a decode step without any skips their pass)
-    ccarry = tl.zeros([], tl.int32)
-    rcarry = tl.zeros([], tl.int32)
-    fail = tl.full([], BIG, tl.int32)
-    sw = tl.full([], BIG, tl.int32)
-    reach_first = tl.full([], BIG, tl.int32)
-    partial = tl.full([], BIG, tl.int32)
+    plan = no_plan(rels)
     i = 0
     while i < nb:
         k, m = lanes(i, nb, mc.BLOCK)
-        if SCAN:
-            ts = scan_tile(ps, pc, ms, mc, sc, batch, k, m, False)
-            r = ts.slot
-            nt = ts.num_tokens
-            tg = ts.target
-            nblk = ts.nblk
-            nhash = ts.nhash
-            rel = ts.rel
-            hits = tl.zeros_like(k)
-            zref = tl.zeros_like(k)
-            if mc.SW:
-                rels = fold_releases(rels, ts, k)
-                tl.debug_barrier()  # the windows' fields are read back below
-        else:
-            r = ld(sc.req.slot + k, m)
-            nt = ld(batch.num_tokens + k, m)
-            tg = ld(batch.target + k, m)
-            hits = ld(sc.req.hits + k, m)
-            nblk = ld(sc.req.nblk + k, m)
-            rel = ld(sc.req.rel + k, m)
-            zref = ld(sc.req.zref + k, m)
-            nhash = ld(ms.num_hashes + r, m)
+        tile, hits, zref, rels = plan_inputs(ps, pc, ms, mc, sc, batch, k, m, plan.rels, SCAN)
+        r = tile.slot
         cached0 = ld(ms.num_cached + r, m)  # group 0's, read beside the others (loads before stores)
         own = tl.zeros([mc.BLOCK], tl.int32)
         if any_reserved:
             own = ld(ms.reserved + r, m)
-        alloc = get_num_blocks_to_allocate(tg, hits, zero_ref=zref, num_blocks=nblk, G=mc.G, BS=mc.BS)
-        eff = alloc.eff
+        alloc = get_num_blocks_to_allocate(tile.target, hits, zero_ref=zref, num_blocks=tile.nblk, G=mc.G,
+                                           BS=mc.BS)
         need = tl.where(m, alloc.need, 0)
         pops = need * mc.G
         cpops = tl.cumsum(pops, axis=0)
-        # the admission check, every earlier request admitted: what each takes off the free queue
-        # beyond its own reservation (docs/semantics.md section 8), less the releases, summed, fits
-        # the free blocks nobody reserved: sum(max(demand - reserved, 0) - released) <= unreserved
-        if SCAN and (not mc.SW):  # no hits and no releases: the demand is the pops
-            if any_reserved:
-                x = tl.maximum(pops - own, 0).to(tl.int64)
-                fail = first_index(fail, m & (xcarry + tl.cumsum(x, axis=0) > unreserved), k)
-                xcarry += tl.sum(x, axis=0)
-            else:  # own == 0: the same check without the reservations' pass
-                fail = first_index(fail, m & ((pcarry + cpops).to(tl.int64) > num_free), k)
-        else:
-            d = (tl.maximum(pops + zref - own, 0) - rel).to(tl.int64)
-            fail = first_index(fail, m & (dcarry + tl.cumsum(d, axis=0) > unreserved), k)
-            dcarry += tl.sum(d, axis=0)
-            # pops never reach blocks released to the tail in this batch (a conflict only if any is)
-            reach = (pcarry + zcarry + tl.cumsum(pops + zref, axis=0)).to(tl.int64) > num_free
-            reach_first = first_index(reach_first, m & (reach | (hits > 0)), k)
+        fail, demand, reach = admission_check(plan, k, m, pops, cpops, zref, own, tile.rel, hits, num_free,
+                                              unreserved, any_reserved, SCAN and (not mc.SW))
+        sw = plan.sw
+        zcarry = plan.zref
         if not SCAN:
-            sw = first_index(sw, m & (rel > 0) & any_hits, k)
+            sw = first_index(sw, m & (tile.rel > 0) & any_hits, k)
             tl.store(sc.req.zoff + k, zcarry + tl.cumsum(zref, axis=0) - zref, mask=m)
             zcarry += tl.sum(zref, axis=0)
         # cache_blocks: per group blocks [start, nf) get keys
-        known = tl.minimum(eff, nt)
-        nf = tl.minimum(known // mc.BS, nhash // mc.K)
-        csize = tl.zeros_like(k)
-        rsize = tl.zeros_like(k)
-        for g in tl.static_range(mc.G):
-            start = group_start(ms, mc, g, r, m, cached0, hits)
-            tl.store(sc.grp.start + k * mc.G + g, start, mask=m)
-            if pc.CACHING:
-                csize += tl.where(m, tl.maximum(nf - start, 0), 0)
-            if mc.SW:
-                rsize += group_released(sc, k * mc.G + g, m)
+        known = tl.minimum(alloc.eff, tile.num_tokens)
+        nf = tl.minimum(known // mc.BS, tile.nhash // mc.K)
+        partial = plan.partial
         if pc.CACHING and (mc.K > 1):
             hbs = mc.BS // mc.K
-            nh = tl.minimum(known // hbs, nhash)
-            partial = first_index(partial, m & (nh * hbs > nf * mc.BS) & (nf < nblk + hits + need), k)
-        # per (request, group) offsets: earlier requests' totals, then earlier groups'
-        cbase = ccarry + tl.cumsum(csize, axis=0) - csize
-        rbase = rcarry
-        if mc.SW:
-            rbase += tl.cumsum(rsize, axis=0) - rsize
-        for g in tl.static_range(mc.G):
-            j = k * mc.G + g
-            tl.store(sc.grp.coff + j, cbase, mask=m)
-            tl.store(sc.grp.reloff + j, rbase, mask=m)
-            tl.store(sc.grp.rm + j, tl.zeros_like(k), mask=m)
-            tl.store(sc.grp.st + j, tl.zeros_like(k), mask=m)
-            if pc.CACHING:
-                cbase += tl.where(m, tl.maximum(nf - group_start(ms, mc, g, r, m, cached0, hits), 0), 0)
-            if mc.SW:
-                rbase += group_released(sc, j, m)
+            nh = tl.minimum(known // hbs, tile.nhash)
+            partial = first_index(partial, m & (nh * hbs > nf * mc.BS) & (nf < tile.nblk + hits + need), k)
+        csize, rsize = caching_plan(pc, ms, mc, sc, k, m, r, cached0, hits, nf, plan.items, plan.released)
         if SCAN:
-            scan_store(mc, sc, k, m, r, nblk, tl.zeros_like(k), rel)
+            scan_store(mc, sc, k, m, r, tile.nblk, tl.zeros_like(k), tile.rel)
             tl.store(sc.req.hits + k, hits, mask=m)
         tl.store(sc.req.need + k, need, mask=m)
-        tl.store(sc.req.eff + k, eff, mask=m)
-        tl.store(sc.req.popoff + k, pcarry + cpops - pops, mask=m)
+        tl.store(sc.req.eff + k, alloc.eff, mask=m)
+        tl.store(sc.req.popoff + k, plan.pops + cpops - pops, mask=m)
         tl.store(sc.req.nf + k, nf, mask=m)
         if any_reserved:
             take = tl.minimum(own, pops + zref)  # drawn from its own reservation first, if admitted
             tl.store(sc.req.rleft + k, own - take, mask=m)
             tl.store(sc.req.take + k, take, mask=m)
-        pcarry += tl.sum(pops, axis=0)
-        ccarry += tl.sum(csize, axis=0)
+        released = plan.released
         if mc.SW:
-            rcarry += tl.sum(rsize, axis=0)
+            released += tl.sum(rsize, axis=0)
+        plan = Plan(plan.pops + tl.sum(pops, axis=0), zcarry, plan.items + tl.sum(csize, axis=0), demand, released,
+                    fail, sw, reach, partial, rels)
         i += mc.BLOCK
-    tl.store(sc.req.popoff + nb, pcarry)
-    tl.store(sc.grp.coff + nb * mc.G, ccarry)
-    tl.store(sc.grp.reloff + nb * mc.G, rcarry)
-    return Plan(pcarry, zcarry, ccarry, fail, sw, reach_first, partial, rels)
+    tl.store(sc.req.popoff + nb, plan.pops)
+    tl.store(sc.grp.coff + nb * mc.G, plan.items)
+    tl.store(sc.grp.reloff + nb * mc.G, plan.released)
+    return plan
 
 
 @triton.jit
@@ -413,19 +490,25 @@ def scan_cached(ps, pc: tl.constexpr, ms, mc: tl.constexpr, sc, nb, num_items, u
 
 @triton.jit
 def first_cached_miss(ms, mc: tl.constexpr, sc, nb):
-    """The first request whose first lookup miss is a key an earlier request of the batch caches
-    (then its sequential lookup would hit further)."""
+    """The first request whose first lookup miss (the prefix scan's, and with ``mc.CHUNKED`` the
+    windowed scan's too) is a key an earlier request of the batch caches (then its sequential lookup
+    would hit further)."""
     first = tl.full([], BIG, tl.int32)
     i = 0
     while i < nb:
         k, m = lanes(i, nb, mc.BLOCK)
-        t = ld(sc.req.miss + k, m)
-        m = m & (t < ld(sc.req.cap + k, m))
+        cap = ld(sc.req.cap + k, m)
         r = ld(sc.req.slot + k, m)
-        for g in tl.static_range(mc.G):
-            ka = keys_of(mc, g, r) + (t + 1).to(tl.int64) * mc.K - 1
-            s = ld(ms.s_filter + key_home(ld(ms.req_lo + ka, m), tl.zeros_like(k) + g, mc.FS), m)
-            first = first_index(first, m & (s < k), k)
+        for scan in tl.static_range(1 + mc.CHUNKED):
+            if scan == 0:
+                t = ld(sc.req.miss + k, m)
+            else:
+                t = ld(sc.req.cmiss + k, m)
+            mt = m & (t < cap)
+            for g in tl.static_range(mc.G):
+                ka = keys_of(mc, g, r) + (t + 1).to(tl.int64) * mc.K - 1
+                s = ld(ms.s_filter + key_home(ld(ms.req_lo + ka, mt), tl.zeros_like(k) + g, mc.FS), mt)
+                first = first_index(first, mt & (s < k), k)
         i += mc.BLOCK
     return first
 

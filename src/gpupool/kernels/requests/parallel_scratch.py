@@ -40,6 +40,7 @@ class RequestScratch(NamedTuple):
     nf: tl.tensor  # full blocks known after the step
     rleft: tl.tensor  # the request's reservation after it is admitted (docs/semantics.md section 8)
     take: tl.tensor  # blocks it draws from its reservation
+    cmiss: tl.tensor  # first position a windowed group misses (BIG: none; ManagerConfig.CHUNKED)
 
 
 class GroupScratch(NamedTuple):
@@ -83,7 +84,7 @@ def scratch_views(ms, mc: tl.constexpr):
     n = mc.R + 1
     req = RequestScratch(p, p + n, p + 2 * n, p + 3 * n, p + 4 * n, p + 5 * n, p + 6 * n, p + 7 * n, p + 8 * n,
                          p + 9 * n, p + 10 * n, p + 11 * n, p + 12 * n, p + 13 * n, p + 14 * n, p + 15 * n,
-                         p + 16 * n, p + 17 * n)
+                         p + 16 * n, p + 17 * n, p + 18 * n)
     q = ms.s_kg
     n = mc.G * mc.R + 1
     grp = GroupScratch(q, q + n, q + 2 * n, q + 3 * n, q + 4 * n, q + 5 * n, q + 6 * n, q + 7 * n, q + 8 * n,

@@ -3,7 +3,7 @@
 exact path (``exact.py``, ``allocate_slots_exact_checked``) and the trace replay's event loop
 (``kernels/replay.py``) are loops over them:
 
-1. :func:`remove_skipped_blocks` -> :class:`Released` (sliding-window groups);
+1. :func:`remove_skipped_blocks` -> :class:`Released` (the groups whose kind releases blocks);
 2. :func:`max_cache_hit_length`, then :func:`find_longest_cache_hit` (or :func:`get_computed_blocks`,
    the manager's row layout) -> :class:`CacheHit`;
 3. :func:`get_num_blocks_to_allocate` -> :class:`BlocksToAllocate`;
@@ -24,7 +24,7 @@ from ..alloc import pop_and_claim
 from ..cache import add_key, cache_range
 from ..groups import num_skipped_blocks, releases_blocks
 from ..layout import EV_COUNT, KEY_SEQ
-from ..lookup import find_longest_cache_hit as lookup_longest_prefix
+from ..lookup import GroupKinds, find_longest_cache_hit as lookup_longest_prefix
 from ..release import free_checked, touch_checked
 from .rows import keys_of, row_of
 
@@ -73,19 +73,19 @@ class Allocated(NamedTuple):
 
 @triton.jit
 def remove_skipped_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, head, tail):
-    """vLLM's ``remove_skipped_blocks`` for slot r: in every sliding-window group, the blocks that left
-    the window (by ``num_computed`` before the step) are freed tail first, down to the first null
-    block, and replaced by the null block. Returns :class:`Released`."""
+    """vLLM's ``remove_skipped_blocks`` for slot r: in every group whose kind releases blocks, the
+    blocks its skip rule skips (by ``num_computed`` before the step; ``kernels/groups.py``) are freed
+    tail first, down to the first null block, and replaced by the null block. Returns :class:`Released`."""
     offs = tl.arange(0, pc.BLOCK)
     released = tl.zeros([], tl.int32)
     ncomp = tl.load(ms.num_computed + r)
     nblk = tl.load(ms.num_blocks + r)
     g = 0
     while g < mc.G:
-        w = tl.load(ms.windows + g)
-        if releases_blocks(w):
+        kind = tl.load(ms.kinds + g)
+        if releases_blocks(kind):
             row = row_of(ms, mc, g, r)
-            nskip = num_skipped_blocks(ncomp, window=w, BS=mc.BS, num_blocks=nblk)
+            nskip = num_skipped_blocks(ncomp, kind, tl.load(ms.windows + g), BS=mc.BS, num_blocks=nblk)
             last_null = tl.full([], -1, tl.int32)
             t = 0
             while t < nskip:
@@ -123,13 +123,13 @@ def max_cache_hit_length(num_tokens, num_hashes, BS: tl.constexpr, K: tl.constex
 
 
 @triton.jit
-def find_longest_cache_hit(ps, pc: tl.constexpr, key_hi, key_lo, gstride, pstride, groups, windows, G, length,
-                           out_blocks, out_stride):
+def find_longest_cache_hit(ps, pc: tl.constexpr, key_hi, key_lo, gstride, pstride, groups, gk, G, length,
+                           out_blocks, out_stride, BS: tl.constexpr, CHUNKED: tl.constexpr):
     """vLLM's ``find_longest_cache_hit`` (``lookup.find_longest_cache_hit``: the key and output
-    layout, the groups' words ``windows``) as a :class:`CacheHit`."""
+    layout, the groups' kinds and parameters ``gk``) as a :class:`CacheHit`."""
     hits, zero_ref = lookup_longest_prefix(ps, pc, key_hi, key_lo, gstride=gstride, pstride=pstride, groups=groups,
-                                           windows=windows, G=G, length=length, out_blocks=out_blocks,
-                                           out_stride=out_stride, BLOCK=pc.BLOCK)
+                                           gk=gk, G=G, length=length, out_blocks=out_blocks, out_stride=out_stride,
+                                           BLOCK=pc.BLOCK, BS=BS, CHUNKED=CHUNKED)
     return CacheHit(hits=hits, zero_ref=zero_ref)
 
 
@@ -143,10 +143,11 @@ def get_computed_blocks(ps, pc: tl.constexpr, ms, mc: tl.constexpr, r, num_token
         if (lookup != 0) & (nblk == 0):
             keys = keys_of(mc, 0, r) + mc.K - 1  # full block i: hash (i + 1) * K - 1
             hit = find_longest_cache_hit(ps, pc, ms.req_hi + keys, ms.req_lo + keys, gstride=mc.M * mc.K,
-                                         pstride=mc.K, groups=ms.group_ids, windows=ms.windows, G=mc.G,
+                                         pstride=mc.K, groups=ms.group_ids, gk=GroupKinds(ms.kinds, ms.windows), G=mc.G,
                                          length=max_cache_hit_length(num_tokens, tl.load(ms.num_hashes + r),
                                                                      BS=mc.BS, K=mc.K),
-                                         out_blocks=row_of(ms, mc, 0, r), out_stride=mc.R * mc.M)
+                                         out_blocks=row_of(ms, mc, 0, r), out_stride=mc.R * mc.M, BS=mc.BS,
+                                         CHUNKED=mc.CHUNKED)
     return hit
 
 
