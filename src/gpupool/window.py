@@ -38,7 +38,7 @@ _backend.select()  # the kernels' backend, before the kernels below are defined
 from .kernels.requests import views as k_views  # noqa: E402
 from .kernels.requests import window as k_window  # noqa: E402
 from .kv_cache import AttentionViews  # noqa: E402
-from .tensors import check_int32  # noqa: E402
+from .tensors import HeldMemory, check_int32  # noqa: E402
 
 
 class WindowResult(NamedTuple):
@@ -129,6 +129,12 @@ class DecodeWindow:
             self.admitted, self.slot_mapping, self._scratch[:B], self._scratch[B:2 * B], self._scratch[2 * B:])
         self.views = [AttentionViews.empty(B, manager.max_blocks_per_req, K, device=dev) for _ in range(G)] \
             if views else None
+        # the window's own state: no op may take it as an output buffer (tensors.check_disjoint)
+        self._held = HeldMemory([(t, f"the window's {n}") for n, t in (
+            ("inputs", self._inputs), ("stopped", self.stopped), ("accepted", self.accepted), ("tokens", self.tokens),
+            ("lane state", self._state), ("slot_mapping", self.slot_mapping), ("scratch", self._scratch))]
+            + [(t, f"the window's work {n}") for n, t in self._work._asdict().items() if isinstance(t, torch.Tensor)],
+            owner="a decode window")
         self._next = -1  # the next pool step (steps: end() is next); -1: no window open (begin() opens one)
         self.graph = None
         self.host_inputs: tuple[list[int], list[int], list[int]] | None = None  # set_inputs' lists, as given
