@@ -62,7 +62,8 @@ class DecodeWindow:
     (module docstring; docs/semantics.md section 9).
 
     Inputs (:meth:`set_inputs`): ``slots, num_tokens, finished: int32[B]``, ``num_reqs, num_finished:
-    int32[1]``. What each forward pass writes before the next step reads it: ``stopped: int32[B]``
+    int32[1]``. What each forward pass writes (in place: rebinding one of the window's tensors raises
+    InvalidArgumentError) before the next step reads it: ``stopped: int32[B]``
     (nonzero: the lane stopped), ``accepted: int32[B]`` (tokens it gained, 1 .. Q; starts at 1),
     ``tokens: int64[B, Q]`` (those tokens, left-aligned). Outputs, rewritten whole at every step:
     ``admitted: int32[K, B]``, ``seq: int32[K, B]`` (each lane's attention length ``num_tokens + D``,
@@ -80,6 +81,17 @@ class DecodeWindow:
     leaving no room in a row, buffers past int32 entries or the free memory of the manager's device),
     ArgumentTypeError (a non-int size or flag).
     """
+
+    #: Tensors the kernels (and a captured graph) hold: written in place, never rebound.
+    _BUFFERS = frozenset(("slots", "num_tokens", "finished", "num_reqs", "num_finished", "stopped", "accepted",
+                          "tokens", "lane_tokens", "live", "stop_step", "preempt_step", "flags", "admitted", "seq",
+                          "slot_mapping", "views"))
+
+    def __setattr__(self, name, value):
+        if name in self._BUFFERS and name in self.__dict__:
+            raise InvalidArgumentError(f"DecodeWindow.{name}", f"the window's kernels read this tensor: write into "
+                                       f"it in place (win.{name}.copy_(x), win.{name}[:] = x), do not rebind it")
+        super().__setattr__(name, value)
 
     def __init__(self, manager, max_batch: int, steps: int = 1, num_lookahead_tokens: int = 0,
                  kv_caches: list[torch.Tensor] | None = None, views: bool = True, tokens: bool = True):

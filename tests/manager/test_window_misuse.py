@@ -109,3 +109,17 @@ def test_read_returns_the_extra_tensors_as_tolist_gives_them():
         assert manager_state(dev) == before
     with pytest.raises(PoolError):
         dw.read(torch.tensor([1.0 + 2j]))
+
+
+def test_rebinding_a_buffer_the_kernels_read_is_refused():
+    """``win.stopped = (tok == eos).int()`` would leave the kernels (and a captured graph) reading the
+    old tensor: the lane would never stop. The window refuses the assignment; writing in place works."""
+    _, _, dev, dw, ntok = opened("new")
+    for name in ("stopped", "accepted", "tokens", "slot_mapping", "views", "seq"):
+        with pytest.raises(InvalidArgumentError, match="in place"):
+            setattr(dw, name, torch.zeros(2, dtype=torch.int32))
+    dw.begin()
+    dw.step(0)
+    dw.stopped[1] = 1
+    dw.step(1)
+    assert dw.read().stop_step == [-1, 0]
