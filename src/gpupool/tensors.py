@@ -4,6 +4,7 @@ tensor a kernel argument, and host values copied to the device. Every check rais
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from array import array
 from bisect import bisect_left
@@ -133,6 +134,7 @@ def memory_span(t: torch.Tensor) -> tuple[str, int, int] | None:
 #: Every live :class:`HeldMemory` (held weakly: it goes with its owner): no caller's output may
 #: overlap any of them, whichever object's op it is given to.
 _LIVE_HELD: "weakref.WeakSet[HeldMemory]" = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()  # a set that another thread adds to cannot be iterated
 
 
 class HeldMemory:
@@ -143,7 +145,6 @@ class HeldMemory:
 
     def __init__(self, named, owner: str = "a manager"):
         self.owner = owner
-        _LIVE_HELD.add(self)
         by_dev: dict[str, list] = {}
         for t, name in named:
             s = memory_span(t)
@@ -157,6 +158,8 @@ class HeldMemory:
                 best = max(best, (hi, name))
                 reach.append(best)
             self._by_dev[dev] = ([lo for lo, _, _ in spans], reach)
+        with _LIVE_LOCK:
+            _LIVE_HELD.add(self)
 
     def overlap(self, span) -> str | None:
         """The name of a held tensor sharing a byte with ``span`` (:func:`memory_span`), or None."""
@@ -169,7 +172,9 @@ class HeldMemory:
 def _check_held(op: str, name: str, span, held: HeldMemory | None) -> None:
     """InvalidArgumentError when the output ``name`` (its ``span``) overlaps ``held`` or any other live
     :class:`HeldMemory`."""
-    for h in ([held] if held is not None else []) + [h for h in list(_LIVE_HELD) if h is not held]:
+    with _LIVE_LOCK:
+        others = [h for h in _LIVE_HELD if h is not held]
+    for h in ([held] if held is not None else []) + others:
         other = h.overlap(span)
         if other is not None:
             whose = other if h is held else f"{h.owner}'s state ({other})"
