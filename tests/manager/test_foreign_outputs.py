@@ -42,3 +42,18 @@ def test_store_kv_does_not_write_a_managers_state():
     with pytest.raises(InvalidArgumentError, match="a manager's state"):
         store_kv(torch.ones(1, 1, 2), torch.ones(1, 1, 2), cache, other, torch.tensor([5]))
     assert manager_state(m) == before
+
+
+@pytest.mark.parametrize("whose", ["own", "other"])
+def test_a_managers_state_is_not_a_kv_cache(whose):
+    """The KV caches a window's ``begin`` copies blocks in are outputs too: a pool's ref counts viewed as a
+    cache of ``num_blocks`` rows would take the copy-on-write copies."""
+    _, m = twins(16)
+    _, other = twins(16)
+    victim = (m if whose == "own" else other).pool.state.ref_cnt.view(16, 1)
+    before = manager_state(other)
+    with pytest.raises(InvalidArgumentError, match="shares memory"):
+        m.window(2, kv_caches=[victim])
+    with pytest.raises(InvalidArgumentError, match="shares memory"):
+        m.copy_and_release([victim])
+    assert manager_state(other) == before
