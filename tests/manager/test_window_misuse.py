@@ -123,3 +123,29 @@ def test_rebinding_a_buffer_the_kernels_read_is_refused():
     dw.stopped[1] = 1
     dw.step(1)
     assert dw.read().stop_step == [-1, 0]
+
+
+@pytest.mark.parametrize("when", ["before step 0", "before step 1", "before end"])
+def test_a_lane_freed_outside_the_window_is_refused_by_both_windows(when):
+    """A lane's request freed by the host inside the window (``manager.free`` between its calls): the next
+    step or the end refuses it (``slot 1 is not in use``, op ``window_step`` / ``window_end``) before it
+    changes anything, as the reference window does. Before, the device step gave the freed slot new
+    blocks (held by no request: lost) and only a later views launch recorded an error."""
+    ref, rw, dev, dw, _ = opened("begun")
+    steps = {"before step 0": 0, "before step 1": 1, "before end": K}[when]
+    for k in range(steps):
+        rw.step(k, [0, 0], [1, 1], [[7], [7]])
+        dw.tokens[:, 0] = 7
+        dw.step(k)
+    dev.pool.check()
+    ref.free([1])
+    dev.free(torch.tensor([1], dtype=torch.int32))
+    dev.pool.check()
+    want, before = manager_state(ref), manager_state(dev)
+    op = "window_end" if steps == K else "window_step"
+    with pytest.raises(InvalidArgumentError, match=f"{op}: slot 1 is not in use"):
+        rw.end([0, 0], [1, 1], [[7], [7]]) if steps == K else rw.step(steps, [0, 0], [1, 1], [[7], [7]])
+    dw.end() if steps == K else dw.step(steps)
+    with pytest.raises(InvalidArgumentError, match=f"{op}: slot 1 is not in use"):
+        dev.pool.check()
+    assert manager_state(dev) == before and manager_state(ref) == want
