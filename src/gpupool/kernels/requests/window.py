@@ -378,8 +378,9 @@ class StepConfig(NamedTuple):
 @triton.jit
 def window_step_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, wb, work, k, cap, wc: tl.constexpr):
     """Pool step ``k`` (``wc.ALLOCATE``; after forward pass k - 1 with ``wc.ADVANCE``), or the window's
-    end (``ADVANCE`` alone); ``wc``: a :class:`StepConfig`. Errors go to the status word as op ``wc.OP``;
-    a step after an error clears its output rows and does nothing else."""
+    end (``ADVANCE`` alone); ``wc``: a :class:`StepConfig`. Every live lane's request must still be in
+    use (:func:`check_lanes_in_use`). Errors go to the status word as op ``wc.OP``; a step after an
+    error clears its output rows and does nothing else."""
     n, _ = checked_count(wb.num_reqs, cap)
     ok = status_clear(ps.status)
     if ok:  # the lanes' requests first: the host may have freed one since the last launch
