@@ -95,9 +95,7 @@ class WindowDecodePlan:
     """
 
     def __init__(self, window, workspace: torch.Tensor, group: int = 0, *, wrapper_class=None, **wrapper_kwargs):
-        from .window import DecodeWindow
-
-        if not isinstance(window, DecodeWindow):
+        if not all(hasattr(window, a) for a in ("views", "queries", "steps", "host_inputs", "m")):  # a DecodeWindow
             raise ArgumentTypeError(OP, f"window must be a DecodeWindow (manager.window(...)), got {type(window).__name__}")
         group = as_int(OP, group, "group")
         if window.views is None:

@@ -31,10 +31,9 @@ _IDS = itertools.count(1)
 def manager_id(manager) -> int:
     """The id under which :func:`attention_views` finds ``manager`` (given once per manager; the
     manager is held weakly: a collected manager's id is refused). Raises ArgumentTypeError for anything
-    but a :class:`gpupool.manager.KVCacheManager`."""
-    from .manager import KVCacheManager
-
-    if not isinstance(manager, KVCacheManager):
+    but a :class:`gpupool.manager.KVCacheManager` (one with device ``state`` and ``attention_views``:
+    this layer does not import the manager's)."""
+    if not (hasattr(manager, "state") and callable(getattr(manager, "attention_views", None))):
         raise ArgumentTypeError("manager_id", f"manager must be a KVCacheManager, got {type(manager).__name__}")
     mid = getattr(manager, "_custom_op_id", None)
     if mid is None:
