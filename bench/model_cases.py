@@ -500,7 +500,11 @@ def case_window(gp, gc, B: int, args, what: str, K: int = 1, stops: bool = False
             win._next = k  # --measure repeats the step from a restored state: the eager order check would refuse
             win.step(k)
 
-        fn = step if what == "step" else win.end
+        def end():
+            win._next = K  # as for step: a second end() of one window is refused
+            win.end()
+
+        fn = step if what == "step" else end
     m.pool.check()
     hashes_before = m.state.num_hashes[:B].clone()
     build_s = time.perf_counter() - t0

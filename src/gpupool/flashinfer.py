@@ -20,8 +20,9 @@ import importlib
 
 import torch
 
-from .args import as_int
-from .errors import ArgumentTypeError, InvalidArgumentError
+from .args import as_id_list, as_int
+from .errors import ArgumentTypeError, InvalidArgumentError, InvalidCountError, token_count_message
+from .kv_args import MAX_INT32
 
 OP = "WindowDecodePlan"
 
@@ -36,7 +37,15 @@ def _decode_wrapper_class():
 def length_bounds(num_tokens: list[int], k: int, queries: int, max_len: int) -> list[int]:
     """Host bounds on each lane's attention length at step ``k`` of a window: ``num_tokens[i] + k *
     queries + queries - 1`` (every earlier pass accepting all ``queries`` tokens; the last
-    ``queries - 1`` are the step's draft slots), at most ``max_len`` (a row's tokens)."""
+    ``queries - 1`` are the step's draft slots), at most ``max_len`` (a row's tokens). Raises
+    ArgumentTypeError (a non-int), InvalidArgumentError (a negative count, ``k`` or ``max_len``, or
+    ``queries`` below 1)."""
+    op = "length_bounds"
+    num_tokens = as_id_list(op, num_tokens, "num_tokens")
+    k, queries, max_len = (as_int(op, x, name) for x, name in ((k, "k"), (queries, "queries"), (max_len, "max_len")))
+    if min(num_tokens + [k, queries - 1, max_len]) < 0:
+        raise InvalidArgumentError(op, f"num_tokens, k and max_len must be >= 0 and queries >= 1, got {num_tokens}, "
+                                       f"{k}, {max_len} and {queries}")
     return [min(n + k * queries + queries - 1, max_len) for n in num_tokens]
 
 
@@ -44,8 +53,18 @@ def paged_layout(lengths: list[int], batch: int, page_size: int) -> tuple[torch.
     """FlashInfer's ``(kv_indptr: int32[batch + 1], kv_last_page_len: int32[batch])`` on the host for
     lanes of ``lengths`` tokens (lanes past them empty). An empty lane has ``kv_last_page_len`` 1,
     inside FlashInfer's documented ``1 <= kv_last_page_len <= page_size`` (its kernel gives a lane
-    without pages length 0 whatever the value)."""
+    without pages length 0 whatever the value). Raises ArgumentTypeError (a non-int),
+    InvalidArgumentError (a negative length, more lengths than ``batch``, ``page_size`` below 1, pages
+    past int32)."""
+    op = "paged_layout"
+    lengths = as_id_list(op, lengths, "lengths")
+    batch, page_size = as_int(op, batch, "batch"), as_int(op, page_size, "page_size")
+    if page_size < 1 or not len(lengths) <= batch or min(lengths, default=0) < 0:
+        raise InvalidArgumentError(op, f"lengths must be >= 0 and at most batch = {batch}, page_size >= 1; got "
+                                       f"{len(lengths)} lengths (least {min(lengths, default=0)}), page_size {page_size}")
     indptr, last = _layout_lists(lengths, batch, page_size)
+    if indptr[-1] > MAX_INT32:
+        raise InvalidArgumentError(op, f"{indptr[-1]:,} pages in all, past int32 (FlashInfer's kv_indptr)", indptr[-1])
     return torch.tensor(indptr, dtype=torch.int32), torch.tensor(last, dtype=torch.int32)
 
 
@@ -69,13 +88,15 @@ class WindowDecodePlan:
     ``BatchDecodeWithPagedKVCacheWrapper`` unless given (a test's stand-in); extra keyword arguments go
     to its constructor (``use_tensor_cores``, ``backend``).
 
-    Raises InvalidArgumentError: a window without views or with draft positions (the decode wrapper
+    Raises ArgumentTypeError: ``window`` not a ``DecodeWindow``, a non-int ``group``; InvalidArgumentError: a window without views or with draft positions (the decode wrapper
     takes one query a lane; a window with ``num_lookahead_tokens`` needs FlashInfer's prefill wrapper),
     ``group`` outside the window's groups, a workspace that is not a uint8 tensor on its device,
-    flashinfer not installed; ArgumentTypeError: a non-int ``group``.
+    flashinfer not installed.
     """
 
     def __init__(self, window, workspace: torch.Tensor, group: int = 0, *, wrapper_class=None, **wrapper_kwargs):
+        if not all(hasattr(window, a) for a in ("views", "queries", "steps", "host_inputs", "m")):  # a DecodeWindow
+            raise ArgumentTypeError(OP, f"window must be a DecodeWindow (manager.window(...)), got {type(window).__name__}")
         group = as_int(OP, group, "group")
         if window.views is None:
             raise InvalidArgumentError(OP, "the window has no views (DecodeWindow(views=False))")
@@ -102,23 +123,36 @@ class WindowDecodePlan:
         """Plan every step's wrapper for the window's inputs (after ``window.set_inputs``, before the
         window runs or replays), from the host bounds (module docstring); no device read. Keyword
         arguments go to FlashInfer's ``plan`` (``q_data_type``, ``window_left`` for a sliding-window
-        group, ``sm_scale``, ...). Raises InvalidArgumentError before ``set_inputs``, or for
-        ``disable_split_kv=False``."""
+        group, ``sm_scale``, ...). Raises ArgumentTypeError (a non-int head count),
+        InvalidArgumentError before ``set_inputs``, for a head count below 1, a ``page_size`` (the
+        manager's ``block_size``) or ``disable_split_kv=False``; InvalidCountError (op ``window_begin``,
+        as the window's ``begin`` words it) for a token count outside ``1 .. max_blocks_per_req *
+        block_size - D``: a plan of inputs the window refuses would stay in the buffers the kernel
+        reads. Nothing is planned when it raises."""
         w = self.window
+        heads = [as_int(OP, x, name) for x, name in ((num_qo_heads, "num_qo_heads"), (num_kv_heads, "num_kv_heads"),
+                                                     (head_dim, "head_dim"))]
+        if min(heads) < 1:
+            raise InvalidArgumentError(OP, f"num_qo_heads, num_kv_heads and head_dim must be >= 1, got {heads}")
         if w.host_inputs is None:
             raise InvalidArgumentError(OP, "set_inputs() first: the plan is made from the window's inputs")
+        if "page_size" in plan_kwargs:
+            raise InvalidArgumentError(OP, f"page_size is the manager's block_size ({w.m.block_size}); do not pass it")
         if plan_kwargs.get("disable_split_kv", True) is not True:
             raise InvalidArgumentError(OP, "split-KV needs the true lengths on the host; the window plans from "
                                            "bounds (module docstring)")
         plan_kwargs["disable_split_kv"] = True
         m, v = w.m, w.views[self.group]
-        _, num_tokens, _ = w.host_inputs
+        slots, num_tokens, _ = w.host_inputs
+        cap = m.max_blocks_per_req * m.block_size - w.num_lookahead
+        for r, n in zip(slots, num_tokens):
+            if not 1 <= n <= cap:
+                raise InvalidCountError("window_begin", token_count_message(n, 1, cap, r), n)
         for k, wrapper in enumerate(self.wrappers):
             lens = length_bounds(num_tokens, k, w.queries, m.max_blocks_per_req * m.block_size)
             indptr, last = _layout_lists(lens, w.max_batch, m.block_size)
             wrapper.plan(torch.tensor(indptr, dtype=torch.int32), v.kv_indices[k][:indptr[-1]],
-                         torch.tensor(last, dtype=torch.int32), num_qo_heads, num_kv_heads, head_dim,
-                         m.block_size, **plan_kwargs)
+                         torch.tensor(last, dtype=torch.int32), *heads, m.block_size, **plan_kwargs)
 
 
 __all__ = ["WindowDecodePlan", "length_bounds", "paged_layout"]

@@ -106,7 +106,7 @@ class DecodeStep:
         w._inputs.copy_(saved[0])
         self.m.num_copies.copy_(saved[1])
         self.graph = torch.cuda.CUDAGraph()
-        w.graph = self.graph  # steps inside the capture are recorded, not run in order checks
+        w.graph = self.graph
         with torch.cuda.graph(self.graph):
             self._body()
 

@@ -692,7 +692,8 @@ class KVCacheManager:
     def check_kv_caches(self, op: str, kv_caches) -> None:
         """Raises ArgumentTypeError / InvalidArgumentError (naming ``op``) unless ``kv_caches`` are as
         ``copy_blocks`` takes them, on this device, each holding every block of the pool (a copy past a
-        smaller cache would be dropped unseen). Host-only checks: no device read."""
+        smaller cache would be dropped unseen), sharing no memory with a manager's or a window's state
+        (the copies write them). Host-only checks: no device read."""
         if not isinstance(kv_caches, (list, tuple)):
             raise ArgumentTypeError(op, f"kv_caches must be a list of tensors [num_blocks, ...], one per layer, "
                                         f"got {type(kv_caches).__name__}")
@@ -703,6 +704,7 @@ class KVCacheManager:
             if t.shape[0] < self.pool.num_blocks:
                 raise InvalidArgumentError(op, f"kv_caches[{j}] holds {t.shape[0]} blocks, the pool "
                                                f"{self.pool.num_blocks}", t.shape[0])
+        self._disjoint(op, [(t, f"kv_caches[{j}]") for j, t in enumerate(kv_caches)], [])
 
     @locked
     def slot_mapping(self, slots: torch.Tensor, positions: torch.Tensor, group: int = 0,

@@ -10,7 +10,9 @@
   tensors and numbers, so a manager is passed by its id).
 
 Both return nothing; their fake (meta) versions do nothing, their errors are the eager functions'.
-Importing this module registers them.
+An argument of the wrong Python type (a list for a tensor, an int past int64) is refused by torch's
+dispatcher, which raises RuntimeError naming the schema, before the op runs. Importing this module
+registers them.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import weakref
 
 import torch
 
-from .errors import InvalidArgumentError
+from .errors import ArgumentTypeError, InvalidArgumentError
 from .kv_cache import AttentionViews, store_kv as _store_kv
 
 _MANAGERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -28,7 +30,11 @@ _IDS = itertools.count(1)
 
 def manager_id(manager) -> int:
     """The id under which :func:`attention_views` finds ``manager`` (given once per manager; the
-    manager is held weakly: a collected manager's id is refused)."""
+    manager is held weakly: a collected manager's id is refused). Raises ArgumentTypeError for anything
+    but a :class:`gpupool.manager.KVCacheManager` (one with device ``state`` and ``attention_views``:
+    this layer does not import the manager's)."""
+    if not (hasattr(manager, "state") and callable(getattr(manager, "attention_views", None))):
+        raise ArgumentTypeError("manager_id", f"manager must be a KVCacheManager, got {type(manager).__name__}")
     mid = getattr(manager, "_custom_op_id", None)
     if mid is None:
         mid = next(_IDS)

@@ -4,6 +4,8 @@ tensor a kernel argument, and host values copied to the device. Every check rais
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from array import array
 from bisect import bisect_left
 
@@ -129,12 +131,20 @@ def memory_span(t: torch.Tensor) -> tuple[str, int, int] | None:
     return str(t.device), lo, lo + (reach + 1) * t.element_size()
 
 
+#: Every live :class:`HeldMemory` (held weakly: it goes with its owner): no caller's output may
+#: overlap any of them, whichever object's op it is given to.
+_LIVE_HELD: "weakref.WeakSet[HeldMemory]" = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()  # a set that another thread adds to cannot be iterated
+
+
 class HeldMemory:
     """The spans of tensors an object owns (a manager's device state; ``named``: ``(tensor, name)``
     pairs, each name as an error should say it), sorted once per device, so that a caller's output
-    is checked against all of them with one bisection."""
+    is checked against all of them with one bisection. ``owner`` names the object in errors raised for
+    another object's op ("a manager's state (the manager's rows)")."""
 
-    def __init__(self, named):
+    def __init__(self, named, owner: str = "a manager"):
+        self.owner = owner
         by_dev: dict[str, list] = {}
         for t, name in named:
             s = memory_span(t)
@@ -148,6 +158,8 @@ class HeldMemory:
                 best = max(best, (hi, name))
                 reach.append(best)
             self._by_dev[dev] = ([lo for lo, _, _ in spans], reach)
+        with _LIVE_LOCK:
+            _LIVE_HELD.add(self)
 
     def overlap(self, span) -> str | None:
         """The name of a held tensor sharing a byte with ``span`` (:func:`memory_span`), or None."""
@@ -157,22 +169,34 @@ class HeldMemory:
         return reach[i][1] if i >= 0 and reach[i][0] > lo else None
 
 
+def _check_held(op: str, name: str, span, held: HeldMemory | None) -> None:
+    """InvalidArgumentError when the output ``name`` (its ``span``) overlaps ``held`` or any other live
+    :class:`HeldMemory`."""
+    with _LIVE_LOCK:
+        others = [h for h in _LIVE_HELD if h is not held]
+    for h in ([held] if held is not None else []) + others:
+        other = h.overlap(span)
+        if other is not None:
+            whose = other if h is held else f"{h.owner}'s state ({other})"
+            raise InvalidArgumentError(op, f"{name} shares memory with {whose}: an output must be a buffer of its own")
+
+
 def check_disjoint(op: str, outputs, inputs=(), held: HeldMemory | None = None) -> None:
     """Raise InvalidArgumentError (naming both) unless no output shares a byte of memory with another
     output, with an input, or with ``held`` (the op's own state): a kernel writing an output that
     another argument also occupies garbles one of them. ``outputs``, ``inputs``: ``(tensor, name)``
     pairs (tensors already checked to be tensors); inputs may share memory with each other. Compares
     the bytes each tensor reaches (:func:`memory_span`), so views of one buffer at different
-    offsets are caught as well as the same tensor twice."""
+    offsets are caught as well as the same tensor twice. Every other live ``HeldMemory`` (another
+    manager's, a decode window's) is held too: an output there would change another object's state."""
     spans = []
     for kind, named in ((True, outputs), (False, inputs)):
         for t, name in named:
             s = memory_span(t)
             if s is not None:
                 spans.append((s, kind, name))
-                if kind and held is not None and (other := held.overlap(s)) is not None:
-                    raise InvalidArgumentError(op, f"{name} shares memory with {other}: an output must be a buffer "
-                                                   "of its own")
+                if kind:
+                    _check_held(op, name, s, held)
     spans.sort(key=lambda x: x[0])
     reach: dict[tuple[str, bool], tuple[int, str]] = {}  # per (device, is output): furthest end so far
     for (dev, lo, hi), is_out, name in spans:

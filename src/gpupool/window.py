@@ -31,12 +31,14 @@ import torch
 from . import _backend
 from .args import as_id_list, as_int
 from .errors import ArgumentTypeError, InvalidArgumentError
+from .kv_args import MAX_INT32
+from .memory import check_fits
 
 _backend.select()  # the kernels' backend, before the kernels below are defined
 from .kernels.requests import views as k_views  # noqa: E402
 from .kernels.requests import window as k_window  # noqa: E402
 from .kv_cache import AttentionViews  # noqa: E402
-from .tensors import check_int32  # noqa: E402
+from .tensors import HeldMemory, check_int32  # noqa: E402
 
 
 class WindowResult(NamedTuple):
@@ -60,7 +62,8 @@ class DecodeWindow:
     (module docstring; docs/semantics.md section 9).
 
     Inputs (:meth:`set_inputs`): ``slots, num_tokens, finished: int32[B]``, ``num_reqs, num_finished:
-    int32[1]``. What each forward pass writes before the next step reads it: ``stopped: int32[B]``
+    int32[1]``. What each forward pass writes (in place: rebinding one of the window's tensors raises
+    InvalidArgumentError) before the next step reads it: ``stopped: int32[B]``
     (nonzero: the lane stopped), ``accepted: int32[B]`` (tokens it gained, 1 .. Q; starts at 1),
     ``tokens: int64[B, Q]`` (those tokens, left-aligned). Outputs, rewritten whole at every step:
     ``admitted: int32[K, B]``, ``seq: int32[K, B]`` (each lane's attention length ``num_tokens + D``,
@@ -70,9 +73,25 @@ class DecodeWindow:
     :meth:`begin`. ``tokens=False``: the model's tokens are not given (a ``DecodeStep`` burst): every
     lane gains one token per step and its request stops hashing its tokens.
 
+    The calls go in order, checked on the host as ``ReferenceDecodeWindow`` checks them: :meth:`set_inputs`,
+    :meth:`begin`, :meth:`step` 0 .. K - 1, :meth:`end`; ``set_inputs`` closes an open window (the lanes
+    are set up by ``begin``).
+
     Raises InvalidArgumentError (``max_batch``, ``steps`` below 1, ``num_lookahead_tokens`` below 0 or
-    leaving no room in a row), ArgumentTypeError (a non-int size or flag).
+    leaving no room in a row, buffers past int32 entries or the free memory of the manager's device),
+    ArgumentTypeError (a non-int size or flag).
     """
+
+    #: Tensors the kernels (and a captured graph) hold: written in place, never rebound.
+    _BUFFERS = frozenset(("slots", "num_tokens", "finished", "num_reqs", "num_finished", "stopped", "accepted",
+                          "tokens", "lane_tokens", "live", "stop_step", "preempt_step", "flags", "admitted", "seq",
+                          "slot_mapping", "views"))
+
+    def __setattr__(self, name, value):
+        if name in self._BUFFERS and name in self.__dict__:
+            raise InvalidArgumentError(f"DecodeWindow.{name}", f"the window's kernels read this tensor: write into "
+                                       f"it in place (win.{name}.copy_(x), win.{name}[:] = x), do not rebind it")
+        super().__setattr__(name, value)
 
     def __init__(self, manager, max_batch: int, steps: int = 1, num_lookahead_tokens: int = 0,
                  kv_caches: list[torch.Tensor] | None = None, views: bool = True, tokens: bool = True):
@@ -90,6 +109,7 @@ class DecodeWindow:
                 raise ArgumentTypeError(op, f"{name} must be a bool, got {type(flag).__name__}")
         kv_caches = [] if kv_caches is None else kv_caches
         manager.check_kv_caches(op, kv_caches)
+        _check_sizes(op, manager, B, K, D + 1, views)
         self.m, self.max_batch, self.steps, self.num_lookahead = manager, B, K, D
         self.queries = Q = D + 1
         self.kv_caches = list(kv_caches)
@@ -121,7 +141,13 @@ class DecodeWindow:
             self.admitted, self.slot_mapping, self._scratch[:B], self._scratch[B:2 * B], self._scratch[2 * B:])
         self.views = [AttentionViews.empty(B, manager.max_blocks_per_req, K, device=dev) for _ in range(G)] \
             if views else None
-        self._next = 0  # the next pool step this eager run may take (begin() resets it)
+        # the window's own state: no op may take it as an output buffer (tensors.check_disjoint)
+        self._held = HeldMemory([(t, f"the window's {n}") for n, t in (
+            ("inputs", self._inputs), ("stopped", self.stopped), ("accepted", self.accepted), ("tokens", self.tokens),
+            ("lane state", self._state), ("slot_mapping", self.slot_mapping), ("scratch", self._scratch))]
+            + [(t, f"the window's work {n}") for n, t in self._work._asdict().items() if isinstance(t, torch.Tensor)],
+            owner="a decode window")
+        self._next = -1  # the next pool step (steps: end() is next); -1: no window open (begin() opens one)
         self.graph = None
         self.host_inputs: tuple[list[int], list[int], list[int]] | None = None  # set_inputs' lists, as given
 
@@ -148,6 +174,7 @@ class DecodeWindow:
         host = torch.tensor((s + pad)[:B] + (n + pad)[:B] + (f + pad)[:B] + [len(s), len(f)], dtype=torch.int32,
                             pin_memory=self._inputs.is_cuda)
         self._inputs.copy_(host, non_blocking=True)
+        self._next = -1  # the lanes are begin()'s: steps on new inputs would give them to other requests
         self.host_inputs = (s, n, f)
         self.stopped.zero_()
         self.accepted.fill_(1)
@@ -179,9 +206,8 @@ class DecodeWindow:
         every group, and step k's attention views. A bad value records an error (op ``window_step``)
         and this and every later op does nothing. No host sync."""
         k = as_int("DecodeWindow.step", k, "k")
-        if not 0 <= k < self.steps or (self.graph is None and k != self._next):
-            raise InvalidArgumentError("DecodeWindow.step", f"step {k} out of order (next {self._next} of "
-                                                            f"{self.steps}); begin() starts a window", k)
+        if not 0 <= k < self.steps or k != self._next:
+            self._out_of_order("DecodeWindow.step", f"step {k}", k)
         m = self.m
         with m.lock:
             self._launch(k, advance=k > 0, allocate=True)
@@ -195,16 +221,28 @@ class DecodeWindow:
 
     def end(self) -> None:
         """After the last forward pass: what it wrote (the stopped lanes freed, the others' tokens
-        appended and hashed), no allocation (op ``window_end``). No host sync."""
+        appended and hashed), no allocation (op ``window_end``). No host sync. Raises
+        InvalidArgumentError before step K - 1 has run, and a second time."""
+        if self._next != self.steps:
+            self._out_of_order("DecodeWindow.end", "end()", self.steps)
         with self.m.lock:
             self._launch(self.steps, advance=True, allocate=False)
-        self._next = self.steps + 1
+        self._next = -1
+
+    def _out_of_order(self, op: str, what: str, value: int):
+        where = "no window is open: set_inputs() then begin() first" if self._next < 0 else \
+            f"next: {'end()' if self._next == self.steps else f'step {self._next}'} of {self.steps}"
+        raise InvalidArgumentError(op, f"{what} out of order ({where})", value)
 
     # ---- what a forward pass reads ------------------------------------------------------------------
     def positions(self, k: int) -> torch.Tensor:
         """``int64[B, Q]``: the position of lane i's query j at step k, ``seq[k, i] - Q + j`` (its input
         token at ``num_tokens - 1``, then the draft positions); negative for a lane that takes no
-        part (its slots are -1, so it writes nothing). A torch op on the device, no sync."""
+        part (its slots are -1, so it writes nothing). A torch op on the device, no sync. Raises
+        ArgumentTypeError (a non-int ``k``), InvalidArgumentError (``k`` outside ``0 .. steps - 1``)."""
+        k = as_int("DecodeWindow.positions", k, "k")
+        if not 0 <= k < self.steps:
+            raise InvalidArgumentError("DecodeWindow.positions", f"step {k} outside 0..{self.steps - 1}", k)
         Q = self.queries
         return self.seq[k].to(torch.int64)[:, None] - Q + torch.arange(Q, device=self.m.device)[None, :]
 
@@ -250,8 +288,16 @@ class DecodeWindow:
     def read(self, *extra: torch.Tensor) -> WindowResult:
         """The window's outcome and the caller's ``extra`` tensors (its sampled tokens, say) in ONE
         device-to-host read, plus the names of the hashes the device made (registered so that KV
-        events and ``block_keys`` name them). Lanes past the window's ``num_reqs`` are left out."""
+        events and ``block_keys`` name them). Lanes past the window's ``num_reqs`` are left out.
+        ``extra``: integer or bool tensors on the manager's device, each returned as ``tolist()`` gives
+        it (ArgumentTypeError for a non-tensor, InvalidArgumentError for another dtype or device)."""
         m = self.m
+        for t in extra:
+            if not isinstance(t, torch.Tensor):
+                raise ArgumentTypeError("DecodeWindow.read", f"extra must be tensors, got {type(t).__name__}")
+            if t.is_floating_point() or t.is_complex() or t.device != m.device:
+                raise InvalidArgumentError("DecodeWindow.read", f"extra must be integer or bool tensors on {m.device} "
+                                                                f"(read in one int64 copy), got {t.dtype} on {t.device}")
         names = m._name_rows(self.max_batch * self._fills_per_lane())
         parts = [self._inputs[3 * self.max_batch:3 * self.max_batch + 1].long(), self._state.long(), names[0].long(),
                  names[1].long().reshape(-1)] + [t.reshape(-1).long() for t in extra]
@@ -264,7 +310,8 @@ class DecodeWindow:
         o += 1 + names[1].numel()
         out = []
         for t in extra:
-            out.append(_nest(flat[o:o + t.numel()], tuple(t.shape)))
+            vals = flat[o:o + t.numel()]
+            out.append(_nest([bool(v) for v in vals] if t.dtype == torch.bool else vals, tuple(t.shape)))
             o += t.numel()
         adm = [st[4 * B + 2 + k * B:4 * B + 2 + k * B + n] for k in range(K)]
         return WindowResult(st[:n], st[2 * B:2 * B + n], st[3 * B:3 * B + n], adm, bool(st[4 * B]), out)
@@ -275,9 +322,26 @@ class DecodeWindow:
         return (self.queries * (self.steps + 1) + hbs - 1) // hbs
 
 
+def _check_sizes(op: str, manager, B: int, K: int, Q: int, views: bool) -> None:
+    """The window's buffers fit int32 offsets and the free memory of the manager's device (refused
+    before anything is allocated: InvalidArgumentError naming the largest)."""
+    G, M = len(manager.groups), manager.max_blocks_per_req
+    if views:
+        AttentionViews.shapes(B, M, K, op=op)  # refuses views past int32 entries
+    entries = G * K * B * Q  # slot_mapping, the largest of the window's own buffers
+    if entries > MAX_INT32:
+        raise InvalidArgumentError(op, f"a window of {B} lanes, {K} steps and {Q} queries a lane needs {entries:,} "
+                                       f"slot-mapping entries, more than {MAX_INT32:,}", entries)
+    int32s = 18 * B + 4 + 2 * K * B + (G * (B * M + K * (3 * B + 1) + K * B * M) if views else 0)
+    check_fits(op, "max_batch * steps", B * K, 4 * int32s + 8 * (B * Q + entries), manager.device)
+
+
 def _nest(flat: list, shape: tuple) -> list:
-    """``flat`` as the nested lists of ``shape`` (``Tensor.tolist``'s form, built on the host)."""
-    if len(shape) <= 1:
+    """``flat`` as the nested lists of ``shape`` (``Tensor.tolist``'s form, built on the host: a number
+    for a 0-d tensor)."""
+    if not shape:
+        return flat[0]
+    if len(shape) == 1:
         return flat
     step = len(flat) // shape[0] if shape[0] else 0
     return [_nest(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gpupool.ops  # noqa: F401  (registers the ops)
-from gpupool.errors import InvalidArgumentError
+from gpupool.errors import ArgumentTypeError, InvalidArgumentError
 from gpupool.kv_cache import AttentionViews, store_kv
 from gpupool.manager import KVCacheManager
 from gpupool.ops import manager_id
@@ -97,3 +97,15 @@ def test_a_collected_manager_is_refused():
     gc.collect()
     with pytest.raises(InvalidArgumentError, match="no live manager"):
         torch.ops.gpupool.attention_views(*args)
+
+
+@pytest.mark.parametrize("bad", ["x", None, "reference"])
+def test_manager_id_takes_a_device_manager(bad):
+    """Only a ``KVCacheManager`` has an id: anything else is an ArgumentTypeError naming its type (was a
+    raw AttributeError, or an id for a reference manager that the op cannot drive)."""
+    from gpupool.reference import ReferenceKVCacheManager
+
+    if bad == "reference":
+        bad = ReferenceKVCacheManager(16, block_size=BS, max_num_reqs=4, max_blocks_per_req=M)
+    with pytest.raises(ArgumentTypeError, match="manager_id"):
+        manager_id(bad)

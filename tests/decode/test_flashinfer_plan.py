@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from gpupool.errors import ArgumentTypeError, InvalidArgumentError
+from gpupool.errors import ArgumentTypeError, InvalidArgumentError, InvalidCountError
 from gpupool.flashinfer import WindowDecodePlan, length_bounds, paged_layout
 from gpupool.instrument import Meter, reads_not_synced
 from gpupool.keys import hash_request_tokens
@@ -185,3 +185,43 @@ def test_a_random_window_stays_inside_its_bounds():
 
     w.run(forward)
     m.pool.check()
+
+
+@pytest.mark.parametrize("num_tokens", [0, -50, 8 * BS + 1])
+def test_a_plan_from_inputs_the_window_refuses_is_refused_and_writes_nothing(num_tokens):
+    """The window's begin refuses a token count outside 1 .. max_blocks_per_req * block_size - D and then
+    writes no view row: a plan of such inputs (a decreasing ``kv_indptr`` for a negative count) would
+    stay in the wrappers' buffers, which the captured kernel reads. The plan refuses it as begin words
+    it, and leaves the rows as they were."""
+    m, w, ntok = setup()
+    plan = WindowDecodePlan(w, workspace(), wrapper_class=StandInDecodeWrapper)
+    w.set_inputs([0, 1, 2], [ntok[0], num_tokens, ntok[2]])
+    rows = [t.clone() for t in w.views[0]]
+    with pytest.raises(InvalidCountError, match=f"token count {num_tokens} outside 1..{M * BS} for slot 1"):
+        plan.plan(HQ, HKV, HD)
+    assert all(torch.equal(a, b) for a, b in zip(rows, w.views[0]))
+    assert all(fw.planned is None for fw in plan.wrappers)
+
+
+@pytest.mark.parametrize("case", ["window None", "a manager", "heads str", "heads 0", "page_size", "layout page 0",
+                                  "layout lanes past batch", "layout negative", "layout past int32", "bounds k -1",
+                                  "bounds queries 0"])
+def test_bad_arguments_are_typed_errors(case):
+    """Every public call of the module refuses a wrong argument with a PoolError naming it, before
+    FlashInfer sees it."""
+    m, w, ntok = setup()
+    kw = dict(wrapper_class=StandInDecodeWrapper)
+    err = ArgumentTypeError if case in ("window None", "a manager", "heads str") else InvalidArgumentError
+    with pytest.raises(err):
+        if case.startswith("layout"):
+            paged_layout(*{"layout page 0": ([5], 1, 0), "layout lanes past batch": ([5, 5], 1, 4),
+                           "layout negative": ([-3], 1, 4), "layout past int32": ([2**40], 1, 4)}[case])
+        elif case.startswith("bounds"):
+            length_bounds([5], *{"bounds k -1": (-1, 1, 32), "bounds queries 0": (0, 0, 32)}[case])
+        elif case in ("window None", "a manager"):
+            WindowDecodePlan(None if case == "window None" else m, workspace(), **kw)
+        else:
+            plan = WindowDecodePlan(w, workspace(), **kw)
+            w.set_inputs([0, 1, 2], ntok)
+            heads = {"heads str": ("2", HKV, HD), "heads 0": (0, HKV, HD)}.get(case, (HQ, HKV, HD))
+            plan.plan(*heads, **({"page_size": BS} if case == "page_size" else {}))

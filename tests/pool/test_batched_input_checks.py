@@ -713,9 +713,6 @@ def test_manager_device_errors_say_what_the_op_checks():
         assert str(e.value).startswith(says) and "a block or slot listed twice" not in str(e.value), str(e.value)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="DecodeWindow sizes its buffers from max_batch and steps unchecked: a size past memory "
-                          "raises torch's RuntimeError, not a PoolError")
 @pytest.mark.parametrize("make", [lambda m: DecodeWindow(m, 2**40, 1), lambda m: DecodeWindow(m, 1, 2**40),
                                   lambda m: DecodeStep(m, 2**40)], ids=["window-lanes", "window-steps", "step-lanes"])
 def test_window_sizes_past_memory_are_a_typed_error(make):

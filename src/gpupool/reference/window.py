@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from ..args import as_flag_list, as_host_list, as_id_list, as_int, as_token_list, check_slot_list
-from ..errors import InvalidArgumentError, InvalidCountError, token_count_message
+from ..errors import InvalidArgumentError, InvalidCountError, slot_use_message, token_count_message
 from .manager import ReferenceKVCacheManager
 
 
@@ -89,6 +89,7 @@ class ReferenceDecodeWindow:
         if k != self._next or not 0 <= k < self.steps:
             raise InvalidArgumentError(op, f"step {k} out of order (next: {self._next} of {self.steps})", k)
         m, D = self.m, self.num_lookahead
+        self._check_lanes(op)
         if k > 0:
             self._advance(op, k, stopped, num_accepted, tokens, check_room=True)
         lanes = [i for i, a in enumerate(self.live) if a]
@@ -117,8 +118,16 @@ class ReferenceDecodeWindow:
         op = "window_end"
         if self._next != self.steps:
             raise InvalidArgumentError(op, f"end() after step {self.steps - 1} (next: {self._next})")
+        self._check_lanes(op)
         self._advance(op, self.steps, stopped, num_accepted, tokens, check_room=False)
         self._next = -1
+
+    def _check_lanes(self, op: str) -> None:
+        """Every live lane's request is still in use (the host may have freed it between the window's
+        calls): InvalidArgumentError naming the first lane's slot that is not, before anything changes."""
+        for i, r in enumerate(self.slots):
+            if self.live[i] and not self.m.active[r]:
+                raise InvalidArgumentError(op, slot_use_message(r), r)
 
     def _advance(self, op: str, k: int, stopped, num_accepted, tokens, check_room: bool) -> None:
         """What forward pass k - 1 decided, checked first (all or nothing): the lanes that ``stopped``

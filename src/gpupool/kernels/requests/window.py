@@ -25,7 +25,7 @@ import triton.language as tl
 from ..block_hash import block_hash, device_key, store_digest
 from ..common import checked_count, keep_first_why, lanes, ld, no_error_why, set_status_why, status_clear, warps_for
 from ..layout import (
-    BIG, C_ACCEPTED_COUNT, C_COUNT_PAST_ARRAYS, C_TOKEN_COUNT, C_TOKEN_ID, DW, E_BUFFER_FULL, E_INVALID_ARG,
+    BIG, C_ACCEPTED_COUNT, C_COUNT_PAST_ARRAYS, C_SLOT_NOT_IN_USE, C_TOKEN_COUNT, C_TOKEN_ID, DW, E_BUFFER_FULL, E_INVALID_ARG,
     E_INVALID_COUNT, OP_APPEND_TOKENS, OP_WINDOW_BEGIN, OP_WINDOW_STEP, Op,
 )
 from .checks import check_batch_counts, check_slots, check_step, count_cause, or_count_error, with_event_room
@@ -142,6 +142,23 @@ def with_name_room(ms, mc: tl.constexpr, err, val, fills):
     ``fills`` more digests would not fit the name log."""
     full = (err == 0) & (tl.load(ms.num_names) + fills > mc.NLOG)
     return tl.where(full, E_BUFFER_FULL, err), tl.where(full, fills, val)
+
+
+@triton.jit
+def check_lanes_in_use(ms, mc: tl.constexpr, wb, n):
+    """(error, value, cause, extra) of the first live lane whose request is no longer in use (the host
+    freed it between the window's launches): InvalidArgumentError, cause SLOT_NOT_IN_USE, its slot."""
+    err, val, why, extra, err_i = no_error_why()
+    i = 0
+    while i < n:
+        idx, m = lanes(i, n, mc.BLOCK)
+        live = m & (ld(wb.live + idx, m) != 0)
+        r = ld(wb.slots + idx, m)
+        bad = live & (ld(ms.active + r, live) == 0)
+        err, val, why, extra, err_i = keep_first_why(err, val, why, extra, err_i, new_err=E_INVALID_ARG, bad=bad,
+                                                     idx=idx, val=r, cause=C_SLOT_NOT_IN_USE, ext=r)
+        i += mc.BLOCK
+    return err, val, why, extra
 
 
 @triton.jit
@@ -361,10 +378,17 @@ class StepConfig(NamedTuple):
 @triton.jit
 def window_step_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, wb, work, k, cap, wc: tl.constexpr):
     """Pool step ``k`` (``wc.ALLOCATE``; after forward pass k - 1 with ``wc.ADVANCE``), or the window's
-    end (``ADVANCE`` alone); ``wc``: a :class:`StepConfig`. Errors go to the status word as op ``wc.OP``;
-    a step after an error clears its output rows and does nothing else."""
+    end (``ADVANCE`` alone); ``wc``: a :class:`StepConfig`. Every live lane's request must still be in
+    use (:func:`check_lanes_in_use`). Errors go to the status word as op ``wc.OP``; a step after an
+    error clears its output rows and does nothing else."""
     n, _ = checked_count(wb.num_reqs, cap)
     ok = status_clear(ps.status)
+    if ok:  # the lanes' requests first: the host may have freed one since the last launch
+        err, val, why, extra = check_lanes_in_use(ms, mc, wb, n)
+        if err != 0:
+            set_status_why(ps.status, code=err, op=wc.OP, value=val, cause=why, extra=extra)
+        ok = err == 0
+    tl.debug_barrier()
     if wc.ADVANCE:
         ok = advance_lanes(ps, pc, ms, mc, wb, k, n, ok, OP=wc.OP, Q=wc.Q, QP=wc.QP,
                            ROOM=wc.D if wc.ALLOCATE else 0, TOKENS=wc.TOKENS, TOK_STRIDE=wc.Q)
