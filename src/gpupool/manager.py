@@ -697,7 +697,7 @@ class KVCacheManager:
         if not isinstance(kv_caches, (list, tuple)):
             raise ArgumentTypeError(op, f"kv_caches must be a list of tensors [num_blocks, ...], one per layer, "
                                         f"got {type(kv_caches).__name__}")
-        check_layers(kv_caches)
+        check_layers(kv_caches, op)
         for j, t in enumerate(kv_caches):
             if t.device != self.device:
                 raise InvalidArgumentError(op, f"kv_caches[{j}] is on {t.device}, the pool on {self.device}", j)

@@ -57,3 +57,13 @@ def test_a_managers_state_is_not_a_kv_cache(whose):
     with pytest.raises(InvalidArgumentError, match="shares memory"):
         m.copy_and_release([victim])
     assert manager_state(other) == before
+
+
+def test_a_refused_kv_cache_names_the_call():
+    """The caches' own checks (``copy_blocks``' layer checks) name the call that was refused."""
+    _, m = twins(16)
+    t = torch.zeros(16, 2, 4)
+    with pytest.raises(InvalidArgumentError, match=r"^DecodeWindow: kv_caches\[0\] and kv_caches\[1\] share memory"):
+        m.window(2, kv_caches=[t, t])
+    with pytest.raises(InvalidArgumentError, match=r"^copy_and_release: kv_caches\[1\] must be contiguous"):
+        m.copy_and_release([t, t.transpose(0, 1)])

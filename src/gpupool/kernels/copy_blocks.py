@@ -97,36 +97,36 @@ def copy_blocks_kernel(base, layer_off, src, dst, num_copies, num_pairs, block_u
             tl.store(base + dst_start + c + offs, x, mask=m)
 
 
-def _fail(message: str, value: int | None = None):
-    raise InvalidArgumentError(OP, message, value)
+def _fail(message: str, value: int | None = None, op: str = OP):
+    raise InvalidArgumentError(op, message, value)
 
 
-def check_layers(kv_caches) -> torch.device | None:
+def check_layers(kv_caches, op: str = OP) -> torch.device | None:
     """The checks of ``copy_blocks`` on the caches alone (no device read): a list of contiguous
     tensors ``[num_blocks, ...]`` on one device, in disjoint memory. Returns that device (None: empty
-    list); raises InvalidArgumentError."""
+    list); raises InvalidArgumentError naming ``op``."""
     if not isinstance(kv_caches, (list, tuple)):
-        _fail(f"kv_caches must be a list of tensors, got {type(kv_caches).__name__}")
+        _fail(f"kv_caches must be a list of tensors, got {type(kv_caches).__name__}", None, op)
     device = None
     spans = []
     for j, t in enumerate(kv_caches):
         if not isinstance(t, torch.Tensor):
-            _fail(f"kv_caches[{j}] is a {type(t).__name__}, not a tensor", j)
+            _fail(f"kv_caches[{j}] is a {type(t).__name__}, not a tensor", j, op)
         if t.dim() < 1:
-            _fail(f"kv_caches[{j}] must be shaped [num_blocks, ...], got a 0-d tensor", j)
+            _fail(f"kv_caches[{j}] must be shaped [num_blocks, ...], got a 0-d tensor", j, op)
         if not t.is_contiguous():
-            _fail(f"kv_caches[{j}] must be contiguous", j)
+            _fail(f"kv_caches[{j}] must be contiguous", j, op)
         if device is None:
             device = t.device
         elif t.device != device:
-            _fail(f"kv_caches[{j}] is on {t.device}, kv_caches[0] on {device}", j)
+            _fail(f"kv_caches[{j}] is on {t.device}, kv_caches[0] on {device}", j, op)
         nbytes = t.numel() * t.element_size()
         if nbytes:
             spans.append((t.data_ptr(), t.data_ptr() + nbytes, j))
     spans.sort()
     for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
         if start < end:
-            _fail(f"kv_caches[{a}] and kv_caches[{b}] share memory", b)
+            _fail(f"kv_caches[{a}] and kv_caches[{b}] share memory", b, op)
     return device
 
 
