@@ -244,30 +244,31 @@ def device_key(block_hash: bytes, group_id: int) -> tuple[int, int]:
 
 
 _KEY_PAIR = struct.Struct("<qq")
-_PREFIXED: dict[int, Any] = {}  # hash length -> SHA-256 state after the domain and the length prefix
-_MAX_PREFIXED = 256  # hash lengths kept (vLLM's are 32 bytes; a bound, not a memo of keys)
+_PREFIXES: dict[int, bytes] = {}  # hash length -> the domain and the length prefix
+_MAX_PREFIXES = 256  # hash lengths kept (vLLM's are 32 bytes; a bound, not a memo of keys)
 
 
 def device_key_list(keys: Iterable[tuple[bytes, int]]) -> list[tuple[int, int]]:
-    """:func:`device_key` of each ``(block_hash, group_id)``, the same values (about 3x faster per key:
-    the domain and length prefix are hashed once per hash length and copied, and ``(hi, lo)`` are
-    read with one ``struct`` call). Raises what :func:`device_key` raises."""
+    """:func:`device_key` of each ``(block_hash, group_id)``, the same values (about 1.5x faster per key:
+    the domain and length prefix made once per hash length, the group's bytes once per call, one
+    SHA-256 call per key over the whole message, ``(hi, lo)`` read with one ``struct`` call). Raises
+    what :func:`device_key` raises."""
     out = []
-    pre = _PREFIXED
-    unpack = _KEY_PAIR.unpack_from
+    pre, groups = _PREFIXES, {}
+    unpack, sha = _KEY_PAIR.unpack_from, hashlib.sha256
     for h, g in keys:
         if type(h) is not bytes or type(g) is not int or not _INT64_MIN <= g <= _INT64_MAX:
             out.append(device_key(h, g))  # its conversions and errors
             continue
         p = pre.get(len(h))
         if p is None:
-            p = hashlib.sha256(_DEVICE_KEY_DOMAIN + len(h).to_bytes(8, "little"))
-            if len(pre) < _MAX_PREFIXED:
+            p = _DEVICE_KEY_DOMAIN + len(h).to_bytes(8, "little")
+            if len(pre) < _MAX_PREFIXES:
                 pre[len(h)] = p
-        c = p.copy()
-        c.update(h)
-        c.update(g.to_bytes(8, "little", signed=True))
-        out.append(unpack(c.digest()))
+        gb = groups.get(g)
+        if gb is None:
+            gb = groups[g] = g.to_bytes(8, "little", signed=True)
+        out.append(unpack(sha(p + h + gb).digest()))
     return out
 
 

@@ -32,6 +32,7 @@ R = st.integers(0, 7)  # a request, modulo the live ones
 SEED = st.integers(0, 3)  # a request's tokens (driver.tokens_of): few seeds, so hits are frequent
 ALLOC = st.tuples(st.just("alloc"), st.integers(1, 3), SEED, st.integers(0, 3))  # get_new_blocks, cache c of them
 FREE = st.tuples(st.just("free"), R)  # the request ends
+DECODE = st.tuples(st.just("decode"), R)  # one block popped, the one the request filled cached
 IDS = st.tuples(st.just("ids"), R)  # block_id, ref_cnt, block_hash of a request's blocks: a synchronisation
 BATCH_OPS = st.one_of(  # pops, frees and id reads weighted up: a read between batches gives known un-keyed ids
     ALLOC, ALLOC, ALLOC, FREE, FREE, IDS, IDS,
@@ -60,18 +61,28 @@ def prefix_hit(pool, seed):
 def apply_op(pool, op, reqs, seen):
     """One op (OPS' comments); what it reads goes to ``seen`` (blocks handed out as lists of blocks)."""
     kind, n = op[0], pool.num_gpu_blocks
-    r = reqs[op[1] % len(reqs)] if reqs and kind in ("cache", "free1", "share", "cow", "ids", "refs") else None
+    r = (reqs[op[1] % len(reqs)] if reqs and kind in ("cache", "decode", "free1", "share", "cow", "ids", "refs")
+         else None)
     if kind == "alloc" and op[1] <= pool.get_num_free_blocks():
         blocks = pool.get_new_blocks(op[1])
         r = {"req": driver.request(driver.tokens_of(op[2])[: op[1] * BS]), "blocks": blocks, "cached": 0,
-             "extra": []}
+             "extra": [], "seed": op[2]}
         reqs.append(r)
         seen.append(blocks)
         if op[3] > 0:
             r["cached"] = min(op[3], op[1])
             pool.cache_full_blocks(r["req"], blocks, 0, r["cached"], BS, 0)
+    elif kind == "decode" and r is not None and "seed" in r and 1 <= pool.get_num_free_blocks():
+        # a decode step crossing into a new block: one block popped, the block the request filled cached
+        r["blocks"] += pool.get_new_blocks(1)
+        seen.append(r["blocks"][-1:])
+        full = min(len(r["blocks"]) - 1, driver.MAX_BLOCKS)
+        r["req"].block_hashes = driver.chain(driver.tokens_of(r["seed"])[: full * BS])
+        if r["cached"] < full and not any(b.is_null for b in r["blocks"][r["cached"]:full]):
+            pool.cache_full_blocks(r["req"], r["blocks"], r["cached"], full, BS, 0)
+            r["cached"] = full
     elif kind == "cache" and r is not None:
-        full = min(r["cached"] + op[2], len(r["blocks"]))
+        full = min(r["cached"] + op[2], len(r["blocks"]), len(r["req"].block_hashes))
         if full > r["cached"] and not any(b.is_null for b in r["blocks"][r["cached"]:full]):
             pool.cache_full_blocks(r["req"], r["blocks"], r["cached"], full, BS, 0)
             r["cached"] = full
@@ -93,10 +104,11 @@ def apply_op(pool, op, reqs, seen):
             pool.free_blocks(list(reversed(hit)))
         else:
             reqs.append({"req": driver.request(driver.tokens_of(op[1])[: len(hit) * BS]), "blocks": hit,
-                         "cached": len(hit), "extra": []})
+                         "cached": len(hit), "extra": [], "seed": op[1]})
     elif kind == "share" and r is not None:
         held = [b for b in r["blocks"] if not b.is_null]
         pool.touch(held)
+        r.pop("seed", None)  # no decode of shared blocks: the sharer would cache them again
         reqs.append({"req": r["req"], "blocks": list(r["blocks"]), "cached": r["cached"], "extra": []})
     elif kind == "cow" and r is not None:
         held = [b for b in r["blocks"] if not b.is_null]
@@ -119,6 +131,33 @@ def run_ops(pool, ops):
     # the ids of the blocks handed out, read at the end (as vLLM builds its SchedulerOutput)
     return [[b.block_id for b in s] if isinstance(s, list) and s and hasattr(s[0], "block_id") else s
             for s in seen]
+
+
+def run_stepped(pool, ops) -> list:
+    """:func:`run_ops` of a fast path's pool with its own ops too: ``("end_step",)`` and ``("sync",)``;
+    then an ``end_step`` and a synchronisation that refills the host's copy of the free queue."""
+    reqs, seen = [], []
+    for op in ops:
+        if op[0] == "end_step":
+            pool.end_step()
+        elif op[0] == "sync":
+            pool.sync()
+        else:
+            apply_op(pool, op, reqs, seen)
+    out = [[b.block_id for b in s] if isinstance(s, list) and s and hasattr(s[0], "block_id") else s for s in seen]
+    pool.end_step()
+    pool.sync("test", window=True)
+    return out
+
+
+def whole_state(pool) -> dict:
+    """A fast path's whole observable state: the device pool's, its key insertion counter, vLLM's view,
+    the mirror, the synchronisations and launches, the host's copy of the free queue."""
+    from harness.state import pool_state
+    dev = pool._dev
+    return {"device": pool_state(dev), "key_seq": int(dev.counters()[2]), "view": driver.snapshot(pool),
+            "mirror": (pool._ref, pool._keys, pool._ntok, pool.mirror.holders), "syncs": dict(pool.syncs),
+            "flushes": pool.flushes, "window": pool.queue_copy.ids and list(pool.queue_copy.ids)}
 
 
 def run_in_vllm_tree(root, script: str, out, env: dict, args=()) -> None:

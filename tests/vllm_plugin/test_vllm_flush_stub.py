@@ -23,7 +23,6 @@ sys.path.insert(0, str(CONFORMANCE))
 import driver  # noqa: E402
 from harness import vllm_ops as O  # noqa: E402
 from harness.flush_stub import StubLimitError, stubbed_flush  # noqa: E402
-from harness.state import pool_state  # noqa: E402
 
 # the batch's ops, end_step (a launch) and a sync; not evict (a per-call op: a real kernel)
 OPS = st.one_of(O.ALLOC, O.ALLOC, O.ALLOC, O.FREE, O.FREE, O.IDS,
@@ -33,34 +32,12 @@ OPS = st.one_of(O.ALLOC, O.ALLOC, O.ALLOC, O.FREE, O.FREE, O.IDS,
                 st.tuples(st.just("end_step")), st.tuples(st.just("end_step")), st.tuples(st.just("sync")))
 
 
-def _run(pool, ops) -> list:
-    reqs, seen = [], []
-    for op in ops:
-        if op[0] == "end_step":
-            pool.end_step()
-        elif op[0] == "sync":
-            pool.sync()
-        else:
-            O.apply_op(pool, op, reqs, seen)
-    out = [[b.block_id for b in s] if isinstance(s, list) and s and hasattr(s[0], "block_id") else s for s in seen]
-    pool.end_step()
-    pool.sync("test", window=True)
-    return out
-
-
-def _whole(pool) -> dict:
-    dev = pool._dev
-    return {"device": pool_state(dev), "key_seq": int(dev.counters()[2]), "view": driver.snapshot(pool),
-            "mirror": (pool._ref, pool._keys, pool._ntok, pool.mirror.holders), "syncs": dict(pool.syncs),
-            "flushes": pool.flushes, "window": pool.queue_copy.ids and list(pool.queue_copy.ids)}
-
-
 def _both(ops, n):
     real = DeferredBlockPool(n, True, O.BS, device="cpu")
-    want = _run(real, ops), _whole(real)
+    want = O.run_stepped(real, ops), O.whole_state(real)
     with Meter() as m, stubbed_flush(check=True) as stub:
         stubbed = DeferredBlockPool(n, True, O.BS, device="cpu")
-        got = _run(stubbed, ops), _whole(stubbed)
+        got = O.run_stepped(stubbed, ops), O.whole_state(stubbed)
     assert m.launches == stub.launches, "a real kernel ran on a stubbed pool"
     assert stub.launches == stubbed.flushes
     assert got == want
@@ -94,7 +71,7 @@ def test_stub_decode_workload():
         vllm_host._steps(pool, state[0], state[1], state, 20, lambda: (pool.end_step(), ids.append(
             [b.block_id for q in state[0] for b in q[1]])))
         pool.sync("test", window=True)
-        return ids, _whole(pool)
+        return ids, O.whole_state(pool)
 
     want = drive(DeferredBlockPool(6000, True, vllm_host.BS, device="cpu"))
     with stubbed_flush(check=True):

@@ -487,9 +487,13 @@ class BlockPool:
         """Take ``num_blocks`` from the free queue's head (evicting their keys), each with ref_cnt 1.
         Raises OutOfBlocksError (a ValueError, as vLLM's) when fewer are free, ArgumentTypeError /
         InvalidCountError for a count that is not an int >= 0."""
+        e = self._engine
+        if num_blocks == 1 and e.quick and type(num_blocks) is int and e.num_free:  # a decode step's pop
+            s = e.pop_one()
+            if s is not None:
+                return [self.blocks[s]]
         if type(num_blocks) is not int or num_blocks < 0:
             num_blocks = count_arg("get_new_blocks", num_blocks, "num_blocks")
-        e = self._engine
         if num_blocks > e.num_free:
             raise OutOfBlocksError("get_new_blocks", f"Cannot get {num_blocks} free blocks from the pool", num_blocks)
         slots = e.get_new_blocks(num_blocks)
@@ -639,6 +643,12 @@ class BlockPool:
         ``block_hashes``, a block listed twice or keyed covering as many tokens, before anything is
         allocated."""
         nc, nf = num_cached_blocks, num_full_blocks
+        e = self._engine
+        if (e.quick and block_mask is None and type(nc) is int and type(nf) is int and nf == nc + 1
+                and type(block_size) is int and block_size == self.hash_block_size and type(blocks) is list
+                and len(blocks) > nc >= 0
+                and e.cache_one(request, blocks[nc], nc, block_size, kv_cache_group_id)):
+            return  # a decode step's caching of the block it filled
         if type(nc) is not int or type(nf) is not int:  # the common case skips the full checks
             nc, nf = self._cache_counts(request, blocks, nc, nf, block_size)
         if nc >= nf:

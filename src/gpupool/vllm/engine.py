@@ -46,6 +46,7 @@ class PerCallEngine:
     are the adapter's, checked."""
 
     dirty = False
+    quick = False  # the fast path's pop_one / cache_one answer (DeferredEngine)
 
     def __init__(self, backend: PoolBackend, events: Callable[[HostMirror], NoEvents] = lambda m: NoEvents()):
         self.backend = backend

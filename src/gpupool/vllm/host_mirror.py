@@ -62,13 +62,17 @@ class HostMirror:
     # ---- the fast path's rules (docs/semantics.md section 2), applied on the host ------------------
     def pop(self, slots: list[int]) -> None:
         """A pop took ``slots``: each is held once, its keys evicted."""
-        keys, ntok, ref = self.keys, self.ntok, self.ref
+        keys, ref = self.keys, self.ref
         for s in slots:
             if keys[s]:
-                self._drop_keys(s)
-                keys[s] = ()
-            ntok[s] = None
+                self.evict(s)
             ref[s] = 1
+
+    def evict(self, slot: int) -> None:
+        """``slot`` loses its keys (a pop evicted them): out of the key map, no covered tokens."""
+        self._drop_keys(slot)
+        self.keys[slot] = ()
+        self.ntok[slot] = None
 
     def touch(self, slots: list[int]) -> list[int]:
         """One more reference of each of ``slots`` (in order); returns those that were free (ref 0)."""
