@@ -562,9 +562,6 @@ class KVCacheManager:
         hits = self._buffer(op, hits, b, "hit_tokens")
         self._disjoint(op, [(admitted, "admitted"), (hits, "hit_tokens")],
                        [(s, "slots"), (nt, "num_tokens"), (tg, "target_tokens"), (lk, "lookup"), (count, "num_reqs")])
-        if lookup is not None and b:  # a lookup on a row that holds blocks is none (no hits, no statistics)
-            rows = self.state.num_blocks[s.long().clamp(0, self.max_num_reqs - 1)]
-            lk = torch.where(rows == 0, lk, torch.zeros_like(lk))
         return AllocateBatch(s, nt, tg, lk, count, admitted, hits)
 
     def _flags(self, op: str, x, n: int, what: str) -> torch.Tensor:
