@@ -593,8 +593,9 @@ class KVCacheManager:
         count past the arrays) go to the status word and change nothing. ``admitted``: an output
         buffer to fill (a captured step's). ``hit_tokens``: an ``int32[B]`` output buffer, filled
         with each admitted request's prefix-hit tokens (0 elsewhere): no separate lookup is needed,
-        and hits on blocks an earlier request of the batch cached are counted. An admitted request
-        with ``lookup`` is recorded in the prefix-cache statistics (:meth:`make_prefix_cache_stats`;
+        and hits on blocks an earlier request of the batch cached are counted. A ``lookup`` flag on a
+        row that holds blocks looks nothing up; an admitted request that looked up is recorded in the
+        prefix-cache statistics (:meth:`make_prefix_cache_stats`;
         ``resumed[k]``: in the ``preempted_*`` counters; docs/semantics.md section 9)."""
         batch = self.batch(slots, num_tokens, target_tokens, lookup, num_reqs, admitted, resumed, hit_tokens)
         ps, pc = self._pool.state, self._pool.config
