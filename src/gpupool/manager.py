@@ -562,9 +562,6 @@ class KVCacheManager:
         hits = self._buffer(op, hits, b, "hit_tokens")
         self._disjoint(op, [(admitted, "admitted"), (hits, "hit_tokens")],
                        [(s, "slots"), (nt, "num_tokens"), (tg, "target_tokens"), (lk, "lookup"), (count, "num_reqs")])
-        if lookup is not None and b:  # a lookup on a row that holds blocks is none (no hits, no statistics)
-            rows = self.state.num_blocks[s.long().clamp(0, self.max_num_reqs - 1)]
-            lk = torch.where(rows == 0, lk, torch.zeros_like(lk))
         return AllocateBatch(s, nt, tg, lk, count, admitted, hits)
 
     def _flags(self, op: str, x, n: int, what: str) -> torch.Tensor:
@@ -596,8 +593,9 @@ class KVCacheManager:
         count past the arrays) go to the status word and change nothing. ``admitted``: an output
         buffer to fill (a captured step's). ``hit_tokens``: an ``int32[B]`` output buffer, filled
         with each admitted request's prefix-hit tokens (0 elsewhere): no separate lookup is needed,
-        and hits on blocks an earlier request of the batch cached are counted. An admitted request
-        with ``lookup`` is recorded in the prefix-cache statistics (:meth:`make_prefix_cache_stats`;
+        and hits on blocks an earlier request of the batch cached are counted. A ``lookup`` flag on a
+        row that holds blocks looks nothing up; an admitted request that looked up is recorded in the
+        prefix-cache statistics (:meth:`make_prefix_cache_stats`;
         ``resumed[k]``: in the ``preempted_*`` counters; docs/semantics.md section 9)."""
         batch = self.batch(slots, num_tokens, target_tokens, lookup, num_reqs, admitted, resumed, hit_tokens)
         ps, pc = self._pool.state, self._pool.config

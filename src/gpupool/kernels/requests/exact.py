@@ -10,6 +10,7 @@ import triton.language as tl
 from ..common import checked_count, lanes, ld, status_clear, warps_for
 from ..layout import ALLOC_SPLIT, HEAD, NUM_FREE, TAIL
 from .free import free_requests_checked
+from .parallel_scratch import scratch_views
 from .rows import row_of
 from .steps import (admit, allocate_blocks, cache_blocks, get_computed_blocks, get_num_blocks_to_allocate,
                     remove_skipped_blocks)
@@ -173,11 +174,14 @@ def allocate_running_exact(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, pr
 
 @triton.jit
 def record_prefix_stats(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, num):
-    """vLLM's ``PrefixCacheStats.record`` of every admitted request of ``batch[:num]`` with a lookup
-    flag (2: resumed after a preemption) into ``ms.stats: int64[6]`` (gpupool/stats.py order:
-    requests, queries, hits, then the preempted ones'), with caching on; only while the status word is
-    clear. Sums over tiles (no loop over requests)."""
+    """vLLM's ``PrefixCacheStats.record`` of every admitted request of ``batch[:num]`` that looked up:
+    a lookup flag (2: resumed after a preemption) on a row that held no blocks before the call (the
+    row length the request-parallel scan left in ``sc.req.nblk`` for every request of the batch; a
+    flag on a row that holds blocks looks nothing up, docs/semantics.md section 9), into ``ms.stats:
+    int64[6]`` (gpupool/stats.py order: requests, queries, hits, then the preempted ones'), with
+    caching on; only while the status word is clear. Sums over tiles (no loop over requests)."""
     if pc.CACHING & status_clear(ps.status):
+        sc = scratch_views(ms, mc)
         new = tl.zeros([], tl.int64)
         new_q = tl.zeros([], tl.int64)
         new_h = tl.zeros([], tl.int64)
@@ -188,7 +192,7 @@ def record_prefix_stats(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, num):
         while i < num:
             k, m = lanes(i, num, mc.BLOCK)
             lk = ld(batch.lookup + k, m)
-            on = m & (ld(batch.admitted + k, m) != 0) & (lk != 0)
+            on = m & (ld(batch.admitted + k, m) != 0) & (lk != 0) & (ld(sc.req.nblk + k, m) == 0)
             nt = ld(batch.num_tokens + k, m).to(tl.int64)
             h = ld(batch.hits + k, m).to(tl.int64)
             fresh = on & (lk == 1)
