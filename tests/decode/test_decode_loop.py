@@ -47,7 +47,8 @@ def run(model, reqs, mode, K=1, D=0, num_blocks=14, engine=dl.Engine, **kw):
     return eng.run(reqs), eng
 
 
-@pytest.mark.parametrize("mode,K,D,num_blocks", [("host", 1, 0, 10), ("window", 4, 0, 10), ("spec", 2, 2, 12)])
+@pytest.mark.parametrize("mode,K,D,num_blocks", [("host", 1, 0, 10), ("window", 4, 0, 10),
+                                                 pytest.param("spec", 2, 2, 12, marks=pytest.mark.slow)])
 def test_tokens_equal_contiguous_kv(model, small, mode, K, D, num_blocks):
     """The quick case: prefix hits, second turns, the fork, a preemption (host), stops inside windows."""
     reqs, want = small
@@ -253,7 +254,7 @@ def test_gpu_bench_bad_flags_end_with_a_usage_message(flags, capsys):
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("mode,K", [("host", 1), ("window", 2)])
+@pytest.mark.parametrize("mode,K", [("host", 1), pytest.param("window", 2, marks=pytest.mark.slow)])
 def test_an_exactly_full_pool_makes_progress(model, mode, K):
     """Six requests at a block boundary fill the pool exactly and each needs a block for its next
     token: following vLLM (the last running request preempted so the earlier ones advance, nobody
@@ -267,6 +268,7 @@ def test_an_exactly_full_pool_makes_progress(model, mode, K):
     assert eng.stats.preemptions > 0
 
 
+@pytest.mark.slow  # a subprocess running the example (~10 s)
 def test_the_example_picks_the_interpreter_itself_without_cuda():
     """Run as a newcomer runs it: no TRITON_INTERPRET in the environment (the tests set it), no CUDA.
     Importing a kernel module before a device module once left Triton without a driver."""
