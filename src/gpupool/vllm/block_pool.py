@@ -489,7 +489,8 @@ class BlockPool:
         InvalidCountError for a count that is not an int >= 0."""
         e = self._engine
         # a decode step's pop; the type first: `==` of an arbitrary count may be ambiguous or raise
-        if type(num_blocks) is int and num_blocks == 1 and e.quick and e.num_free:
+        # (a metrics collector set after construction takes the general path, which calls it)
+        if type(num_blocks) is int and num_blocks == 1 and e.quick and e.num_free and not self.metrics_collector:
             s = e.pop_one()
             if s is not None:
                 return [self.blocks[s]]

@@ -39,3 +39,27 @@ def test_a_count_that_is_no_int_is_refused_typed_before_any_comparison(kind, cou
     with pytest.raises(ArgumentTypeError, match="num_blocks must be an integer"):
         p.get_new_blocks(COUNTS[count]())
     assert (list(p._ref), p.get_num_free_blocks()) == before
+
+
+def test_a_metrics_collector_set_after_construction_sees_the_quick_pops():
+    """vLLM's ``BlockPool.metrics_collector`` is a plain attribute its pool reads at each call; set on a
+    fast-path pool after construction, every pop reaches it as the general path's pops do (the quick
+    pop is the general path's only while no collector is set)."""
+    from harness.flush_stub import stubbed_flush
+
+    import driver  # noqa: F401  (tests/vllm_plugin/conformance, on the path through harness.vllm_ops)
+
+    calls = []
+    with stubbed_flush(check=True):
+        for quick in (True, False):
+            p = DeferredBlockPool(8, True, O.BS, device="cpu")
+            p._engine.quick = quick
+            p.metrics_collector = driver.MetricsLog()
+            a = p.get_new_blocks(1)
+            p.cache_full_blocks(driver.request(driver.tokens_of(1)[: O.BS]), a, 0, 1, O.BS, 0)
+            p.free_blocks(a)
+            p.get_new_blocks(1)
+            p.get_new_blocks(2)
+            calls.append(p.metrics_collector.calls)
+    assert calls[0] == calls[1]
+    assert ("allocated", a[0].block_id) in calls[0]
