@@ -488,7 +488,9 @@ class BlockPool:
         Raises OutOfBlocksError (a ValueError, as vLLM's) when fewer are free, ArgumentTypeError /
         InvalidCountError for a count that is not an int >= 0."""
         e = self._engine
-        if num_blocks == 1 and e.quick and type(num_blocks) is int and e.num_free:  # a decode step's pop
+        # a decode step's pop; the type first: `==` of an arbitrary count may be ambiguous or raise
+        # (a metrics collector set after construction takes the general path, which calls it)
+        if type(num_blocks) is int and num_blocks == 1 and e.quick and e.num_free and not self.metrics_collector:
             s = e.pop_one()
             if s is not None:
                 return [self.blocks[s]]
