@@ -257,7 +257,7 @@ class Engine:
             table, seqused = views.block_table, views.seqused_k[0]
 
         def attend(layer, q, k, v):
-            self.kv.store(layer, k, v, sm)
+            self.kv.store(layer, k.to(self.kc[layer].dtype), v.to(self.vc[layer].dtype), sm)
             return paged_attention(q[None], self.kc[layer], self.vc[layer], table, seqused)[0]
 
         return self._forward(torch.tensor(tokens, device=dev), pos, attend)
@@ -292,7 +292,7 @@ class Engine:
         q_tok = torch.cat([tok_in[:, None], self._propose(slots)], 1) if D else tok_in[:, None]
 
         def attend(layer, q, k, v):
-            self.kv.store(layer, k, v, slot_mapping)
+            self.kv.store(layer, k.to(self.kc[layer].dtype), v.to(self.vc[layer].dtype), slot_mapping)
             return paged_attention(q.view(B, Q, *q.shape[1:]), self.kc[layer], self.vc[layer], table,
                                    seqused).reshape(B * Q, *q.shape[1:])
 

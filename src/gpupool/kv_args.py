@@ -93,6 +93,17 @@ def float_tensors(op: str, dims: int, *named, device=None) -> None:
                                            f"{tuple(t.shape)} {t.dtype} on {t.device}")
 
 
+def same_dtype(op: str, *named) -> None:
+    """Each ``(tensor, name)`` of the first one's dtype (InvalidArgumentError naming every dtype
+    otherwise): tensors one kernel copies between, which it does not cast (vLLM's
+    ``reshape_and_cache`` refuses a key or value whose dtype is not the cache's)."""
+    first = named[0][0].dtype
+    if any(t.dtype != first for t, _ in named):
+        names = ", ".join(n for _, n in named)
+        got = ", ".join(f"{n} {t.dtype}" for t, n in named)
+        raise InvalidArgumentError(op, f"{names} must share one dtype (no cast), got {got}")
+
+
 def index_tensor(op: str, t, what: str, device, shape: tuple, at_least: bool = False) -> torch.Tensor:
     """``t`` an int32 / int64 tensor on ``device`` of ``shape`` (as many dimensions, each at least
     ``shape``'s with ``at_least``)."""
@@ -112,4 +123,4 @@ def fits(op: str, what: str, size: int, nbytes: int, device) -> None:
 
 
 __all__ = ["FLOATS", "INDICES", "MAX_INT32", "MAX_LAYERS", "sizes", "device", "float_dtype", "scale", "tensor", "float_tensors",
-           "index_tensor", "fits"]
+           "same_dtype", "index_tensor", "fits"]

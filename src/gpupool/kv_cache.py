@@ -144,13 +144,15 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     """Write token t's ``key[t], value[t]: [H, D]`` into row ``slot % block_size`` of block ``slot //
     block_size`` of ``k_cache, v_cache: [num_blocks, block_size, H, D]`` (vLLM's ``reshape_and_cache``;
     docs/kv_cache.md section 1), ``slot = slot_mapping[t]`` (``int64`` or ``int32[T]``), for ``t <
-    num_tokens[0]`` (``int32[1]`` on the device; all T without it). A negative slot, or one past the
-    cache, writes nothing. One launch, no host sync. Raises ArgumentTypeError / InvalidArgumentError
-    (shapes, dtypes, devices, caches sharing memory with each other or with an input; checked on the
-    host from the shapes) before anything is written."""
+    num_tokens[0]`` (``int32[1]`` on the device; all T without it). All four of one float dtype: as
+    vLLM's ``reshape_and_cache``, nothing is cast. A negative slot, or one past the cache, writes
+    nothing. One launch, no host sync. Raises ArgumentTypeError / InvalidArgumentError (shapes,
+    dtypes, devices, caches sharing memory with each other or with an input; checked on the host from
+    the shapes) before anything is written."""
     op = "store_kv"
     kv_args.float_tensors(op, 4, (k_cache, "k_cache"), (v_cache, "v_cache"))
     kv_args.float_tensors(op, 3, (key, "key"), (value, "value"), device=k_cache.device)
+    kv_args.same_dtype(op, (key, "key"), (value, "value"), (k_cache, "k_cache"), (v_cache, "v_cache"))
     if key.shape[1:] != k_cache.shape[2:]:
         raise InvalidArgumentError(op, f"key and value must both be [T, H, D] with [H, D] = {tuple(k_cache.shape[2:])}, "
                                        f"got {tuple(key.shape)}")

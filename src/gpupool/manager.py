@@ -293,9 +293,9 @@ class KVCacheManager:
         self._pool.finish()
         return check_slot_list(op, rs, self.max_num_reqs, self._in_use)
 
-    def _recorded_error(self, code: int, op: str, value: int, cause: int, extra: int):
+    def _recorded_error(self, code: int, op: str, value: int, cause: int, extra: int, limit: int):
         """This manager's words for a record of its kernels (gpupool/manager_errors.py)."""
-        return recorded_error(self.shape, self._read_slot, code, op, value, cause, extra)
+        return recorded_error(self.shape, self._read_slot, code, op, value, cause, extra, limit)
 
     def _read_slot(self, name: str, r: int) -> int:
         return int(getattr(self.state, name)[r].item())

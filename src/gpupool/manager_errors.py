@@ -3,7 +3,7 @@ status word"): by (op, cause) with the offending slot, count, token count or pos
 reference manager's words for the same fault (``gpupool.errors``' message functions, which both
 managers use), so a device error and a reference error compare equal as text.
 
-A kernel records ``(code, op, value, cause, extra)`` (``kernels/layout.py`` Status, Cause); the
+A kernel records ``(code, op, value, cause, extra, limit)`` (``kernels/layout.py`` Status, Cause); the
 pool raises what :func:`recorded_error` returns for it, or its own wording when this returns None
 (a pool op, or a record without a cause). The values a message needs beyond the record (a slot's
 ``num_computed`` or row length) are read when the error is raised: the failed op, and every op
@@ -22,14 +22,16 @@ from .kernels.layout import Cause
 
 #: The name of each op's device count, as its keyword argument (``num_reqs``, ``slot_mapping``'s ``num``).
 COUNT_NAMES = {"slot_mapping": "num"}
-#: Ops whose token counts start at 1 (the newest token sits at ``num_tokens - 1``).
+#: Ops whose token counts start at 1 (the newest token sits at ``num_tokens - 1``) and whose kernels
+#: record the count's slot and upper bound (a window's row less its lookahead while steps follow).
 STEP_OPS = ("window_begin", "window_step", "window_end", "admit", "append_tokens")
 
 
 def recorded_error(shape: ManagerShape, read: Callable[[str, int], int], code: int, op: str, value: int,
-                   cause: int, extra: int) -> PoolError | None:
+                   cause: int, extra: int, limit: int = 0) -> PoolError | None:
     """The exception for a manager op's status record, or None (no cause: the pool words it).
-    ``read(name, slot)``: the manager's ``num_computed`` / ``num_blocks`` of a slot, read now."""
+    ``read(name, slot)``: the manager's ``num_computed`` / ``num_blocks`` of a slot, read now;
+    ``limit``: the record's bound (``Status.LIMIT``), which a step op's token count passed."""
     try:
         cause = Cause(cause)
     except ValueError:
@@ -38,8 +40,9 @@ def recorded_error(shape: ManagerShape, read: Callable[[str, int], int], code: i
         cap = shape.max_tokens
         if op == "reserve":  # the room left in the slot's row
             return InvalidCountError(op, token_count_message(value, 0, cap - read("num_computed", extra), extra), value)
-        low = 1 if op in STEP_OPS else 0  # a step's new token is at num_tokens - 1
-        return InvalidCountError(op, token_count_message(value, low, cap), value)
+        if op in STEP_OPS:  # the bound the kernel knew (the lookahead D is the window's), and the slot
+            return InvalidCountError(op, token_count_message(value, 1, limit, extra), value)
+        return InvalidCountError(op, token_count_message(value, 0, cap), value)
     if code == ErrorCode.INVALID_COUNT and cause == Cause.ACCEPTED_COUNT:
         return InvalidCountError(op, f"slot {extra}'s lane accepted {value} tokens; a pass gives 1 .. D + 1", value)
     if code == ErrorCode.INVALID_ARG and cause == Cause.TOKEN_ID:

@@ -154,14 +154,16 @@ class BlockPool:
         if status[Status.CODE]:
             s.status.zero_()
             raise self._recorded_error(status[Status.CODE], op_name(status[Status.OP]), status[Status.VALUE],
-                                       ctrl[Ctrl.NUM_FREE], status[Status.CAUSE], status[Status.EXTRA])
+                                       ctrl[Ctrl.NUM_FREE], status[Status.CAUSE], status[Status.EXTRA],
+                                       status[Status.LIMIT])
 
-    def _recorded_error(self, code: int, op: str, value: int, num_free: int, cause: int, extra: int) -> PoolError:
+    def _recorded_error(self, code: int, op: str, value: int, num_free: int, cause: int, extra: int,
+                        limit: int) -> PoolError:
         """The status word's error, worded as the reference pool words it: the free count of an
         out-of-blocks error and the ref count of a double free, read now (the failed op, and every op
         skipped after it, changed neither); a manager's op as the manager words it (its cause)."""
         for word in self._wordings:
-            err = word(code, op, value, cause, extra)
+            err = word(code, op, value, cause, extra, limit)
             if err is not None:
                 return err
         if code == OutOfBlocksError.code:

@@ -9,7 +9,7 @@ chunks of CHUNK_SLOTS = 16 slots (power of two, 16 * NCHUNK >= (N - 1) * MK) and
 | tensor | dtype, shape | meaning |
 |---|---|---|
 | ``ctrl`` | int64[CTRL_SIZE = 16] | head, tail, num_free, key seq, event / reuse counts, statistics (Ctrl) |
-| ``status`` | int64[STATUS_SIZE = 8] | sticky first error: (code, op, offending value, cause, second value, 0, 0, 0); 0 = clear (Status) |
+| ``status`` | int64[STATUS_SIZE = 8] | sticky first error: (code, op, offending value, cause, second value, bound, 0, 0); 0 = clear (Status) |
 | ``ref_cnt`` | int32[N] | reference counts |
 | ``ring`` | int32[C] | free queue: block id or -1 (tombstone) per slot |
 | ``qslot`` | int32[N] | each queued block's ring slot, else -1 |

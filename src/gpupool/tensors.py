@@ -4,6 +4,7 @@ tensor a kernel argument, and host values copied to the device. Every check rais
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from array import array
@@ -131,54 +132,117 @@ def memory_span(t: torch.Tensor) -> tuple[str, int, int] | None:
     return str(t.device), lo, lo + (reach + 1) * t.element_size()
 
 
-#: Every live :class:`HeldMemory` (held weakly: it goes with its owner): no caller's output may
-#: overlap any of them, whichever object's op it is given to.
-_LIVE_HELD: "weakref.WeakSet[HeldMemory]" = weakref.WeakSet()
-_LIVE_LOCK = threading.Lock()  # a set that another thread adds to cannot be iterated
+def _reach_index(spans) -> tuple[list[int], list[tuple]]:
+    """Sorted ``(lo, hi, *what)`` spans as ``(starts, reach)``: ``reach[i]`` is the furthest-reaching
+    of spans ``0 .. i`` (its ``(hi, *what)``), so one bisection finds whether any span overlaps a
+    range (:func:`_overlap`)."""
+    reach, best = [], None
+    for lo, hi, *what in spans:
+        if best is None or hi > best[0]:
+            best = (hi, *what)
+        reach.append(best)
+    return [sp[0] for sp in spans], reach
+
+
+def _overlap(index, span):
+    """The ``reach`` entry of an indexed span sharing a byte with ``span`` (``lo, hi``), or None."""
+    starts, reach = index
+    i = bisect_left(starts, span[1]) - 1  # the last indexed span starting before span's end
+    return reach[i] if i >= 0 and reach[i][0] > span[0] else None
+
+
+class _LiveSpans:
+    """The spans of every live :class:`HeldMemory` (held weakly: they leave with it), indexed per
+    device (:func:`_reach_index`), so that an output is checked against all of them with one
+    bisection, whatever the number of managers and windows. The index is rebuilt under the lock when
+    an object registers or dies (rare); a check reads the current one without copying."""
+
+    def __init__(self):
+        self._lock = threading.Lock()  # register / unregister from any thread
+        self._spans: dict[str, list[tuple]] = {}  # device: sorted (lo, hi, name, owner, token)
+        self._index: dict[str, tuple] = {}  # device: _reach_index of _spans[device], replaced whole
+        self._refs: dict[int, weakref.ref] = {}  # token: its HeldMemory, weakly
+        self._dead: list[int] = []  # tokens of objects that died, appended by weakref callbacks
+        self._tokens = itertools.count()
+
+    def register(self, held: "HeldMemory", spans) -> None:
+        """Index ``held``'s ``(device, lo, hi, name)`` spans until it dies."""
+        token = next(self._tokens)
+        dead = self._dead  # the callback may run during a collection inside the lock: it only appends
+        ref = weakref.ref(held, lambda _, t=token: dead.append(t))
+        with self._lock:
+            self._refs[token] = ref
+            self._purge()
+            for dev in {sp[0] for sp in spans}:
+                mine = [(lo, hi, name, held.owner, token) for d, lo, hi, name in spans if d == dev]
+                self._spans[dev] = sorted(self._spans.get(dev, []) + mine)
+                self._index[dev] = _reach_index(self._spans[dev])
+
+    def _purge(self) -> None:
+        """Drop the dead objects' spans (under the lock)."""
+        if not self._dead:
+            return
+        gone = set()
+        while self._dead:
+            gone.add(self._dead.pop())
+        for t in gone:
+            self._refs.pop(t, None)
+        for dev, spans in list(self._spans.items()):
+            kept = [sp for sp in spans if sp[4] not in gone]
+            if len(kept) != len(spans):
+                self._spans[dev] = kept
+                self._index[dev] = _reach_index(kept)
+
+    def overlap(self, span) -> tuple | None:
+        """``(hi, name, owner, token)`` of a live object's span sharing a byte with ``span``
+        (:func:`memory_span`), or None."""
+        if self._dead:
+            with self._lock:
+                self._purge()
+        index = self._index.get(span[0])
+        return None if index is None else _overlap(index, span[1:])
+
+
+_LIVE = _LiveSpans()
 
 
 class HeldMemory:
     """The spans of tensors an object owns (a manager's device state; ``named``: ``(tensor, name)``
-    pairs, each name as an error should say it), sorted once per device, so that a caller's output
-    is checked against all of them with one bisection. ``owner`` names the object in errors raised for
-    another object's op ("a manager's state (the manager's rows)")."""
+    pairs, each name as an error should say it), indexed per device, so that a caller's output is
+    checked against them, and against every other live ``HeldMemory``, with one bisection each.
+    ``owner`` names the object in errors raised for another object's op ("a manager's state (the
+    manager's rows)")."""
 
     def __init__(self, named, owner: str = "a manager"):
         self.owner = owner
-        by_dev: dict[str, list] = {}
+        spans = []  # (device, lo, hi, name)
         for t, name in named:
             s = memory_span(t)
             if s is not None:
-                by_dev.setdefault(s[0], []).append((s[1], s[2], name))
-        self._by_dev = {}
-        for dev, spans in by_dev.items():
-            spans.sort()
-            reach, best = [], (0, "")
-            for _, hi, name in spans:  # per index, the span reaching furthest among those up to it
-                best = max(best, (hi, name))
-                reach.append(best)
-            self._by_dev[dev] = ([lo for lo, _, _ in spans], reach)
-        with _LIVE_LOCK:
-            _LIVE_HELD.add(self)
+                spans.append((*s, name))
+        by_dev: dict[str, list] = {}
+        for dev, lo, hi, name in spans:
+            by_dev.setdefault(dev, []).append((lo, hi, name))
+        self._by_dev = {dev: _reach_index(sorted(sp)) for dev, sp in by_dev.items()}
+        _LIVE.register(self, spans)
 
     def overlap(self, span) -> str | None:
         """The name of a held tensor sharing a byte with ``span`` (:func:`memory_span`), or None."""
-        dev, lo, hi = span
-        starts, reach = self._by_dev.get(dev, ((), ()))
-        i = bisect_left(starts, hi) - 1  # the last held span starting before hi
-        return reach[i][1] if i >= 0 and reach[i][0] > lo else None
+        index = self._by_dev.get(span[0])
+        hit = None if index is None else _overlap(index, span[1:])
+        return None if hit is None else hit[1]
 
 
 def _check_held(op: str, name: str, span, held: HeldMemory | None) -> None:
     """InvalidArgumentError when the output ``name`` (its ``span``) overlaps ``held`` or any other live
     :class:`HeldMemory`."""
-    with _LIVE_LOCK:
-        others = [h for h in _LIVE_HELD if h is not held]
-    for h in ([held] if held is not None else []) + others:
-        other = h.overlap(span)
-        if other is not None:
-            whose = other if h is held else f"{h.owner}'s state ({other})"
-            raise InvalidArgumentError(op, f"{name} shares memory with {whose}: an output must be a buffer of its own")
+    own = None if held is None else held.overlap(span)
+    if own is not None:
+        raise InvalidArgumentError(op, f"{name} shares memory with {own}: an output must be a buffer of its own")
+    hit = _LIVE.overlap(span)  # not held's: it does not overlap span
+    if hit is not None:
+        raise InvalidArgumentError(op, f"{name} shares memory with {hit[2]}'s state ({hit[1]}): an output must "
+                                       "be a buffer of its own")
 
 
 def check_disjoint(op: str, outputs, inputs=(), held: HeldMemory | None = None) -> None:

@@ -30,14 +30,14 @@ def test_store_kv_equals_a_scatter(data):
     T = data.draw(st.integers(0, 20), label="T")
     dtype = data.draw(st.sampled_from([torch.float32, torch.float64, torch.float16]), label="dtype")
     slots = data.draw(st.lists(st.integers(-2, N * BS + 3), min_size=T, max_size=T, unique=True), label="slots")
-    key = torch.randn(T, H, D, dtype=torch.float64)
-    value = torch.randn(T, H, D, dtype=torch.float64)
+    key = torch.randn(T, H, D).to(dtype)  # the caches' dtype: store_kv casts nothing (reshape_and_cache)
+    value = torch.randn(T, H, D).to(dtype)
     kc = torch.randn(N, BS, H, D).to(dtype)
     vc = torch.randn(N, BS, H, D).to(dtype)
     want_k, want_v = kc.clone().view(-1, H, D), vc.clone().view(-1, H, D)
     for t, s in enumerate(slots):
         if 0 <= s < N * BS:
-            want_k[s], want_v[s] = key[t].to(dtype), value[t].to(dtype)
+            want_k[s], want_v[s] = key[t], value[t]
     store_kv(key, value, kc, vc, torch.tensor(slots, dtype=torch.int64))
     assert torch.equal(kc.view(-1, H, D), want_k) and torch.equal(vc.view(-1, H, D), want_v)
 

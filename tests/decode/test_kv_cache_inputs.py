@@ -39,6 +39,34 @@ def test_store_kv_rejects_caches_on_the_meta_device():
                  torch.tensor([0, 1], device="meta"))
 
 
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("custom_op", [False, True], ids=["function", "torch.ops"])
+@pytest.mark.parametrize("which", ["key", "value", "both", "k_cache", "v_cache"])
+@pytest.mark.parametrize("dtype", DTYPES + [torch.int32, torch.int64], ids=str)
+def test_store_kv_refuses_a_dtype_other_than_the_caches(dtype, which, custom_op):
+    """vLLM's ``reshape_and_cache`` takes key, value and both caches of one dtype (no silent cast): any
+    other dtype in one of them (a float64 key into float32 caches, a float16 value cache beside a
+    float32 key cache, integers) is an InvalidArgumentError before anything is written; the same
+    four tensors with one dtype store."""
+    import gpupool.ops  # noqa: F401 - registers torch.ops.gpupool.store_kv
+    fn = torch.ops.gpupool.store_kv if custom_op else store_kv
+    base = torch.float32 if dtype != torch.float32 else torch.float16
+    t = dict(key=torch.ones(2, 1, 2, dtype=base), value=torch.ones(2, 1, 2, dtype=base),
+             k_cache=torch.zeros(4, BS, 1, 2, dtype=base), v_cache=torch.zeros(4, BS, 1, 2, dtype=base))
+    for name in (("key", "value") if which == "both" else (which,)):
+        t[name] = t[name].to(dtype)
+    before = {n: x.clone() for n, x in t.items()}
+    with pytest.raises(InvalidArgumentError, match="^store_kv: "):
+        fn(t["key"], t["value"], t["k_cache"], t["v_cache"], torch.tensor([0, 5]))
+    assert all(torch.equal(before[n], x) for n, x in t.items())
+    if dtype.is_floating_point:  # all four of that dtype: stored exactly
+        one = {n: x.to(dtype) for n, x in before.items()}
+        fn(one["key"], one["value"], one["k_cache"], one["v_cache"], torch.tensor([0, 5]))
+        assert torch.equal(one["k_cache"][0, 0], one["key"][0]) and torch.equal(one["v_cache"][1, 1], one["value"][1])
+
+
 @pytest.mark.parametrize("call", [lambda: AttentionViews.empty(-1, 2), lambda: AttentionViews.empty(1.5, 2),
                                   lambda: AttentionViews.empty(2, None), lambda: AttentionViews.empty(2, 2).step(1),
                                   lambda: AttentionViews.empty(2, 2).step(-1),

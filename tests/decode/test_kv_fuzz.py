@@ -22,6 +22,11 @@ from gpupool.manager import KVCacheManager
 
 BS, M = 4, 8
 i32, i64 = torch.int32, torch.int64
+#: Dtypes of a key, value or cache other than the good arguments' float32.
+OTHER_DTYPES = (torch.float16, torch.bfloat16, torch.float64, i32, i64)
+#: Entries whose key and value go into caches: what they stored must share the caches' dtype.
+STORES = {"store_kv": lambda a: (a["key"], a["value"], a["k_cache"], a["v_cache"]),
+          "PagedKVCache.store": lambda a: (a["key"], a["value"], *a["cache"].layers())}
 
 
 @functools.cache
@@ -73,6 +78,10 @@ def wrong_values(args: dict, other_views: AttentionViews) -> list:
         other_views, other_views.block_table, other_views.seqused_k[0], other_views.kv_indices[0],
         overlapping, args["k_cache"], args["slot_mapping"], args["out"].seqused_k, args["out"].kv_indptr[0],
         args["out"]._replace(kv_last_page_len=args["out"].seqused_k),
+        # a key, value or cache of the right shape in another dtype (no cast: vLLM's reshape_and_cache),
+        # or on the meta device
+        *(torch.ones(3, 1, 2, dtype=d) for d in OTHER_DTYPES), *(torch.zeros(6, BS, 1, 2, dtype=d) for d in OTHER_DTYPES),
+        torch.ones(3, 1, 2, device="meta"), torch.zeros(6, BS, 1, 2, device="meta"),
     ]
 
 
@@ -135,6 +144,8 @@ def test_fuzz_consumer_entry_points(entry, data):
             continue
         except Exception as e:  # noqa: BLE001 - the point: nothing but a PoolError comes out
             pytest.fail(f"{entry} raised {type(e).__name__}, not a PoolError: {e!r}")
+        if entry in STORES:  # a store that went through cast nothing
+            assert len({t.dtype for t in STORES[entry](args)}) == 1, (entry, bad)
         if entry == "attention_views":
             try:
                 m.pool.check()  # a bad slot, length or count is recorded, not raised at once

@@ -193,13 +193,13 @@ def _burst_past_the_row():
 def test_burst_token_count_past_the_row_fails_at_that_step():
     """A count that passes ``max_blocks_per_req * block_size`` during the burst: the steps before it
     committed, that step and the later ones do nothing, the error (op ``window_step``) is raised at
-    check() as the reference window raises it (its text names the slot too)."""
+    check() as the reference window raises it (class, op, value, text: the slot named)."""
     want, burst, m, ref = _burst_past_the_row()
     with pytest.raises(InvalidCountError) as e:
         m.pool.check()
     assert type(want.error) is InvalidCountError
     assert (e.value.op, e.value.value) == (want.error.op, want.error.value) == ("window_step", M * BS + 1)
-    assert str(e.value) == f"window_step: token count {M * BS + 1} outside 1..{M * BS}"
+    assert str(e.value) == str(want.error) == f"window_step: token count {M * BS + 1} outside 1..{M * BS} for slot 0"
     assert want.admitted == [[1], [1], [0], [0]]
     assert int(m.state.num_computed[0]) == M * BS
     assert_managers_agree(ref, m)

@@ -156,6 +156,21 @@ def test_a_bad_token_count_is_named_as_the_reference_names_it(twin, op, slots, n
     assert str(err) == f"{op}: {text}"
 
 
+def test_append_tokens_past_the_row_names_the_count_its_bound_and_slot(twin):
+    """A hashing request's tokens past ``max_blocks_per_req * block_size``: the reference's text (the
+    count, ``1..T`` and the slot) from the device's record (its slot and bound)."""
+    for m in twin:
+        m.add_request(2, [], tail_tokens=[1, 2])
+    n = T - 2 + 1
+    err = expect_same_error(twin, C, Cause.TOKEN_COUNT, lambda m: m.append_tokens([1, 2], [[5], [5] * n]),
+                            lambda m: m.append_tokens(i32([1, 2]), i32([1, n]), torch.full((2, n), 5)))
+    assert str(err) == f"append_tokens: token count {T + 1} outside 1..{T} for slot 2"
+    for m in twin:  # the module's twin as it was
+        m.free([2])
+    twin[1].pool.check()
+    assert_managers_agree(*twin)
+
+
 def test_a_bad_slot_comes_before_a_bad_token_count(twin):
     """Slots are checked first (all of them), then the counts, on both sides."""
     expect_same_error(twin, A, Cause.SLOT_NOT_IN_USE, lambda m: m.allocate_slots([0, 1, 3], [-1, 5, 1], [1, 5, 1]),
@@ -209,19 +224,19 @@ def test_attention_views_name_the_lane_and_its_slot(twin, slots, base_len, cause
 
 
 @pytest.mark.parametrize("finished, slots, ntok, exc, cause, text", [
-    ([], [0, 1], [13, 0], C, Cause.TOKEN_COUNT, "token count 0 outside 1..32"),
-    ([], [0, 1], [13, T + 1], C, Cause.TOKEN_COUNT, "token count 33 outside 1..32"),
+    ([], [0, 1], [13, 0], C, Cause.TOKEN_COUNT, "token count 0 outside 1..32 for slot 1"),
+    ([], [0, 1], [13, T + 1], C, Cause.TOKEN_COUNT, "token count 33 outside 1..32 for slot 1"),
     ([1], [0, 1], [13, 6], A, Cause.SLOT_LISTED_TWICE, "slot 1 is listed twice"),  # finished and running
     ([2], [0], [13], A, Cause.SLOT_NOT_IN_USE, "slot 2 is not in use"),
     ([], [0, 6], [13, 6], A, Cause.SLOT_OUT_OF_RANGE, "slot 6 out of range 0..3"),
 ], ids=["ntok-0", "ntok-past-row", "finished-and-running", "finished-idle", "running-range"])
 def test_decode_step_names_the_bad_input(twin, finished, slots, ntok, exc, cause, text):
     """The step's inputs are the window's (op ``window_begin``): the error the reference window's
-    ``begin`` raises (class, op, value; its token count's text names the slot too), nothing changed."""
+    ``begin`` raises (class, op, value, text), nothing changed."""
     ref, dev = twin
     before = manager_state(ref)
     want = reference_decode_step(ref, slots, ntok, finished).error
-    assert type(want) is exc and manager_state(ref) == before
+    assert type(want) is exc and str(want) == f"window_begin: {text}" and manager_state(ref) == before
     step = DecodeStep(dev, max_batch=2)
     fill_step(step, slots, ntok, finished)
     expect_device_error(dev, exc, cause, f"window_begin: {text}", step.run, want)

@@ -111,3 +111,55 @@ def test_memory_span_reaches_every_element():
     assert memory_span(t[:0]) is None
     dev, lo, hi = memory_span(t.view(2, 4).t())  # a transpose reaches the same bytes
     assert (lo, hi) == (t.data_ptr(), t.data_ptr() + 32)
+
+
+def test_many_live_held_objects_refuse_an_overlapping_output_and_accept_a_disjoint_one():
+    """Fifty live objects' held memory (as fifty managers' states would be), interleaved in one buffer
+    (object k holds elements 16k .. 16k + 7, one of them two spans) plus a real manager: an output
+    reaching into any object's bytes is refused naming that object's tensor (the op's own without its
+    owner), one in the gaps between them or elsewhere is accepted; an object that dies leaves the index
+    (its bytes are anyone's again) while the others still refuse."""
+    import gc
+
+    from gpupool.tensors import HeldMemory
+
+    buf = torch.zeros(16 * 50 + 8, dtype=i32)
+    held = [HeldMemory([(buf[16 * k:16 * k + 3], f"head {k}"), (buf[16 * k + 3:16 * k + 8], f"tail {k}")]
+                       if k % 7 == 0 else [(buf[16 * k:16 * k + 8], f"part {k}")], owner=f"object {k}")
+            for k in range(50)]
+    m = shared_manager()
+    gap = lambda k: buf[16 * k + 8:16 * k + 16]  # noqa: E731 - between object k and k + 1
+
+    def refused(out, word, own=None):
+        with pytest.raises(InvalidArgumentError, match=word):
+            check_disjoint("op", [(out, "out")], held=own)
+
+    for k in (0, 1, 7, 24, 49):
+        name = f"head {k}" if k % 7 == 0 else f"part {k}"
+        refused(buf[16 * k:16 * k + 1], rf"^op: out shares memory with object {k}'s state \({name}\)")
+        refused(buf[16 * k + 7:16 * k + 12], f"object {k}'s state")  # its last element, then the gap
+        refused(buf[16 * k + 4:16 * k + 20], f"object ({k}|{k + 1})'s state")  # inside it, past the next's start
+        refused(buf[16 * k + 1:16 * k + 2], rf"^op: out shares memory with {name}: an output", own=held[k])
+        check_disjoint("op", [(gap(k), "out")])
+        check_disjoint("op", [(gap(k), "out")], held=held[k])
+    refused(buf[8:16 * 50], r"object \d+'s state")  # across all of them
+    end = 16 * 50  # an object holding the last 8 elements, and one a view inside them
+    outer = HeldMemory([(buf[end:end + 8], "all of it")], owner="the outer object")
+    inner = HeldMemory([(buf[end + 1:end + 2], "one")], owner="the inner object")
+    refused(buf[end + 5:end + 6], r"the outer object's state \(all of it\)")  # past the inner, inside the outer
+    refused(m.state.num_computed, "a manager's state")
+    check_disjoint("op", [(torch.zeros(64, dtype=i32), "out")])
+
+    dead = list(range(0, 50, 2))
+    for k in dead:
+        held[k] = None
+    gc.collect()
+    for k in range(50):
+        out = buf[16 * k:16 * k + 8]
+        if k in dead:
+            check_disjoint("op", [(out, "out")])
+        else:
+            refused(out, f"object {k}'s state")
+    refused(m.state.num_computed, "a manager's state")
+    refused(buf[end + 1:end + 2], "the (inner|outer) object's state")
+    assert outer.owner and inner.owner

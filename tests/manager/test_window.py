@@ -248,6 +248,56 @@ def test_a_bad_model_output_is_a_typed_error_and_changes_nothing(bad):
     assert manager_snapshot(dev) == before
 
 
+ROW = POOL["max_blocks_per_req"] * BS
+
+
+@pytest.mark.parametrize("D", [0, 3])
+@pytest.mark.parametrize("where, ntok, accepted, lane", [  # (call, token counts, pass's accepted counts, bad lane)
+    ("begin", lambda D: [8, ROW - D + 1], None, 1),  # past the row less the lookahead
+    ("begin", lambda D: [0, 8], None, 0),  # below 1
+    ("step", lambda D: [8, ROW - D - min(D, 1)], lambda D: [1, 1 + min(D, 1)], 1),  # pass 0: past the row less D
+    ("end", lambda D: [8, ROW - D], lambda D: [1, D + 1], 1),  # the last pass takes lane 1 past the row
+], ids=["begin-past-row", "begin-zero", "step-past-row", "end-past-row"])
+def test_a_bad_token_count_is_the_same_error_on_both_windows(D, where, ntok, accepted, lane):
+    """The same token count out of range, through the reference window and the device window with D
+    lookahead tokens: the same class, op, value and text, which names the count the caller gave (or the
+    pass made), its true bound (``max_blocks_per_req * block_size - D`` while steps follow, the row at
+    the end) and the lane's slot; both managers as before the failing call."""
+    ref, dev = twins(24)
+    two_requests(ref)
+    two_requests(dev)
+    ntok, slots = ntok(D), [1, 0]  # lane i is slot 1 - i: the text names the slot, not the lane
+    K = 2 if where == "step" else 1
+    rw, dw = ReferenceDecodeWindow(ref, 2, K, D), DecodeWindow(dev, 2, K, D)
+    acc = None if accepted is None else accepted(D)
+    toks = [[7] * (D + 1), [8] * (D + 1)]
+
+    def reference():
+        rw.begin(slots, ntok)
+        rw.step(0)
+        return rw.step(1, [0, 0], acc, toks) if where == "step" else rw.end([0, 0], acc, toks)
+
+    with pytest.raises(PoolError) as r_err:
+        reference()
+    dw.set_inputs(slots, ntok)
+    dw.begin()
+    if where != "begin":
+        dw.step(0)
+        dev.pool.check()
+        dw.accepted[:2] = torch.tensor(acc, dtype=torch.int32)
+        dw.tokens[:2] = torch.tensor(toks)
+        dw.step(1) if where == "step" else dw.end()
+    with pytest.raises(PoolError) as d_err:
+        dev.pool.check()
+    bad = ntok[lane] + (0 if acc is None else acc[lane])
+    op, bound = {"begin": ("window_begin", ROW - D), "step": ("window_step", ROW - D), "end": ("window_end", ROW)}[where]
+    assert type(r_err.value) is InvalidCountError, r_err.value
+    assert str(r_err.value) == f"{op}: token count {bad} outside 1..{bound} for slot {slots[lane]}"
+    assert (type(d_err.value), d_err.value.op, d_err.value.value, str(d_err.value)) == \
+        (type(r_err.value), r_err.value.op, r_err.value.value, str(r_err.value))
+    assert_managers_agree(ref, dev)
+
+
 def test_steps_out_of_order_are_refused():
     _, dev = twins(16)
     dw = DecodeWindow(dev, 2, 2)

@@ -7,7 +7,7 @@ errors, docs/semantics.md section 3); it validates its whole input, then commits
 import triton
 import triton.language as tl
 
-from .layout import BIG, ST_CAUSE, ST_CODE, ST_EXTRA, ST_OP, ST_VALUE
+from .layout import BIG, ST_CAUSE, ST_CODE, ST_EXTRA, ST_LIMIT, ST_OP, ST_VALUE
 
 
 @triton.jit
@@ -28,6 +28,16 @@ def set_status_why(status, code, op, value, cause, extra):
         tl.store(status + ST_VALUE, tl.cast(value, tl.int64))
         tl.store(status + ST_CAUSE, tl.cast(cause, tl.int64))
         tl.store(status + ST_EXTRA, tl.cast(extra, tl.int64))
+
+
+@triton.jit
+def set_status_limit(status, code, op, value, cause, extra, limit):
+    """:func:`set_status_why` with the bound ``value`` passed (``Status.LIMIT``), for checks whose
+    bound the host cannot know: a window's token counts, whose room depends on its lookahead D."""
+    # strict: benign, as set_status_why's (the same test of the code, thread 0 stores)
+    if tl.load(status + ST_CODE) == 0:
+        tl.store(status + ST_LIMIT, tl.cast(limit, tl.int64))
+    set_status_why(status, code, op, value, cause, extra)
 
 
 @triton.jit

@@ -66,10 +66,12 @@ class Status(IntEnum):
     CAUSE = 3  # Cause: what was wrong with VALUE (0 where the code says it all)
     EXTRA = 4  # a second value the message names: the slot of a position, length or token count; the
     #            length of the arrays a count passed
+    LIMIT = 5  # the upper bound VALUE passed, where the op's bound is the kernel's to know: a window's or
+    #            append_tokens' token count (the row, less the lookahead D while steps follow); else 0
 
 
 STATUS_SIZE = 8  # Status's slots and spare ones
-ST_CODE, ST_OP, ST_VALUE, ST_CAUSE, ST_EXTRA = constexprs(Status)
+ST_CODE, ST_OP, ST_VALUE, ST_CAUSE, ST_EXTRA, ST_LIMIT = constexprs(Status)
 
 
 class Cause(IntEnum):

@@ -3,8 +3,8 @@ batch, and a decode step's inputs, each before anything changes (docs/semantics.
 import triton
 import triton.language as tl
 
-from ..common import checked_count, keep_first, keep_first_why, no_error, no_error_why, raw_count, set_status_why, \
-    status_clear, tile_of
+from ..common import checked_count, keep_first, keep_first_why, ld, no_error, no_error_why, raw_count, \
+    set_status_limit, set_status_why, status_clear, tile_of
 from ..layout import (
     BIG, C_COUNT_PAST_ARRAYS, C_FINISHED_PAST_ARRAYS, C_SLOT_LISTED_TWICE, C_SLOT_NOT_IN_USE, C_SLOT_OUT_OF_RANGE,
     C_SLOT_IN_USE, C_TOKEN_COUNT, EV_COUNT, E_BUFFER_FULL, E_INVALID_ARG, E_INVALID_COUNT, OP_ALLOCATE_SLOTS,
@@ -87,11 +87,13 @@ def count_cause(err, why):
 
 
 @triton.jit
-def check_batch_counts(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, MIN_TOKENS: tl.constexpr):
-    """(error, value, event rows the batch may write) of an ``allocate_slots`` batch whose slots are
-    checked apart (:func:`check_slots`): token counts in ``MIN_TOKENS .. M * BS`` (targets from 0);
-    the rows bound each request's evictions, keys and headers (0 with events off). Also zeroes
-    ``admitted``."""
+def check_batch_counts(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, MIN_TOKENS: tl.constexpr,
+                       ROOM: tl.constexpr = 0):
+    """(error, value, its request's slot, event rows the batch may write) of an ``allocate_slots``
+    batch whose slots are checked apart (:func:`check_slots`): token counts in ``MIN_TOKENS .. M * BS
+    - ROOM`` (a window's, whose targets are ``num_tokens + D``: ``ROOM = D``, so the count the caller
+    gave is named), targets in ``0 .. M * BS``; the rows bound each request's evictions, keys and
+    headers (0 with events off). Also zeroes ``admitted``."""
     offs = tl.arange(0, mc.BLOCK)
     err, err_val, _ = no_error()
     err_i = tl.full([], BIG, tl.int32)
@@ -102,7 +104,7 @@ def check_batch_counts(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, MI
         m = idx < nb
         nt = tl.load(batch.num_tokens + idx, mask=m, other=0)
         tg = tl.load(batch.target + idx, mask=m, other=0)
-        bad_nt = (nt < MIN_TOKENS) | (nt > mc.M * mc.BS)
+        bad_nt = (nt < MIN_TOKENS) | (nt > mc.M * mc.BS - ROOM)
         bad = m & (bad_nt | (tg < 0) | (tg > mc.M * mc.BS))
         if err == 0:
             err, err_val, err_i = keep_first(err, err_val, err_i, new_err=E_INVALID_COUNT, bad=bad, idx=idx,
@@ -117,7 +119,8 @@ def check_batch_counts(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, nb, MI
         tl.store(batch.admitted + idx, tl.zeros([mc.BLOCK], tl.int32), mask=m)
         tl.store(batch.hits + idx, tl.zeros([mc.BLOCK], tl.int32), mask=m)
         i += mc.BLOCK
-    return err, err_val, rows
+    slot = ld(batch.slots + tl.minimum(err_i, nb - 1), err != 0)  # one load, only on an error
+    return err, err_val, slot, rows
 
 
 @triton.jit
@@ -150,7 +153,7 @@ def check_allocate_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap)
     tl.debug_barrier()  # strict: before check_batch_counts zeroes the first nb again (other threads)
     if status_clear(ps.status):
         err, err_val, why = check_slots(ms, mc, slots=batch.slots, nb=nb)
-        b_err, b_val, rows = check_batch_counts(ps, pc, ms, mc, batch, nb, MIN_TOKENS=0)
+        b_err, b_val, _, rows = check_batch_counts(ps, pc, ms, mc, batch, nb, MIN_TOKENS=0)
         err_val = tl.where(err == 0, b_val, err_val)  # a bad slot first
         err = tl.where(err == 0, b_err, err)
         err, err_val, why, extra = or_count_error(err, err_val, count_cause(err, why), 0, nb_ok, batch.num_reqs, cap,
@@ -164,13 +167,14 @@ def check_allocate_batch(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap)
 
 @triton.jit
 def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished, num_finished, fcap,
-               OP: tl.constexpr):
+               OP: tl.constexpr, D: tl.constexpr):
     """A decode step's inputs, checked before any of its ops runs, so that a bad one changes nothing
     (gpupool/graph.py): both counts within their arrays (``batch.num_reqs`` of ``cap``, ``num_finished``
     of ``fcap``); every slot of ``finished[:num_finished]`` and ``batch.slots[:num_reqs]`` in range, in
     use and listed once across both lists; and the allocation batch as ``allocate_slots`` checks it,
-    with token counts from 1 (the new token's position is ``num_tokens - 1``) and its event rows.
-    The first bad input sets the status word (op ``OP``: WINDOW_BEGIN); nothing else is written but
+    with token counts ``1 .. M * BS - D`` (the new token's position is ``num_tokens - 1``; D lookahead
+    positions past it, the targets) and its event rows. The first bad input sets the status word (op
+    ``OP``: WINDOW_BEGIN; a token count's slot and bound with it); nothing else is written but
     ``admitted`` (all ``cap`` entries zeroed on an error) and idle scratch. Run first by
     ``window_begin_kernel`` (``kernels/requests/window.py``). Returns (whether the step may go on: the status word
     was clear and every input is good, requests, finished requests), a count 0 when it is bad."""
@@ -196,7 +200,7 @@ def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished,
             i += mc.BLOCK
         tl.debug_barrier()
         # the batch's own checks read no marks: issued beside the unmarking, kept if the slots pass
-        b_err, b_val, rows = check_batch_counts(ps, pc, ms, mc, batch, nb, MIN_TOKENS=1)
+        b_err, b_val, b_slot, rows = check_batch_counts(ps, pc, ms, mc, batch, nb, MIN_TOKENS=1, ROOM=D)
         i = 0
         while i < tl.maximum(nf, nb):
             unmark_tile(ms, mc, finished, i=i, n=nf)
@@ -204,6 +208,7 @@ def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished,
             i += mc.BLOCK
         b_err, b_val = with_event_room(ps, pc, b_err, b_val, rows)
         val = tl.where(err == 0, b_val, val)
+        extra = tl.where(err == 0, b_slot, extra)
         err = tl.where(err == 0, b_err, err)
         why = count_cause(err, why)
         err, val, why, extra = or_count_error(err, val, why, extra, nf_ok, num_finished, fcap,
@@ -212,5 +217,5 @@ def check_step(ps, pc: tl.constexpr, ms, mc: tl.constexpr, batch, cap, finished,
                                               CAUSE=C_COUNT_PAST_ARRAYS)
         ok = err == 0
         if err != 0:  # no request admitted: check_batch_counts zeroed the flags below the count
-            set_status_why(ps.status, code=err, op=OP, value=val, cause=why, extra=extra)
+            set_status_limit(ps.status, code=err, op=OP, value=val, cause=why, extra=extra, limit=mc.M * mc.BS - D)
     return ok, nb, nf

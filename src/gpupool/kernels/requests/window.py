@@ -23,7 +23,9 @@ import triton
 import triton.language as tl
 
 from ..block_hash import block_hash, device_key, store_digest
-from ..common import checked_count, keep_first_why, lanes, ld, no_error_why, set_status_why, status_clear, warps_for
+from ..common import (
+    checked_count, keep_first_why, lanes, ld, no_error_why, set_status_limit, set_status_why, status_clear, warps_for,
+)
 from ..layout import (
     BIG, C_ACCEPTED_COUNT, C_COUNT_PAST_ARRAYS, C_SLOT_NOT_IN_USE, C_TOKEN_COUNT, C_TOKEN_ID, DW, E_BUFFER_FULL, E_INVALID_ARG,
     E_INVALID_COUNT, OP_APPEND_TOKENS, OP_WINDOW_BEGIN, OP_WINDOW_STEP, Op,
@@ -73,7 +75,7 @@ class WindowBuffers(NamedTuple):
 def window_begin_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, wb, work, cap, OP: tl.constexpr,
                         D: tl.constexpr):
     """The window's inputs into the allocation batch ``work`` (targets ``num_tokens + D``), checked by
-    ``check_step`` (op ``OP``; token counts from 1, targets within the row); the finished requests
+    ``check_step`` (op ``OP``; token counts ``1 .. M * BS - D``, so targets within the row); the finished requests
     freed; lanes ``< num_reqs`` live with their token counts, the others idle. On an error nothing but
     idle lanes and scratch is written."""
     offs = tl.arange(0, mc.BLOCK)
@@ -90,7 +92,7 @@ def window_begin_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, wb, work, ca
     # strict: benign, one statement; only thread 0 uses the value it loads (its store)
     tl.store(work.num_reqs, tl.load(wb.num_reqs))
     tl.debug_barrier()
-    ok, nb, nf = check_step(ps, pc, ms, mc, work, cap, wb.finished, wb.num_finished, cap, OP=OP)
+    ok, nb, nf = check_step(ps, pc, ms, mc, work, cap, wb.finished, wb.num_finished, cap, OP=OP, D=D)
     tl.debug_barrier()
     if nf > 0:
         ok = free_requests_checked(ps, pc, ms, mc, wb.finished, num=nf, ok=ok)
@@ -247,8 +249,8 @@ def advance_lanes(ps, pc: tl.constexpr, ms, mc: tl.constexpr, wb, k, n, ok, OP: 
     if ok:
         err, val, why, extra = check_advance(ps, pc, ms, mc, wb, n, Q=Q, ROOM=ROOM, TOKENS=TOKENS,
                                              TOK_STRIDE=TOK_STRIDE)
-        if err != 0:
-            set_status_why(ps.status, code=err, op=OP, value=val, cause=why, extra=extra)
+        if err != 0:  # the bound a token count passed: the row less the room the step books after
+            set_status_limit(ps.status, code=err, op=OP, value=val, cause=why, extra=extra, limit=mc.M * mc.BS - ROOM)
         ok = err == 0
     tl.debug_barrier()
     if ok:
@@ -325,10 +327,11 @@ def allocate_lanes(ps, pc: tl.constexpr, ms, mc: tl.constexpr, wb, work, k, n, c
     tl.store(work.num_reqs, nb)
     tl.debug_barrier()
     if ok:
-        err, val, rows = check_batch_counts(ps, pc, ms, mc, work, nb, MIN_TOKENS=1)
+        err, val, slot, rows = check_batch_counts(ps, pc, ms, mc, work, nb, MIN_TOKENS=1, ROOM=D)
         err, val = with_event_room(ps, pc, err, val, rows)
         if err != 0:
-            set_status_why(ps.status, code=err, op=OP_WINDOW_STEP, value=val, cause=count_cause(err, 0), extra=0)
+            set_status_limit(ps.status, code=err, op=OP_WINDOW_STEP, value=val, cause=count_cause(err, 0),
+                             extra=slot, limit=mc.M * mc.BS - D)
         ok = err == 0
     tl.debug_barrier()
     split = allocate_slots_parallel_checked(ps, pc, ms, mc, work, FORCE_EXACT=FORCE_EXACT, ok=ok, num=nb)
@@ -429,7 +432,8 @@ def append_tokens_kernel(ps, pc: tl.constexpr, ms, mc: tl.constexpr, slots, coun
             err, val, why, extra, _ = fold
             err, val = with_name_room(ms, mc, err, val, fills)
         if err != 0:
-            set_status_why(ps.status, code=err, op=OP_APPEND_TOKENS, value=val, cause=why, extra=extra)
+            set_status_limit(ps.status, code=err, op=OP_APPEND_TOKENS, value=val, cause=why, extra=extra,
+                             limit=mc.M * mc.BS)
         ok = err == 0
     tl.debug_barrier()
     if ok:
