@@ -47,6 +47,7 @@ def run(model, reqs, mode, K=1, D=0, num_blocks=14, engine=dl.Engine, **kw):
     return eng.run(reqs), eng
 
 
+@pytest.mark.heavy("window-4-0-10")  # window modes' tokens: test_every_mode; a window's reads: below
 @pytest.mark.parametrize("mode,K,D,num_blocks", [("host", 1, 0, 10), ("window", 4, 0, 10),
                                                  pytest.param("spec", 2, 2, 12, marks=pytest.mark.slow)])
 def test_tokens_equal_contiguous_kv(model, small, mode, K, D, num_blocks):

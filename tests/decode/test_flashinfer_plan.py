@@ -126,6 +126,7 @@ def test_paged_layout_gives_empty_lanes_a_last_page_of_one_as_the_views_do():
     assert v.kv_indptr[0].tolist() == indptr.tolist() and v.kv_last_page_len[0].tolist() == last.tolist()
 
 
+@pytest.mark.heavy("group type", "workspace dtype", "workspace type", "before set_inputs")
 @pytest.mark.parametrize("case", ["drafts", "no views", "group", "group type", "workspace dtype", "workspace type",
                                   "before set_inputs", "split-kv"])
 def test_refusals(case):
@@ -203,6 +204,8 @@ def test_a_plan_from_inputs_the_window_refuses_is_refused_and_writes_nothing(num
     assert all(fw.planned is None for fw in plan.wrappers)
 
 
+@pytest.mark.heavy("bounds queries 0", "layout past int32", "bounds k -1", "layout lanes past batch", "heads str",
+                    "a manager")
 @pytest.mark.parametrize("case", ["window None", "a manager", "heads str", "heads 0", "page_size", "layout page 0",
                                   "layout lanes past batch", "layout negative", "layout past int32", "bounds k -1",
                                   "bounds queries 0"])

@@ -42,6 +42,7 @@ def drive(seed: int, rounds: int, **cfg) -> WindowPair:
     return pair
 
 
+@pytest.mark.heavy("K4-D1-events")
 @pytest.mark.parametrize("name", ["K2", "K4-D1-events"])
 def test_window_equals_reference_step_by_step(name):
     """A few windows of the quick configurations: admissions (hits, head-of-line, blocked after a
@@ -222,6 +223,7 @@ def test_generated_blocks_are_keyed_as_vllm_keys_them_and_a_second_turn_hits_the
 
 
 # ---- errors: typed, nothing changed -------------------------------------------------------------------
+@pytest.mark.heavy("token past int32", "past the row")
 @pytest.mark.parametrize("bad", ["accepted 0", "accepted past Q", "token past int32", "past the row"])
 def test_a_bad_model_output_is_a_typed_error_and_changes_nothing(bad):
     ref, dev = twins(16)
@@ -251,6 +253,7 @@ def test_a_bad_model_output_is_a_typed_error_and_changes_nothing(bad):
 ROW = POOL["max_blocks_per_req"] * BS
 
 
+@pytest.mark.heavy("begin-past-row-0", "begin-zero-0", "step-past-row-0", "end-past-row-0")
 @pytest.mark.parametrize("D", [0, 3])
 @pytest.mark.parametrize("where, ntok, accepted, lane", [  # (call, token counts, pass's accepted counts, bad lane)
     ("begin", lambda D: [8, ROW - D + 1], None, 1),  # past the row less the lookahead

@@ -125,6 +125,7 @@ def test_rebinding_a_buffer_the_kernels_read_is_refused():
     assert dw.read().stop_step == [-1, 0]
 
 
+@pytest.mark.heavy("before step 1", "before end")
 @pytest.mark.parametrize("when", ["before step 0", "before step 1", "before end"])
 def test_a_lane_freed_outside_the_window_is_refused_by_both_windows(when):
     """A lane's request freed by the host inside the window (``manager.free`` between its calls): the next

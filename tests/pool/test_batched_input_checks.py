@@ -494,7 +494,8 @@ HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_t
 @pytest.mark.parametrize("op", list(OPS))
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=HEALTH)
 @given(data=st.data())
-@pytest.mark.heavy("allocate_slots", "release_copied", "get_computed_blocks", "decode_step", "decode_window")
+@pytest.mark.heavy("allocate_slots", "release_copied", "get_computed_blocks", "decode_step", "decode_window",
+                    "append_tokens", "window_host_args")
 def test_fuzz(op, data):
     OPS[op](data)
 

@@ -138,6 +138,10 @@ def _prepared(n=8):
     return p
 
 
+QUICK_CASES = (0, 3, 4, 14, 18, 23)  # the rest run with the slow tests (tests/conftest.py, heavy)
+
+
+@pytest.mark.heavy(*(str(i) for i in range(len(_cases(*[_prepared()] * 2))) if i not in QUICK_CASES))
 @pytest.mark.parametrize("case", range(len(_cases(*[_prepared()] * 2))))
 def test_quick_ops_take_any_argument_as_the_general_path(case):
     """On the interpreted kernel: a refused quick op falls to the general path, which may run per call (a
