@@ -53,6 +53,15 @@ cost).
 
     TRITON_INTERPRET=1 python bench/vllm_host.py --scheduler --reps 8 [--workloads decode256,prefix] [--sync-us 20] [--launch-us 30] [--copy-us 10] [--torch-op-us 10]
     TRITON_INTERPRET=1 python bench/vllm_host.py --scheduler --device interpreted [--reps 5]
+
+``--per-call``: the decode step's calls one by one, outside the scheduler, on the same warm pools
+(B requests, a pool of ``48 B + 4,096`` blocks; the fast path's kernel as the stub above): the median
+over ``--steps`` steps of each call's host microseconds, ``get_new_blocks(1)`` and the one-block
+``cache_full_blocks`` of the B // 16 requests crossing into a new block, stock and gpupool interleaved;
+then the host side of one ``apply_predicted`` of 4 such steps (the launch the fast path makes every 4
+steps), the stub's time left out.
+
+    TRITON_INTERPRET=1 python bench/vllm_host.py --per-call [--requests 1024] [--steps 40]
 """
 from __future__ import annotations
 
@@ -415,6 +424,56 @@ def stub_main(a) -> int:
     return 0
 
 
+def per_call_main(n_req: int, steps: int) -> int:
+    """``--per-call`` (module docstring)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from harness.flush_stub import stubbed_flush
+    from gpupool.vllm.fast_path import DeferredBlockPool
+    stock_pool = vllm_pool()
+    if stock_pool is None:
+        print("vLLM 0.33's source is not available (GPUPOOL_VLLM_SRC or the tests' cache): nothing to compare")
+        return 1
+    from vllm.v1.core.block_pool import BlockPool as VllmPool
+    n = n_req * 48 + 4096
+    pc = time.perf_counter
+    with stubbed_flush() as stub:
+        pools = {"stock": VllmPool(n, True, BS), "gpupool": DeferredBlockPool(n, True, BS, device="cpu")}
+        pools["gpupool"].launch_every = 10 ** 9  # launched below, timed apart
+        ends = {"stock": lambda: None, "gpupool": pools["gpupool"].end_step}
+        state = {k: warm(p, n_req, ends[k]) for k, p in pools.items()}
+        per = {k: {"pop": [], "cache": []} for k in pools}
+        launch = []
+        gc.disable()
+        try:
+            for step in range(steps):
+                for k in (("stock", "gpupool") if step % 2 else ("gpupool", "stock")):
+                    p, reqs = pools[k], state[k][0]
+                    for j in range(step % 16, len(reqs), 16):
+                        q = reqs[j]
+                        t0 = pc()
+                        q[1] += p.get_new_blocks(1)
+                        t1 = pc()
+                        if q[2] + 1 < len(q[1]):
+                            p.cache_full_blocks(q[0], q[1], q[2], q[2] + 1, BS, 0)
+                            per[k]["cache"].append(pc() - t1)
+                            q[2] += 1
+                        per[k]["pop"].append(t1 - t0)
+                if step % 4 == 3:
+                    e, s0, t0 = pools["gpupool"]._engine, stub.seconds, time.process_time()
+                    e.flush()
+                    launch.append(time.process_time() - t0 - (stub.seconds - s0))
+        finally:
+            gc.enable()
+    med = {k: {op: statistics.median(v) * 1e6 for op, v in d.items()} for k, d in per.items()}
+    print(f"per call, us (median of {steps} steps, {n_req} requests, {len(range(0, n_req, 16))} crossing a block "
+          f"each step): get_new_blocks(1) gpupool {med['gpupool']['pop']:.2f} / vLLM {med['stock']['pop']:.2f}; "
+          f"cache_full_blocks of one block gpupool {med['gpupool']['cache']:.2f} / vLLM {med['stock']['cache']:.2f}")
+    if launch:
+        print(f"a launch's host side (4 steps' pops and cachings, the stub's time left out): median "
+              f"{statistics.median(launch) * 1e6:,.0f} us, least {min(launch) * 1e6:,.0f} us")
+    return 0
+
+
 def interpreted_main(a) -> int:
     """``--device interpreted`` (module docstring)."""
     from gpupool.kernels import flush as k_flush
@@ -452,6 +511,7 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=None, help="timed steps (per repetition with --scheduler)")
     ap.add_argument("--scheduler", action="store_true", help="vLLM's scheduler loop, stock against gpupool")
+    ap.add_argument("--per-call", action="store_true", help="a decode step's calls timed one by one (module docstring)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", choices=("stub", "interpreted"), default="stub",
@@ -479,6 +539,8 @@ def main(argv=None) -> int:
         if a.launch_every < 1:
             ap.error("--launch-every must be >= 1")
         DeferredBlockPool.launch_every = a.launch_every
+    if a.per_call:
+        return per_call_main(a.requests, a.steps or 40)
     if a.scheduler:
         a.steps = a.steps or 8
         return scheduler_main(a)
