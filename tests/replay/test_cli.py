@@ -454,6 +454,32 @@ def test_a_closed_pipe_is_noticed_before_the_work():
     assert p.returncode == 141 and err == "", err
 
 
+SWALLOWS_ONE = r"""
+import sys, time
+from gpupool.cli.main import _PipeWatch
+w, seen = _PipeWatch(), 0
+with w:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 20 and seen < 2:
+        try:
+            time.sleep(0.01)
+        except KeyboardInterrupt:  # the first one lost, as C code testing an attribute loses it
+            seen += 1
+print("interrupts", seen, "closed", w.closed, file=sys.stderr)
+"""
+
+
+def test_an_interrupt_the_command_lost_is_sent_again():
+    """The pipe watch interrupts the main thread again while the command goes on (an interrupt that lands
+    in C code testing an attribute is cleared there: the replay then ran to its end under load)."""
+    r, w = os.pipe()
+    p = subprocess.Popen([sys.executable, "-c", SWALLOWS_ONE], stdout=w, stderr=subprocess.PIPE, text=True)
+    os.close(w)
+    os.close(r)  # the reader has gone before the command starts
+    _, err = p.communicate(timeout=scaled(60))
+    assert "interrupts 2 closed True" in err, err
+
+
 @pytest.mark.parametrize("argv", [["replay", "--bogus"], ["replay", "--help"], ["--help"], ["bench", "--nope"]])
 def test_arguments_are_parsed_before_torch_is_imported(argv):
     """A usage error or ``--help`` answers without importing torch or triton (seconds each)."""

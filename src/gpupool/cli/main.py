@@ -89,10 +89,16 @@ class _PipeWatch:
     """While a command works, a thread that notices when stdout is a pipe whose reader has gone
     (``gpupool replay | head -1``) and interrupts the main thread at once, instead of at its next write
     minutes later. Linux reports a pipe's write end whose reader has gone as POLLERR to ``poll``; where
-    a system does not, the command stops at its next write."""
+    a system does not, the command stops at its next write. The interrupt is repeated every
+    ``REPEAT_S`` seconds until the command stops: C code that tests an attribute (``PyObject_HasAttr``)
+    clears whatever exception is raised meanwhile, a KeyboardInterrupt too."""
+
+    REPEAT_S = 0.2
 
     def __init__(self):
         self.closed = False
+        self._stopping = False
+        self._armed = threading.Event()  # set once __enter__ is done: no interrupt lands inside it
         self._wake = None
 
     def __enter__(self):
@@ -105,7 +111,12 @@ class _PipeWatch:
         self._wake = os.pipe()
         self._thread = threading.Thread(target=self._watch, args=(fd,), daemon=True, name="gpupool-stdout-watch")
         self._thread.start()
-        return self
+        try:
+            self._armed.set()
+            return self
+        except KeyboardInterrupt:  # the first interrupt, sent as __enter__ ended: no __exit__ will stop it
+            self.stop()
+            raise
 
     def _watch(self, fd: int) -> None:
         import _thread
@@ -119,15 +130,33 @@ class _PipeWatch:
                 return
             if ready.get(fd, 0) & (select.POLLERR | select.POLLHUP):
                 self.closed = True
-                _thread.interrupt_main()  # a KeyboardInterrupt in the main thread, told apart by ``closed``
+                poller.unregister(fd)
+                self._armed.wait()
+                while not self._stopping:  # a KeyboardInterrupt in the main thread, told apart by ``closed``
+                    _thread.interrupt_main()
+                    if poller.poll(self.REPEAT_S * 1000):
+                        return
                 return
 
+    def stop(self) -> None:
+        """End the watch: no interrupt comes after this returns (idempotent)."""
+        if self._wake is None:
+            return
+        self._stopping = True
+        self._armed.set()
+        while True:
+            try:
+                os.write(self._wake[1], b"x")
+                self._thread.join()  # after this no interrupt can come
+                break
+            except KeyboardInterrupt:  # a repeated one, sent before the watch saw it stop
+                continue
+        for f in self._wake:
+            os.close(f)
+        self._wake = None
+
     def __exit__(self, *exc):
-        if self._wake is not None:
-            os.write(self._wake[1], b"x")
-            self._thread.join()  # after this no interrupt can come
-            for f in self._wake:
-                os.close(f)
+        self.stop()
         return False
 
 
@@ -152,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpupool: error: {e}", file=sys.stderr)
         return e.code
     except KeyboardInterrupt:
+        watch.stop()  # where the interrupt came before the with block: no second one after this
         if watch.closed:  # the reader of stdout went away: as a BrokenPipeError below
             _stdout_to_devnull()
             return 128 + 13
