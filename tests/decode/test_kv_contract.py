@@ -166,7 +166,7 @@ def test_kv_written_and_read_through_the_views_equals_contiguous(data):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("groups", [("full",), ("full", ("sliding_window", 8))], ids=["full", "full+sliding"])
-@settings(max_examples=8)  # 50 to 90 s each on one core; more under ci would take .ci/run's time
+@settings(max_examples=6)  # 40 to 70 s each on one core; more under ci would take .ci/run's time
 @given(data=st.data())
 def test_kv_contract_long_runs(groups, data):
     """Slow: longer runs, bursts up to K = 4, and a second (sliding-window) group sharing the pool."""
