@@ -469,11 +469,19 @@ print("interrupts", seen, "closed", w.closed, file=sys.stderr)
 """
 
 
-def test_an_interrupt_the_command_lost_is_sent_again():
+def _ignore_sigint():
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("sigint", ["handled", "ignored"])
+def test_an_interrupt_the_command_lost_is_sent_again(sigint):
     """The pipe watch interrupts the main thread again while the command goes on (an interrupt that lands
-    in C code testing an attribute is cleared there: the replay then ran to its end under load)."""
+    in C code testing an attribute is cleared there), also where SIGINT is ignored (a shell's background
+    job, nohup: Python's interrupt would then do nothing)."""
     r, w = os.pipe()
-    p = subprocess.Popen([sys.executable, "-c", SWALLOWS_ONE], stdout=w, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", SWALLOWS_ONE], stdout=w, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=_ignore_sigint if sigint == "ignored" else None)
     os.close(w)
     os.close(r)  # the reader has gone before the command starts
     _, err = p.communicate(timeout=scaled(60))

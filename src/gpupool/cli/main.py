@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import select
+import signal
 import stat
 import sys
 import threading
@@ -100,6 +101,7 @@ class _PipeWatch:
         self._stopping = False
         self._armed = threading.Event()  # set once __enter__ is done: no interrupt lands inside it
         self._wake = None
+        self._ignored_sigint = None  # SIGINT's disposition when it was SIG_IGN (restored by stop)
 
     def __enter__(self):
         try:
@@ -108,6 +110,11 @@ class _PipeWatch:
                 return self
         except (OSError, ValueError, AttributeError):  # no real stdout (a test's capture, closed)
             return self
+        self._ignored_sigint = None
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+            # SIGINT ignored (a background job of a shell, nohup): interrupt_main would do nothing; Ctrl-C stays
+            # ignored, the watch's own interrupt goes through
+            self._ignored_sigint = signal.signal(signal.SIGINT, self._on_sigint)
         self._wake = os.pipe()
         self._thread = threading.Thread(target=self._watch, args=(fd,), daemon=True, name="gpupool-stdout-watch")
         self._thread.start()
@@ -138,6 +145,10 @@ class _PipeWatch:
                         return
                 return
 
+    def _on_sigint(self, signum, frame) -> None:
+        if self.closed:  # the watch's interrupt (a real SIGINT stays ignored, as the caller asked)
+            raise KeyboardInterrupt
+
     def stop(self) -> None:
         """End the watch: no interrupt comes after this returns (idempotent)."""
         if self._wake is None:
@@ -154,6 +165,8 @@ class _PipeWatch:
         for f in self._wake:
             os.close(f)
         self._wake = None
+        if self._ignored_sigint is not None:
+            signal.signal(signal.SIGINT, self._ignored_sigint)
 
     def __exit__(self, *exc):
         self.stop()
