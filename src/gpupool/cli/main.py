@@ -110,7 +110,6 @@ class _PipeWatch:
                 return self
         except (OSError, ValueError, AttributeError):  # no real stdout (a test's capture, closed)
             return self
-        self._ignored_sigint = None
         if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and threading.current_thread() is threading.main_thread():
             # SIGINT ignored (a background job of a shell, nohup): interrupt_main would do nothing; Ctrl-C stays
             # ignored, the watch's own interrupt goes through

@@ -656,11 +656,11 @@ class BlockPool:
         if nc >= nf:
             return
         g = kv_cache_group_id
-        if self._engine.cache_fast(request, blocks, nc, nf, block_size, g, block_mask, self.hash_block_size):
+        if e.cache_fast(request, blocks, nc, nf, block_size, g, block_mask, self.hash_block_size):
             if self.enable_kv_cache_events:
                 self._drain_events(self._full_stored(request, blocks, nc, nf, block_size, g, None))
             return
-        self._engine.before_op("cache_full_blocks")
+        e.before_op("cache_full_blocks")
         nc, nf = self._cache_counts(request, blocks, nc, nf, block_size)
         with _asserts:
             if block_mask is not None and len(block_mask) != nf - nc:
@@ -671,7 +671,7 @@ class BlockPool:
             hashes = _hashes_at(request.block_hashes, self.hash_block_size, block_size, nf)
             mask = None if block_mask is None else list(block_mask)
             self._cache_conflicts(ids, hashes, nc, nf, block_size, g, mask)
-            self._engine.cache_full_blocks(ids, hashes, nc, nf, block_size, g, mask)
+            e.cache_full_blocks(ids, hashes, nc, nf, block_size, g, mask)
         if self.enable_kv_cache_events:
             self._drain_events(self._full_stored(request, blocks, nc, nf, block_size, g, block_mask))
 

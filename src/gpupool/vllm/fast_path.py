@@ -436,7 +436,6 @@ class DeferredEngine(PerCallEngine):
             self.watched, self.quick = True, False
 
 
-
 class DeferredBlockPool(BlockPool):
     """:class:`gpupool.vllm.BlockPool` over the fast path's :class:`DeferredEngine` (module docstring;
     docs/algorithms.md section 8). Same constructor.
