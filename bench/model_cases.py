@@ -674,6 +674,8 @@ def case_vllm(gp, gc, B: int, args, flush: bool) -> dict:
     build_s += time.perf_counter() - t0
 
     from gpupool.kernels.flush import FlushBatch
+    from gpupool.pool import DEVICE_KEYS_FROM
+    pool.device_keys_from = DEVICE_KEYS_FROM  # a GPU pool's path (a CPU pool keys on the host)
 
     def fused():  # as the fast path launches it: host ints, one copy with the demands and the keys
         b = FlushBatch()

@@ -215,6 +215,8 @@ class SchedulerLoop:
             cls = GpuPoolScheduler
         self.sched = sd.make_scheduler(cls, nblk, max_model_len=8192, max_num_batched_tokens=max(8192, 2 * b),
                                        max_num_seqs=b + 64)
+        if variant != "stock" and left_out is not None:  # the stubbed device: the path a GPU pool takes
+            as_on_gpu(self.sched.kv_cache_manager.block_pool)
         self.wl, self.kernel, self.n, self.inflight = wl, kernel, 0, None
         self.left_out = left_out or (lambda: kernel[0])
         self.shared = [7 + (i % 991) for i in range(16 * sd.BLOCK)]
@@ -424,6 +426,13 @@ def stub_main(a) -> int:
     return 0
 
 
+def as_on_gpu(adapter) -> None:
+    """A stubbed CPU pool takes a GPU pool's path: its launches key many cachings on the device
+    (``gpupool.pool.DEVICE_KEYS_FROM``; the stub makes those keys, its time left out)."""
+    from gpupool.pool import DEVICE_KEYS_FROM
+    adapter._engine.backend.pool.device_keys_from = DEVICE_KEYS_FROM
+
+
 def per_call_main(n_req: int, steps: int) -> int:
     """``--per-call`` (module docstring)."""
     sys.path.insert(0, str(ROOT / "tests"))
@@ -439,6 +448,7 @@ def per_call_main(n_req: int, steps: int) -> int:
     with stubbed_flush() as stub:
         pools = {"stock": VllmPool(n, True, BS), "gpupool": DeferredBlockPool(n, True, BS, device="cpu")}
         pools["gpupool"].launch_every = 10 ** 9  # launched below, timed apart
+        as_on_gpu(pools["gpupool"])
         ends = {"stock": lambda: None, "gpupool": pools["gpupool"].end_step}
         state = {k: warm(p, n_req, ends[k]) for k, p in pools.items()}
         per = {k: {"pop": [], "cache": []} for k in pools}

@@ -35,6 +35,7 @@ from .events import AllBlocksCleared, BlockRemoved, BlockStored
 _backend.select()  # the kernels' backend, before the kernels below are defined
 from .kernels import alloc as k_alloc
 from .kernels import cache as k_cache
+from .kernels import device_keys as k_keys
 from .kernels import flush as k_flush
 from .kernels import lookup as k_lookup
 from .kernels import release as k_release
@@ -47,6 +48,12 @@ from .locking import locked, new_lock
 from .memory import allocate_checked
 from .registry import KeyRegistry
 from .state import PoolConfig, PoolState, allocate_state, make_config, metadata_bytes
+from .kernels.sha256 import round_constant_table
+
+#: ``apply_predicted`` keys its cachings on the device from this many a launch (a GPU pool's default):
+#: the extra launch costs the host about what 10-15 host SHA-256s do (about 2 us each).
+DEVICE_KEYS_FROM = 16
+_BYTES, _HASH_LEN = {bytes}, {k_keys.HASH_BYTES}
 
 
 
@@ -121,6 +128,12 @@ class BlockPool:
                                   event_capacity=event_capacity)
         self.state = allocate_checked(op, "num_blocks", num_blocks, lambda d: allocate_state(self.config, d), self.device)
         self.registry = KeyRegistry(self._live_keys)
+        self.registry.add_name_source(self._name_device_keys)
+        # apply_predicted's cachings keyed on the device from this many (None: on the host, where the
+        # device is the CPU); their names are read back at the next check or sweep (_name_device_keys)
+        self.device_keys_from = None if self.device.type == "cpu" else DEVICE_KEYS_FROM
+        self._unnamed: list[tuple[list, torch.Tensor, object]] = []  # (pairs, hi then lo, stream)
+        self._k_table: torch.Tensor | None = None
         self._watchers: dict[int, Callable[[int], None]] = {}  # dict order = registration order
         self._events: list = []
         self._lock = new_lock()
@@ -140,6 +153,7 @@ class BlockPool:
         handed out since, and raise the first error a batched op recorded (clearing it)."""
         s = self.state
         status = s.status.tolist()
+        self._name_device_keys()
         ctrl = s.ctrl[: Ctrl.REUSE_COUNT + 1].tolist()
         fired = []
         if ctrl[Ctrl.REUSE_COUNT]:
@@ -618,15 +632,38 @@ class BlockPool:
             if n:
                 host += v
             sizes.append(n)
-        small, key_flat = tensors.to_device_packed(
-            [(host, torch.int32), (self._key_values(b.cache_keys, b.cache_ntok), torch.int64)], self.device)
+        keys = b.cache_keys
+        if self._keys_on_device(keys):  # the hashes' bytes travel; the kernel below makes the keys
+            parts = [(host, torch.int32), ([0] * (2 * n_cache) + [g for _, g in keys] + b.cache_ntok, torch.int64),
+                     (b"".join([h for h, _ in keys]), torch.int32)]
+        else:
+            parts = [(host, torch.int32), (self._key_values(keys, b.cache_ntok), torch.int64)]
+        small, key_flat, *digests = tensors.to_device_packed(parts, self.device)
         one, d_dem, d_table, *d_parts = small.split_with_sizes(sizes)
         d_f, d_s, d_t, d_c = (d if type(v) is list else v for v, d in zip((fids, seg, tids, cids), d_parts))
-        return k_flush.launch_flush(
+        key_parts = self._split_keys(key_flat)
+        if digests:
+            if self._k_table is None:
+                self._k_table = round_constant_table(self.device)
+            k_keys.launch_device_keys(digests[0], key_parts[2], key_parts[0], key_parts[1], self._k_table)
+        out = k_flush.launch_flush(
             self.state, self.config, d_f if n_free else one, d_s if n_seg else one, d_t if n_touch else one,
-            d_dem if dem else one, d_table, d_c if n_cache else one, *self._split_keys(key_flat),
+            d_dem if dem else one, d_table, d_c if n_cache else one, *key_parts,
             n_rounds=len(table) // ROUND_WIDTH, n_free=n_free, n_touch=n_touch, n_demands=len(dem),
             n_cache=n_cache, total=total)
+        if digests:
+            self._unnamed.append((keys, key_flat[: 2 * n_cache],
+                                  torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None))
+        return out
+
+    def _keys_on_device(self, keys: list) -> bool:
+        """Whether a launch's cachings ``keys`` (``(hash, group)`` pairs) are keyed on the device: at
+        least :attr:`device_keys_from` of them, every hash 32 bytes (``kernels.device_keys``)."""
+        m = self.device_keys_from
+        if m is None or len(keys) < m:
+            return False
+        hashes = [h for h, _ in keys]
+        return set(map(type, hashes)) == _BYTES and set(map(len, hashes)) == _HASH_LEN
 
     @staticmethod
     def _check_table(op: str, table: list, n_free: int, n_seg: int, n_touch: int, n_dem: int, n_cache: int,
@@ -689,8 +726,30 @@ class BlockPool:
         """Housekeeping for a reader that does not call :meth:`check` (which does it after each wait):
         once the host's table of key names (:meth:`key_name`) has doubled since its last sweep, forget
         the names of keys neither live on the device nor pinned (reading the device's keys, a
-        synchronisation). Returns whether it swept; most calls only compare two ints."""
+        synchronisation). Returns whether it swept; most calls only compare two ints. The keys
+        :meth:`apply_predicted` made on the device are named first (one device read where there are any)."""
+        self._name_device_keys()
         return self.registry.maybe_sweep()
+
+    def _name_device_keys(self) -> None:
+        """Teach the registry the keys :meth:`apply_predicted` made on the device since the last call:
+        their values read back in ONE device read (after the streams that made them), paired with the
+        ``(hash, group)`` the host kept. Also the registry's name source (a key it cannot name yet)."""
+        pending = self._unnamed
+        if not pending:
+            return
+        if self.device.type == "cuda":
+            here = torch.cuda.current_stream(self.device)
+            for s in {id(e[2]): e[2] for e in pending}.values():
+                if s is not None and s != here:
+                    here.wait_stream(s)
+        vals = (pending[0][1] if len(pending) == 1 else torch.cat([t for _, t, _ in pending])).tolist()
+        self._unnamed = []
+        o = 0
+        for pairs, _, _ in pending:
+            n = len(pairs)
+            self.registry.learn(zip(vals[o: o + n], vals[o + n: o + 2 * n]), pairs)
+            o += 2 * n
 
     def host_tensor(self, values, dtype=torch.int64) -> torch.Tensor:
         """Host ints as a 1-D tensor on the device without a stream synchronisation (pinned and

@@ -48,6 +48,10 @@ class KeyRegistry:
         self._names.update(zip(dev, keys))
         return dev
 
+    def learn(self, dev: Iterable[Key], keys: Iterable[tuple[bytes, int]]) -> None:
+        """Remember ``dev[i]`` as the device key of ``keys[i]`` (made on the device, not hashed here)."""
+        self._names.update(zip(dev, keys))
+
     def register_many(self, hashes: Iterable[bytes], group: int) -> list[Key]:
         return [self.register(h, group) for h in hashes]
 

@@ -34,15 +34,25 @@ def to_device(values, dtype, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def _array(vals, dt) -> array:
+    """A part's values as an ``array``: ints, or ``bytes`` taken as the dtype's raw items (native order)."""
+    if type(vals) is bytes:
+        a = array(_ARRAY_CODES[dt])
+        a.frombytes(vals)
+        return a
+    return array(_ARRAY_CODES[dt], vals)
+
+
 def to_device_packed(parts, device: torch.device) -> list[torch.Tensor]:
     """Several lists of host ints, each ``(values, dtype)`` (int32 or int64), as 1-D tensors on ``device``
     in ONE host-to-device copy (one buffer, each part a view of it at an 8-byte aligned offset; pinned
     and ``non_blocking`` on CUDA, as :func:`to_device`). A part that is not plain ints in range is
-    converted as :func:`to_device` converts it (then one copy per part)."""
+    converted as :func:`to_device` converts it (then one copy per part). A part given as ``bytes`` is
+    the dtype's items as raw bytes in native order (a whole number of them; e.g. hashes for a kernel)."""
     try:
-        arrays = [array(_ARRAY_CODES[dt], vals) for vals, dt in parts]
-    except (TypeError, OverflowError, KeyError):
-        return [to_device(vals, dt, device) for vals, dt in parts]
+        arrays = [_array(vals, dt) for vals, dt in parts]
+    except (TypeError, OverflowError, KeyError, ValueError):
+        return [to_device(_array(vals, dt) if type(vals) is bytes else vals, dt, device) for vals, dt in parts]
     buf, sizes = bytearray(), []
     for a in arrays:
         buf += a.tobytes()

@@ -3,7 +3,9 @@
 rounds to a reference pool (``gpupool.ReferenceBlockPool``, the oracle) and writes the result into the
 device pool's tensors that the fast path reads back (``counters``, ``mirror_rows``, ``free_window``,
 ``free_queue``, ``block_keys``): ref counts, key counts, covered tokens, key rows, the free queue's ring
-and the control words, and the launch's outputs (pops, offsets, confirmation). No interpreter runs, so
+and the control words, and the launch's outputs (pops, offsets, confirmation); ``device_keys_kernel``
+(a launch's cachings keyed on the device, ``gpupool.pool.DEVICE_KEYS_FROM``) by
+:class:`StubDeviceKeysKernel`, the keys made on the host where the kernel writes them. No interpreter runs, so
 a CPU run's host time is the host code's alone, as on a GPU where the kernel runs asynchronously
 (bench/vllm_host.py's ``--device stub``).
 
@@ -33,8 +35,10 @@ import torch
 from triton.runtime.jit import KernelInterface
 
 from gpupool.errors import PoolError
+from gpupool.kernels import device_keys as k_keys
 from gpupool.kernels import flush as k_flush
 from gpupool.kernels.layout import RW, Ctrl, KeyCol, RoundField, Status
+from gpupool.keys import device_key_list
 from gpupool.reference import ReferenceBlockPool
 
 
@@ -71,7 +75,8 @@ class StubFlushKernel(KernelInterface):
 
     def __init__(self, check: bool = False):
         self.check = check
-        self.launches = 0
+        self.launches = 0  # its own and the device-keys stand-in's (Meter counts both)
+        self.key_launches = 0  # the device-keys stand-in's
         self.seconds = 0.0
         self.active = False  # inside a launch (a caller timing torch ops leaves the stub's own out)
         self._twins: dict[int, tuple] = {}  # id(ps.ctrl) -> (a weak reference to it, _Twin)
@@ -281,16 +286,44 @@ def check_ring(twin: _Twin, ps) -> None:
                                            f"queue ({len(want)})")
 
 
+class StubDeviceKeysKernel(KernelInterface):
+    """``device_keys_kernel``'s stand-in (``apply_predicted``'s cachings keyed on the device): the keys
+    made on the host (``gpupool.keys.device_key_list``) and written where the kernel writes them; its
+    launches and CPU time counted in the :class:`StubFlushKernel`'s, so a caller leaves them out too."""
+
+    def __init__(self, flush: StubFlushKernel):
+        self.flush = flush
+
+    def run(self, digests, groups, hi, lo, n, k_table, *, grid, warmup, **_launch_options):
+        t0 = time.process_time()
+        f = self.flush
+        f.active = True
+        try:
+            f.launches += 1
+            f.key_launches += 1
+            raw = digests[: 8 * n].numpy().tobytes()
+            made = device_key_list(zip((raw[32 * i: 32 * i + 32] for i in range(n)), groups[:n].tolist()))
+            hi[:n] = torch.tensor([k[0] for k in made], dtype=torch.int64)
+            lo[:n] = torch.tensor([k[1] for k in made], dtype=torch.int64)
+        finally:
+            f.active = False
+            f.seconds += time.process_time() - t0
+
+
 @contextlib.contextmanager
 def stubbed_flush(check: bool = False):
     """``with stubbed_flush() as stub: ...``: ``gpupool.kernels.flush.flush_kernel`` is a
-    :class:`StubFlushKernel` inside (pools made inside; module docstring); the real kernel after."""
-    stub, real = StubFlushKernel(check), k_flush.flush_kernel
+    :class:`StubFlushKernel` inside, ``gpupool.kernels.device_keys.device_keys_kernel`` a
+    :class:`StubDeviceKeysKernel` counted in it (pools made inside; module docstring); the real
+    kernels after."""
+    stub, real, real_keys = StubFlushKernel(check), k_flush.flush_kernel, k_keys.device_keys_kernel
     k_flush.flush_kernel = stub
+    k_keys.device_keys_kernel = StubDeviceKeysKernel(stub)
     try:
         yield stub
     finally:
         k_flush.flush_kernel = real
+        k_keys.device_keys_kernel = real_keys
 
 
-__all__ = ["StubFlushKernel", "StubLimitError", "stubbed_flush", "check_ring"]
+__all__ = ["StubDeviceKeysKernel", "StubFlushKernel", "StubLimitError", "stubbed_flush", "check_ring"]

@@ -169,6 +169,18 @@ def drive_block_hashes(pool):
 EXTRA_DRIVERS.append(drive_block_hashes)
 
 
+def drive_device_keys(pool):
+    """``device_keys_kernel`` (``apply_predicted``'s cachings keyed on the device, kernels/device_keys.py)."""
+    from gpupool.kernels.device_keys import launch_device_keys
+    from gpupool.kernels.sha256 import round_constant_table
+    i64 = torch.int64
+    launch_device_keys(torch.zeros(16, dtype=torch.int32), torch.zeros(2, dtype=i64), torch.zeros(2, dtype=i64),
+                       torch.zeros(2, dtype=i64), round_constant_table())
+
+
+EXTRA_DRIVERS.append(drive_device_keys)
+
+
 def signature_of(fn, args, kwargs):
     names = fn.arg_names
     values = dict(zip(names, args))

@@ -32,15 +32,22 @@ OPS = st.one_of(O.ALLOC, O.ALLOC, O.ALLOC, O.FREE, O.FREE, O.IDS,
                 st.tuples(st.just("end_step")), st.tuples(st.just("end_step")), st.tuples(st.just("sync")))
 
 
-def _both(ops, n):
+def _both(ops, n, keys_from=None):
+    """The op list on the interpreted kernels and on the stub (``keys_from``: cachings keyed on the
+    device from this many a launch, as a GPU pool keys them; None: on the host, a CPU pool's way)."""
     real = DeferredBlockPool(n, True, O.BS, device="cpu")
+    real._engine.backend.pool.device_keys_from = keys_from
     want = O.run_stepped(real, ops), O.whole_state(real)
+    if keys_from is not None:  # the device's keys are the host's: every key the mirror holds is found there
+        O.mirror_is_device(real)
     with Meter() as m, stubbed_flush(check=True) as stub:
         stubbed = DeferredBlockPool(n, True, O.BS, device="cpu")
+        stubbed._engine.backend.pool.device_keys_from = keys_from
         got = O.run_stepped(stubbed, ops), O.whole_state(stubbed)
     assert m.launches == stub.launches, "a real kernel ran on a stubbed pool"
-    assert stub.launches == stubbed.flushes
+    assert stub.launches - stub.key_launches == stubbed.flushes
     assert got == want
+    return stub.key_launches
 
 
 @settings(max_examples=10, deadline=None)
@@ -56,6 +63,20 @@ def test_stub_equals_kernel(ops, n):
 @given(ops=st.lists(OPS, min_size=4, max_size=60), n=st.sampled_from([6, 24, 64]))
 def test_stub_equals_kernel_many(ops, n):
     _both(ops, n)
+
+
+@settings(max_examples=4, deadline=None)  # the interpreted keys kernel: about 0.2 s a launch
+@given(ops=st.lists(OPS, min_size=4, max_size=20), n=st.sampled_from([8, 24]))
+@example(ops=[("alloc", 3, 1, 3), ("alloc", 2, 0, 2), ("end_step",), ("hit", 1), ("cache", 0, 2), ("free", 1),
+              ("end_step",), ("alloc", 2, 2, 0), ("sync",)], n=24)  # keys named at a sync, a hit on one
+def test_stub_equals_kernel_keys_on_the_device(ops, n):
+    """Every caching keyed on the device (the device-keys kernel interpreted against its stand-in)."""
+    _both(ops, n, keys_from=1)
+
+
+def test_the_example_keys_on_the_device():
+    """The example above launches the device-keys kernel (else it compares nothing new)."""
+    assert _both([("alloc", 3, 1, 3), ("alloc", 2, 0, 2), ("end_step",)], 24, keys_from=1) >= 1
 
 
 @pytest.mark.slow  # the interpreted kernel on a pool of 6,000 blocks: about 10 s

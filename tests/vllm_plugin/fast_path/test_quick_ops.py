@@ -60,6 +60,19 @@ def test_quick_ops_equal_the_general_path(ops, n):
         assert O.whole_state(quick) == O.whole_state(general)
 
 
+@settings(max_examples=max(20, settings().max_examples), deadline=None)
+@given(ops=st.lists(OPS, min_size=4, max_size=40), n=st.sampled_from([6, 24, 64]))
+def test_keys_made_on_the_device_name_as_the_hosts(ops, n):
+    """Every launch's cachings keyed on the device (a GPU pool's path from ``device_keys_from``
+    cachings; the stub makes them) give the answers and whole state of keys made on the host: the
+    names the mirror reads back at a sync among them."""
+    with stubbed_flush(check=True):
+        on_device, on_host = DeferredBlockPool(n, True, O.BS, device="cpu"), DeferredBlockPool(n, True, O.BS, device="cpu")
+        on_device._engine.backend.pool.device_keys_from = 1
+        assert O.run_stepped(on_device, ops) == O.run_stepped(on_host, ops)
+        assert O.whole_state(on_device) == O.whole_state(on_host)
+
+
 def test_the_decode_ops_take_the_quick_path():
     """The example's pops and cachings are answered by the quick ops (else the test above compares the
     general path with itself); evicting pops among them."""
