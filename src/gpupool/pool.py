@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+import operator
 
 import torch
 
@@ -53,7 +54,7 @@ from .kernels.sha256 import round_constant_table
 #: ``apply_predicted`` keys its cachings on the device from this many a launch (a GPU pool's default):
 #: the extra launch costs the host about what 10-15 host SHA-256s do (about 2 us each).
 DEVICE_KEYS_FROM = 16
-_BYTES, _HASH_LEN = {bytes}, {k_keys.HASH_BYTES}
+_BYTES, _HASH_LEN, _INT = {bytes}, {k_keys.HASH_BYTES}, {int}
 
 
 
@@ -131,7 +132,7 @@ class BlockPool:
         self.registry.add_name_source(self._name_device_keys)
         # apply_predicted's cachings keyed on the device from this many (None: on the host, where the
         # device is the CPU); their names are read back at the next check or sweep (_name_device_keys)
-        self.device_keys_from = None if self.device.type == "cpu" else DEVICE_KEYS_FROM
+        self._keys_from = None if self.device.type == "cpu" else DEVICE_KEYS_FROM
         self._unnamed: list[tuple[list, torch.Tensor, object]] = []  # (pairs, hi then lo, stream)
         self._k_table: torch.Tensor | None = None
         self._watchers: dict[int, Callable[[int], None]] = {}  # dict order = registration order
@@ -582,8 +583,11 @@ class BlockPool:
         (``layout.Confirm``), read then too: the status code before the launch (not 0: a recorded error
         made the launch do nothing) and the status code after it (not 0 with the first 0: this launch
         failed), both written by the kernel (no device op besides the one launch and its one
-        host-to-device copy). Raises at once what ``apply_batched`` raises for bad host values, and
-        InvalidArgumentError for a batch whose parts do not match its round table or its cache items."""
+        host-to-device copy; a second launch first where :attr:`device_keys_from` cachings or more make
+        their device keys on the device, named at the next :meth:`check` or :meth:`sweep_key_names`).
+        The batch may be reused at once (what is kept is copied). Raises at once what
+        ``apply_batched`` raises for bad host values, and InvalidArgumentError for a batch whose parts
+        do not match its round table or its cache items."""
         op = "apply_predicted"
         if self.enable_kv_cache_events:
             raise InvalidArgumentError(op, "a pool with KV events runs the ops one by one")
@@ -633,7 +637,7 @@ class BlockPool:
                 host += v
             sizes.append(n)
         keys = b.cache_keys
-        if self._keys_on_device(keys):  # the hashes' bytes travel; the kernel below makes the keys
+        if self._keys_on_device(keys):  # (a copy kept for the names: the caller may reuse its batch)  # the hashes' bytes travel; the kernel below makes the keys
             parts = [(host, torch.int32), ([0] * (2 * n_cache) + [g for _, g in keys] + b.cache_ntok, torch.int64),
                      (b"".join([h for h, _ in keys]), torch.int32)]
         else:
@@ -652,18 +656,38 @@ class BlockPool:
             n_rounds=len(table) // ROUND_WIDTH, n_free=n_free, n_touch=n_touch, n_demands=len(dem),
             n_cache=n_cache, total=total)
         if digests:
-            self._unnamed.append((keys, key_flat[: 2 * n_cache],
+            self._unnamed.append((list(keys), key_flat[: 2 * n_cache],
                                   torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None))
         return out
+
+    @property
+    def device_keys_from(self) -> int | None:
+        """:meth:`apply_predicted` keys a launch's cachings on the device from this many (``None``:
+        always on the host; default :data:`DEVICE_KEYS_FROM` on a GPU, ``None`` on the CPU, where the
+        host is the device). Set it to an int >= 1 or None (ArgumentTypeError, InvalidArgumentError).
+        docs/algorithms.md section 8."""
+        return self._keys_from
+
+    @device_keys_from.setter
+    def device_keys_from(self, value) -> None:
+        op = "device_keys_from"
+        if value is not None:
+            if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+                raise ArgumentTypeError(op, f"device_keys_from must be an int or None, got {type(value).__name__}")
+            value = operator.index(value)
+            if value < 1:
+                raise InvalidArgumentError(op, f"device_keys_from must be >= 1 or None, got {value}", value)
+        self._keys_from = value
 
     def _keys_on_device(self, keys: list) -> bool:
         """Whether a launch's cachings ``keys`` (``(hash, group)`` pairs) are keyed on the device: at
         least :attr:`device_keys_from` of them, every hash 32 bytes (``kernels.device_keys``)."""
-        m = self.device_keys_from
+        m = self._keys_from
         if m is None or len(keys) < m:
             return False
-        hashes = [h for h, _ in keys]
-        return set(map(type, hashes)) == _BYTES and set(map(len, hashes)) == _HASH_LEN
+        hashes, groups = [h for h, _ in keys], [g for _, g in keys]
+        return (set(map(type, hashes)) == _BYTES and set(map(len, hashes)) == _HASH_LEN
+                and set(map(type, groups)) == _INT)
 
     @staticmethod
     def _check_table(op: str, table: list, n_free: int, n_seg: int, n_touch: int, n_dem: int, n_cache: int,
@@ -731,6 +755,7 @@ class BlockPool:
         self._name_device_keys()
         return self.registry.maybe_sweep()
 
+    @locked
     def _name_device_keys(self) -> None:
         """Teach the registry the keys :meth:`apply_predicted` made on the device since the last call:
         their values read back in ONE device read (after the streams that made them), paired with the
@@ -738,13 +763,17 @@ class BlockPool:
         pending = self._unnamed
         if not pending:
             return
+        self._unnamed = []  # taken before the read: a launch meanwhile (another thread's) stays for the next
         if self.device.type == "cuda":
             here = torch.cuda.current_stream(self.device)
             for s in {id(e[2]): e[2] for e in pending}.values():
                 if s is not None and s != here:
                     here.wait_stream(s)
-        vals = (pending[0][1] if len(pending) == 1 else torch.cat([t for _, t, _ in pending])).tolist()
-        self._unnamed = []
+        try:
+            vals = (pending[0][1] if len(pending) == 1 else torch.cat([t for _, t, _ in pending])).tolist()
+        except BaseException:
+            self._unnamed = pending + self._unnamed  # nothing named, nothing lost
+            raise
         o = 0
         for pairs, _, _ in pending:
             n = len(pairs)

@@ -26,6 +26,7 @@ N = 48
 BS = 4
 
 
+@pytest.mark.heavy("65")
 @pytest.mark.parametrize("n", [1, LANES + 1])
 def test_the_kernels_keys_are_the_hosts(n):
     rng = random.Random(n)
@@ -64,6 +65,7 @@ def _launch(pool, hashes):
     return blocks
 
 
+@pytest.mark.heavy("after a check")
 @pytest.mark.parametrize("named", ["before a check", "after a check", "after a sweep"])
 def test_a_launch_keyed_on_the_device_is_the_hosts(named):
     hashes = [h(f"new{i}") for i in range(18)] + [h("old0"), h("old3")]
@@ -114,3 +116,59 @@ def test_names_read_back_in_one_read_for_several_launches():
     dev.check()
     host.check()
     assert not dev._unnamed and pool_state(dev) == pool_state(host)
+
+
+def test_device_keys_from_takes_an_int_or_none():
+    from gpupool.errors import ArgumentTypeError, InvalidArgumentError
+    pool = BlockPool(N, device="cpu")
+    for bad, err in (("16", ArgumentTypeError), (1.5, ArgumentTypeError), (True, ArgumentTypeError),
+                     ([1], ArgumentTypeError), (0, InvalidArgumentError), (-2**70, InvalidArgumentError)):
+        with pytest.raises(err):
+            pool.device_keys_from = bad
+        assert pool.device_keys_from is None
+    pool.device_keys_from = 2**80  # never reached: the host keys everything
+    pool.device_keys_from = 3
+    assert pool.device_keys_from == 3
+
+
+def test_a_batch_reused_after_its_launch_keeps_its_names():
+    """``apply_predicted`` does not wait, and copies what it keeps: a caller may empty and refill its
+    batch at once; the names read back later are the first launch's."""
+    from gpupool.kernels.layout import ROUND_WIDTH
+    pool = BlockPool(N, device="cpu")
+    pool.device_keys_from = 1
+    first = [h(f"first{i}") for i in range(3)]
+    b = _batch(first)
+    blocks = pool.apply_predicted(b)[0].tolist()
+    for part in (b.demands, b.cache_ids, b.cache_keys, b.cache_ntok, b.cache_calls):
+        part.clear()
+    b.table[:] = [0] * ROUND_WIDTH
+    b.add_pop(3)
+    for k in range(3):
+        b.add_cache([N + k], [(h(f"second{k}"), k % 2)], [BS * (k + 1)])
+    pool.apply_predicted(b)
+    pool.check()
+    assert [pool.block_keys(x) for x in blocks] == [[(hs, k % 2)] for k, hs in enumerate(first)]
+
+
+def test_a_launch_while_names_are_read_back_keeps_its_names():
+    """A launch that lands while the name source reads keys back (a device wait on a GPU; another
+    thread's launch, here forced from inside the read) is named at the next read, not dropped."""
+    pool = BlockPool(N, device="cpu")
+    pool.device_keys_from = 1
+    first, second = [h(f"a{i}") for i in range(3)], [h(f"b{i}") for i in range(3)]
+    pool.apply_predicted(_batch(first))
+
+    class LaunchDuringRead:
+        def __init__(self, t):
+            self.t = t
+
+        def tolist(self):
+            pool.apply_predicted(_batch(second))
+            return self.t.tolist()
+
+    pairs, t, stream = pool._unnamed[0]
+    pool._unnamed[0] = (pairs, LaunchDuringRead(t), stream)
+    assert pool.key_name(device_key(first[0], 0)) == (first[0], 0)
+    pool.check()
+    assert [pool.key_name(device_key(hs, k % 2)) for k, hs in enumerate(second)] == [(hs, k % 2) for k, hs in enumerate(second)]
