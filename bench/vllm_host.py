@@ -59,7 +59,8 @@ cost).
 over ``--steps`` steps of each call's host microseconds, ``get_new_blocks(1)`` and the one-block
 ``cache_full_blocks`` of the B // 16 requests crossing into a new block, stock and gpupool interleaved;
 then the host side of one ``apply_predicted`` of 4 such steps (the launch the fast path makes every 4
-steps), the stub's time left out.
+steps), the stub's time left out (the cachings keyed on the device, as a GPU pool keys them); and a
+step's pool host time: its calls at their medians, gpupool's with a quarter of a launch.
 
     TRITON_INTERPRET=1 python bench/vllm_host.py --per-call [--requests 1024] [--steps 40]
 """
@@ -481,6 +482,9 @@ def per_call_main(n_req: int, steps: int) -> int:
     if launch:
         print(f"a launch's host side (4 steps' pops and cachings, the stub's time left out): median "
               f"{statistics.median(launch) * 1e6:,.0f} us, least {min(launch) * 1e6:,.0f} us")
+        calls = {k: sum(statistics.median(v) * len(v) for v in per[k].values()) / steps * 1e6 for k in per}
+        print(f"a step's pool host time, us (its calls at the medians, gpupool's with a quarter launch): "
+              f"gpupool {calls['gpupool'] + statistics.median(launch) / 4 * 1e6:,.0f} / vLLM {calls['stock']:,.0f}")
     return 0
 
 

@@ -637,9 +637,11 @@ class BlockPool:
                 host += v
             sizes.append(n)
         keys = b.cache_keys
-        if self._keys_on_device(keys):  # (a copy kept for the names: the caller may reuse its batch)  # the hashes' bytes travel; the kernel below makes the keys
-            parts = [(host, torch.int32), ([0] * (2 * n_cache) + [g for _, g in keys] + b.cache_ntok, torch.int64),
-                     (b"".join([h for h, _ in keys]), torch.int32)]
+        on_device = self._device_key_parts(keys)
+        if on_device:  # the hashes' bytes travel (hi, lo zero-filled); the kernel below makes the keys
+            raw, groups = on_device
+            parts = [(host, torch.int32), ([0] * (2 * n_cache) + groups + b.cache_ntok, torch.int64),
+                     (raw, torch.int32)]
         else:
             parts = [(host, torch.int32), (self._key_values(keys, b.cache_ntok), torch.int64)]
         small, key_flat, *digests = tensors.to_device_packed(parts, self.device)
@@ -655,7 +657,7 @@ class BlockPool:
             d_dem if dem else one, d_table, d_c if n_cache else one, *key_parts,
             n_rounds=len(table) // ROUND_WIDTH, n_free=n_free, n_touch=n_touch, n_demands=len(dem),
             n_cache=n_cache, total=total)
-        if digests:
+        if digests:  # a copy kept for the names: the caller may reuse its batch
             self._unnamed.append((list(keys), key_flat[: 2 * n_cache],
                                   torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None))
         return out
@@ -679,15 +681,17 @@ class BlockPool:
                 raise InvalidArgumentError(op, f"device_keys_from must be >= 1 or None, got {value}", value)
         self._keys_from = value
 
-    def _keys_on_device(self, keys: list) -> bool:
-        """Whether a launch's cachings ``keys`` (``(hash, group)`` pairs) are keyed on the device: at
-        least :attr:`device_keys_from` of them, every hash 32 bytes (``kernels.device_keys``)."""
+    def _device_key_parts(self, keys: list) -> tuple[bytes, list[int]] | None:
+        """``(the hashes' bytes, the groups)`` where a launch's cachings ``keys`` (``(hash, group)``
+        pairs) are keyed on the device: at least :attr:`device_keys_from` of them, every hash 32 bytes
+        (``kernels.device_keys``), every group an int; else None (keyed on the host)."""
         m = self._keys_from
         if m is None or len(keys) < m:
-            return False
+            return None
         hashes, groups = [h for h, _ in keys], [g for _, g in keys]
-        return (set(map(type, hashes)) == _BYTES and set(map(len, hashes)) == _HASH_LEN
-                and set(map(type, groups)) == _INT)
+        if set(map(type, hashes)) == _BYTES and set(map(len, hashes)) == _HASH_LEN and set(map(type, groups)) == _INT:
+            return b"".join(hashes), groups
+        return None
 
     @staticmethod
     def _check_table(op: str, table: list, n_free: int, n_seg: int, n_touch: int, n_dem: int, n_cache: int,
