@@ -427,6 +427,105 @@ def stub_main(a) -> int:
     return 0
 
 
+class PoolTimer:
+    """The seconds (``time.perf_counter``: a cheap clock, as the calls are short) a scheduler loop spends
+    inside its block pool's public methods (vLLM's calls on ``kv_cache_manager.block_pool`` and, for
+    gpupool, ``end_step``), outermost calls only, less ``left_out()``'s growth meanwhile (the stub's)
+    and the timer's own cost per call (calibrated)."""
+
+    def __init__(self, pool, left_out=lambda: 0.0):
+        self.seconds, self.calls, self.depth, self.left_out = 0.0, 0, 0, left_out
+        for name in dir(type(pool)):
+            f = getattr(pool, name, None)
+            if not name.startswith("_") and callable(f) and not isinstance(f, type):
+                setattr(pool, name, self._wrap(f))
+        self.overhead = self._calibrate()
+
+    def _wrap(self, f):
+        clock = time.perf_counter
+
+        def timed(*args, **kwargs):
+            if self.depth:
+                return f(*args, **kwargs)
+            self.depth = 1
+            k0, t0 = self.left_out(), clock()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                self.seconds += clock() - t0 - (self.left_out() - k0)
+                self.calls += 1
+                self.depth = 0
+        return timed
+
+    def _calibrate(self, n: int = 20000) -> float:
+        """The seconds one timed call adds to ``seconds`` around a function that does nothing."""
+        timed = self._wrap(lambda: None)
+        s0, c0 = self.seconds, self.calls
+        for _ in range(n):
+            timed()
+        per = (self.seconds - s0) / n
+        self.seconds, self.calls = s0, c0
+        return per
+
+    def take(self) -> tuple[float, int]:
+        """(seconds less the timer's own, calls) since the last take."""
+        out = self.seconds - self.calls * self.overhead, self.calls
+        self.seconds, self.calls = 0.0, 0
+        return out
+
+
+def _clocked(run, spent: list):
+    """``run`` adding its ``time.perf_counter`` seconds to ``spent[0]``."""
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t0
+    return timed
+
+
+def pool_time_main(a) -> int:
+    """``--pool-time`` (module docstring)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from harness.flush_stub import stubbed_flush
+    from gpupool.kernels import device_keys as k_keys
+    print(f"host time inside the block pool's methods per scheduler step, us (wall clock, on a quiet machine; the "
+          f"stub's time and the timer's own left out; {a.reps} repetitions x {a.steps} steps, interleaved; median (min-max) over the repetitions)")
+    print(f"{'workload':<12} {'stock':>9} {'gpupool':>9} {'ratio median (min-max)':>24}  calls per step: stock gpupool")
+    for name in a.workloads.split(","):
+        wl = WORKLOADS[name]
+        with stubbed_flush() as stub:
+            loops = {"stock": SchedulerLoop("stock", wl, [0.0]),
+                     "gpupool": SchedulerLoop("gpupool", wl, [0.0], lambda: stub.seconds)}
+            spent = [0.0]  # the stub's seconds on the timer's clock
+            for kernel in (stub, k_keys.device_keys_kernel):
+                kernel.run = _clocked(kernel.run, spent)
+            timers = {"stock": PoolTimer(loops["stock"].sched.kv_cache_manager.block_pool),
+                      "gpupool": PoolTimer(loops["gpupool"].sched.kv_cache_manager.block_pool, lambda: spent[0])}
+            per = {"stock": [], "gpupool": [], "ratio": []}
+            calls = Counter()
+            for _ in range(a.reps):
+                gc.collect()
+                gc.disable()
+                try:
+                    for k in range(a.steps):
+                        for v in (("stock", "gpupool") if k % 2 == 0 else ("gpupool", "stock")):
+                            loops[v].step_time()
+                finally:
+                    gc.enable()
+                got = {v: t.take() for v, t in timers.items()}
+                for v, (sec, n) in got.items():
+                    per[v].append(sec / a.steps)
+                    calls[v] += n
+                per["ratio"].append(per["gpupool"][-1] / per["stock"][-1])
+        r, lo, hi = _spread(per["ratio"])
+        n = a.reps * a.steps
+        print(f"{name:<12} {statistics.median(per['stock']) * 1e6:>9,.0f} {statistics.median(per['gpupool']) * 1e6:>9,.0f} "
+              f"{r:>10.3f}x ({lo:.3f}-{hi:.3f})  {calls['stock'] / n:,.0f} {calls['gpupool'] / n:,.0f}", flush=True)
+    return 0
+
+
 def as_on_gpu(adapter) -> None:
     """A stubbed CPU pool takes a GPU pool's path: its launches key many cachings on the device
     (``gpupool.pool.DEVICE_KEYS_FROM``; the stub makes those keys, its time left out)."""
@@ -526,6 +625,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="timed steps (per repetition with --scheduler)")
     ap.add_argument("--scheduler", action="store_true", help="vLLM's scheduler loop, stock against gpupool")
     ap.add_argument("--per-call", action="store_true", help="a decode step's calls timed one by one (module docstring)")
+    ap.add_argument("--pool-time", action="store_true",
+                    help="vLLM's scheduler loop, the host time inside the block pool per step (module docstring)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", choices=("stub", "interpreted"), default="stub",
@@ -555,6 +656,13 @@ def main(argv=None) -> int:
         DeferredBlockPool.launch_every = a.launch_every
     if a.per_call:
         return per_call_main(a.requests, a.steps or 40)
+    if a.pool_time:
+        a.steps = a.steps or 8
+        sys.path.insert(0, str(ROOT / "tests" / "vllm_plugin" / "conformance"))
+        if vllm_pool() is None:
+            print("vLLM 0.33's source is not available (GPUPOOL_VLLM_SRC or the tests' cache): nothing to compare")
+            return 1
+        return pool_time_main(a)
     if a.scheduler:
         a.steps = a.steps or 8
         return scheduler_main(a)

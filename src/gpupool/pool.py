@@ -128,7 +128,7 @@ class BlockPool:
                                   events=enable_kv_cache_events, ring_capacity=ring_capacity, num_chunks=num_chunks,
                                   event_capacity=event_capacity)
         self.state = allocate_checked(op, "num_blocks", num_blocks, lambda d: allocate_state(self.config, d), self.device)
-        self.registry = KeyRegistry(self._live_keys)
+        self.registry = KeyRegistry(self._live_keys, floor=num_blocks)
         self.registry.add_name_source(self._name_device_keys)
         # apply_predicted's cachings keyed on the device from this many (None: on the host, where the
         # device is the CPU); their names are read back at the next check or sweep (_name_device_keys)
@@ -598,7 +598,7 @@ class BlockPool:
         if not (len(keys) == len(ntok) == sum(per_call) == (n_cids if self.enable_caching else 0)):
             raise InvalidArgumentError(op, f"cache items: {len(keys)} keys, {len(ntok)} token counts, "
                                            f"{sum(per_call)} blocks in the calls, {n_cids} cache_ids")
-        blocks, _, confirm = self._launch_batch(op, batch, True)
+        blocks, _, confirm = self._launch_batch(op, batch, True, offsets=False)
         return blocks, confirm
 
     @staticmethod
@@ -613,9 +613,10 @@ class BlockPool:
             raise InvalidCountError(op, f"a demand must be >= 0, got {bad}", bad)
         return dem
 
-    def _launch_batch(self, op: str, b: FlushBatch, in_rounds: bool):
+    def _launch_batch(self, op: str, b: FlushBatch, in_rounds: bool, offsets: bool = True):
         """The launch behind :meth:`apply_batched` and :meth:`apply_predicted`: (blocks, offsets,
-        confirm). ``in_rounds``: the caller gave rounds (named in an error)."""
+        confirm). ``in_rounds``: the caller gave rounds (named in an error); ``offsets``: False for a
+        caller that reads none (None then)."""
         fids, n_free = self._i32_part(op, b.free_ids, "free_ids")
         seg, n_seg = self._i32_part(op, b.free_offsets, "free_offsets")
         tids, n_touch = self._i32_part(op, b.touch_ids, "touch_ids")
@@ -656,7 +657,7 @@ class BlockPool:
             self.state, self.config, d_f if n_free else one, d_s if n_seg else one, d_t if n_touch else one,
             d_dem if dem else one, d_table, d_c if n_cache else one, *key_parts,
             n_rounds=len(table) // ROUND_WIDTH, n_free=n_free, n_touch=n_touch, n_demands=len(dem),
-            n_cache=n_cache, total=total)
+            n_cache=n_cache, total=total, offsets=offsets)
         if digests:  # a copy kept for the names: the caller may reuse its batch
             self._unnamed.append((list(keys), key_flat[: 2 * n_cache],
                                   torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None))

@@ -3,9 +3,11 @@
 The device stores a 128-bit key per (hash, group) (``gpupool.keys.device_key``); KV events and
 ``block_keys`` need the hash bytes back. The registry learns a key when the host hands it to the
 device (``cache_full_blocks``, a manager's request hashes, a replayed trace) and forgets the keys no
-one can name any more: when it has grown past twice what it kept at its last sweep, a sweep keeps only
-the keys live in the device table plus those a pin source still needs (a manager's active requests),
-so host memory is O(live keys), with KV events on or off (docs/design.md, device state).
+one can name any more: when it has grown past twice what it kept at its last sweep (and past its
+floor, the pool's block count: a sweep reads every live key, so a pool filling up does not sweep at
+each doubling), a sweep keeps only the keys live in the device table plus those a pin source still
+needs (a manager's active requests), so host memory is O(live keys + blocks), with KV events on or off
+(docs/design.md, device state).
 
 Sweeps run only where no device event row is waiting to be named (right after the pool drained its
 events), so every key an event row carries is still here when it is translated.
@@ -24,14 +26,16 @@ MIN_SWEEP = 4096
 
 class KeyRegistry:
     """Device keys the host can name. ``live_keys()`` returns the keys live in the device table (a
-    device read: called only by :meth:`maybe_sweep`)."""
+    device read: called only by :meth:`maybe_sweep`); ``floor``: no sweep below this many entries
+    (at least ``MIN_SWEEP``; a pool gives its block count)."""
 
-    def __init__(self, live_keys: Callable[[], Iterable[Key]]):
+    def __init__(self, live_keys: Callable[[], Iterable[Key]], floor: int = 0):
         self._names: dict[Key, tuple[bytes, int]] = {}
         self._live_keys = live_keys
         self._pin_sources: list[Callable[[], Iterable[Key]]] = []
         self._name_sources: list[Callable[[], None]] = []
-        self._sweep_at = MIN_SWEEP
+        self._floor = max(MIN_SWEEP, floor)  # no sweep below this many entries
+        self._sweep_at = self._floor
 
     def __len__(self) -> int:
         return len(self._names)
@@ -83,7 +87,7 @@ class KeyRegistry:
         for src in self._pin_sources:
             keep.update(src())
         self._names = {k: v for k, v in self._names.items() if k in keep}
-        self._sweep_at = max(MIN_SWEEP, 2 * len(self._names))
+        self._sweep_at = max(self._floor, 2 * len(self._names))
         return True
 
     def clear_unpinned(self) -> None:
@@ -92,4 +96,4 @@ class KeyRegistry:
         for src in self._pin_sources:
             keep.update(src())
         self._names = {k: v for k, v in self._names.items() if k in keep}
-        self._sweep_at = max(MIN_SWEEP, 2 * len(self._names))
+        self._sweep_at = max(self._floor, 2 * len(self._names))

@@ -226,30 +226,41 @@ def flush_kernel(ps, pc: tl.constexpr, fr, touch_ids, pop, ca, rounds, n_rounds)
     tl.store(pop.confirm + CF_AFTER, tl.load(ps.status))
 
 
+def _aligned(n: int) -> int:
+    """``n`` int32 entries rounded up to whole 16 bytes."""
+    return (n + 3) & ~3
+
+
 def launch_flush(ps, pc, free_ids, seg_off, touch_ids, demands, rounds, cache_ids, key_hi, key_lo, key_group, ntok,
-                 *, n_rounds: int, n_free: int, n_touch: int, n_demands: int, n_cache: int, total: int):
+                 *, n_rounds: int, n_free: int, n_touch: int, n_demands: int, n_cache: int, total: int,
+                 offsets: bool = True):
     """Launch ``flush_kernel`` (one program; the pool has no KV events). Every argument is a device
     tensor with at least one entry, of which the first ``n_*`` count (``seg_off``: every round's
     offsets; ``rounds``: ``FlushBatch.table``, ``n_rounds * ROUND_WIDTH`` entries, int32); ``total``:
     the demands' sum, checked on the host (sizes the output). Returns ``(blocks: int32[total],
     offsets: int32[n_demands + 1], confirm: int32[CONFIRM_WIDTH])``, the offsets over all rounds'
-    demands; ``blocks`` -1 where a round's pops fail or are skipped; ``confirm`` the status code
-    before the launch and after it (not 0 before: a recorded error made it do nothing)."""
+    demands (``offsets=False``: None, three torch ops fewer for a caller that reads none); ``blocks``
+    -1 where a round's pops fail or are skipped; ``confirm`` the status code before the launch and
+    after it (not 0 before: a recorded error made it do nothing). Outputs and scratch are views of
+    one allocation (one op, not one per part)."""
     import torch
 
     if pc.EVENTS:
         raise ValueError("flush_kernel's caching writes no events")
-    dev = free_ids.device
     pc = batch_config(pc, max(n_free, n_touch, total, n_cache))
-    blocks = torch.empty(total + 1, dtype=torch.int32, device=dev)
-    out = torch.empty(n_demands + n_rounds + CONFIRM_WIDTH, dtype=torch.int32, device=dev)
-    offsets, confirm = out[: n_demands + n_rounds], out[n_demands + n_rounds:]
     nf, nc = max(n_free, 1), max(n_cache, 1)
-    scratch = torch.empty(3 * nf + 1 + nc, dtype=torch.int32, device=dev)
-    fr = FreePart(free_ids, seg_off, scratch[: nf + 1], scratch[nf + 1: 2 * nf + 1], scratch[2 * nf + 1: 3 * nf + 1])
-    ca = CachePart(cache_ids, scratch[3 * nf + 1:], key_hi, key_lo, key_group, ntok)
-    flush_kernel[(1,)](ps, pc, fr, touch_ids, PopPart(demands, blocks, offsets, confirm), ca, rounds, n_rounds,
+    sizes = [_aligned(total + 1), _aligned(n_demands + n_rounds), _aligned(nf + 1), _aligned(nf), _aligned(nf), _aligned(nc),
+             CONFIRM_WIDTH]  # every part 16-byte aligned, as its own allocation would be (Triton specializes on it)
+    blocks, offs, pf, seg_of, code, resolved, confirm = torch.empty(
+        sum(sizes), dtype=torch.int32, device=free_ids.device).split_with_sizes(sizes)
+    fr = FreePart(free_ids, seg_off, pf, seg_of, code)
+    ca = CachePart(cache_ids, resolved, key_hi, key_lo, key_group, ntok)
+    flush_kernel[(1,)](ps, pc, fr, touch_ids, PopPart(demands, blocks, offs, confirm), ca, rounds, n_rounds,
                        num_warps=warps_for(pc.BLOCK))
-    if n_rounds > 1:  # each round wrote its own offsets, from 0: the demands' prefix sums over all of them
-        offsets = torch.cat([offsets[:1], torch.cumsum(demands[:n_demands], 0).to(torch.int32)])
-    return blocks[:total], offsets[: n_demands + 1], confirm
+    if not offsets:
+        offs = None
+    elif n_rounds > 1:  # each round wrote its own offsets, from 0: the demands' prefix sums over all of them
+        offs = torch.cat([offs[:1], torch.cumsum(demands[:n_demands], 0).to(torch.int32)])
+    else:
+        offs = offs[: n_demands + 1]
+    return blocks[:total], offs, confirm

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+_IS_ID = (-1).__lt__  # v >= 0 for an int: a block id, not a hole (-1), at C speed
+
 
 class FreeQueueCopy:
     """The free queue's first ids, in order, exactly (``ids``; None: not known).
@@ -30,7 +32,7 @@ class FreeQueueCopy:
 
     def fill(self, window) -> None:
         """From a device window: ids in queue order, -1 for holes and slots past the tail."""
-        self.ids = OrderedDict.fromkeys(v for v in window if v >= 0)
+        self.ids = OrderedDict.fromkeys(filter(_IS_ID, window))
         self.low_mark = len(self.ids) // 2
 
     def forget(self) -> None:
@@ -80,6 +82,6 @@ class FreeQueueCopy:
         """Whether a device window continues the copy (the common prefix equal)."""
         if self.ids is None:
             return True
-        mine, got = list(self.ids), [v for v in window if v >= 0]
+        mine, got = list(self.ids), list(filter(_IS_ID, window))
         m = min(len(mine), len(got))
         return mine[:m] == got[:m]
