@@ -63,6 +63,16 @@ steps), the stub's time left out (the cachings keyed on the device, as a GPU poo
 step's pool host time: its calls at their medians, gpupool's with a quarter of a launch.
 
     TRITON_INTERPRET=1 python bench/vllm_host.py --per-call [--requests 1024] [--steps 40]
+
+``--pool-time``: the scheduler loop of ``--scheduler`` (the stub, the same workloads), timing only the
+host time inside the block pool's public methods, the outermost call of each (vLLM's calls on
+``kv_cache_manager.block_pool``, and gpupool's ``end_step``, where its launches and synchronisations
+run), on ``time.perf_counter`` less the stub's time and the timer's own cost per call (calibrated on a
+function that does nothing), stock and gpupool interleaved step by step: the part of a step where the
+two differ, without the rest of vLLM's step around it. The torch ops on the pool's CPU tensors are in
+it, as measured (a GPU pays a launch each instead).
+
+    TRITON_INTERPRET=1 python bench/vllm_host.py --pool-time [--reps 16]
 """
 from __future__ import annotations
 
@@ -475,13 +485,14 @@ class PoolTimer:
 
 
 def _clocked(run, spent: list):
-    """``run`` adding its ``time.perf_counter`` seconds to ``spent[0]``."""
+    """``run`` adding its ``time.perf_counter`` seconds to ``spent[0]`` and its calls to ``spent[1]``."""
     def timed(*args, **kwargs):
         t0 = time.perf_counter()
         try:
             return run(*args, **kwargs)
         finally:
             spent[0] += time.perf_counter() - t0
+            spent[1] += 1
     return timed
 
 
@@ -498,7 +509,7 @@ def pool_time_main(a) -> int:
         with stubbed_flush() as stub:
             loops = {"stock": SchedulerLoop("stock", wl, [0.0]),
                      "gpupool": SchedulerLoop("gpupool", wl, [0.0], lambda: stub.seconds)}
-            spent = [0.0]  # the stub's seconds on the timer's clock
+            spent = [0.0, 0]  # the stub's seconds on the timer's clock, its launches
             for kernel in (stub, k_keys.device_keys_kernel):
                 kernel.run = _clocked(kernel.run, spent)
             timers = {"stock": PoolTimer(loops["stock"].sched.kv_cache_manager.block_pool),
@@ -670,16 +681,8 @@ def main(argv=None) -> int:
     from gpupool.kernels import flush as k_flush
     from gpupool.vllm.fast_path import DeferredBlockPool
 
-    launch, spent = k_flush.launch_flush, [0.0, 0]
-
-    def timed(*args, **kw):
-        t0 = time.perf_counter()
-        try:
-            return launch(*args, **kw)
-        finally:
-            spent[0] += time.perf_counter() - t0
-            spent[1] += 1
-    k_flush.launch_flush = timed
+    spent = [0.0, 0]
+    k_flush.launch_flush = _clocked(k_flush.launch_flush, spent)
     pool = DeferredBlockPool(N, True, BS, device="cpu")
     spent0 = []
 

@@ -127,7 +127,8 @@ def tiny(cmd: str, tmp: Path) -> tuple[list[str], dict, int | None]:
         return [sys.executable, *rest], env, None
     if prog in ("python", "python3") and rest[:1] == ["bench/vllm_host.py"]:
         rest = _set(_set(rest, "--requests", "32"), "--steps", "2")
-        return [sys.executable, *(_set(rest, "--reps", "1") if "--scheduler" in rest else rest)], env, None
+        timed_loop = "--scheduler" in rest or "--pool-time" in rest
+        return [sys.executable, *(_set(rest, "--reps", "1") if timed_loop else rest)], env, None
     if prog in ("python", "python3") and rest[:1] == ["examples/decode_loop.py"]:
         small = ["--modes", "host", "window", "--steps", "2", "--requests", "2", "--max-new", "3", "--prompt-len", "6",
                  "--prefix-len", "4", "--hidden", "16", "--heads", "2", "--kv-heads", "1", "--layers", "1",

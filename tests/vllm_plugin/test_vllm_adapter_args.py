@@ -8,6 +8,7 @@ other pools' blocks) at every entry point."""
 from harness.paths import CONFORMANCE
 import sys
 import time
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,10 +18,18 @@ sys.path.insert(0, str(CONFORMANCE))
 import driver  # noqa: E402
 from gpupool.errors import ArgumentTypeError, DoubleFreeError, PoolError  # noqa: E402
 from gpupool.vllm import BlockPool, fast_path  # noqa: E402
+from gpupool.vllm.block_pool import KVCacheBlock  # noqa: E402
 from gpupool.vllm.fast_path import DeferredBlockPool  # noqa: E402
 
 BS = driver.BLOCK_SIZE
 CLASSES = [BlockPool, DeferredBlockPool]
+
+
+class _LookAlike:
+    """Not a block, though ``__class__`` says KVCacheBlock (isinstance believes it)."""
+    __class__ = KVCacheBlock
+    block_id = 1
+    is_null = False
 
 
 def kw(backend):
@@ -58,6 +67,11 @@ CASES = {
     "ref_cnt = 2.0": lambda p, r, a: setattr(a[0], "ref_cnt", 2.0),
     "insert(short key)": lambda p, r, a: p.cached_block_hash_to_block.insert(b"abcd", a[1]),
     "insert(str key)": lambda p, r, a: p.cached_block_hash_to_block.insert("abcdefgh", a[1]),
+    # look-alikes: a mock of a block (its attributes all answer) and a class claiming KVCacheBlock as __class__
+    "free_blocks([mock block])": lambda p, r, a: p.free_blocks([mock.Mock(spec=KVCacheBlock)]),
+    "touch([mock block])": lambda p, r, a: p.touch([mock.Mock(spec=KVCacheBlock)]),
+    "free_blocks([look-alike])": lambda p, r, a: p.free_blocks([_LookAlike()]),
+    "cache_full_blocks(look-alike)": lambda p, r, a: p.cache_full_blocks(r, [a[0], _LookAlike()], 1, 2, BS, 0),
 }
 
 

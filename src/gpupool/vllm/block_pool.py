@@ -455,7 +455,7 @@ class BlockPool:
         it), else ArgumentTypeError."""
         out = []
         for blk in as_host_list("BlockPool", blocks, "blocks"):
-            if not isinstance(blk, KVCacheBlock) or blk._pool is not self:
+            if not issubclass(type(blk), KVCacheBlock) or blk._pool is not self:  # type(): not fooled by __class__
                 raise ArgumentTypeError("BlockPool", f"expected a KVCacheBlock of this pool, got {blk!r}")
             out.append(blk.block_id)
         return out
@@ -465,8 +465,8 @@ class BlockPool:
         over canonical blocks."""
         out = []
         for blk in blocks:
-            if blk.__class__ is not KVCacheBlock or blk._pool is not self:
-                if not isinstance(blk, KVCacheBlock) or blk._pool is not self:
+            if type(blk) is not KVCacheBlock or blk._pool is not self:
+                if not issubclass(type(blk), KVCacheBlock) or blk._pool is not self:
                     self._ids([blk])
             if not blk.is_null:
                 out.append(blk._s)
@@ -519,7 +519,7 @@ class BlockPool:
             "free_blocks", ordered_blocks, "ordered_blocks")
         others = None
         for blk in blocks:  # the common case, one pass: this pool's canonical blocks only
-            if blk.__class__ is not KVCacheBlock or blk._pool is not self:
+            if type(blk) is not KVCacheBlock or blk._pool is not self:
                 blocks, others = self._split_by_pool(blocks)
                 for owner, blks in others.values():  # all or nothing: every pool's blocks checked first
                     owner._check_release(blks)
@@ -536,7 +536,10 @@ class BlockPool:
         """(this pool's non-null blocks, {id(pool): (pool, its blocks)} for gpupool pools' others)."""
         mine, others = [], {}
         for blk in blocks:
-            if getattr(blk, "is_null", False):
+            if not issubclass(type(blk), KVCacheBlock):  # no block (a mock's attributes are not read)
+                mine.append(blk)
+                continue
+            if blk.is_null:
                 continue
             owner = getattr(blk, "pool", None)
             if isinstance(owner, BlockPool) and owner is not self:
@@ -584,7 +587,7 @@ class BlockPool:
         (touches; no metrics call, as vLLM's write makes none), else InvalidArgumentError (and
         AssertionError), checked on the host."""
         # a placeholder's own row is the host's: only a block a placeholder's pop may have taken is read
-        (s,) = self._settled([blk], [blk._s], "ref_cnt") if blk.__class__ is KVCacheBlock else (blk._s,)
+        (s,) = self._settled([blk], [blk._s], "ref_cnt") if type(blk) is KVCacheBlock else (blk._s,)
         cur = self._ref[s]
         if isinstance(value, int) and not isinstance(value, bool) and value - cur > MAX_REF_RAISE:
             raise _as_assertion(InvalidArgumentError(

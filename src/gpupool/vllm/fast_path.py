@@ -151,7 +151,7 @@ class DeferredEngine(PerCallEngine):
         takes it (caching on, ``blk`` this pool's, held and un-keyed, the request's hashes there as
         bytes), in fewer steps; returns whether it was (else the caller takes the general path)."""
         m = self.mirror
-        if blk.__class__ is not KVCacheBlock or blk._pool._engine is not self or blk.is_null:
+        if type(blk) is not KVCacheBlock or blk._pool._engine is not self or blk.is_null:
             return False
         s = blk._s
         if m.keys[s] or m.ref[s] <= 0 or not self.caching:
@@ -246,7 +246,7 @@ class DeferredEngine(PerCallEngine):
         m = self.mirror
         keys, ref, slots = m.keys, m.ref, []
         for blk in rng:  # held, un-keyed, listed once: a pop may then run before the caching (OpBatch)
-            if not isinstance(blk, KVCacheBlock) or blk.is_null or blk._pool._engine is not self:
+            if not issubclass(type(blk), KVCacheBlock) or blk.is_null or blk._pool._engine is not self:
                 return False
             s = blk._s
             if keys[s] or ref[s] <= 0:
