@@ -90,3 +90,33 @@ def test_pool_syncs_do_not_wait_for_the_default_stream(cls):
     slept = time.perf_counter() - t0
     assert waited < 0.5 * slept, (waited, slept)
     assert len({x.block_id for x in b}) == 2
+
+
+def test_cachings_keyed_on_the_device_on_cuda():
+    """A launch of 16 or more cachings on a CUDA pool makes their device keys on the device
+    (``DEVICE_KEYS_FROM``, kernels/device_keys.py): names, lookups and the whole state equal a launch
+    keyed on the host, named before a check (the registry's name source) and after it."""
+    from gpupool import BlockPool as DevicePool
+    from gpupool.kernels.flush import FlushBatch
+    from gpupool.keys import device_key
+    from gpupool.pool import DEVICE_KEYS_FROM
+    from harness.keys import h
+    from harness.state import lookup, pool_state
+
+    n = 64
+    dev, host = DevicePool(n, device="cuda"), DevicePool(n, device="cuda")
+    assert dev.device_keys_from == DEVICE_KEYS_FROM
+    host.device_keys_from = None
+    hashes = [h(f"k{i}") for i in range(DEVICE_KEYS_FROM + 4)]
+    for p in (dev, host):
+        b = FlushBatch()
+        b.add_pop(len(hashes))
+        for k, hs in enumerate(hashes):
+            b.add_cache([n + k], [(hs, k % 3)], [16 * (k + 1)])
+        p.apply_predicted(b)
+    assert dev._unnamed and not host._unnamed
+    assert dev.key_name(device_key(hashes[5], 5 % 3)) == (hashes[5], 5 % 3)
+    dev.check()
+    host.check()
+    assert pool_state(dev) == pool_state(host)
+    assert [lookup(dev, hs, [k % 3]) for k, hs in enumerate(hashes)] == [lookup(host, hs, [k % 3]) for k, hs in enumerate(hashes)]
