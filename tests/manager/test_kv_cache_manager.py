@@ -68,7 +68,7 @@ from harness.manager_pair import (  # noqa: E402
 @settings(max_examples=_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                           HealthCheck.data_too_large])
 @given(data=st.data())
-@pytest.mark.heavy("full+sliding-parallel")
+@pytest.mark.heavy("full+sliding-parallel", "full+chunked-parallel")
 def test_manager_matches_reference(kind, parallel, data):
     """Random workloads; ``parallel``: allocate_slots takes the request-parallel path where it is exact
     (kernels/requests/parallel.py), else every batch takes the exact sequential path."""

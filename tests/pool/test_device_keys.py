@@ -65,7 +65,7 @@ def _launch(pool, hashes):
     return blocks
 
 
-@pytest.mark.heavy("after a check")
+@pytest.mark.heavy("after a check", "after a sweep")
 @pytest.mark.parametrize("named", ["before a check", "after a check", "after a sweep"])
 def test_a_launch_keyed_on_the_device_is_the_hosts(named):
     hashes = [h(f"new{i}") for i in range(18)] + [h("old0"), h("old3")]
@@ -106,6 +106,7 @@ def test_what_the_kernel_cannot_key_stays_on_the_host():
     assert BlockPool(N, device="cpu").device_keys_from is None  # on the CPU the host is the device: it keys there
 
 
+@pytest.mark.slow
 def test_names_read_back_in_one_read_for_several_launches():
     dev, host = _pools(1)
     for r in range(3):

@@ -65,6 +65,7 @@ def test_stub_equals_kernel_many(ops, n):
     _both(ops, n)
 
 
+@pytest.mark.slow
 @settings(max_examples=4, deadline=None)  # the interpreted keys kernel: about 0.2 s a launch
 @given(ops=st.lists(OPS, min_size=4, max_size=20), n=st.sampled_from([8, 24]))
 @example(ops=[("alloc", 3, 1, 3), ("alloc", 2, 0, 2), ("end_step",), ("hit", 1), ("cache", 0, 2), ("free", 1),
