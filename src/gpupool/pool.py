@@ -45,17 +45,16 @@ from .kernels.layout import (
     CHUNK_SLOTS, KEY_WIDTH, MIRROR_KEY_WIDTH, ROUND_WIDTH, Ctrl, Event, Fallback, KeyCol, MirrorCol, Op, RoundField,
     Status, op_name,
 )
+from .kernels.sha256 import round_constant_table
 from .locking import locked, new_lock
 from .memory import allocate_checked
 from .registry import KeyRegistry
 from .state import PoolConfig, PoolState, allocate_state, make_config, metadata_bytes
-from .kernels.sha256 import round_constant_table
 
 #: ``apply_predicted`` keys its cachings on the device from this many a launch (a GPU pool's default):
 #: the extra launch costs the host about what 10-15 host SHA-256s do (about 2 us each).
 DEVICE_KEYS_FROM = 16
 _BYTES, _HASH_LEN, _INT = {bytes}, {k_keys.HASH_BYTES}, {int}
-
 
 
 @dataclass(frozen=True)
