@@ -531,7 +531,10 @@ class BlockPool:
         (ints outside int32 raise InvalidArgumentError; ids are checked on the device, as a tensor's).
         ``demands``: host ints (the pops' sum sizes the output without a wait). ``cache_ids`` may name
         this call's popped blocks: ``num_blocks + k`` is the k-th. Returns ``(blocks:
-        int32[sum(demands)], offsets: int32[len(demands) + 1])`` as ``allocate_batched``'s.
+        int32[sum(demands)], offsets: int32[len(demands) + 1])`` as ``allocate_batched``'s: blocks -1
+        where the pops failed or were skipped; offsets all 0 where an earlier part's error skipped the
+        pops (one round), else the demands' prefix sums (also where the pops failed on the device, or
+        with rounds: the blocks say which did).
 
         ``rounds``: several such batches in one launch, one after another (None: one). A host list,
         per round ``(free ids, free calls, touch ids, demands, cache calls)``: how many of each part's
@@ -684,12 +687,13 @@ class BlockPool:
     def _device_key_parts(self, keys: list) -> tuple[bytes, list[int]] | None:
         """``(the hashes' bytes, the groups)`` where a launch's cachings ``keys`` (``(hash, group)``
         pairs) are keyed on the device: at least :attr:`device_keys_from` of them, every hash 32 bytes
-        (``kernels.device_keys``), every group an int; else None (keyed on the host)."""
+        (``kernels.device_keys``), every group an int64; else None (keyed on the host)."""
         m = self._keys_from
         if m is None or len(keys) < m:
             return None
         hashes, groups = [h for h, _ in keys], [g for _, g in keys]
-        if set(map(type, hashes)) == _BYTES and set(map(len, hashes)) == _HASH_LEN and set(map(type, groups)) == _INT:
+        if (set(map(type, hashes)) == _BYTES and set(map(len, hashes)) == _HASH_LEN and set(map(type, groups)) == _INT
+                and -2**63 <= min(groups) and max(groups) < 2**63):  # else the host's errors, as keyed there
             return b"".join(hashes), groups
         return None
 

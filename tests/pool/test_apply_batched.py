@@ -12,6 +12,7 @@ reference pool making the single calls in that order.
 * host errors raise at the call with the pool unchanged.
 """
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -322,3 +323,21 @@ def test_caching_off_runs_no_caching_part():
     b = [int(x) for x in ref.get_new_blocks(1)] + [int(x) for x in ref.get_new_blocks(1)]
     assert a.tolist() == b
     assert_pools_agree(ref, dev)
+
+
+def test_offsets_of_skipped_or_failed_pops_are_defined():
+    """The offsets are never what the memory held: all 0 where an earlier part's error skipped the
+    pops (one round, as ``allocate_batched``'s), the demands' prefix sums where the pops failed on the
+    device or with rounds (was uninitialised memory where the pops were skipped)."""
+    for _ in range(3):  # fresh allocations each time: garbage would differ
+        _, dev, old, held = setup()
+        torch.randint(1 << 20, (256,), dtype=torch.int32).tolist()  # dirty the allocator's memory
+        _, offs = dev.apply_batched(free_ids=cpu_i32([held[0], held[0]]), free_offsets=cpu_i32([0, 2]), demands=[2, 1])
+        assert offs.tolist() == [0, 0, 0]
+        with pytest.raises(DoubleFreeError):
+            dev.check()
+        _, offs = dev.apply_batched(free_ids=cpu_i32([held[0], held[0]]), free_offsets=cpu_i32([0, 2, 0]),
+                                    demands=[2, 1], rounds=[(2, 1, 0, 1, 0), (0, 0, 0, 1, 0)])
+        assert offs.tolist() == [0, 2, 3]
+        with pytest.raises(DoubleFreeError):
+            dev.check()

@@ -253,6 +253,8 @@ def launch_flush(ps, pc, free_ids, seg_off, touch_ids, demands, rounds, cache_id
              CONFIRM_WIDTH]  # every part 16-byte aligned, as its own allocation would be (Triton specializes on it)
     blocks, offs, pf, seg_of, code, resolved, confirm = torch.empty(
         sum(sizes), dtype=torch.int32, device=free_ids.device).split_with_sizes(sizes)
+    if offsets:  # a round whose pops are skipped writes none: 0, as allocate_batched's, not what was there
+        offs.zero_()
     fr = FreePart(free_ids, seg_off, pf, seg_of, code)
     ca = CachePart(cache_ids, resolved, key_hi, key_lo, key_group, ntok)
     flush_kernel[(1,)](ps, pc, fr, touch_ids, PopPart(demands, blocks, offs, confirm), ca, rounds, n_rounds,
