@@ -311,6 +311,8 @@ def scheduler_main(a) -> int:
     if vllm_pool() is None:
         print("vLLM 0.33's source is not available (GPUPOOL_VLLM_SRC or the tests' cache): nothing to compare")
         return 1
+    if a.pool_time:
+        return pool_time_main(a)
     return (stub_main if a.device == "stub" else interpreted_main)(a)
 
 
@@ -667,14 +669,7 @@ def main(argv=None) -> int:
         DeferredBlockPool.launch_every = a.launch_every
     if a.per_call:
         return per_call_main(a.requests, a.steps or 40)
-    if a.pool_time:
-        a.steps = a.steps or 8
-        sys.path.insert(0, str(ROOT / "tests" / "vllm_plugin" / "conformance"))
-        if vllm_pool() is None:
-            print("vLLM 0.33's source is not available (GPUPOOL_VLLM_SRC or the tests' cache): nothing to compare")
-            return 1
-        return pool_time_main(a)
-    if a.scheduler:
+    if a.scheduler or a.pool_time:
         a.steps = a.steps or 8
         return scheduler_main(a)
     a.steps = a.steps or 40

@@ -206,7 +206,7 @@ def hash_request_tokens(
 
 
 _DEVICE_KEY_DOMAIN = b"gpupool.device_key.v1\x00"
-_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def device_key(block_hash: bytes, group_id: int) -> tuple[int, int]:
@@ -233,7 +233,7 @@ def device_key(block_hash: bytes, group_id: int) -> tuple[int, int]:
     if not isinstance(block_hash, (bytes, bytearray)):
         raise TypeError(f"block_hash must be bytes, not {type(block_hash).__name__}")
     group_id = operator.index(group_id)
-    if not _INT64_MIN <= group_id <= _INT64_MAX:
+    if not INT64_MIN <= group_id <= INT64_MAX:
         raise ValueError(f"group_id {group_id} does not fit in int64")
     h = hashlib.sha256(_DEVICE_KEY_DOMAIN)
     h.update(len(block_hash).to_bytes(8, "little"))
@@ -257,7 +257,7 @@ def device_key_list(keys: Iterable[tuple[bytes, int]]) -> list[tuple[int, int]]:
     pre, groups = _PREFIXES, {}
     unpack, sha = _KEY_PAIR.unpack_from, hashlib.sha256
     for h, g in keys:
-        if type(h) is not bytes or type(g) is not int or not _INT64_MIN <= g <= _INT64_MAX:
+        if type(h) is not bytes or type(g) is not int or not INT64_MIN <= g <= INT64_MAX:
             out.append(device_key(h, g))  # its conversions and errors
             continue
         p = pre.get(len(h))

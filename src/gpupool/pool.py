@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-import operator
 
 import torch
 
@@ -46,6 +45,7 @@ from .kernels.layout import (
     Status, op_name,
 )
 from .kernels.sha256 import round_constant_table
+from .keys import INT64_MAX, INT64_MIN
 from .locking import locked, new_lock
 from .memory import allocate_checked
 from .registry import KeyRegistry
@@ -677,9 +677,7 @@ class BlockPool:
     def device_keys_from(self, value) -> None:
         op = "device_keys_from"
         if value is not None:
-            if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-                raise ArgumentTypeError(op, f"device_keys_from must be an int or None, got {type(value).__name__}")
-            value = operator.index(value)
+            value = as_int(op, value, "device_keys_from")
             if value < 1:
                 raise InvalidArgumentError(op, f"device_keys_from must be >= 1 or None, got {value}", value)
         self._keys_from = value
@@ -693,7 +691,7 @@ class BlockPool:
             return None
         hashes, groups = [h for h, _ in keys], [g for _, g in keys]
         if (set(map(type, hashes)) == _BYTES and set(map(len, hashes)) == _HASH_LEN and set(map(type, groups)) == _INT
-                and -2**63 <= min(groups) and max(groups) < 2**63):  # else the host's errors, as keyed there
+                and INT64_MIN <= min(groups) and max(groups) <= INT64_MAX):  # else the host's errors, keyed there
             return b"".join(hashes), groups
         return None
 

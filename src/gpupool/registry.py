@@ -49,7 +49,7 @@ class KeyRegistry:
     def register_pairs(self, keys: list[tuple[bytes, int]]) -> list[Key]:
         """:meth:`register` of each ``(block_hash, group)`` (``gpupool.keys.device_key_list``)."""
         dev = device_key_list(keys)
-        self._names.update(zip(dev, keys))
+        self.learn(dev, keys)
         return dev
 
     def learn(self, dev: Iterable[Key], keys: Iterable[tuple[bytes, int]]) -> None:

@@ -301,8 +301,9 @@ class StubDeviceKeysKernel(KernelInterface):
         try:
             f.launches += 1
             f.key_launches += 1
-            raw = digests[: 8 * n].numpy().tobytes()
-            made = device_key_list(zip((raw[32 * i: 32 * i + 32] for i in range(n)), groups[:n].tolist()))
+            w = k_keys.HASH_BYTES
+            raw = digests[: n * w // 4].numpy().tobytes()  # int32 words
+            made = device_key_list(zip((raw[w * i: w * (i + 1)] for i in range(n)), groups[:n].tolist()))
             hi[:n] = torch.tensor([k[0] for k in made], dtype=torch.int64)
             lo[:n] = torch.tensor([k[1] for k in made], dtype=torch.int64)
         finally:
