@@ -447,14 +447,16 @@ class PoolTimer:
 
     def __init__(self, pool, left_out=lambda: 0.0):
         self.seconds, self.calls, self.depth, self.left_out = 0.0, 0, 0, left_out
+        self.by_method: dict[str, list] = {}  # name -> [seconds, calls], the timer's own cost not taken off
         for name in dir(type(pool)):
             f = getattr(pool, name, None)
             if not name.startswith("_") and callable(f) and not isinstance(f, type):
-                setattr(pool, name, self._wrap(f))
+                setattr(pool, name, self._wrap(f, name))
         self.overhead = self._calibrate()
 
-    def _wrap(self, f):
+    def _wrap(self, f, name: str = ""):
         clock = time.perf_counter
+        tally = self.by_method.setdefault(name, [0.0, 0])
 
         def timed(*args, **kwargs):
             if self.depth:
@@ -464,20 +466,29 @@ class PoolTimer:
             try:
                 return f(*args, **kwargs)
             finally:
-                self.seconds += clock() - t0 - (self.left_out() - k0)
+                dt = clock() - t0 - (self.left_out() - k0)
+                self.seconds += dt
                 self.calls += 1
+                tally[0] += dt
+                tally[1] += 1
                 self.depth = 0
         return timed
 
     def _calibrate(self, n: int = 20000) -> float:
         """The seconds one timed call adds to ``seconds`` around a function that does nothing."""
-        timed = self._wrap(lambda: None)
+        timed = self._wrap(lambda: None, "")
         s0, c0 = self.seconds, self.calls
         for _ in range(n):
             timed()
         per = (self.seconds - s0) / n
         self.seconds, self.calls = s0, c0
+        del self.by_method[""]
         return per
+
+    def methods(self, steps: int) -> dict[str, tuple[float, float]]:
+        """Per method: (us per step, the timer's own cost taken off; calls per step) over ``steps``."""
+        return {k: ((sec - n * self.overhead) / steps * 1e6, n / steps)
+                for k, (sec, n) in self.by_method.items() if n}
 
     def take(self) -> tuple[float, int]:
         """(seconds less the timer's own, calls) since the last take."""
@@ -536,6 +547,12 @@ def pool_time_main(a) -> int:
         n = a.reps * a.steps
         print(f"{name:<12} {statistics.median(per['stock']) * 1e6:>9,.0f} {statistics.median(per['gpupool']) * 1e6:>9,.0f} "
               f"{r:>10.3f}x ({lo:.3f}-{hi:.3f})  {calls['stock'] / n:,.0f} {calls['gpupool'] / n:,.0f}", flush=True)
+        if a.by_method:
+            got = {v: t.methods(n) for v, t in timers.items()}
+            for m in sorted(set(got["stock"]) | set(got["gpupool"]),
+                            key=lambda m: -max(got["stock"].get(m, (0, 0))[0], got["gpupool"].get(m, (0, 0))[0])):
+                (ts, cs), (tg, cg) = got["stock"].get(m, (0.0, 0)), got["gpupool"].get(m, (0.0, 0))
+                print(f"  {m:<26} {ts:>9,.1f} {tg:>9,.1f} us/step   calls {cs:,.1f} {cg:,.1f}")
     return 0
 
 
@@ -641,6 +658,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pool-time", action="store_true",
                     help="vLLM's scheduler loop, the host time inside the block pool per step (module docstring)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--by-method", action="store_true", help="with --pool-time: each method's us per step, "
+                    "mean over every repetition")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", choices=("stub", "interpreted"), default="stub",
                     help="with --scheduler: the fast path's kernel as a stub, its GPU costs modelled (the "
@@ -658,6 +677,8 @@ def main(argv=None) -> int:
                     help="with --device interpreted: stock runs no interpreted kernel per step (module docstring)")
     ap.add_argument("--launch-every", type=int, default=None,
                     help="the fast path's DeferredBlockPool.launch_every (default: its own, 4)")
+    ap.add_argument("--launch-ops", type=int, default=None,
+                    help="the fast path's DeferredBlockPool.launch_ops (default: its own, 1,024)")
     a = ap.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if min(a.sync_us, a.launch_us, a.copy_us, a.torch_op_us) < 0:
@@ -667,6 +688,11 @@ def main(argv=None) -> int:
         if a.launch_every < 1:
             ap.error("--launch-every must be >= 1")
         DeferredBlockPool.launch_every = a.launch_every
+    if a.launch_ops is not None:
+        from gpupool.vllm.fast_path import DeferredBlockPool
+        if a.launch_ops < 1:
+            ap.error("--launch-ops must be >= 1")
+        DeferredBlockPool.launch_ops = a.launch_ops
     if a.per_call:
         return per_call_main(a.requests, a.steps or 40)
     if a.scheduler or a.pool_time:

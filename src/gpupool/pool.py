@@ -606,7 +606,7 @@ class BlockPool:
     @staticmethod
     def _demands(op: str, demands) -> list[int]:
         """Host demands as plain ints >= 0 (InvalidCountError)."""
-        if type(demands) is list and all(type(d) is int for d in demands):  # plain ints (the fast path's)
+        if type(demands) is list and set(map(type, demands)) <= _INT:  # plain ints (the fast path's), at C speed
             dem = demands
         else:
             dem = [as_int(op, d, "demand") for d in as_host_list(op, demands, "demands")]
@@ -803,7 +803,7 @@ class BlockPool:
             return t, t.numel()
         else:
             vals = as_host_list(op, v, what)
-        if not all(type(x) is int for x in vals):  # plain ints (the fast path's) are checked at C speed
+        if not set(map(type, vals)) <= _INT:  # plain ints (the fast path's) are checked at C speed
             vals = [as_int(op, x, what) for x in vals]
         if vals and (min(vals) < -2**31 or max(vals) >= 2**31):
             bad = next(x for x in vals if not -2**31 <= x < 2**31)

@@ -109,7 +109,8 @@ def apply_op(pool, op, reqs, seen):
         held = [b for b in r["blocks"] if not b.is_null]
         pool.touch(held)
         r.pop("seed", None)  # no decode of shared blocks: the sharer would cache them again
-        reqs.append({"req": r["req"], "blocks": list(r["blocks"]), "cached": r["cached"], "extra": []})
+        # the sharer caches none of them (its owner may): a block is cached once, as in vLLM
+        reqs.append({"req": r["req"], "blocks": list(r["blocks"]), "cached": len(r["blocks"]), "extra": []})
     elif kind == "cow" and r is not None:
         held = [b for b in r["blocks"] if not b.is_null]
         if held:

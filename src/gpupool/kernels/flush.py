@@ -16,9 +16,10 @@ from .alloc import alloc_batch, fill_head_minus_one
 from .cache import cache_blocks_batch
 from .common import batch_config, status_clear, warps_for
 from .layout import (
-    CF_AFTER, CF_BEFORE, CONFIRM_WIDTH, OP_ALLOCATE_BATCHED, OP_CACHE_BLOCKS_BATCHED, OP_FREE_BATCHED,
+    CF_AFTER, CF_BEFORE, CONFIRM_WIDTH, LAST_CACHINGS, LAST_DEMANDS, LAST_FREE_CALLS, LAST_FREE_IDS, LAST_POPPED,
+    LAST_TOUCHES, OP_ALLOCATE_BATCHED, OP_CACHE_BLOCKS_BATCHED, OP_FREE_BATCHED,
     OP_TOUCH_BATCHED, RF_CACHE_START, RF_CACHINGS, RF_DEMANDS, RF_DEMANDS_START, RF_FREE_CALLS, RF_FREE_IDS,
-    RF_FREE_OFFSETS_START, RF_FREE_START, RF_POPPED, RF_POPPED_START, RF_TOUCH_START, RF_TOUCHES, ROUND_WIDTH, RW,
+    RF_FREE_OFFSETS_START, RF_FREE_START, RF_POPPED, RF_POPPED_START, RF_TOUCH_START, RF_TOUCHES, ROUND_PARTS, ROUND_WIDTH, RW,
     RoundField,
 )
 from .release import release_batch, touch_batch
@@ -98,9 +99,8 @@ class FlushBatch:
 
     def round_empty(self) -> bool:
         """Whether the current (last) round has no op."""
-        t, r = self.table, len(self.table) - ROUND_WIDTH
-        return not (t[r + RoundField.FREE_CALLS] or t[r + RoundField.TOUCHES] or t[r + RoundField.DEMANDS]
-                    or t[r + RoundField.CACHINGS])
+        t = self.table
+        return not (t[LAST_FREE_CALLS] or t[LAST_TOUCHES] or t[LAST_DEMANDS] or t[LAST_CACHINGS])
 
     def cut(self) -> None:
         """Start a new round (none if the current one is empty)."""
@@ -113,32 +113,29 @@ class FlushBatch:
         offsets at ``offsets_start``)."""
         t, r = self.table, len(self.table) - ROUND_WIDTH
         row = [0] * ROUND_WIDTH
-        for start, count in ((RoundField.FREE_START, RoundField.FREE_IDS), (RoundField.TOUCH_START, RoundField.TOUCHES),
-                             (RoundField.DEMANDS_START, RoundField.DEMANDS),
-                             (RoundField.POPPED_START, RoundField.POPPED),
-                             (RoundField.CACHE_START, RoundField.CACHINGS)):
+        for start, count in ROUND_PARTS:
             row[start] = t[r + start] + t[r + count]
         row[RoundField.FREE_OFFSETS_START] = offsets_start
         t += row
 
     def add_free(self, ids: list[int]) -> None:
         """A ``free_blocks`` call of ``ids`` (a segment of the round's frees)."""
-        t, r = self.table, len(self.table) - ROUND_WIDTH
+        t = self.table
         self.free_ids += ids
-        t[r + RoundField.FREE_IDS] += len(ids)
-        t[r + RoundField.FREE_CALLS] += 1
-        self.free_offsets.append(t[r + RoundField.FREE_IDS])
+        t[LAST_FREE_IDS] += len(ids)
+        t[LAST_FREE_CALLS] += 1
+        self.free_offsets.append(t[LAST_FREE_IDS])
 
     def add_touch(self, ids: list[int]) -> None:
         self.touch_ids += ids
-        self.table[len(self.table) - ROUND_WIDTH + RoundField.TOUCHES] += len(ids)
+        self.table[LAST_TOUCHES] += len(ids)
 
     def add_pop(self, n: int) -> None:
         """A ``get_new_blocks(n)`` (one demand)."""
-        t, r = self.table, len(self.table) - ROUND_WIDTH
+        t = self.table
         self.demands.append(n)
-        t[r + RoundField.DEMANDS] += 1
-        t[r + RoundField.POPPED] += n
+        t[LAST_DEMANDS] += 1
+        t[LAST_POPPED] += n
 
     def add_cache(self, ids: list[int], keys: list, ntok: list[int]) -> None:
         """A ``cache_full_blocks`` call of ``ids`` under ``keys`` (``(hash, group)`` each) covering
@@ -147,7 +144,7 @@ class FlushBatch:
         self.cache_keys += keys
         self.cache_ntok += ntok
         self.cache_calls.append(len(ids))
-        self.table[len(self.table) - ROUND_WIDTH + RoundField.CACHINGS] += len(ids)
+        self.table[LAST_CACHINGS] += len(ids)
 
     def with_ids(self, free_ids, touch_ids, cache_ids) -> "FlushBatch":
         """The same batch with its id parts replaced (say, by device tensors), ``self`` unchanged."""

@@ -290,6 +290,16 @@ class RoundField(IntEnum):
 
 ROUND_WIDTH = len(RoundField)
 RW = tl.constexpr(ROUND_WIDTH)
+# the table's last round, each field as a negative index, plain ints: the host's batch methods run once
+# per vLLM call, and an IntEnum member costs ~70 ns a use
+(LAST_FREE_START, LAST_FREE_OFFSETS_START, LAST_FREE_CALLS, LAST_FREE_IDS, LAST_TOUCH_START, LAST_TOUCHES,
+ LAST_DEMANDS_START, LAST_DEMANDS, LAST_POPPED_START, LAST_POPPED, LAST_CACHE_START,
+ LAST_CACHINGS) = (int(f) - ROUND_WIDTH for f in RoundField)
+# (start, count) field pairs of a round's parts, plain ints: a new round's starts are the last's ends
+ROUND_PARTS = tuple((int(a), int(b)) for a, b in (
+    (RoundField.FREE_START, RoundField.FREE_IDS), (RoundField.TOUCH_START, RoundField.TOUCHES),
+    (RoundField.DEMANDS_START, RoundField.DEMANDS), (RoundField.POPPED_START, RoundField.POPPED),
+    (RoundField.CACHE_START, RoundField.CACHINGS)))
 (RF_FREE_START, RF_FREE_OFFSETS_START, RF_FREE_CALLS, RF_FREE_IDS, RF_TOUCH_START, RF_TOUCHES, RF_DEMANDS_START,
  RF_DEMANDS, RF_POPPED_START, RF_POPPED, RF_CACHE_START, RF_CACHINGS) = constexprs(RoundField)
 

@@ -517,6 +517,10 @@ class BlockPool:
         release below 0), then this pool's are freed, then the others'."""
         blocks = ordered_blocks if type(ordered_blocks) is list else as_host_list(
             "free_blocks", ordered_blocks, "ordered_blocks")
+        if self._engine.quick:  # the fast path's one-pass free
+            with _asserts:
+                if self._engine.free_quick(blocks, self):
+                    return
         others = None
         for blk in blocks:  # the common case, one pass: this pool's canonical blocks only
             if type(blk) is not KVCacheBlock or blk._pool is not self:
@@ -574,11 +578,16 @@ class BlockPool:
         """A prefix hit: each non-null block leaves the free queue if ref_cnt is 0, then ref_cnt += 1."""
         if type(blocks) is not list:
             blocks = as_host_list("touch", blocks, "blocks")
-        slots = self._live_slots(blocks)
-        if not slots:
+        e = self._engine
+        slots = e.touch_quick(blocks, self) if e.quick else None  # the fast path's one-pass touch
+        if slots is None:
+            slots = self._live_slots(blocks)
+            if not slots:
+                return
+            slots = self._settled(blocks, slots, "touch")
+            e.touch(slots)
+        elif not slots:
             return
-        slots = self._settled(blocks, slots, "touch")
-        self._engine.touch(slots)
         if self.metrics_collector:
             metrics_touch(self.metrics_collector, blocks)
 
@@ -617,6 +626,17 @@ class BlockPool:
         (from the mirror; ``device_lookups=True``: a device lookup). Raises ArgumentTypeError for a
         hash that is not bytes or groups that are not ints, InvalidArgumentError for a group outside
         ``0 .. 2**31 - 1`` (either way)."""
+        e = self._engine
+        if e.quick and type(block_hash) is bytes and type(kv_cache_group_ids) is list and len(kv_cache_group_ids) == 1:
+            g = kv_cache_group_ids[0]  # vLLM's common case in one step: one group, one holder (the fast path)
+            if type(g) is int and 0 <= g <= MAX_GROUP_ID and not self.device_lookups:
+                hs = self._holders.get(block_hash + g.to_bytes(4, "big"))
+                if not hs:
+                    return None  # a miss is exact even when the mirror is dirty: pops only remove keys
+                if len(hs) == 1:
+                    (s,) = hs
+                    if not (e.dirty and self._ref[s] == 0) and s < self.num_gpu_blocks:
+                        return [self.blocks[s]]
         if self.device_lookups:
             self._engine.before_op("get_cached_block")
         if type(block_hash) is not bytes:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from .. import _backend
 _backend.select()  # the kernels' backend, before the kernel module below
 from ..kernels.flush import FlushBatch  # noqa: E402
-from ..kernels.layout import ROUND_WIDTH, RoundField  # noqa: E402
+from ..kernels.layout import LAST_CACHINGS, LAST_DEMANDS, LAST_POPPED  # noqa: E402
 
 
 class OpBatch(FlushBatch):
@@ -50,7 +50,7 @@ class OpBatch(FlushBatch):
             return "launch"
         if kind == "free" and not (self.cached.isdisjoint(slots) and self.touched.isdisjoint(slots)):
             return "round"
-        if self.table[len(self.table) - ROUND_WIDTH + RoundField.DEMANDS] and (
+        if self.table[LAST_DEMANDS] and (
                 front or not self.popped.isdisjoint(slots)):
             return "round"
         return None
@@ -74,10 +74,10 @@ class OpBatch(FlushBatch):
 
     def add_pop_one(self, slot: int) -> None:
         """``add_pop(1, [slot])`` in fewer steps (the decode step's pop)."""
-        t, r = self.table, len(self.table) - ROUND_WIDTH
+        t = self.table
         self.demands.append(1)
-        t[r + RoundField.DEMANDS] += 1
-        t[r + RoundField.POPPED] += 1
+        t[LAST_DEMANDS] += 1
+        t[LAST_POPPED] += 1
         self.popped.add(slot)
         self.pred.append(slot)
         self.size += 1
@@ -88,7 +88,7 @@ class OpBatch(FlushBatch):
         self.cache_keys.append(key)
         self.cache_ntok.append(ntok)
         self.cache_calls.append(1)
-        self.table[len(self.table) - ROUND_WIDTH + RoundField.CACHINGS] += 1
+        self.table[LAST_CACHINGS] += 1
         self.cached.add(slot)
         self.size += 1
 

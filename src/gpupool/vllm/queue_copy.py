@@ -68,7 +68,7 @@ class FreeQueueCopy:
         q = self.ids
         if q is None or not (front or back):
             return
-        if any(s >= num_blocks for s in front) or any(s >= num_blocks for s in back):
+        if front and max(front) >= num_blocks or back and max(back) >= num_blocks:
             self.ids = None
             return
         whole = len(q) == num_free_before

@@ -32,9 +32,20 @@ def _pair(n: int):
 
 
 def _counted(pool) -> dict:
-    """Counts of the quick ops' answers on ``pool`` (pops, cachings)."""
-    e, seen = pool._engine, {"pop": 0, "cache": 0}
-    pop_one, cache_one = e.pop_one, e.cache_one
+    """Counts of the quick ops' answers on ``pool`` (pops, cachings, frees, touches)."""
+    e, seen = pool._engine, {"pop": 0, "cache": 0, "free": 0, "touch": 0}
+    pop_one, cache_one, free_quick, touch_quick = e.pop_one, e.cache_one, e.free_quick, e.touch_quick
+
+    def free(blocks, pool):
+        ok = free_quick(blocks, pool)
+        seen["free"] += ok
+        return ok
+
+    def touch(blocks, pool):
+        got = touch_quick(blocks, pool)
+        seen["touch"] += bool(got)
+        return got
+    e.free_quick, e.touch_quick = free, touch
 
     def pop():
         s = pop_one()
@@ -53,6 +64,8 @@ def _counted(pool) -> dict:
 @given(ops=st.lists(OPS, min_size=4, max_size=40), n=st.sampled_from([6, 24, 64]))
 @example(ops=[("alloc", 1, 0, 0), ("decode", 0), ("decode", 0), ("free", 0), ("decode", 0), ("alloc", 1, 1, 1),
               ("decode", 0), ("end_step",), ("hit", 1), ("decode", 1)], n=6)  # evicting pops, quick cachings
+@example(ops=[("alloc", 2, 1, 2), ("free", 0), ("hit", 1), ("alloc", 1, 2, 1), ("free", 1), ("alloc", 3, 3, 0),
+              ("end_step",), ("sync",)], n=6)  # a quick touch of free blocks unlinks them: later pops pass them by
 def test_quick_ops_equal_the_general_path(ops, n):
     with stubbed_flush(check=True):
         quick, general = _pair(n)
@@ -79,9 +92,9 @@ def test_the_decode_ops_take_the_quick_path():
     with stubbed_flush(check=True):
         quick, _ = _pair(6)
         seen = _counted(quick)
-        ops = [("alloc", 2, 0, 2), ("free", 0), ("alloc", 1, 1, 0)] + [("decode", 0)] * 4
+        ops = [("alloc", 2, 0, 2), ("free", 0), ("alloc", 1, 1, 0)] + [("decode", 0)] * 4 + [("hit", 1), ("free", 0)]
         O.run_stepped(quick, ops)
-    assert seen["pop"] >= 4 and seen["cache"] >= 3
+    assert seen["pop"] >= 4 and seen["cache"] >= 3 and seen["free"] >= 2 and seen["touch"] >= 1, seen
 
 
 # ---- arguments: whatever the quick ops are given, the general path's outcome --------------------------
@@ -135,6 +148,31 @@ def _cases(p, other):
         ("cache parent str", lambda: p.cache_full_blocks(_Hashes(h[:1] + ["x", h[2]]), blocks, 2, 3, O.BS, 0)),
         ("cache hash bytearray", lambda: p.cache_full_blocks(_Hashes(h[:2] + [bytearray(h[2])]), blocks, 2, 3,
                                                              O.BS, 0)),
+        ("free", lambda: p.free_blocks(blocks[::-1])),
+        ("free twice", lambda: p.free_blocks(blocks + blocks[:1])),
+        ("free with null", lambda: p.free_blocks([p.null_block] + blocks)),
+        ("free a free block", lambda: p.free_blocks(blocks[:1] + [p.blocks[p._case_free]])),
+        ("free other pool's", lambda: p.free_blocks(blocks[:1] + [other.blocks[1]])),
+        ("free not a block", lambda: p.free_blocks(blocks[:1] + [3])),
+        ("free placeholder", lambda: p.free_blocks(blocks[:1] + [PendingBlock(p, 1)])),
+        ("free tuple", lambda: p.free_blocks(tuple(blocks))),
+        ("touch", lambda: p.touch(blocks + [p.blocks[p._case_free]])),
+        ("touch null", lambda: p.touch([p.null_block])),
+        ("touch twice", lambda: p.touch([p.blocks[p._case_free]] * 2)),
+        ("touch other pool's", lambda: p.touch(blocks[:1] + [other.blocks[1]])),
+        ("touch not a block", lambda: p.touch(blocks[:1] + ["x"])),
+        ("touch placeholder", lambda: p.touch(blocks[:1] + [PendingBlock(p, 1)])),
+        ("lookup hit", lambda: p.get_cached_block(h[0], [0])),
+        ("lookup free hit", lambda: p.get_cached_block(driver.request(driver.tokens_of(2)[: O.BS]).block_hashes[0],
+                                                       [0])),
+        ("lookup miss", lambda: p.get_cached_block(h[2], [0])),
+        ("lookup other group", lambda: p.get_cached_block(h[0], [1])),
+        ("lookup group True", lambda: p.get_cached_block(h[0], [True])),
+        ("lookup group 2**31", lambda: p.get_cached_block(h[0], [2 ** 31])),
+        ("lookup groups tuple", lambda: p.get_cached_block(h[0], (0,))),
+        ("lookup two groups", lambda: p.get_cached_block(h[0], [0, 0])),
+        ("lookup hash str", lambda: p.get_cached_block("x", [0])),
+        ("lookup hash bytearray", lambda: p.get_cached_block(bytearray(h[0]), [0])),
     ]
 
 
@@ -151,7 +189,7 @@ def _prepared(n=8):
     return p
 
 
-QUICK_CASES = (0, 3, 4, 14, 18, 23)  # the rest run with the slow tests (tests/conftest.py, heavy)
+QUICK_CASES = (0, 3, 4, 14, 18, 23, 30, 31, 33, 38, 41, 44, 45, 46)  # the rest run with the slow tests (tests/conftest.py, heavy)
 
 
 @pytest.mark.heavy(*(str(i) for i in range(len(_cases(*[_prepared()] * 2))) if i not in QUICK_CASES))
