@@ -172,11 +172,11 @@ class DeferredEngine(PerCallEngine):
         return True
 
     def free_quick(self, blocks: list, pool) -> bool:
-        """``free_blocks`` of ``blocks`` (a list) where :attr:`quick`, in one pass: every block one of
-        ``pool``'s :class:`KVCacheBlock` (a block's slot is its id; the null block skipped), each held as often as listed. The same mirror, copy of the queue and batch as
-        :meth:`free_blocks` after the adapter's checks. Returns whether it was; else nothing is changed
-        (the caller takes the general path, which checks, synchronises where a row is not exact, and
-        raises)."""
+        """``free_blocks`` of ``blocks`` (a list) where :attr:`quick`, in one pass: every block a
+        :class:`KVCacheBlock` of the adapter ``pool`` (its slot is its id; the null block skipped), each
+        held as often as listed. The same mirror, copy of the queue and batch as :meth:`free_blocks`
+        after the adapter's checks. Returns whether it was; else nothing is changed (the caller takes
+        the general path, which checks, synchronises where a row is not exact, and raises)."""
         ref, keys = self.mirror.ref, self.mirror.keys
         slots, front, back = [], [], []
         for blk in blocks:
@@ -205,9 +205,9 @@ class DeferredEngine(PerCallEngine):
         return False
 
     def touch_quick(self, blocks: list, pool) -> list[int] | None:
-        """``touch`` of ``blocks`` (a list) where :attr:`quick`, in one pass: every block one of
-        ``pool.blocks`` (the null block skipped), none free while the mirror is dirty (a placeholder's
-        pop may have taken it). The same mirror, copy of the queue and batch as :meth:`touch`. Returns
+        """``touch`` of ``blocks`` (a list) where :attr:`quick`, in one pass: every block a
+        :class:`KVCacheBlock` of the adapter ``pool`` (the null block skipped), none free while the
+        mirror is dirty (a placeholder's pop may have taken it). The same mirror, copy of the queue and batch as :meth:`touch`. Returns
         the block ids touched, or None with nothing changed (the caller takes the general path)."""
         ref = self.mirror.ref
         dirty = self.dirty
