@@ -236,14 +236,15 @@ class SchedulerLoop:
         for _ in range(8):  # prefill done: every running request in decode
             self._step()
 
-    def equal_kernel(self) -> None:
-        """Stock only: after each ``schedule()`` one interpreted flush on a pool of its own, as gpupool
-        launches one per step (module docstring), its time counted as the kernel's."""
+    def equal_kernel(self, cache: bool = False) -> None:
+        """Stock only: after ``schedule()``, as often as gpupool launches, one flush on a pool of its own
+        (the interpreted kernel, or the stub under ``stubbed_flush``: ``--even-caches``, which also caches
+        the popped blocks, ``cache``), its time counted as the kernel's (module docstring)."""
         from gpupool import BlockPool as DevicePool
         from gpupool.vllm.fast_path import DeferredBlockPool as Fast
         pool = self.sched.kv_cache_manager.block_pool
         shadow = DevicePool(pool.num_gpu_blocks, device="cpu")
-        popped, held, steps = [0], [None], [0]
+        popped, held, steps, launches = [0], [None], [0], [0]
         get_new, schedule = pool.get_new_blocks, self.sched.schedule
 
         def counted(n):
@@ -253,6 +254,10 @@ class SchedulerLoop:
         def launch():
             prev, n = held[0], min(popped[0], shadow.num_blocks - 1)
             free = dict(free_ids=prev, free_offsets=[0, prev.numel()]) if prev is not None else {}
+            if cache and n:  # the pops cached under fresh hashes, as gpupool's launch caches its steps' blocks
+                launches[0] += 1
+                hashes = [hashlib.sha256(b"%d:%d" % (launches[0], i)).digest() for i in range(n)]
+                free.update(cache_ids=[shadow.num_blocks + k for k in range(n)], cache_calls=[(hashes, 0, n, BS, 0)])
             held[0], popped[0] = shadow.apply_batched(demands=[n], **free)[0], 0
 
         def scheduled(*args, **kwargs):
@@ -389,6 +394,8 @@ def stub_main(a) -> int:
             loops = {"stock": SchedulerLoop("stock", wl, [0.0]),
                      "gpupool": SchedulerLoop("gpupool", wl, [0.0], lambda: stub.seconds),
                      "count": SchedulerLoop("gpupool", wl, [0.0], lambda: stub.seconds)}
+            if a.even_caches:
+                loops["stock"].equal_kernel(cache=True)
             pools = {v: loops[v].sched.kv_cache_manager.block_pool for v in ("gpupool", "count")}
             per = {"stock": [], "gpupool": [], "torch": [], "stub": [], "gpu": [], "total": [], "ratio": []}
             counts = Counter()
@@ -522,6 +529,8 @@ def pool_time_main(a) -> int:
         with stubbed_flush() as stub:
             loops = {"stock": SchedulerLoop("stock", wl, [0.0]),
                      "gpupool": SchedulerLoop("gpupool", wl, [0.0], lambda: stub.seconds)}
+            if a.even_caches:
+                loops["stock"].equal_kernel(cache=True)
             spent = [0.0, 0]  # the stub's seconds on the timer's clock, its launches
             for kernel in (stub, k_keys.device_keys_kernel):
                 kernel.run = _clocked(kernel.run, spent)
@@ -677,6 +686,9 @@ def main(argv=None) -> int:
                     help="with --device interpreted: stock runs no interpreted kernel per step (module docstring)")
     ap.add_argument("--launch-every", type=int, default=None,
                     help="the fast path's DeferredBlockPool.launch_every (default: its own, 4)")
+    ap.add_argument("--even-caches", action="store_true",
+                    help="with the stub: stock runs the stub too, on a pool of its own, untimed, as often as "
+                         "gpupool launches (module docstring)")
     ap.add_argument("--launch-ops", type=int, default=None,
                     help="the fast path's DeferredBlockPool.launch_ops (default: its own, 1,024)")
     a = ap.parse_args(argv)

@@ -460,9 +460,23 @@ class BlockPool:
             out.append(blk.block_id)
         return out
 
+    def _own_slots(self, blocks: list) -> list[int] | None:
+        """The block ids of ``blocks`` (a list) but the null block where every one is a
+        :class:`KVCacheBlock` of this pool (its slot is its id), else None; one pass."""
+        out = []
+        for blk in blocks:
+            if type(blk) is not KVCacheBlock or blk._pool is not self:
+                return None
+            if not blk.is_null:
+                out.append(blk._s)
+        return out
+
     def _live_slots(self, blocks: list) -> list[int]:
         """The mirror slots of ``blocks`` (a list) but the null block, else ArgumentTypeError; one pass
         over canonical blocks."""
+        out = self._own_slots(blocks)
+        if out is not None:
+            return out
         out = []
         for blk in blocks:
             if type(blk) is not KVCacheBlock or blk._pool is not self:
@@ -518,9 +532,11 @@ class BlockPool:
         blocks = ordered_blocks if type(ordered_blocks) is list else as_host_list(
             "free_blocks", ordered_blocks, "ordered_blocks")
         if self._engine.quick:  # the fast path's one-pass free
-            with _asserts:
-                if self._engine.free_quick(blocks, self):
-                    return
+            slots = self._own_slots(blocks)
+            if slots is not None:
+                with _asserts:
+                    if self._engine.free_quick(slots):
+                        return
         others = None
         for blk in blocks:  # the common case, one pass: this pool's canonical blocks only
             if type(blk) is not KVCacheBlock or blk._pool is not self:
@@ -579,8 +595,8 @@ class BlockPool:
         if type(blocks) is not list:
             blocks = as_host_list("touch", blocks, "blocks")
         e = self._engine
-        slots = e.touch_quick(blocks, self) if e.quick else None  # the fast path's one-pass touch
-        if slots is None:
+        slots = self._own_slots(blocks) if e.quick else None  # the fast path's one-pass touch
+        if slots is None or not e.touch_quick(slots):
             slots = self._live_slots(blocks)
             if not slots:
                 return

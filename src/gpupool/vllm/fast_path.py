@@ -171,72 +171,49 @@ class DeferredEngine(PerCallEngine):
         self.touched.add(s)
         return True
 
-    def free_quick(self, blocks: list, pool) -> bool:
-        """``free_blocks`` of ``blocks`` (a list) where :attr:`quick`, in one pass: every block a
-        :class:`KVCacheBlock` of the adapter ``pool`` (its slot is its id; the null block skipped), each
-        held as often as listed. The same mirror, copy of the queue and batch as :meth:`free_blocks`
-        after the adapter's checks. Returns whether it was; else nothing is changed (the caller takes
-        the general path, which checks, synchronises where a row is not exact, and raises)."""
+    def free_quick(self, slots: list[int]) -> bool:
+        """``free_blocks`` of block ids ``slots`` (the adapter's own blocks, the null block left out)
+        where :attr:`quick`, in one pass, when they are distinct and each held: the same mirror, copy
+        of the queue and batch as :meth:`free_blocks`. Returns whether it was; else nothing is changed
+        (the caller takes the general path, which counts, synchronises where a row is not exact, and
+        raises)."""
         ref, keys = self.mirror.ref, self.mirror.keys
-        slots, front, back = [], [], []
-        for blk in blocks:
-            if type(blk) is not KVCacheBlock or blk._pool is not pool:
-                break
-            if blk.is_null:
-                continue
-            s = blk._s
+        if len(set(slots)) != len(slots) or min(map(ref.__getitem__, slots), default=1) < 1:
+            return False
+        front, back = [], []
+        for s in slots:
             r = ref[s] - 1
-            if r < 0:
-                break
             ref[s] = r
-            slots.append(s)
             if not r:
                 (back if keys[s] else front).append(s)
-        else:
-            if slots:
-                if front or back:
-                    nf0 = self.num_free
-                    self.num_free = nf0 + len(front) + len(back)
-                    self.queue_copy.requeue(front, back, nf0, self.n)
-                self._queue("free", slots, bool(front))
-            return True
-        for s in slots:  # refused: the references given back, nothing else was changed
-            ref[s] += 1
-        return False
+        if front or back:
+            nf0 = self.num_free
+            self.num_free = nf0 + len(front) + len(back)
+            self.queue_copy.requeue(front, back, nf0, self.n)
+        self._queue("free", slots, bool(front))
+        return True
 
-    def touch_quick(self, blocks: list, pool) -> list[int] | None:
-        """``touch`` of ``blocks`` (a list) where :attr:`quick`, in one pass: every block a
-        :class:`KVCacheBlock` of the adapter ``pool`` (the null block skipped), none free while the
-        mirror is dirty (a placeholder's pop may have taken it). The same mirror, copy of the queue and batch as :meth:`touch`. Returns
-        the block ids touched, or None with nothing changed (the caller takes the general path)."""
+    def touch_quick(self, slots: list[int]) -> bool:
+        """``touch`` of block ids ``slots`` (the adapter's own blocks, the null block left out) where
+        :attr:`quick`, in one pass, unless one is free while the mirror is dirty (a placeholder's pop
+        may have taken it): the same mirror, copy of the queue and batch as :meth:`touch`. Returns
+        whether it was; else nothing is changed (the caller takes the general path)."""
         ref = self.mirror.ref
-        dirty = self.dirty
-        slots, was_free = [], []
-        for blk in blocks:
-            if type(blk) is not KVCacheBlock or blk._pool is not pool:
-                break
-            if blk.is_null:
-                continue
-            s = blk._s
+        if self.dirty and 0 in map(ref.__getitem__, slots):
+            return False
+        was_free = []
+        for s in slots:
             r = ref[s]
             if not r:
-                if dirty:
-                    break
                 was_free.append(s)
             ref[s] = r + 1
-            slots.append(s)
-        else:
-            if was_free:
-                self.num_free -= len(was_free)
-                unlink = self.queue_copy.unlink
-                for s in was_free:
-                    unlink(s)
-            if slots:
-                self._queue("touch", slots, False)
-            return slots
-        for s in slots:  # refused: the references taken back, nothing else was changed
-            ref[s] -= 1
-        return None
+        if was_free:
+            self.num_free -= len(was_free)
+            unlink = self.queue_copy.unlink
+            for s in was_free:
+                unlink(s)
+        self._queue("touch", slots, False)
+        return True
 
     def _pop_per_call(self, n: int) -> list[int]:
         """Synchronise, then the per-call pop (its events too); the host's copy of the queue follows."""

@@ -4,6 +4,8 @@ ops on a pool with them and on one without (``quick`` off) read the same answers
 batches and end in the same whole state; every argument the quick ops could misread gives the general
 path's result or error, nothing changed by a refused call. The launches run on the flush stub
 (tests/harness/flush_stub.py, tested equal to the kernel), so many op lists are cheap."""
+from unittest import mock
+
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 pytest.importorskip("msgspec", reason="gpupool.vllm needs msgspec (pip install -e '.[vllm]')")
 
 from gpupool.errors import PoolError  # noqa: E402
+from gpupool.vllm import fast_path  # noqa: E402
 from gpupool.vllm.fast_path import DeferredBlockPool, PendingBlock  # noqa: E402
 from harness import vllm_ops as O  # noqa: E402
 from harness.flush_stub import stubbed_flush  # noqa: E402
@@ -36,13 +39,13 @@ def _counted(pool) -> dict:
     e, seen = pool._engine, {"pop": 0, "cache": 0, "free": 0, "touch": 0}
     pop_one, cache_one, free_quick, touch_quick = e.pop_one, e.cache_one, e.free_quick, e.touch_quick
 
-    def free(blocks, pool):
-        ok = free_quick(blocks, pool)
+    def free(slots):
+        ok = free_quick(slots)
         seen["free"] += ok
         return ok
 
-    def touch(blocks, pool):
-        got = touch_quick(blocks, pool)
+    def touch(slots):
+        got = touch_quick(slots)
         seen["touch"] += bool(got)
         return got
     e.free_quick, e.touch_quick = free, touch
@@ -68,6 +71,18 @@ def _counted(pool) -> dict:
               ("end_step",), ("sync",)], n=6)  # a quick touch of free blocks unlinks them: later pops pass them by
 def test_quick_ops_equal_the_general_path(ops, n):
     with stubbed_flush(check=True):
+        quick, general = _pair(n)
+        assert O.run_stepped(quick, ops) == O.run_stepped(general, ops)
+        assert O.whole_state(quick) == O.whole_state(general)
+
+
+@settings(max_examples=max(60, settings().max_examples), deadline=None)
+@given(ops=st.lists(OPS, min_size=4, max_size=40), n=st.sampled_from([6, 24]), window=st.sampled_from([1, 2]))
+@example(ops=[("alloc", 2, 1, 2), ("free", 0), ("alloc", 3, 2, 0), ("hit", 1), ("end_step",)], n=6, window=1)
+def test_quick_ops_equal_the_general_path_with_placeholders(ops, n, window):
+    """A host copy of the free queue of ``window`` ids: pops past it hand out placeholders, and the
+    quick touch and free then meet a dirty mirror (a free block a placeholder's pop may have taken)."""
+    with mock.patch.object(fast_path, "FREE_WINDOW", window), stubbed_flush(check=True):
         quick, general = _pair(n)
         assert O.run_stepped(quick, ops) == O.run_stepped(general, ops)
         assert O.whole_state(quick) == O.whole_state(general)
@@ -219,3 +234,21 @@ def test_a_pop_from_an_empty_pool_is_refused_quickly_as_generally():
             p.get_new_blocks(2)
         assert _outcome(lambda: quick.get_new_blocks(1)) == _outcome(lambda: general.get_new_blocks(1))
         assert O.whole_state(quick) == O.whole_state(general)
+
+
+def test_a_quick_touch_of_a_free_block_waits_for_the_placeholders_pops():
+    """Placeholders pending (pops past a one-id copy of the free queue), a touch of a free keyed block
+    that one of their pops may have taken: the quick touch leaves it to the general path (which
+    synchronises first), so both end in the same state and read the same block ids."""
+    got = []
+    with mock.patch.object(fast_path, "FREE_WINDOW", 1), stubbed_flush(check=True):
+        for p in _pair(6):
+            req = driver.request(driver.tokens_of(1)[: 2 * O.BS])
+            kept = [p.blocks[b.block_id] for b in p.get_new_blocks(2)]  # the blocks' own objects, bound
+            p.cache_full_blocks(req, kept, 0, 2, O.BS, 0)
+            p.free_blocks(kept[::-1])  # two free keyed blocks, at the queue's back
+            popped = p.get_new_blocks(4)  # past the copy: placeholders, one of them takes a keyed block
+            assert p._engine.dirty
+            p.touch(kept)
+            got.append(([b.block_id for b in popped], [b.ref_cnt for b in kept], O.whole_state(p)))
+    assert got[0] == got[1]
