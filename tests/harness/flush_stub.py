@@ -18,10 +18,9 @@ so :class:`gpupool.instrument.Meter` counts its launches as Triton launches (and
 What it does not model, raised as :class:`StubLimitError` (a PoolError) rather than answered wrongly:
 a pool it did not see from its first launch in its initial state, an op the reference refuses (the
 fast path checks its ops on the host first, so none is expected; the real kernel would record the
-error in the status word), a pop of a block with a reuse watcher. The key table (``table``,
-``overflow``) is not kept: a device lookup, ``validate`` or any other kernel on a stubbed pool would
-read a stale table, so a caller checks that no Triton launch besides the stub's ran
-(``Meter.launches == stub.launches``). tests/vllm_plugin/test_vllm_flush_stub.py checks that a fast
+error in the status word), a pop of a block with a reuse watcher, and any other (interpreted) kernel
+launched on a pool it follows: the key table (``table``, ``overflow``) is not kept, so a device
+lookup, ``validate`` or an eviction would read a stale table (and may write past it). tests/vllm_plugin/test_vllm_flush_stub.py checks that a fast
 path over the stub gives the answers and the whole observable state of the interpreted kernel.
 """
 from __future__ import annotations
@@ -32,6 +31,7 @@ import time
 import weakref
 
 import torch
+from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import KernelInterface
 
 from gpupool.errors import PoolError
@@ -80,6 +80,16 @@ class StubFlushKernel(KernelInterface):
         self.seconds = 0.0
         self.active = False  # inside a launch (a caller timing torch ops leaves the stub's own out)
         self._twins: dict[int, tuple] = {}  # id(ps.ctrl) -> (a weak reference to it, _Twin)
+
+    def stubbed_state(self, args) -> bool:
+        """Whether a launch's ``args`` hold a pool state (``ps``) this stub follows (its key table is not
+        kept: any other kernel on it would read stale slots, and may write past them)."""
+        for a in args:
+            ctrl = getattr(a, "ctrl", None) if isinstance(a, tuple) else None
+            ref = self._twins.get(id(ctrl), (None, None))[0] if ctrl is not None else None
+            if ref is not None and ref() is ctrl:
+                return True
+        return False
 
     def run(self, ps, pc, fr, touch_ids, pop, ca, rounds, n_rounds, *, grid, warmup, **_launch_options):
         t0 = time.process_time()
@@ -320,9 +330,18 @@ def stubbed_flush(check: bool = False):
     stub, real, real_keys = StubFlushKernel(check), k_flush.flush_kernel, k_keys.device_keys_kernel
     k_flush.flush_kernel = stub
     k_keys.device_keys_kernel = StubDeviceKeysKernel(stub)
+    interpreted = InterpretedFunction.run
+
+    def refused(self, *args, **kwargs):  # another kernel on a stubbed pool: refused, not run on a stale table
+        if stub.stubbed_state(args):
+            raise StubLimitError("flush stub", f"{self.__name__} launched on a pool the stub follows (the stub "
+                                               "does not keep its key table)")
+        return interpreted(self, *args, **kwargs)
+    InterpretedFunction.run = refused
     try:
         yield stub
     finally:
+        InterpretedFunction.run = interpreted
         k_flush.flush_kernel = real
         k_keys.device_keys_kernel = real_keys
 

@@ -184,3 +184,22 @@ def test_fuzz_entry_points(entry, args, cls):
     if isinstance(p, DeferredBlockPool):
         p.sync()
     assert p._ref[:16] == p._dev.ref_cnt  # the mirror equals the pool
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_a_block_made_by_hand_is_a_block_of_the_pool_or_refused(cls):
+    """``KVCacheBlock(pool, block_id)`` made by hand stands for that block (freed, touched as the pool's
+    own object), or is refused at once, typed: an id outside the pool, not an int (a float, a bool), a
+    wrong ``is_null``, no gpupool pool (each made an IndexError, a TypeError or a wrong free count at a
+    later call before)."""
+    p = cls(8, True, BS, **kw("device"))
+    held = p.get_new_blocks(2)
+    for args in [(p, 8), (p, 10 ** 6), (p, -1), (p, 2.0), (p, True), (p, 0), (p, 1, True), ("pool", 1)]:
+        with pytest.raises(PoolError):
+            KVCacheBlock(*args)
+    assert KVCacheBlock(p, 0, True).is_null
+    alias = KVCacheBlock(p, held[0].block_id)
+    p.touch([alias])
+    assert held[0].ref_cnt == 2
+    p.free_blocks([alias, held[0], held[1]])
+    assert p.get_num_free_blocks() == 7

@@ -128,15 +128,38 @@ class KVCacheBlock:
     Fields are read from the pool's host mirror (never the device). ``ref_cnt`` may be raised on a
     held block (vLLM's copy-on-write paths do ``block.ref_cnt += 1``): that is a gpupool ``touch``.
     Any other write raises :class:`gpupool.errors.InvalidArgumentError` (and AssertionError).
+
+    The pool makes one per block (``pool.blocks``). Made by hand, ``KVCacheBlock(pool, block_id)``
+    stands for that block of ``pool``; raises ArgumentTypeError for a ``pool`` that is not a gpupool
+    vLLM pool or a ``block_id`` that is not an int, InvalidArgumentError for an id outside the pool
+    or an ``is_null`` other than ``block_id == 0`` (block 0 is the null block).
     """
 
     __slots__ = ("_pool", "block_id", "is_null", "_s")
 
     def __init__(self, pool: "BlockPool", block_id: int, is_null: bool = False):
+        if not isinstance(pool, BlockPool):
+            raise ArgumentTypeError("KVCacheBlock", f"pool must be a gpupool.vllm BlockPool, got {type(pool).__name__}")
+        if type(block_id) is not int:
+            raise ArgumentTypeError("KVCacheBlock", f"block_id must be an int, got {type(block_id).__name__}")
+        if not 0 <= block_id < pool.num_gpu_blocks or bool(is_null) != (block_id == 0):
+            raise InvalidArgumentError("KVCacheBlock", f"block {block_id!r} (is_null={is_null!r}) is not a block of "
+                                                       f"this pool of {pool.num_gpu_blocks} (block 0 is the null block)",
+                                       block_id)
+        self._set(pool, block_id)
+
+    def _set(self, pool: "BlockPool", block_id: int) -> None:
         self._pool = pool
         self.block_id = block_id
-        self.is_null = is_null
+        self.is_null = block_id == 0
         self._s = block_id  # the host mirror's slot (a deferred pool's placeholders use slots >= N)
+
+    @classmethod
+    def _of(cls, pool: "BlockPool", block_id: int) -> "KVCacheBlock":
+        """The pool's own proxy of ``block_id`` (checked by the pool)."""
+        blk = cls.__new__(cls)
+        blk._set(pool, block_id)
+        return blk
 
     @property
     def pool(self) -> "BlockPool":
@@ -405,7 +428,7 @@ class BlockPool:
             max_keys_per_block=max_keys_per_block, device=device))
         m = self._engine.mirror  # read here (vLLM's hot path); written by the engine's mirror only
         self._ref, self._keys, self._ntok, self._holders = m.ref, m.keys, m.ntok, m.holders
-        self.blocks: list[KVCacheBlock] = [KVCacheBlock(self, i, is_null=(i == 0)) for i in range(num_gpu_blocks)]
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock._of(self, i) for i in range(num_gpu_blocks)]
         self.null_block = self.blocks[0]
         self.free_block_queue = FreeBlockQueueView(self)
         self.cached_block_hash_to_block = BlockHashToBlockView(self)
