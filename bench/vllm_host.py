@@ -72,7 +72,11 @@ function that does nothing), stock and gpupool interleaved step by step: the par
 two differ, without the rest of vLLM's step around it. The torch ops on the pool's CPU tensors are in
 it, as measured (a GPU pays a launch each instead).
 
-    TRITON_INTERPRET=1 python bench/vllm_host.py --pool-time [--reps 16]
+``--by-method`` adds each method's us per step (the mean over every repetition); ``--even-caches`` has
+stock run the stub too, untimed, on a pool of its own, as often as gpupool launches (its pops cached),
+so that the stub's memory traffic weighs on both variants' host code (a GPU's work leaves none).
+
+    TRITON_INTERPRET=1 python bench/vllm_host.py --pool-time [--reps 16] [--by-method] [--even-caches]
 """
 from __future__ import annotations
 
