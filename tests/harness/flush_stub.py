@@ -20,8 +20,9 @@ a pool it did not see from its first launch in its initial state, an op the refe
 fast path checks its ops on the host first, so none is expected; the real kernel would record the
 error in the status word), a pop of a block with a reuse watcher, and any other (interpreted) kernel
 launched on a pool it follows: the key table (``table``, ``overflow``) is not kept, so a device
-lookup, ``validate`` or an eviction would read a stale table (and may write past it). tests/vllm_plugin/test_vllm_flush_stub.py checks that a fast
-path over the stub gives the answers and the whole observable state of the interpreted kernel.
+lookup, ``validate`` or an eviction would read a stale table (and may write past it).
+tests/vllm_plugin/test_vllm_flush_stub.py checks that a fast path over the stub gives the answers and
+the whole observable state of the interpreted kernel.
 """
 from __future__ import annotations
 
@@ -81,23 +82,25 @@ class StubFlushKernel(KernelInterface):
         self.active = False  # inside a launch (a caller timing torch ops leaves the stub's own out)
         self._twins: dict[int, tuple] = {}  # id(ps.ctrl) -> (a weak reference to it, _Twin)
 
+    def _twin_of(self, ctrl) -> "_Twin | None":
+        """The twin of the pool whose control words are ``ctrl``, or None (not followed, or a new pool
+        at a freed one's address)."""
+        ref, twin = self._twins.get(id(ctrl), (None, None))
+        return twin if ref is not None and ref() is ctrl else None
+
     def stubbed_state(self, args) -> bool:
         """Whether a launch's ``args`` hold a pool state (``ps``) this stub follows (its key table is not
         kept: any other kernel on it would read stale slots, and may write past them)."""
-        for a in args:
-            ctrl = getattr(a, "ctrl", None) if isinstance(a, tuple) else None
-            ref = self._twins.get(id(ctrl), (None, None))[0] if ctrl is not None else None
-            if ref is not None and ref() is ctrl:
-                return True
-        return False
+        return any(isinstance(a, tuple) and getattr(a, "ctrl", None) is not None
+                   and self._twin_of(a.ctrl) is not None for a in args)
 
     def run(self, ps, pc, fr, touch_ids, pop, ca, rounds, n_rounds, *, grid, warmup, **_launch_options):
         t0 = time.process_time()
         self.active = True
         try:
             self.launches += 1
-            ref, twin = self._twins.get(id(ps.ctrl), (None, None))
-            if ref is None or ref() is not ps.ctrl:
+            twin = self._twin_of(ps.ctrl)
+            if twin is None:
                 twin = _Twin(ps, pc)
                 self._twins[id(ps.ctrl)] = (weakref.ref(ps.ctrl), twin)
             _Launch(twin, ps, fr, touch_ids, pop, ca, rounds.tolist()[: n_rounds * RW]).run()

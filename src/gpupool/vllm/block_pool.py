@@ -514,7 +514,7 @@ class BlockPool:
         the engine synchronises first (a placeholder's pop may have taken such a block), and the slots
         are read again (placeholders bound to their ids)."""
         e = self._engine
-        if e.dirty and any(self._ref[s] == 0 for s in slots):
+        if e.dirty and 0 in map(self._ref.__getitem__, slots):  # at C speed
             e.need_exact(why)
             return self._live_slots(blocks)
         return slots
@@ -554,20 +554,12 @@ class BlockPool:
         release below 0), then this pool's are freed, then the others'."""
         blocks = ordered_blocks if type(ordered_blocks) is list else as_host_list(
             "free_blocks", ordered_blocks, "ordered_blocks")
-        if self._engine.quick:  # the fast path's one-pass free
-            slots = self._own_slots(blocks)
-            if slots is not None:
-                with _asserts:
-                    if self._engine.free_quick(slots):
-                        return
-        others = None
-        for blk in blocks:  # the common case, one pass: this pool's canonical blocks only
-            if type(blk) is not KVCacheBlock or blk._pool is not self:
-                blocks, others = self._split_by_pool(blocks)
-                for owner, blks in others.values():  # all or nothing: every pool's blocks checked first
-                    owner._check_release(blks)
-                break
-        slots = self._check_release(blocks)
+        slots, others = self._own_slots(blocks), None  # the common case, one pass: this pool's own blocks
+        if slots is None:
+            blocks, others = self._split_by_pool(blocks)
+            for owner, blks in others.values():  # all or nothing: every pool's blocks checked first
+                owner._check_release(blks)
+        slots = self._check_release(blocks, slots)
         if slots:
             with _asserts:
                 self._engine.free_blocks(slots)
@@ -591,15 +583,16 @@ class BlockPool:
             mine.append(blk)
         return mine, others
 
-    def _check_release(self, blocks: list) -> list[int]:
-        """The mirror slots of ``blocks`` but the null block, checked to be this pool's and held as often
-        as listed (exact on the host for held blocks; a block at ref 0 while the mirror is dirty is
-        read from the device first), nothing changed; raises ArgumentTypeError, DoubleFreeError (and
-        AssertionError)."""
-        slots = self._live_slots(blocks)
+    def _check_release(self, blocks: list, slots: list[int] | None = None) -> list[int]:
+        """The mirror slots of ``blocks`` but the null block (``slots`` where the caller has them),
+        checked to be this pool's and held as often as listed (exact on the host for held blocks; a
+        block at ref 0 while the mirror is dirty is read from the device first), nothing changed;
+        raises ArgumentTypeError, DoubleFreeError (and AssertionError)."""
+        if slots is None:
+            slots = self._live_slots(blocks)
         ref = self._ref
         if len(set(slots)) == len(slots):
-            short = any(ref[s] < 1 for s in slots)
+            short = min(map(ref.__getitem__, slots), default=1) < 1  # one pass at C speed
         else:
             short = any(ref[s] < c for s, c in Counter(slots).items())
         if short:  # whatever waits on the fast path synchronised first: the ids after the binding
@@ -617,16 +610,11 @@ class BlockPool:
         """A prefix hit: each non-null block leaves the free queue if ref_cnt is 0, then ref_cnt += 1."""
         if type(blocks) is not list:
             blocks = as_host_list("touch", blocks, "blocks")
-        e = self._engine
-        slots = self._own_slots(blocks) if e.quick else None  # the fast path's one-pass touch
-        if slots is None or not e.touch_quick(slots):
-            slots = self._live_slots(blocks)
-            if not slots:
-                return
-            slots = self._settled(blocks, slots, "touch")
-            e.touch(slots)
-        elif not slots:
+        slots = self._live_slots(blocks)
+        if not slots:
             return
+        slots = self._settled(blocks, slots, "touch")
+        self._engine.touch(slots)
         if self.metrics_collector:
             metrics_touch(self.metrics_collector, blocks)
 

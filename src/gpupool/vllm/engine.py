@@ -46,7 +46,7 @@ class PerCallEngine:
     are the adapter's, checked."""
 
     dirty = False
-    quick = False  # the fast path's one-pass ops answer (DeferredEngine: pop_one, cache_one, free_quick, touch_quick)
+    quick = False  # the fast path's pop_one / cache_one answer, and its one-group lookup (DeferredEngine)
 
     def __init__(self, backend: PoolBackend, events: Callable[[HostMirror], NoEvents] = lambda m: NoEvents()):
         self.backend = backend

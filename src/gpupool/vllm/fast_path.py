@@ -171,50 +171,6 @@ class DeferredEngine(PerCallEngine):
         self.touched.add(s)
         return True
 
-    def free_quick(self, slots: list[int]) -> bool:
-        """``free_blocks`` of block ids ``slots`` (the adapter's own blocks, the null block left out)
-        where :attr:`quick`, in one pass, when they are distinct and each held: the same mirror, copy
-        of the queue and batch as :meth:`free_blocks`. Returns whether it was; else nothing is changed
-        (the caller takes the general path, which counts, synchronises where a row is not exact, and
-        raises)."""
-        ref, keys = self.mirror.ref, self.mirror.keys
-        if len(set(slots)) != len(slots) or min(map(ref.__getitem__, slots), default=1) < 1:
-            return False
-        front, back = [], []
-        for s in slots:
-            r = ref[s] - 1
-            ref[s] = r
-            if not r:
-                (back if keys[s] else front).append(s)
-        if front or back:
-            nf0 = self.num_free
-            self.num_free = nf0 + len(front) + len(back)
-            self.queue_copy.requeue(front, back, nf0, self.n)
-        self._queue("free", slots, bool(front))
-        return True
-
-    def touch_quick(self, slots: list[int]) -> bool:
-        """``touch`` of block ids ``slots`` (the adapter's own blocks, the null block left out) where
-        :attr:`quick`, in one pass, unless one is free while the mirror is dirty (a placeholder's pop
-        may have taken it): the same mirror, copy of the queue and batch as :meth:`touch`. Returns
-        whether it was; else nothing is changed (the caller takes the general path)."""
-        ref = self.mirror.ref
-        if self.dirty and 0 in map(ref.__getitem__, slots):
-            return False
-        was_free = []
-        for s in slots:
-            r = ref[s]
-            if not r:
-                was_free.append(s)
-            ref[s] = r + 1
-        if was_free:
-            self.num_free -= len(was_free)
-            unlink = self.queue_copy.unlink
-            for s in was_free:
-                unlink(s)
-        self._queue("touch", slots, False)
-        return True
-
     def _pop_per_call(self, n: int) -> list[int]:
         """Synchronise, then the per-call pop (its events too); the host's copy of the queue follows."""
         self.sync("op:get_new_blocks")
